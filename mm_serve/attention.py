@@ -1,0 +1,34 @@
+"""The contract between the model runner and the attention layers of one forward pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each request's tokens sit in the flattened batch and in the paged KV cache.
+
+    The batch is ``num_reqs`` requests, their scheduled tokens concatenated (varlen, no padding):
+    request ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``, whose absolute
+    positions are ``seq_lens[i] - query_len_i ... seq_lens[i] - 1`` (a prefill chunk or one
+    decode token). Attention is causal over the request's ``seq_lens[i]`` tokens, whose K/V live
+    in the blocks ``block_table[i, :ceil(seq_lens[i] / block_size)]``.
+
+    The KV cache of one layer is ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then
+    V); token ``t`` of the batch is written to flat slot ``slot_mapping[t]`` =
+    ``block_id * block_size + offset``.
+    """
+
+    num_reqs: int
+    num_tokens: int
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    block_table: torch.Tensor  # [num_reqs, max_num_blocks_per_req] int32
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_cpu: list[int]  # host copies, for the pure-torch reference's loop
+    seq_lens_cpu: list[int]

@@ -1,0 +1,200 @@
+"""One typed config tree, resolved once at start-up.
+
+``EngineArgs`` holds the flat user-facing knobs (the LLM kwargs, later the CLI flags);
+``EngineArgs.create_engine_config()`` resolves them into an ``EngineConfig`` of frozen
+dataclasses. Derived values (the number of KV blocks, found by profiling) are computed by
+their owner and passed down explicitly; they are never written back into the config.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_STR_TO_DTYPE = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The checkpoint: where it is, its HF config, and the shapes the engine needs."""
+
+    model: str  # as the user gave it: a folder or a hub id
+    path: str  # the resolved local folder
+    hf_config: Any  # transformers.PretrainedConfig
+    dtype: torch.dtype
+    max_model_len: int
+    tokenizer: str
+    seed: int = 0
+
+    @property
+    def text_config(self) -> Any:
+        return getattr(self.hf_config, "text_config", None) or self.hf_config
+
+    @property
+    def num_layers(self) -> int:
+        return self.text_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        cfg = self.text_config
+        return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self.text_config
+        return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text_config.vocab_size
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache.
+
+    ``num_kv_blocks`` overrides the size found by profiling (tests use it to force preemption).
+    On CPU the pool takes ``cpu_kv_cache_bytes``; on GPU ``gpu_memory_utilization`` of the
+    device's memory minus what the weights and a profiling step use.
+    """
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = 2 << 30
+    num_kv_blocks: int | None = None
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The per-step budgets: tokens (prompt and output alike) and sequences."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: torch.device
+
+
+@dataclass
+class EngineArgs:
+    """User-facing engine options (the ``LLM(...)`` kwargs), with vLLM's names."""
+
+    model: str
+    tokenizer: str | None = None
+    revision: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = 2 << 30
+    num_kv_blocks: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+    tensor_parallel_size: int = 1
+    device: str = "auto"
+
+    def create_engine_config(self) -> EngineConfig:
+        """Resolve the arguments (download, read config.json, pick dtype and lengths) once."""
+        from mm_serve.models.loader import load_hf_config, resolve_model_path
+
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet.")
+        device = _resolve_device(self.device)
+        path = resolve_model_path(self.model, self.revision)
+        hf_config = load_hf_config(path)
+        text_config = getattr(hf_config, "text_config", None) or hf_config
+        max_model_len = _resolve_max_model_len(text_config, self.max_model_len)
+        model = ModelConfig(
+            model=self.model,
+            path=path,
+            hf_config=hf_config,
+            dtype=_resolve_dtype(self.dtype, text_config, hf_config, device),
+            max_model_len=max_model_len,
+            tokenizer=resolve_model_path(self.tokenizer, self.revision) if self.tokenizer else path,
+            seed=self.seed,
+        )
+        cache = CacheConfig(
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            cpu_kv_cache_bytes=self.cpu_kv_cache_bytes,
+            num_kv_blocks=self.num_kv_blocks,
+        )
+        scheduler = SchedulerConfig(
+            max_num_batched_tokens=self._resolve_batched_tokens(max_model_len),
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+        )
+        parallel = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
+        return EngineConfig(model, cache, scheduler, parallel, device)
+
+    def _resolve_batched_tokens(self, max_model_len: int) -> int:
+        tokens = self.max_num_batched_tokens or 8192
+        if not self.enable_chunked_prefill and tokens < max_model_len:
+            # Without chunking a whole prompt must fit in one step.
+            tokens = max_model_len
+        if tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1.")
+        return tokens
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _resolve_dtype(
+    dtype: str, text_config: Any, hf_config: Any, device: torch.device
+) -> torch.dtype:
+    """``auto`` takes the checkpoint's dtype (float32 stays float32), else the named one."""
+    if dtype != "auto":
+        if dtype not in _STR_TO_DTYPE:
+            raise ValueError(f"Unknown dtype {dtype!r}; choose from {sorted(_STR_TO_DTYPE)}.")
+        return _STR_TO_DTYPE[dtype]
+    found = getattr(text_config, "dtype", None) or getattr(hf_config, "dtype", None)
+    if isinstance(found, str):
+        found = _STR_TO_DTYPE.get(found)
+    if found is None:
+        found = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return found
+
+
+def _resolve_max_model_len(text_config: Any, requested: int | None) -> int:
+    limit = getattr(text_config, "max_position_embeddings", None) or 4096
+    if requested is None:
+        return limit
+    if requested > limit:
+        logger.warning(
+            "max_model_len %d exceeds the model's max_position_embeddings %d", requested, limit
+        )
+    return requested

@@ -1,0 +1,49 @@
+"""What the offline API returns, in vLLM's shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token; ``rank`` 1 is the most likely token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per generated token: token id -> Logprob (the chosen token and the top-k).
+SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token; the first is None (nothing predicts it).
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
+class CompletionOutput:
+    """One of the ``n`` completions of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The result of one prompt: its ``n`` completions and, if asked, its prompt logprobs."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0

@@ -1,0 +1,113 @@
+"""Engine-side state of one request: tokens, progress, status and multimodal features."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from mm_serve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after this is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def finish_reason(status: RequestStatus) -> str | None:
+        """The OpenAI ``finish_reason`` of a finished status, else None."""
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(frozen=True)
+class PlaceholderRange:
+    """Where a multimodal item's embeddings sit in the prompt: tokens [offset, offset+length)."""
+
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass
+class MultiModalFeature:
+    """One image of a request: its content hash, its placeholder range and (later) its data.
+
+    ``mm_hash`` identifies the content (see DESIGN.md, "Content hash of an image"); it keys the
+    encoder cache and enters the prefix-cache hash of every KV block the range overlaps.
+    """
+
+    mm_hash: str
+    placeholder: PlaceholderRange
+    data: Any = None  # preprocessed pixels, filled by the multimodal processor
+
+
+@dataclass
+class Request:
+    """A request inside the engine core.
+
+    There are no prefill/decode phases: the scheduler only looks at ``num_computed_tokens``
+    (tokens whose KV is in the cache) against ``num_tokens`` (prompt + output so far).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    output_token_ids: list[int] = field(default_factory=list, init=False)
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = field(default=0, init=False)
+    num_cached_tokens: int = field(default=-1, init=False)  # prefix-cache hit at first schedule
+    num_preemptions: int = field(default=0, init=False)
+    status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
+    stop_reason: int | str | None = field(default=None, init=False)
+    # Prefix-cache hashes of the full blocks of all_token_ids, extended by the KVCacheManager.
+    block_hashes: list[Any] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("The prompt must contain at least one token.")
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)

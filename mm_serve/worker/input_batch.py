@@ -1,0 +1,202 @@
+"""The persistent input batch: preallocated per-row buffers, updated from the scheduler's diff.
+
+Rows are requests. A request keeps its row while it runs; a finished or preempted request's
+row is freed and the last rows are moved into the holes (``condense``), so rows
+``0..num_reqs-1`` are always the live batch. Nothing is rebuilt from scratch per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from mm_serve.request import MultiModalFeature
+from mm_serve.sampling_params import SamplingParams
+from mm_serve.worker.sampling_metadata import SamplingMetadata
+
+
+@dataclass
+class CachedRequestState:
+    """The runner's copy of one request; outlives its batch row across preemption."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    mm_features: list[MultiModalFeature]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    eos_token_id: int | None
+    block_ids: list[int]
+    num_computed_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+    # Prompt positions whose logprobs were already returned (not re-sent after preemption).
+    num_prompt_logprobs_done: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+class InputBatch:
+    """Row-major buffers for up to ``max_num_reqs`` requests.
+
+    Shapes: ``token_ids`` ``[max_num_reqs, max_model_len]`` int32, ``block_table``
+    ``[max_num_reqs, max_blocks_per_req]`` int32, per-row scalars ``[max_num_reqs]``.
+    """
+
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, block_size: int, vocab_size: int
+    ) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        max_blocks = -(-max_model_len // block_size)
+        self.req_ids: list[str | None] = [None] * max_num_reqs
+        self.req_id_to_index: dict[str, int] = {}
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
+        self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
+        self.states: list[CachedRequestState | None] = [None] * max_num_reqs
+        self.num_reqs = 0
+
+    # ---- rows in and out -----------------------------------------------------------------
+
+    def add_request(self, state: CachedRequestState) -> None:
+        """Put a request into the first free row (``num_reqs``; the batch is condensed)."""
+        row = self.num_reqs
+        self.num_reqs += 1
+        self.req_ids[row] = state.req_id
+        self.req_id_to_index[state.req_id] = row
+        self.states[row] = state
+        prompt, output = state.prompt_token_ids, state.output_token_ids
+        self.token_ids[row, : len(prompt)] = prompt
+        self.token_ids[row, len(prompt) : len(prompt) + len(output)] = output
+        self.num_tokens[row] = state.num_tokens
+        self.num_prompt_tokens[row] = len(prompt)
+        self.num_computed_tokens[row] = state.num_computed_tokens
+        self.num_blocks[row] = 0
+        self.append_block_ids(row, state.block_ids)
+        params = state.sampling_params
+        self.temperature[row] = 0.0 if params.greedy else params.temperature
+        self.top_p[row] = params.top_p
+        self.top_k[row] = params.top_k
+        self.min_p[row] = params.min_p
+        self.presence_penalty[row] = params.presence_penalty
+        self.frequency_penalty[row] = params.frequency_penalty
+        self.repetition_penalty[row] = params.repetition_penalty
+
+    def remove_requests(self, req_ids: set[str]) -> None:
+        """Free the rows of these requests (absent ids are ignored), then condense."""
+        empty = sorted(self.req_id_to_index.pop(r) for r in req_ids if r in self.req_id_to_index)
+        for row in empty:
+            self.req_ids[row] = None
+            self.states[row] = None
+        self._condense(empty)
+
+    def _condense(self, empty_rows: list[int]) -> None:
+        """Move the last live rows into the holes so rows 0..num_reqs-1 stay dense."""
+        num_live = self.num_reqs - len(empty_rows)
+        holes = [row for row in empty_rows if row < num_live]
+        movers = [r for r in range(num_live, self.num_reqs) if self.req_ids[r] is not None]
+        for hole, src in zip(holes, movers, strict=True):
+            self._move_row(src, hole)
+        self.num_reqs = num_live
+
+    def _move_row(self, src: int, dst: int) -> None:
+        req_id = self.req_ids[src]
+        self.req_ids[dst], self.req_ids[src] = req_id, None
+        self.states[dst], self.states[src] = self.states[src], None
+        self.req_id_to_index[req_id] = dst
+        num_tokens = self.num_tokens[src]
+        self.token_ids[dst, :num_tokens] = self.token_ids[src, :num_tokens]
+        self.block_table[dst, : self.num_blocks[src]] = self.block_table[src, : self.num_blocks[src]]
+        for array in (
+            self.num_tokens,
+            self.num_prompt_tokens,
+            self.num_computed_tokens,
+            self.num_blocks,
+            self.temperature,
+            self.top_p,
+            self.top_k,
+            self.min_p,
+            self.presence_penalty,
+            self.frequency_penalty,
+            self.repetition_penalty,
+        ):
+            array[dst] = array[src]
+
+    # ---- per-step updates ----------------------------------------------------------------
+
+    def append_block_ids(self, row: int, block_ids: list[int]) -> None:
+        start = self.num_blocks[row]
+        self.block_table[row, start : start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def append_token(self, row: int, token_id: int) -> None:
+        self.token_ids[row, self.num_tokens[row]] = token_id
+        self.num_tokens[row] += 1
+
+    def sampling_metadata(self, rows: np.ndarray, device: torch.device) -> SamplingMetadata:
+        """Gather the sampling settings of ``rows`` (those that produce a token this step)."""
+        states = [self.states[row] for row in rows]
+        params = [s.sampling_params for s in states]
+        temperature = self.temperature[rows]
+
+        def tensor(array: np.ndarray, off_value: float) -> torch.Tensor | None:
+            values = array[rows]
+            return None if np.all(values == off_value) else torch.from_numpy(values).to(device)
+
+        no_penalties = not any(p.needs_penalties for p in params)
+        return SamplingMetadata(
+            temperature=torch.from_numpy(temperature).to(device),
+            all_greedy=bool(np.all(temperature == 0.0)),
+            all_random=bool(np.all(temperature != 0.0)),
+            top_p=tensor(self.top_p, 1.0),
+            top_k=tensor(self.top_k, 0),
+            min_p=tensor(self.min_p, 0.0),
+            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+            max_num_logprobs=max(
+                (p.logprobs for p in params if p.logprobs is not None), default=None
+            ),
+            no_penalties=no_penalties,
+            presence_penalties=None if no_penalties else torch.from_numpy(
+                self.presence_penalty[rows]).to(device),
+            frequency_penalties=None if no_penalties else torch.from_numpy(
+                self.frequency_penalty[rows]).to(device),
+            repetition_penalties=None if no_penalties else torch.from_numpy(
+                self.repetition_penalty[rows]).to(device),
+            prompt_token_ids=None if no_penalties else self._padded_prompts(states, device),
+            output_token_ids=[s.output_token_ids for s in states],
+            banned_token_ids={
+                i: banned for i, s in enumerate(states) if (banned := _banned_tokens(s))
+            },
+        )
+
+    def _padded_prompts(
+        self, states: list[CachedRequestState], device: torch.device
+    ) -> torch.Tensor:
+        width = max(len(s.prompt_token_ids) for s in states)
+        out = torch.full((len(states), width), self.vocab_size, dtype=torch.int64)
+        for i, s in enumerate(states):
+            out[i, : len(s.prompt_token_ids)] = torch.tensor(s.prompt_token_ids)
+        return out.to(device)
+
+
+def _banned_tokens(state: CachedRequestState) -> list[int]:
+    """Stop tokens (EOS included) are forbidden until ``min_tokens`` outputs exist."""
+    params = state.sampling_params
+    if len(state.output_token_ids) >= params.min_tokens:
+        return []
+    eos = [] if params.ignore_eos or state.eos_token_id is None else [state.eos_token_id]
+    return list(params.stop_token_ids) + eos

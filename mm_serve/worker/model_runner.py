@@ -1,0 +1,225 @@
+"""The model runner: applies the scheduler's diff to the persistent batch, runs the model, samples.
+
+Its only input is the ``SchedulerOutput`` of each step, so any number of workers holding the same
+state can replay the same steps (tensor parallelism).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mm_serve.attention import AttentionMetadata
+from mm_serve.config import EngineConfig
+from mm_serve.models.loader import load_model
+from mm_serve.sched.output import ModelRunnerOutput, SchedulerOutput
+from mm_serve.worker.input_batch import CachedRequestState, InputBatch
+from mm_serve.worker.kv_cache import allocate_kv_caches, determine_num_kv_blocks
+from mm_serve.worker.prompt_logprobs import PromptLogprobsJob, compute_prompt_logprobs
+from mm_serve.worker.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInputs:
+    """The flattened batch of one step (``num_tokens`` = sum of the scheduled tokens)."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    attn_metadata: AttentionMetadata
+    sample_rows: np.ndarray  # batch rows that produce a token this step
+    logits_indices: torch.Tensor  # [len(sample_rows)] int64, last scheduled token of each
+    prompt_logprobs_jobs: list[PromptLogprobsJob]
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors and the persistent input batch of one device."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.device
+        self.block_size = config.cache.block_size
+        self.max_model_len = config.model.max_model_len
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(
+            max_num_reqs=config.scheduler.max_num_seqs,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            vocab_size=config.model.vocab_size,
+        )
+        self.sampler = Sampler()
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+
+    def load_model(self) -> None:
+        torch.manual_seed(self.config.model.seed)
+        self.model = load_model(self.config.model, self.device)
+
+    def determine_num_kv_blocks(self) -> int:
+        """How many KV blocks fit (see ``worker.kv_cache``); the scheduler gets this number."""
+        return determine_num_kv_blocks(self.config, self.model)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_caches(self.config, num_blocks)
+        self.model.bind_kv_cache(self.kv_caches)
+
+    # ---- one step ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput([], [], [], {})
+        inputs = self._prepare_inputs(scheduler_output)
+        hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        batch = self.input_batch
+        sampler_output = self.sampler(logits, batch.sampling_metadata(inputs.sample_rows, self.device))
+        prompt_logprobs = compute_prompt_logprobs(self.model, hidden_states, inputs.prompt_logprobs_jobs)
+        return self._make_output(inputs.sample_rows, sampler_output, prompt_logprobs)
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        """Apply the scheduler's diff: drop finished, park unscheduled, add new, extend the rest."""
+        batch = self.input_batch
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+        # Requests in the batch that were not scheduled (finished or preempted) leave it; the
+        # preempted keep their state here and come back with resumed_from_preemption.
+        scheduled = scheduler_output.num_scheduled_tokens
+        batch.remove_requests({r for r in batch.req_id_to_index if r not in scheduled})
+
+        for new in scheduler_output.scheduled_new_reqs:
+            params = new.sampling_params
+            generator = None
+            if params.seed is not None and not params.greedy:
+                generator = torch.Generator(self.device).manual_seed(params.seed)
+            state = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=new.prompt_token_ids,
+                mm_features=new.mm_features,
+                sampling_params=params,
+                generator=generator,
+                eos_token_id=new.eos_token_id,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+            self.requests[new.req_id] = state
+            batch.add_request(state)
+
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            if cached.resumed_from_preemption[i]:
+                state.block_ids = list(cached.new_block_ids[i])
+                batch.add_request(state)
+                continue
+            state.block_ids.extend(cached.new_block_ids[i])
+            row = batch.req_id_to_index[req_id]
+            batch.num_computed_tokens[row] = state.num_computed_tokens
+            batch.append_block_ids(row, cached.new_block_ids[i])
+
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
+        """Flatten the batch: token ids, positions, slot mapping, block table (vectorised)."""
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        req_ids = batch.req_ids[:num_reqs]
+        num_scheduled = np.array(
+            [scheduler_output.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64
+        )
+        cu_num_tokens = np.cumsum(num_scheduled)
+        total = int(cu_num_tokens[-1])
+        # For each token: its row, and its offset inside its request's scheduled chunk.
+        row_of_token = np.repeat(np.arange(num_reqs), num_scheduled)
+        offset_in_chunk = np.arange(total) - np.repeat(cu_num_tokens - num_scheduled, num_scheduled)
+        num_computed = batch.num_computed_tokens[:num_reqs].astype(np.int64)
+        positions = num_computed[row_of_token] + offset_in_chunk
+        input_ids = batch.token_ids[row_of_token, positions]
+        block_numbers = batch.block_table[row_of_token, positions // self.block_size]
+        slot_mapping = block_numbers.astype(np.int64) * self.block_size + positions % self.block_size
+        seq_lens = num_computed + num_scheduled
+        query_start_loc = np.concatenate([[0], cu_num_tokens])
+        # A request produces a token once every known token is computed (prompt done).
+        sample_rows = np.nonzero(seq_lens == batch.num_tokens[:num_reqs])[0]
+
+        to_device = lambda a, dtype: torch.from_numpy(np.ascontiguousarray(a)).to(  # noqa: E731
+            device=self.device, dtype=dtype
+        )
+        max_blocks = int(batch.num_blocks[:num_reqs].max())
+        attn_metadata = AttentionMetadata(
+            num_reqs=num_reqs,
+            num_tokens=total,
+            slot_mapping=to_device(slot_mapping, torch.int64),
+            query_start_loc=to_device(query_start_loc, torch.int32),
+            seq_lens=to_device(seq_lens, torch.int32),
+            block_table=to_device(batch.block_table[:num_reqs, :max_blocks], torch.int32),
+            max_query_len=int(num_scheduled.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=query_start_loc.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        return StepInputs(
+            input_ids=to_device(input_ids, torch.int64),
+            positions=to_device(positions, torch.int64),
+            attn_metadata=attn_metadata,
+            sample_rows=sample_rows,
+            logits_indices=to_device(cu_num_tokens[sample_rows] - 1, torch.int64),
+            prompt_logprobs_jobs=self._prompt_logprobs_jobs(num_computed, query_start_loc),
+        )
+
+    def _prompt_logprobs_jobs(
+        self, num_computed: np.ndarray, query_start_loc: np.ndarray
+    ) -> list[PromptLogprobsJob]:
+        """Rows wanting prompt logprobs: the hidden state at prompt position p predicts p+1."""
+        jobs = []
+        for row, state in enumerate(self.input_batch.states[: self.input_batch.num_reqs]):
+            k = state.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            start = max(int(num_computed[row]), state.num_prompt_logprobs_done)
+            chunk_end = int(num_computed[row]) + int(query_start_loc[row + 1] - query_start_loc[row])
+            end = min(chunk_end, len(state.prompt_token_ids) - 1)
+            if start >= end:
+                continue
+            first = int(query_start_loc[row]) + start - int(num_computed[row])
+            jobs.append(
+                PromptLogprobsJob(
+                    req_id=state.req_id,
+                    num_logprobs=k,
+                    token_indices=torch.arange(first, first + end - start, device=self.device),
+                    next_token_ids=torch.tensor(
+                        state.prompt_token_ids[start + 1 : end + 1], device=self.device
+                    ),
+                )
+            )
+            state.num_prompt_logprobs_done = end
+        return jobs
+
+    def _make_output(self, sample_rows, sampler_output, prompt_logprobs) -> ModelRunnerOutput:
+        """Append sampled tokens to the batch and convert the results to python lists."""
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
+        logprobs: list = [None] * num_reqs
+        tokens = sampler_output.sampled_token_ids.tolist()
+        lp = sampler_output.logprobs
+        lp_lists = (lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()) if lp else None
+        for i, row in enumerate(sample_rows.tolist()):
+            state = batch.states[row]
+            sampled_token_ids[row] = [tokens[i]]
+            state.output_token_ids.append(tokens[i])
+            batch.append_token(row, tokens[i])
+            k = state.sampling_params.logprobs
+            if k is not None and lp_lists is not None:
+                ids, values, ranks = lp_lists
+                logprobs[row] = (ids[i][: k + 1], values[i][: k + 1], ranks[i])
+        return ModelRunnerOutput(
+            req_ids=list(batch.req_ids[:num_reqs]),
+            sampled_token_ids=sampled_token_ids,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )

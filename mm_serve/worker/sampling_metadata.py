@@ -1,0 +1,52 @@
+"""The contract between the model runner and the sampler for one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling settings for the ``num_rows`` requests that produce a token this step.
+
+    Row ``i`` of the logits belongs to the ``i``-th such request. Per-row tensors are on the
+    logits' device. Optional tensors are None when no row needs that step, so the common
+    greedy / plain-temperature batch pays nothing for the rest.
+    """
+
+    temperature: torch.Tensor  # [num_rows] float32; rows with 0 are greedy
+    all_greedy: bool
+    all_random: bool
+    top_p: torch.Tensor | None  # [num_rows] float32, 1.0 = off
+    top_k: torch.Tensor | None  # [num_rows] int64, 0 = off
+    min_p: torch.Tensor | None  # [num_rows] float32, 0.0 = off
+    # Row -> that request's own generator; rows without one use the global generator.
+    generators: dict[int, torch.Generator]
+    # Largest ``logprobs`` asked for by any row; None when no row wants logprobs.
+    max_num_logprobs: int | None
+    no_penalties: bool
+    presence_penalties: torch.Tensor | None  # [num_rows] float32
+    frequency_penalties: torch.Tensor | None  # [num_rows] float32
+    repetition_penalties: torch.Tensor | None  # [num_rows] float32
+    # Prompt tokens, padded with ``vocab_size`` (an id no logit has); only with penalties.
+    prompt_token_ids: torch.Tensor | None  # [num_rows, max_prompt_len] int64
+    output_token_ids: list[list[int]]  # per row, the tokens generated so far
+    # Row -> token ids to forbid this step (stop tokens and EOS while below min_tokens).
+    banned_token_ids: dict[int, list[int]]
+
+
+@dataclass
+class LogprobsTensors:
+    """Top-k log-probabilities per row; column 0 is the sampled (or given) token."""
+
+    token_ids: torch.Tensor  # [num_rows, 1 + k] int64
+    logprobs: torch.Tensor  # [num_rows, 1 + k] float32
+    ranks: torch.Tensor  # [num_rows] int64, rank of column 0's token (1 = most likely)
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [num_rows] int64
+    logprobs: LogprobsTensors | None  # None when max_num_logprobs is None
