@@ -50,9 +50,10 @@ class RequestState:
     def _to_logprob_dict(self, entry: tuple[list[int], list[float], int]) -> dict[int, Logprob]:
         """Column 0 is the chosen token with its rank; the rest are the top-k, rank 1.."""
         token_ids, logprobs, rank = entry
+        top = zip(token_ids[1:], logprobs[1:], strict=True)
         result = {
             token_id: Logprob(value, rank=k, decoded_token=self.tokenizer.decode([token_id]))
-            for k, (token_id, value) in enumerate(zip(token_ids[1:], logprobs[1:]), start=1)
+            for k, (token_id, value) in enumerate(top, start=1)
         }
         result.setdefault(
             token_ids[0],

@@ -120,7 +120,9 @@ class InputBatch:
         self.req_id_to_index[req_id] = dst
         num_tokens = self.num_tokens[src]
         self.token_ids[dst, :num_tokens] = self.token_ids[src, :num_tokens]
-        self.block_table[dst, : self.num_blocks[src]] = self.block_table[src, : self.num_blocks[src]]
+        self.block_table[dst, : self.num_blocks[src]] = self.block_table[
+            src, : self.num_blocks[src]
+        ]
         for array in (
             self.num_tokens,
             self.num_prompt_tokens,
@@ -170,12 +172,15 @@ class InputBatch:
                 (p.logprobs for p in params if p.logprobs is not None), default=None
             ),
             no_penalties=no_penalties,
-            presence_penalties=None if no_penalties else torch.from_numpy(
-                self.presence_penalty[rows]).to(device),
-            frequency_penalties=None if no_penalties else torch.from_numpy(
-                self.frequency_penalty[rows]).to(device),
-            repetition_penalties=None if no_penalties else torch.from_numpy(
-                self.repetition_penalty[rows]).to(device),
+            presence_penalties=None
+            if no_penalties
+            else torch.from_numpy(self.presence_penalty[rows]).to(device),
+            frequency_penalties=None
+            if no_penalties
+            else torch.from_numpy(self.frequency_penalty[rows]).to(device),
+            repetition_penalties=None
+            if no_penalties
+            else torch.from_numpy(self.repetition_penalty[rows]).to(device),
             prompt_token_ids=None if no_penalties else self._padded_prompts(states, device),
             output_token_ids=[s.output_token_ids for s in states],
             banned_token_ids={

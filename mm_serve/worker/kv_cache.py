@@ -57,6 +57,5 @@ def allocate_kv_caches(config: EngineConfig, num_blocks: int) -> list[torch.Tens
     model = config.model
     shape = (2, num_blocks, config.cache.block_size, model.num_kv_heads, model.head_dim)
     return [
-        torch.zeros(shape, dtype=model.dtype, device=config.device)
-        for _ in range(model.num_layers)
+        torch.zeros(shape, dtype=model.dtype, device=config.device) for _ in range(model.num_layers)
     ]

@@ -78,8 +78,12 @@ class ModelRunner:
         hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
         batch = self.input_batch
-        sampler_output = self.sampler(logits, batch.sampling_metadata(inputs.sample_rows, self.device))
-        prompt_logprobs = compute_prompt_logprobs(self.model, hidden_states, inputs.prompt_logprobs_jobs)
+        sampler_output = self.sampler(
+            logits, batch.sampling_metadata(inputs.sample_rows, self.device)
+        )
+        prompt_logprobs = compute_prompt_logprobs(
+            self.model, hidden_states, inputs.prompt_logprobs_jobs
+        )
         return self._make_output(inputs.sample_rows, sampler_output, prompt_logprobs)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -140,7 +144,9 @@ class ModelRunner:
         positions = num_computed[row_of_token] + offset_in_chunk
         input_ids = batch.token_ids[row_of_token, positions]
         block_numbers = batch.block_table[row_of_token, positions // self.block_size]
-        slot_mapping = block_numbers.astype(np.int64) * self.block_size + positions % self.block_size
+        slot_mapping = (
+            block_numbers.astype(np.int64) * self.block_size + positions % self.block_size
+        )
         seq_lens = num_computed + num_scheduled
         query_start_loc = np.concatenate([[0], cu_num_tokens])
         # A request produces a token once every known token is computed (prompt done).
@@ -181,7 +187,9 @@ class ModelRunner:
             if k is None:
                 continue
             start = max(int(num_computed[row]), state.num_prompt_logprobs_done)
-            chunk_end = int(num_computed[row]) + int(query_start_loc[row + 1] - query_start_loc[row])
+            chunk_end = int(num_computed[row]) + int(
+                query_start_loc[row + 1] - query_start_loc[row]
+            )
             end = min(chunk_end, len(state.prompt_token_ids) - 1)
             if start >= end:
                 continue

@@ -1,0 +1,135 @@
+"""Prompt processing: prompts and chat messages in, validated engine ``Request``s out."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from mm_serve.config import ModelConfig
+from mm_serve.request import Request
+from mm_serve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# A prompt: text, {"prompt": text}, or {"prompt_token_ids": [...]}; VLMs add
+# "multi_modal_data": {"image": [...]}.
+PromptType = str | dict[str, Any]
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(f"The tokenizer at {path} has no fast (Rust) version; one is required.")
+    return tokenizer
+
+
+def load_generation_config(path: str):
+    """The checkpoint's ``generation_config.json``, or None when it has none."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:
+        return None
+
+
+class InputProcessor:
+    """Tokenizes prompts, applies the chat template and builds engine requests.
+
+    Stop tokens: the tokenizer's EOS is the request's ``eos_token_id``; further EOS ids of the
+    checkpoint's ``generation_config.json`` (e.g. Llama 3's ``<|eot_id|>``) are added to the
+    request's ``stop_token_ids``, as vLLM does, so generation ends where HF ``generate`` ends.
+    """
+
+    def __init__(self, model_config: ModelConfig, tokenizer, generation_config) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_token_id
+        eos = getattr(generation_config, "eos_token_id", None) if generation_config else None
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        self.extra_stop_token_ids = [t for t in eos if t != self.eos_token_id]
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Returns ``(prompt text or None, prompt token ids)``.
+
+        Raises:
+            ValueError: on an empty prompt, unknown keys, image data for a text-only model, or
+                token ids outside the vocabulary.
+        """
+        if isinstance(prompt, str):
+            prompt = {"prompt": prompt}
+        if not isinstance(prompt, dict):
+            raise ValueError(f"A prompt must be a str or a dict, not {type(prompt).__name__}.")
+        if prompt.get("multi_modal_data"):
+            raise ValueError(
+                f"The model {self.model_config.model!r} is text-only and takes no images."
+            )
+        if "prompt_token_ids" in prompt:
+            text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        elif "prompt" in prompt:
+            text = prompt["prompt"]
+            token_ids = self.tokenizer(text, add_special_tokens=True).input_ids
+        else:
+            raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
+        if not token_ids:
+            raise ValueError("The prompt is empty.")
+        max_len = self.model_config.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(
+                f"The prompt has {len(token_ids)} tokens, but the model's maximum length is "
+                f"{max_len} (prompt and at least one output token)."
+            )
+        vocab_size = self.model_config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+            raise ValueError(f"Prompt token ids must be in [0, {vocab_size}).")
+        return text, token_ids
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **template_kwargs: Any,
+    ) -> dict[str, Any]:
+        """Render a conversation with the checkpoint's chat template into a prompt dict.
+
+        The template writes the special tokens itself, so the text is tokenized without adding
+        more (as vLLM does).
+        """
+        text = self.tokenizer.apply_chat_template(
+            messages,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            **template_kwargs,
+        )
+        token_ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        return {"prompt": text, "prompt_token_ids": token_ids}
+
+    def make_requests(
+        self, request_id: str, token_ids: list[int], params: SamplingParams
+    ) -> list[Request]:
+        """One engine request per completion (``n``); child ``i`` is ``{i}_{request_id}``.
+
+        Children share the prompt's KV blocks through the prefix cache. A seeded request's
+        child ``i`` uses seed ``seed + i`` so the ``n`` samples differ but are reproducible.
+        """
+        stop_token_ids = params.stop_token_ids + [
+            t for t in self.extra_stop_token_ids if t not in params.stop_token_ids
+        ]
+        requests = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            child_params = dataclasses.replace(
+                params, n=1, seed=seed, stop_token_ids=stop_token_ids
+            )
+            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            requests.append(
+                Request(child_id, token_ids, child_params, eos_token_id=self.eos_token_id)
+            )
+        return requests
