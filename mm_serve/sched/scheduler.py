@@ -51,6 +51,7 @@ class Scheduler:
         self.running: list[Request] = []
         # Finished since the last schedule(); the runner drops their state.
         self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0  # since start-up, for stats and tests
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -182,6 +183,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
         logger.debug("preempted %s", request.request_id)
 

@@ -1,0 +1,71 @@
+"""The attention op of one layer: KV-cache write, then paged attention over the batch."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mm_serve.attention import AttentionMetadata
+from mm_serve.kernels import paged_attention, reshape_and_cache
+
+
+class Attention(nn.Module):
+    """Causal GQA attention for a flattened varlen batch.
+
+    ``self.kv_cache`` (``[2, num_blocks, block_size, num_kv_heads, head_dim]``) is bound by the
+    model runner after it sizes the pool; until then it is an empty tensor. It is a plain
+    attribute, not a buffer: it is not part of the weights and must survive ``to_empty``.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache = torch.tensor([])
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        attn_metadata: AttentionMetadata | None,
+    ) -> torch.Tensor:
+        """Returns ``[num_tokens, num_heads * head_dim]``.
+
+        With metadata and a bound cache: writes this step's K/V to ``slot_mapping``, then each
+        request attends to its ``seq_lens[i]`` cached tokens. Without either (profiling, or a
+        plain run): causal attention within each request's new tokens only (no cached prefix);
+        no metadata means the whole batch is one sequence.
+        """
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if attn_metadata is None or self.kv_cache.numel() == 0:
+            out = self._forward_no_cache(q, k, v, attn_metadata)
+        else:
+            reshape_and_cache(k, v, self.kv_cache, attn_metadata.slot_mapping)
+            out = paged_attention(q, self.kv_cache, attn_metadata, self.scale)
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+
+    def _forward_no_cache(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_metadata: AttentionMetadata | None,
+    ) -> torch.Tensor:
+        # SDPA (memory-efficient on GPU) so that a profiling run measures a realistic peak.
+        num_tokens = q.shape[0]
+        starts = [0, num_tokens] if attn_metadata is None else attn_metadata.query_start_loc_cpu
+        out = torch.zeros_like(q)
+        for start, end in zip(starts[:-1], starts[1:]):
+            if end > start:
+                qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True
+                )
+                out[start:end] = o.transpose(0, 1)
+        return out

@@ -1,0 +1,23 @@
+"""RMSNorm with the residual add fused in (vLLM's calling convention)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mm_serve.kernels import rms_norm
+
+
+class RMSNorm(nn.Module):
+    """``forward(x) -> normed`` or ``forward(x, residual) -> (normed(x + residual), x + residual)``,
+    all ``[..., hidden_size]``; numerics of HF ``LlamaRMSNorm`` (see ``rms_norm_ref``)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(x, self.weight, self.eps, residual)

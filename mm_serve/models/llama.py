@@ -1,0 +1,251 @@
+"""Llama-family decoder LM (Llama 2/3, Qwen2, Mistral) over a flattened varlen batch.
+
+Parameter names follow the HF checkpoints (``model.layers.{i}.self_attn...``) except that
+q/k/v are stacked into ``qkv_proj`` and gate/up into ``gate_up_proj``; ``load_weights`` maps
+the checkpoint names. Qwen2 differs from Llama only in having q/k/v biases.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from mm_serve.attention import AttentionMetadata
+from mm_serve.models.layers.activation import SiluAndMul
+from mm_serve.models.layers.attention import Attention
+from mm_serve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from mm_serve.models.layers.layernorm import RMSNorm
+from mm_serve.models.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from mm_serve.models.layers.rotary import RotaryEmbedding, get_rope, rope_params_from_config
+
+logger = logging.getLogger(__name__)
+
+# (our parameter, checkpoint name part, shard id) for the fused projections.
+STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+_SHARDS = {"qkv_proj": {"q", "k", "v"}, "gate_up_proj": {0, 1}}
+
+
+def _attention_biases(config: Any) -> tuple[bool, bool]:
+    """``(qkv_bias, o_proj_bias)``: Qwen2 has biases on q/k/v only; Llama and Mistral follow
+    ``attention_bias`` for all four projections."""
+    if config.model_type.startswith("qwen2"):
+        return True, False
+    bias = bool(getattr(config, "attention_bias", False))
+    return bias, bias
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        qkv_bias, o_bias = _attention_biases(config)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, head_dim, total_heads, total_kv_heads, bias=qkv_bias
+        )
+        self.o_proj = RowParallelLinear(total_heads * head_dim, config.hidden_size, bias=o_bias)
+        self.split_sizes = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]
+        self.rotary_emb = rotary_emb  # one module shared by all layers
+        self.attn = Attention(
+            self.qkv_proj.num_heads, head_dim, head_dim**-0.5, self.qkv_proj.num_kv_heads
+        )
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        hidden_states: torch.Tensor,  # [T, hidden]
+        attn_metadata: AttentionMetadata | None,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden_states).split(self.split_sizes, dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, attn_metadata))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"Unsupported hidden_act {config.hidden_act!r}; only silu is.")
+        bias = bool(getattr(config, "mlp_bias", False))
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter] * 2, bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary_emb)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        attn_metadata: AttentionMetadata | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(mlp_out, residual)``; the caller adds them (fused into the next norm)."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads
+        )
+        base, rope_scaling = rope_params_from_config(config)
+        self.rotary_emb = get_rope(head_dim, config.max_position_embeddings, base, rope_scaling)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, self.rotary_emb) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata | None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder LM over the flattened batch of all scheduled tokens (no padding).
+
+    ``config`` is the HF text config (``LlamaConfig``, ``Qwen2Config``, ``MistralConfig``).
+    """
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        if getattr(config, "sliding_window", None) is not None:
+            logger.warning(
+                "Sliding-window attention is not implemented: outputs match HF only for "
+                "sequences up to sliding_window=%d tokens.",
+                config.sliding_window,
+            )
+        self.model = LlamaModel(config)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T] -> [T, hidden]`` token embeddings (a VLM merges image embeddings into them)."""
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,  # [T]
+        positions: torch.Tensor,  # [T]
+        attn_metadata: AttentionMetadata | None,
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden], replaces input_ids
+    ) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` of every token of the batch."""
+        return self.model(input_ids, positions, attn_metadata, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden] -> [N, vocab]`` float32 (only the rows that are sampled)."""
+        return self.lm_head(hidden_states).float()
+
+    def attention_layers(self) -> list[Attention]:
+        """The attention op of each layer, in order (one KV cache tensor each)."""
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
+        """Give layer ``i`` its cache ``kv_caches[i]``: ``[2, num_blocks, block_size, kv_heads, d]``."""
+        layers = self.attention_layers()
+        if len(kv_caches) != len(layers):
+            raise ValueError(f"Got {len(kv_caches)} KV caches for {len(layers)} layers.")
+        for attn, kv_cache in zip(layers, kv_caches):
+            attn.kv_cache = kv_cache
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF checkpoint tensors (full, unsharded) into this rank's parameters.
+
+        Returns the names of the parameters that are now fully loaded (a fused parameter only
+        once all its shards came). Unknown tensors are skipped with a warning; a tensor of the
+        wrong shape raises ``ValueError`` naming it.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        shards: dict[str, set] = {}
+        skipped: list[str] = []
+        for ckpt_name, tensor in weights:
+            if "rotary_emb.inv_freq" in ckpt_name:
+                continue
+            if self.tie_word_embeddings and ckpt_name == "lm_head.weight":
+                continue  # the embedding matrix is the LM head
+            name, shard_id = _param_name(ckpt_name)
+            if name not in params:
+                skipped.append(ckpt_name)
+                continue
+            module = self.get_submodule(name.rpartition(".")[0])
+            try:
+                _load_one(module, params[name], tensor, shard_id)
+            except ValueError as e:
+                raise ValueError(f"Cannot load {ckpt_name!r}: {e}") from e
+            if shard_id is None:
+                loaded.add(name)
+            else:
+                shards.setdefault(name, set()).add(shard_id)
+        loaded |= {n for n, s in shards.items() if s == _SHARDS[n.split(".")[-2]]}
+        if skipped:
+            logger.warning("Ignored %d checkpoint tensors, e.g. %s", len(skipped), skipped[:5])
+        return loaded
+
+
+def _param_name(ckpt_name: str) -> tuple[str, object]:
+    """Checkpoint tensor name -> ``(our parameter name, shard id or None)``."""
+    for param, part, shard_id in STACKED_PARAMS:
+        if f".{part}." in ckpt_name:
+            return ckpt_name.replace(f".{part}.", f".{param}."), shard_id
+    return ckpt_name, None
+
+
+def _load_one(module: nn.Module, param: nn.Parameter, tensor: torch.Tensor, shard_id) -> None:
+    loader = getattr(module, "weight_loader", None)
+    if loader is not None:
+        loader(param, tensor, shard_id)
+    elif param.shape != tensor.shape:
+        raise ValueError(f"shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    else:
+        param.data.copy_(tensor)
+

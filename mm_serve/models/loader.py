@@ -1,0 +1,135 @@
+"""Find a checkpoint (local folder or Hugging Face Hub id) and load it into a model.
+
+The model is built on the ``meta`` device in the model dtype (no memory, no init), then
+materialised on the target device with ``to_empty`` and filled in place from the safetensors
+shards, one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm.auto import tqdm
+
+from mm_serve.config import ModelConfig
+from mm_serve.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+# What serving needs from a hub repo: configs, weights, tokenizer and chat template files.
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+
+
+class ModelLoadError(ValueError):
+    """The checkpoint cannot be found or does not fit the model; the message says why."""
+
+
+def resolve_model_path(model: str, revision: str | None = None) -> str:
+    """An existing folder -> its absolute path; otherwise a hub id, downloaded (or found in the
+    HF cache) with ``snapshot_download``. Raises ``ModelLoadError`` if neither works."""
+    path = os.path.expanduser(model)
+    if os.path.isdir(path):
+        return os.path.abspath(path)
+    if model.startswith((".", "/", "~")):
+        raise ModelLoadError(f"Model folder {model!r} does not exist.")
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        return snapshot_download(model, revision=revision, allow_patterns=ALLOW_PATTERNS)
+    except Exception as e:  # offline, unknown repo, gated, bad id: all mean "not available"
+        offline = constants.HF_HUB_OFFLINE or _env_true("HF_HUB_OFFLINE")
+        hint = (
+            "HF_HUB_OFFLINE is set and it is not in the local HF cache"
+            if offline
+            else "the Hugging Face Hub could not be reached or has no such repo/revision, "
+            "and it is not in the local HF cache"
+        )
+        raise ModelLoadError(
+            f"Cannot find model {model!r}"
+            + (f" (revision {revision!r})" if revision else "")
+            + f": it is not a local folder, and {hint} ({type(e).__name__}: {e}). "
+            "Pass the path of a downloaded checkpoint folder instead."
+        ) from e
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def load_hf_config(path: str) -> Any:
+    """The checkpoint's ``config.json`` as a transformers config (no remote code)."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelLoadError(f"No config.json in {path!r}: not a Hugging Face checkpoint folder.")
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+def safetensors_files(path: str) -> list[str]:
+    """The weight shards: those named by ``model.safetensors.index.json``, else every
+    ``*.safetensors`` in the folder. Raises ``ModelLoadError`` if there are none."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise ModelLoadError(f"Shards listed in {index!r} are missing: {missing}")
+        return files
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ModelLoadError(f"No *.safetensors weights in {path!r} (.bin is not supported).")
+    return files
+
+
+def iterate_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every tensor of every shard, read lazily on the CPU."""
+    for file in tqdm(files, desc="Loading safetensors shards", disable=len(files) == 1):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                yield name, f.get_tensor(name)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Module:
+    """Build the checkpoint's model on ``device`` in ``model_config.dtype`` and load its weights.
+
+    Raises ``ModelLoadError`` listing every parameter no checkpoint tensor filled, and
+    ``ValueError`` for an unsupported architecture or a tensor of the wrong shape.
+    """
+    model_cls = get_model_class(model_config.hf_config)
+    files = safetensors_files(model_config.path)
+    with _default_dtype(model_config.dtype), torch.device("meta"):
+        model = model_cls(model_config.hf_config)
+    model.to_empty(device=device)
+    for module in model.modules():  # non-persistent buffers (rotary tables) are garbage now
+        if hasattr(module, "rebuild_buffers"):
+            module.rebuild_buffers()
+    with torch.no_grad():
+        loaded = model.load_weights(iterate_weights(files))
+    missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
+    if missing:
+        raise ModelLoadError(
+            f"{len(missing)} parameters of {model_cls.__name__} were not found in the "
+            f"checkpoint {model_config.path!r}: {', '.join(missing)}"
+        )
+    return model.eval()

@@ -1,0 +1,42 @@
+"""Which class serves a checkpoint: HF ``architectures`` name -> model class.
+
+Entries are ``(module under mm_serve.models, class name)``, imported on first use so that
+listing the supported architectures loads no model code. A VLM is added the same way, e.g.
+``"Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration")``.
+Every class takes the HF config in ``__init__`` and has ``load_weights``, ``forward``,
+``compute_logits`` and ``bind_kv_cache``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from torch import nn
+
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(hf_config: Any) -> type[nn.Module]:
+    """The class for the first supported name in ``hf_config.architectures``.
+
+    Raises ``ValueError`` naming the supported architectures when none is.
+    """
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    for arch in architectures:
+        if arch in _MODELS:
+            module_name, class_name = _MODELS[arch]
+            module = importlib.import_module(f"mm_serve.models.{module_name}")
+            return getattr(module, class_name)
+    raise ValueError(
+        f"Unsupported model architecture(s) {architectures or '(none in config.json)'}; "
+        f"supported: {', '.join(supported_architectures())}."
+    )

@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny random-weight checkpoints built offline, and HF reference runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mm_serve.testing.checkpoints import build_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def llama_path(tmp_path_factory) -> str:
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("llama"), family="llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def qwen2_path(tmp_path_factory) -> str:
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("qwen2"), family="qwen2", seed=1)
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def model_path(request, llama_path, qwen2_path) -> str:
+    return {"llama": llama_path, "qwen2": qwen2_path}[request.param]
+
+
+class HFReference:
+    """HF transformers on the same folder: greedy ``generate`` and prompt log-probs."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+        self._cache: dict = {}
+
+    @torch.inference_mode()
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int, **kwargs):
+        """Returns (generated token ids, per-step log-softmax [steps, vocab])."""
+        key = (tuple(prompt_ids), max_new_tokens, tuple(sorted(kwargs.items())))
+        if key not in self._cache:
+            out = self.model.generate(
+                torch.tensor([prompt_ids]),
+                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                **kwargs,
+            )
+            tokens = out.sequences[0, len(prompt_ids) :].tolist()
+            logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
+            self._cache[key] = (tokens, logprobs)
+        return self._cache[key]
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, prompt_ids: list[int]) -> torch.Tensor:
+        """[len(prompt) - 1, vocab]: row p is the distribution of prompt token p + 1."""
+        logits = self.model(torch.tensor([prompt_ids])).logits[0, :-1]
+        return torch.log_softmax(logits.float(), dim=-1)
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    references: dict[str, HFReference] = {}
+
+    def get(path: str) -> HFReference:
+        if path not in references:
+            references[path] = HFReference(path)
+        return references[path]
+
+    return get
