@@ -1,7 +1,9 @@
 """Kernels of the model forward, each with a pure-torch reference (``*_ref``).
 
 The names below are what the layers call. They point at the references for now; the Triton
-kernels will be dispatched here (GPU path) once they exist, the CPU path keeps the references.
+kernels will be dispatched here (GPU path) once they exist, the CPU path keeps the references;
+a kernel must keep its reference's signature and return convention (e.g. ``apply_rotary``
+returns new tensors, ``reshape_and_cache`` writes in place).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ def reshape_and_cache_ref(
 def gather_kv_ref(
     kv_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one request's first ``seq_len`` tokens: two ``[seq_len, num_kv_heads, head_dim]``."""
+    """K and V of one request's first ``seq_len`` tokens, each ``[seq_len, kv_heads, head_dim]``."""
     block_size = kv_cache.shape[2]
     num_blocks = -(-seq_len // block_size)
     blocks = block_table_row[:num_blocks].long()

@@ -190,11 +190,11 @@ class LlamaForCausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
-        """Give layer ``i`` its cache ``kv_caches[i]``: ``[2, num_blocks, block_size, kv_heads, d]``."""
+        """Bind ``kv_caches[i]`` (``[2, num_blocks, block_size, kv_heads, d]``) to layer ``i``."""
         layers = self.attention_layers()
         if len(kv_caches) != len(layers):
             raise ValueError(f"Got {len(kv_caches)} KV caches for {len(layers)} layers.")
-        for attn, kv_cache in zip(layers, kv_caches):
+        for attn, kv_cache in zip(layers, kv_caches, strict=True):
             attn.kv_cache = kv_cache
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -204,6 +204,8 @@ class LlamaForCausalLM(nn.Module):
         once all its shards came). Unknown tensors are skipped with a warning; a tensor of the
         wrong shape raises ``ValueError`` naming it.
         """
+        if self.tie_word_embeddings:  # re-tie: to_empty() gives each module its own tensor
+            self.lm_head.weight = self.model.embed_tokens.weight
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         shards: dict[str, set] = {}
@@ -248,4 +250,3 @@ def _load_one(module: nn.Module, param: nn.Parameter, tensor: torch.Tensor, shar
         raise ValueError(f"shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
     else:
         param.data.copy_(tensor)
-

@@ -76,11 +76,11 @@ class ModelRunner:
             return ModelRunnerOutput([], [], [], {})
         inputs = self._prepare_inputs(scheduler_output)
         hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
-        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
-        batch = self.input_batch
-        sampler_output = self.sampler(
-            logits, batch.sampling_metadata(inputs.sample_rows, self.device)
-        )
+        sampler_output = None
+        if len(inputs.sample_rows):  # none while every request is mid-prompt
+            logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+            metadata = self.input_batch.sampling_metadata(inputs.sample_rows, self.device)
+            sampler_output = self.sampler(logits, metadata)
         prompt_logprobs = compute_prompt_logprobs(
             self.model, hidden_states, inputs.prompt_logprobs_jobs
         )
@@ -213,6 +213,10 @@ class ModelRunner:
         num_reqs = batch.num_reqs
         sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
         logprobs: list = [None] * num_reqs
+        if sampler_output is None:
+            return ModelRunnerOutput(
+                list(batch.req_ids[:num_reqs]), sampled_token_ids, logprobs, prompt_logprobs
+            )
         tokens = sampler_output.sampled_token_ids.tolist()
         lp = sampler_output.logprobs
         lp_lists = (lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()) if lp else None

@@ -61,7 +61,7 @@ class Attention(nn.Module):
         num_tokens = q.shape[0]
         starts = [0, num_tokens] if attn_metadata is None else attn_metadata.query_start_loc_cpu
         out = torch.zeros_like(q)
-        for start, end in zip(starts[:-1], starts[1:]):
+        for start, end in zip(starts[:-1], starts[1:], strict=True):
             if end > start:
                 qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))
                 o = F.scaled_dot_product_attention(

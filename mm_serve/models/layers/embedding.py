@@ -23,9 +23,7 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_size = -(-num_embeddings // self.tp_size)
         self.vocab_start = get_tp_rank() * self.shard_size
         self.vocab_end = min(self.vocab_start + self.shard_size, num_embeddings)
-        self.weight = nn.Parameter(
-            torch.empty(self.shard_size, embedding_dim), requires_grad=False
-        )
+        self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim), requires_grad=False)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
