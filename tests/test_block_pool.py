@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
+
 from mm_serve.cache.block_hash import (
     block_extra_keys,
     hash_block_tokens,
     update_block_hashes,
 )
 from mm_serve.cache.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-
 from mm_serve.request import MultiModalFeature, PlaceholderRange, Request
 from mm_serve.sampling_params import SamplingParams
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from mm_serve.cache import KVCacheBlock, KVCacheManager
 
+from mm_serve.cache import KVCacheBlock, KVCacheManager
 from mm_serve.request import MultiModalFeature, PlaceholderRange, Request
 from mm_serve.sampling_params import SamplingParams
 

@@ -88,7 +88,9 @@ def test_length_limits(llm):
 def test_chat_uses_the_template(llm):
     messages = [{"role": "user", "content": "Hi, who are you?"}]
     (output,) = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
-    expected = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    expected = llm.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
     assert output.prompt == expected
     assert output.prompt_token_ids == llm.tokenizer(expected, add_special_tokens=False).input_ids
     two = llm.chat([messages, messages], SamplingParams(temperature=0.0, max_tokens=5))
