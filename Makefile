@@ -1,23 +1,34 @@
 # Two commands for a fresh machine (CPU-only or GPU host):
-#   make demo   set up .venv, then generate offline with a tiny checkpoint built on the spot
-#   make test   set up .venv, then run the test suite
+#   make demo   set up, then generate offline with a tiny checkpoint built on the spot
+#   make test   set up, then run the test suite
 PYTHON ?= python3
 VENV := .venv
-PY := $(VENV)/bin/python
-# CPU build of torch; a host that already has torch (a GPU image) keeps its own.
+# CPU build of torch, for hosts without one (a CUDA build would pull GBs of wheels).
 TORCH_VERSION ?= 2.13.0
+# A host whose python already has torch (a GPU image) is used as it is; others get .venv.
+HOST_HAS_TORCH := $(shell $(PYTHON) -c "import torch" 2>/dev/null && echo yes)
+ifeq ($(HOST_HAS_TORCH),yes)
+PY := $(PYTHON)
+else
+PY := $(VENV)/bin/python
+endif
 
 .PHONY: setup demo test lint
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv --system-site-packages $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==$(TORCH_VERSION)"
-	# Pin whatever torch is now present so no dependency upgrades it (and pulls CUDA wheels).
+ifeq ($(HOST_HAS_TORCH),yes)
+	mkdir -p $(VENV)
+else
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
+endif
+	# Pin the torch now present so no dependency upgrades it.
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/constraints.txt
-	$(PY) -m pip install -q -e ".[test]" -c $(VENV)/constraints.txt
+	# An offline host that already has every dependency takes the fallback.
+	$(PY) -m pip install -q -e ".[test]" -c $(VENV)/constraints.txt \
+	  || $(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
 demo: setup
@@ -27,4 +38,5 @@ test: setup
 	$(PY) -m pytest -q
 
 lint: setup
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(PY) -m pip install -q ruff
+	$(PY) -m ruff check . && $(PY) -m ruff format --check .

@@ -12,7 +12,7 @@ import pytest
 
 from mm_serve import LLM, SamplingParams
 
-MAX_NEW_TOKENS = 12
+MAX_NEW_TOKENS = 20
 PROMPT_LENGTHS = [3, 70, 5, 8, 47, 12, 15, 16, 17, 20, 24, 31, 33, 40, 55, 64]
 LOGPROB_TOL = 1e-4
 
