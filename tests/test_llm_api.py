@@ -83,6 +83,7 @@ def test_length_limits(llm):
     params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10, stop_token_ids=[])
     completion = llm.generate("Count", params, use_tqdm=False)[0].outputs[0]
     assert len(completion.token_ids) == 10 and eos not in completion.token_ids
+    assert_no_kv_leak(llm)
 
 
 def test_chat_uses_the_template(llm):
@@ -95,6 +96,7 @@ def test_chat_uses_the_template(llm):
     assert output.prompt_token_ids == llm.tokenizer(expected, add_special_tokens=False).input_ids
     two = llm.chat([messages, messages], SamplingParams(temperature=0.0, max_tokens=5))
     assert two[0].outputs[0].token_ids == two[1].outputs[0].token_ids == output.outputs[0].token_ids
+    assert_no_kv_leak(llm)
 
 
 def test_bad_input_raises_and_engine_keeps_serving(llm):
