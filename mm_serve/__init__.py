@@ -1,6 +1,11 @@
 """mm_serve: a serving engine for vision-language models."""
 
-from mm_serve.sampling_params import SamplingParams
+from mm_serve._compat import ensure_torchvision_importable
+
+# Before anything imports torchvision (transformers' image processors do): see _compat.
+ensure_torchvision_importable()
+
+from mm_serve.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 

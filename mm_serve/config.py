@@ -87,6 +87,15 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class MultiModalConfig:
+    """Image limits: ``max_pixels`` caps an input image's width x height (larger ones are
+    rejected); ``processor_max_pixels`` overrides the processor's resize target."""
+
+    max_pixels: int = 8192 * 8192
+    processor_max_pixels: int | None = None
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
 
@@ -98,6 +107,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     device: torch.device
+    multimodal: MultiModalConfig
 
 
 @dataclass
@@ -120,6 +130,8 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
     device: str = "auto"
+    max_pixels: int = 8192 * 8192
+    processor_max_pixels: int | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the arguments (download, read config.json, pick dtype and lengths) once."""
@@ -155,7 +167,8 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
         )
         parallel = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
-        return EngineConfig(model, cache, scheduler, parallel, device)
+        multimodal = MultiModalConfig(self.max_pixels, self.processor_max_pixels)
+        return EngineConfig(model, cache, scheduler, parallel, device, multimodal)
 
     def _resolve_batched_tokens(self, max_model_len: int) -> int:
         tokens = self.max_num_batched_tokens or 8192

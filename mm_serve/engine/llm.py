@@ -14,6 +14,7 @@ from mm_serve.engine.core import EngineCore
 from mm_serve.engine.output_processor import OutputProcessor, ParentRequest
 from mm_serve.engine.processor import (
     InputProcessor,
+    ProcessedPrompt,
     PromptType,
     load_generation_config,
     load_tokenizer,
@@ -43,7 +44,7 @@ class LLM:
         self.tokenizer = load_tokenizer(self.config.model.tokenizer)
         self.generation_config = load_generation_config(self.config.model.path)
         self.input_processor = InputProcessor(
-            self.config.model, self.tokenizer, self.generation_config
+            self.config.model, self.config.multimodal, self.tokenizer, self.generation_config
         )
         self.engine_core = EngineCore(self.config)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -112,12 +113,12 @@ class LLM:
                 f"Got {len(sampling_params)} sampling params for {len(prompts)} prompts."
             )
         # Validate everything first, and roll back on a late error: a bad prompt starts nothing.
-        tokenized = [self.input_processor.tokenize(p) for p in prompts]
+        processed = [self.input_processor.process(p) for p in prompts]
         request_ids: list[str] = []
         added: list[str] = []
         try:
-            for (text, token_ids), params in zip(tokenized, sampling_params, strict=True):
-                request_ids.append(self._add_request(text, token_ids, params, added))
+            for prompt, params in zip(processed, sampling_params, strict=True):
+                request_ids.append(self._add_request(prompt, params, added))
         except ValueError:
             self.engine_core.abort_requests(added)
             self.output_processor.abort_requests(added)
@@ -126,12 +127,12 @@ class LLM:
         return [outputs[r] for r in request_ids]
 
     def _add_request(
-        self, text: str | None, token_ids: list[int], params: SamplingParams, added: list[str]
+        self, prompt: ProcessedPrompt, params: SamplingParams, added: list[str]
     ) -> str:
         """Queue one prompt (``n`` engine requests); their ids are appended to ``added``."""
         request_id = str(next(self._request_counter))
-        parent = ParentRequest(request_id, text, token_ids, num_children=params.n)
-        requests = self.input_processor.make_requests(request_id, token_ids, params)
+        parent = ParentRequest(request_id, prompt.text, prompt.token_ids, num_children=params.n)
+        requests = self.input_processor.make_requests(request_id, prompt, params)
         for index, request in enumerate(requests):
             self.engine_core.add_request(request)
             added.append(request.request_id)

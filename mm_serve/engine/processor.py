@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass, field
 from typing import Any
 
-from mm_serve.config import ModelConfig
-from mm_serve.request import Request
+from mm_serve.config import ModelConfig, MultiModalConfig
+from mm_serve.request import MultiModalFeature, Request
 from mm_serve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -15,6 +16,15 @@ logger = logging.getLogger(__name__)
 # A prompt: text, {"prompt": text}, or {"prompt_token_ids": [...]}; VLMs add
 # "multi_modal_data": {"image": [...]}.
 PromptType = str | dict[str, Any]
+
+
+@dataclass
+class ProcessedPrompt:
+    """A prompt ready for the engine: placeholders expanded, one feature per image."""
+
+    text: str | None
+    token_ids: list[int]
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
 
 
 def load_tokenizer(path: str):
@@ -44,29 +54,52 @@ class InputProcessor:
     request's ``stop_token_ids``, as vLLM does, so generation ends where HF ``generate`` ends.
     """
 
-    def __init__(self, model_config: ModelConfig, tokenizer, generation_config) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        mm_config: MultiModalConfig,
+        tokenizer,
+        generation_config,
+    ) -> None:
+        from mm_serve.engine.mm_processor import MultiModalProcessor, image_token_id
+
         self.model_config = model_config
         self.tokenizer = tokenizer
+        self.mm_processor = None
+        if image_token_id(model_config.hf_config) is not None:
+            self.mm_processor = MultiModalProcessor(model_config, mm_config)
         self.eos_token_id = tokenizer.eos_token_id
         eos = getattr(generation_config, "eos_token_id", None) if generation_config else None
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         self.extra_stop_token_ids = [t for t in eos if t != self.eos_token_id]
 
-    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """Returns ``(prompt text or None, prompt token ids)``.
+    def process(self, prompt: PromptType) -> ProcessedPrompt:
+        """Tokenize a prompt and expand its images' placeholders.
 
         Raises:
-            ValueError: on an empty prompt, unknown keys, image data for a text-only model, or
-                token ids outside the vocabulary.
+            ValueError: on an empty prompt, unknown keys, images for a text-only model, images
+                and placeholders that differ in number, an image above ``max_pixels``, token
+                ids outside the vocabulary, or a prompt (after expansion) that leaves no room
+                for output within ``max_model_len``.
         """
         if isinstance(prompt, str):
             prompt = {"prompt": prompt}
         if not isinstance(prompt, dict):
             raise ValueError(f"A prompt must be a str or a dict, not {type(prompt).__name__}.")
-        if prompt.get("multi_modal_data"):
-            raise ValueError(
-                f"The model {self.model_config.model!r} is text-only and takes no images."
-            )
+        text, token_ids = self._tokenize(prompt)
+        features: list[MultiModalFeature] = []
+        images = (prompt.get("multi_modal_data") or {}).get("image")
+        if images is not None:
+            if self.mm_processor is None:
+                raise ValueError(
+                    f"The model {self.model_config.model!r} is text-only and takes no images."
+                )
+            images = images if isinstance(images, (list, tuple)) else [images]
+            token_ids, features = self.mm_processor.expand(token_ids, list(images))
+        self._check_token_ids(token_ids)
+        return ProcessedPrompt(text, token_ids, features)
+
+    def _tokenize(self, prompt: dict[str, Any]) -> tuple[str | None, list[int]]:
         if "prompt_token_ids" in prompt:
             text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
         elif "prompt" in prompt:
@@ -74,6 +107,9 @@ class InputProcessor:
             token_ids = self.tokenizer(text, add_special_tokens=True).input_ids
         else:
             raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
+        return text, token_ids
+
+    def _check_token_ids(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("The prompt is empty.")
         max_len = self.model_config.max_model_len
@@ -85,7 +121,6 @@ class InputProcessor:
         vocab_size = self.model_config.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab_size:
             raise ValueError(f"Prompt token ids must be in [0, {vocab_size}).")
-        return text, token_ids
 
     def apply_chat_template(
         self,
@@ -97,9 +132,13 @@ class InputProcessor:
     ) -> dict[str, Any]:
         """Render a conversation with the checkpoint's chat template into a prompt dict.
 
-        The template writes the special tokens itself, so the text is tokenized without adding
-        more (as vLLM does).
+        Image parts (``image_url`` with a data/file URL or path, or ``image``) become the
+        template's image placeholder and the prompt's ``multi_modal_data``. The template writes
+        the special tokens itself, so the text is tokenized without adding more (as vLLM does).
         """
+        from mm_serve.engine.mm_processor import split_chat_images
+
+        messages, images = split_chat_images(messages)
         text = self.tokenizer.apply_chat_template(
             messages,
             chat_template=chat_template,
@@ -109,10 +148,13 @@ class InputProcessor:
             **template_kwargs,
         )
         token_ids = self.tokenizer(text, add_special_tokens=False).input_ids
-        return {"prompt": text, "prompt_token_ids": token_ids}
+        prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": token_ids}
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
+        return prompt
 
     def make_requests(
-        self, request_id: str, token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams
     ) -> list[Request]:
         """One engine request per completion (``n``); child ``i`` is ``{i}_{request_id}``.
 
@@ -130,6 +172,12 @@ class InputProcessor:
             )
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             requests.append(
-                Request(child_id, token_ids, child_params, eos_token_id=self.eos_token_id)
+                Request(
+                    child_id,
+                    prompt.token_ids,
+                    child_params,
+                    eos_token_id=self.eos_token_id,
+                    mm_features=prompt.mm_features,
+                )
             )
         return requests

@@ -152,6 +152,8 @@ class LlamaForCausalLM(nn.Module):
     ``config`` is the HF text config (``LlamaConfig``, ``Qwen2Config``, ``MistralConfig``).
     """
 
+    uses_mrope = False  # positions are [T]; True on VLMs whose positions are [3, T]
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config

@@ -1,10 +1,10 @@
 """Which class serves a checkpoint: HF ``architectures`` name -> model class.
 
 Entries are ``(module under mm_serve.models, class name)``, imported on first use so that
-listing the supported architectures loads no model code. A VLM is added the same way, e.g.
-``"Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration")``.
-Every class takes the HF config in ``__init__`` and has ``load_weights``, ``forward``,
-``compute_logits`` and ``bind_kv_cache``.
+listing the supported architectures loads no model code. Every class takes the HF config in
+``__init__`` and has ``load_weights``, ``forward``, ``compute_logits``, ``attention_layers``,
+``bind_kv_cache`` and ``uses_mrope``; a VLM (``image_token_id``, ``embed_images``) gets the
+full config, whose ``text_config`` its language model is built from.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
 }
 
 

@@ -32,6 +32,9 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     # Prompt positions whose logprobs were already returned (not re-sent after preemption).
     num_prompt_logprobs_done: int = 0
+    # M-RoPE (Qwen2-VL): [3, num_prompt_tokens] prompt positions, and the decode offset.
+    mrope_positions: np.ndarray | None = None
+    mrope_delta: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,12 @@ from mm_serve.models.loader import load_model
 from mm_serve.sched.output import ModelRunnerOutput, SchedulerOutput
 from mm_serve.worker.input_batch import CachedRequestState, InputBatch
 from mm_serve.worker.kv_cache import allocate_kv_caches, determine_num_kv_blocks
+from mm_serve.worker.mm_inputs import (
+    EncoderOutputs,
+    gather_image_embeddings,
+    mrope_positions,
+    scheduled_slices,
+)
 from mm_serve.worker.prompt_logprobs import PromptLogprobsJob, compute_prompt_logprobs
 from mm_serve.worker.sampler import Sampler
 
@@ -29,7 +35,9 @@ class StepInputs:
     """The flattened batch of one step (``num_tokens`` = sum of the scheduled tokens)."""
 
     input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64, or [3, num_tokens] with M-RoPE
+    # Image embeddings replacing placeholder tokens: (batch rows [n], embeddings [n, hidden]).
+    image_embeddings: tuple[torch.Tensor, torch.Tensor] | None
     attn_metadata: AttentionMetadata
     sample_rows: np.ndarray  # batch rows that produce a token this step
     logits_indices: torch.Tensor  # [len(sample_rows)] int64, last scheduled token of each
@@ -54,6 +62,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.encoder_outputs = EncoderOutputs()
 
     def load_model(self) -> None:
         torch.manual_seed(self.config.model.seed)
@@ -75,7 +84,7 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [], [], {})
         inputs = self._prepare_inputs(scheduler_output)
-        hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        hidden_states = self._forward(inputs)
         sampler_output = None
         if len(inputs.sample_rows):  # none while every request is mid-prompt
             logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
@@ -86,31 +95,54 @@ class ModelRunner:
         )
         return self._make_output(inputs.sample_rows, sampler_output, prompt_logprobs)
 
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The LM over the flattened batch; image embeddings replace their placeholders."""
+        if inputs.image_embeddings is None:
+            return self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        rows, embeddings = inputs.image_embeddings
+        inputs_embeds = self.model.get_input_embeddings(inputs.input_ids)
+        inputs_embeds[rows] = embeddings.to(inputs_embeds.dtype)
+        return self.model(None, inputs.positions, inputs.attn_metadata, inputs_embeds)
+
+    def _new_request_state(self, new) -> CachedRequestState:
+        params = new.sampling_params
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = torch.Generator(self.device).manual_seed(params.seed)
+        state = CachedRequestState(
+            req_id=new.req_id,
+            prompt_token_ids=new.prompt_token_ids,
+            mm_features=new.mm_features,
+            sampling_params=params,
+            generator=generator,
+            eos_token_id=new.eos_token_id,
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+        )
+        if getattr(self.model, "uses_mrope", False):
+            from mm_serve.models.mrope import get_mrope_input_positions
+
+            grids = [f.data.image_grid_thw for f in new.mm_features]
+            table, state.mrope_delta = get_mrope_input_positions(
+                new.prompt_token_ids, grids, self.config.model.hf_config
+            )
+            state.mrope_positions = table.numpy()
+        return state
+
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the scheduler's diff: drop finished, park unscheduled, add new, extend the rest."""
         batch = self.input_batch
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
+        if scheduler_output.finished_req_ids:
+            self.encoder_outputs.free_unreferenced(self.requests)
         # Requests in the batch that were not scheduled (finished or preempted) leave it; the
         # preempted keep their state here and come back with resumed_from_preemption.
         scheduled = scheduler_output.num_scheduled_tokens
         batch.remove_requests({r for r in batch.req_id_to_index if r not in scheduled})
 
         for new in scheduler_output.scheduled_new_reqs:
-            params = new.sampling_params
-            generator = None
-            if params.seed is not None and not params.greedy:
-                generator = torch.Generator(self.device).manual_seed(params.seed)
-            state = CachedRequestState(
-                req_id=new.req_id,
-                prompt_token_ids=new.prompt_token_ids,
-                mm_features=new.mm_features,
-                sampling_params=params,
-                generator=generator,
-                eos_token_id=new.eos_token_id,
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-            )
+            state = self._new_request_state(new)
             self.requests[new.req_id] = state
             batch.add_request(state)
 
@@ -168,9 +200,19 @@ class ModelRunner:
             query_start_loc_cpu=query_start_loc.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
+        states = batch.states[:num_reqs]
+        if getattr(self.model, "uses_mrope", False):
+            positions = mrope_positions(states, positions, query_start_loc)
+        slices = scheduled_slices(states, num_computed, query_start_loc)
+        image_embeddings = None
+        if slices:
+            image_embeddings = gather_image_embeddings(
+                self.model, self.encoder_outputs, slices, self.device
+            )
         return StepInputs(
             input_ids=to_device(input_ids, torch.int64),
             positions=to_device(positions, torch.int64),
+            image_embeddings=image_embeddings,
             attn_metadata=attn_metadata,
             sample_rows=sample_rows,
             logits_indices=to_device(cu_num_tokens[sample_rows] - 1, torch.int64),

@@ -2,8 +2,9 @@
 
 ``get_rope`` reads the rope type from the HF config and matches the inverse-frequency math
 of transformers' ``modeling_rope_utils`` for ``default``, ``linear``, ``dynamic`` and
-``llama3``. The table ``cos_sin_cache`` is ``[max_position, head_dim]`` float32: the first
-half is ``cos(pos * inv_freq)``, the second ``sin``, times the attention factor.
+``llama3``, plus multimodal RoPE (``mrope_section`` in the rope dict, Qwen2-VL). The table
+``cos_sin_cache`` is ``[max_position, head_dim]`` float32: the first half is
+``cos(pos * inv_freq)``, the second ``sin``, times the attention factor.
 """
 
 from __future__ import annotations
@@ -127,6 +128,43 @@ class Llama3RotaryEmbedding(RotaryEmbedding):
         return torch.where(is_medium, smoothed, scaled)
 
 
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal RoPE (M-RoPE, Qwen2-VL paper arXiv:2409.12191, section 2.1).
+
+    Each token has three positions (temporal, height, width). The ``head_dim // 2`` rotary
+    frequencies are split into ``mrope_section`` (e.g. ``[16, 24, 24]`` for head_dim 128,
+    summing to ``head_dim // 2``); section ``i`` rotates by the position on axis ``i``. This is
+    HF ``Qwen2VLRotaryEmbedding.recomposition_frequencies``.
+
+    ``forward(positions, query, key)`` takes ``positions`` ``[3, T]`` (rows t, h, w), or ``[T]``
+    when all three axes are equal (text, decode), which is plain RoPE.
+    """
+
+    def __init__(
+        self, head_dim: int, max_position: int, base: float, mrope_section: list[int]
+    ) -> None:
+        if len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2:
+            raise ValueError(
+                f"mrope_section {mrope_section} must have 3 parts summing to head_dim // 2 = "
+                f"{head_dim // 2}."
+            )
+        self.mrope_section = [int(n) for n in mrope_section]
+        super().__init__(head_dim, max_position, base)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.ndim == 1:
+            return super().forward(positions, query, key)
+        cos_sin = self.cos_sin_cache[positions]  # [3, T, head_dim]
+        # cos and sin halves are split alike: section i of each half takes axis i.
+        parts = cos_sin.split(self.mrope_section * 2, dim=-1)
+        table = torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)  # [T, head_dim]
+        # Each token now has its own row of the table: rotate token t by row t.
+        rows = torch.arange(table.shape[0], device=table.device)
+        return apply_rotary(rows, query, key, table, self.head_dim)
+
+
 def get_rope(
     head_dim: int, max_position: int, base: float, rope_scaling: dict[str, Any] | None = None
 ) -> RotaryEmbedding:
@@ -134,13 +172,18 @@ def get_rope(
 
     ``max_position`` is the config's ``max_position_embeddings``. For ``linear`` and
     ``dynamic`` that is the original window and the table covers ``max_position * factor``
-    positions; for ``llama3`` it is already the extended length. Raises ``ValueError`` for
-    other rope types (yarn, longrope, ...).
+    positions; for ``llama3`` it is already the extended length. A dict with ``mrope_section``
+    gives ``MRotaryEmbedding``. Raises ``ValueError`` for other rope types (yarn, longrope,
+    ...).
     """
     params = rope_scaling or {}
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor < 1 is not supported.")
+    if "mrope_section" in params:
+        if rope_type not in ("default", "mrope"):
+            raise ValueError(f"mrope with rope type {rope_type!r} is not supported.")
+        return MRotaryEmbedding(head_dim, max_position, base, params["mrope_section"])
     if rope_type == "default":
         return RotaryEmbedding(head_dim, max_position, base)
     if rope_type == "linear":

@@ -1,0 +1,49 @@
+"""The interface every vision family implements: pixels in, embeddings out.
+
+An image goes through two steps owned by its family:
+
+1. ``ImageProcessor.preprocess(image) -> ProcessedImage`` (CPU, in the preprocessing pool):
+   the pixel tensor exactly as the checkpoint's HF processor makes it, and the number of
+   placeholder tokens the image expands to in the prompt.
+2. The model's ``embed_images(list[ProcessedImage]) -> list[Tensor]`` (on the device): one
+   ``[num_tokens, lm_hidden]`` tensor per image, in prompt order, ready to replace the
+   placeholder tokens' embeddings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from PIL import Image
+
+
+@dataclass
+class ProcessedImage:
+    """One preprocessed image.
+
+    ``pixel_values`` is family-specific:
+      - Qwen2-VL / Qwen2.5-VL: ``[grid_t * grid_h * grid_w, C * temporal_patch * patch * patch]``
+        float32 patches (HF's flattened layout), with ``image_grid_thw = (t, h, w)`` in patches.
+      - CLIP / LLaVA: ``[3, H, W]`` float32, resized, cropped and normalised.
+    """
+
+    pixel_values: torch.Tensor
+    num_tokens: int  # placeholder tokens in the prompt = rows of the image's embeddings
+    image_grid_thw: tuple[int, int, int] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.pixel_values.numel() * self.pixel_values.element_size()
+
+
+class ImageProcessor:
+    """Base of each family's processor, built from ``preprocessor_config.json`` values.
+
+    Raises (from ``preprocess``):
+        ValueError: for an image the family cannot take (e.g. above ``max_pixels`` when the
+            processor was told to reject rather than resize, or a zero-sized image).
+    """
+
+    def preprocess(self, image: Image.Image) -> ProcessedImage:
+        raise NotImplementedError

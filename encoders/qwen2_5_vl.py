@@ -1,0 +1,137 @@
+"""Qwen2.5-VL vision tower: the Qwen2-VL ViT with window attention, RMSNorm and a SwiGLU MLP.
+
+Most blocks attend only within windows of ``window_size`` pixels (``window_size // patch //
+merge`` merged tokens a side); the blocks in ``fullatt_block_indexes`` attend over the whole
+frame. To make every window a contiguous segment, the patch rows are permuted window by window
+right after the patch embedding (whole merge windows move together, so the merger still sees
+``merge**2`` consecutive rows), and the merged tokens are put back in the input order at the
+end.
+
+Parameter names equal HF ``Qwen2_5_VisionTransformerPretrainedModel`` (checkpoint ``visual.*``):
+``patch_embed.proj``, ``blocks.{i}.norm1/norm2`` (RMSNorm, weight only), ``blocks.{i}.attn.qkv/
+proj``, ``blocks.{i}.mlp.gate_proj/up_proj/down_proj`` (with bias), ``merger.ln_q`` (RMSNorm),
+``merger.mlp.0/2``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from mm_serve.encoders.qwen2_vl import (
+    PatchEmbed,
+    PatchMerger,
+    VisionAttention,
+    check_grid,
+    cu_seqlens_from_grid,
+    rope_theta,
+    rotary_cos_sin,
+)
+from mm_serve.models.layers.layernorm import RMSNorm
+
+
+def window_index(
+    grids: list[list[int]], merge: int, window_size: int, patch_size: int
+) -> tuple[torch.Tensor, list[int]]:
+    """The window order of the merged tokens and the window boundaries in patch rows.
+
+    Returns ``(index, cu_window_seqlens)``: ``index: [num_patches // merge**2]`` long, where
+    position ``j`` of the window-ordered sequence holds merged token ``index[j]`` of the input;
+    ``cu_window_seqlens``: ``num_windows + 1`` boundaries in (unmerged) patch rows. Windows are
+    listed image by image, frame by frame, row-major; edge windows are smaller (HF pads them,
+    then drops the padding: same result).
+    """
+    side = window_size // merge // patch_size  # window side in merged tokens
+    unit = merge * merge
+    index, cu_window, offset = [], [0], 0
+    for t, h, w in grids:
+        gh, gw = h // merge, w // merge
+        tokens = torch.arange(t * gh * gw).view(t, gh, gw) + offset
+        for frame in tokens:
+            for y in range(0, gh, side):
+                for x in range(0, gw, side):
+                    window = frame[y : y + side, x : x + side].flatten()
+                    index.append(window)
+                    cu_window.append(cu_window[-1] + window.numel() * unit)
+        offset += t * gh * gw
+    return torch.cat(index), cu_window
+
+
+class Qwen2_5_VisionMLP(nn.Module):
+    """SwiGLU: ``down_proj(act(gate_proj(x)) * up_proj(x))``, ``[N, dim]``, all with bias."""
+
+    def __init__(self, dim: int, hidden_dim: int, hidden_act: str) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim)
+        self.up_proj = nn.Linear(dim, hidden_dim)
+        self.down_proj = nn.Linear(hidden_dim, dim)
+        self.act = ACT2FN[hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Qwen2_5_VisionBlock(nn.Module):
+    """Pre-RMSNorm block: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``."""
+
+    def __init__(self, vision_config) -> None:
+        super().__init__()
+        dim = vision_config.hidden_size
+        self.norm1 = RMSNorm(dim, eps=1e-6)
+        self.norm2 = RMSNorm(dim, eps=1e-6)
+        self.attn = VisionAttention(dim, vision_config.num_heads)
+        self.mlp = Qwen2_5_VisionMLP(dim, vision_config.intermediate_size, vision_config.hidden_act)
+
+    def forward(
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+class Qwen2_5_VisionTransformer(nn.Module):
+    """The Qwen2.5-VL vision tower, from ``vision_config`` (``Qwen2_5_VLVisionConfig``).
+
+    ``forward(pixel_values [num_patches, C*T*P*P], grid_thw [num_images, 3] long)
+    -> [num_patches // spatial_merge_size**2, out_hidden_size]``, images concatenated in input
+    order (same contract as ``Qwen2VisionTransformer``). Raises ``ValueError`` if ``grid_thw``
+    does not fit.
+    """
+
+    def __init__(self, vision_config) -> None:
+        super().__init__()
+        cfg = vision_config
+        self.spatial_merge_size = cfg.spatial_merge_size
+        self.patch_size = cfg.patch_size
+        self.window_size = cfg.window_size
+        self.fullatt_block_indexes = set(cfg.fullatt_block_indexes)
+        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.rope_theta = rope_theta(cfg)
+        self.patch_embed = PatchEmbed(
+            cfg.patch_size, cfg.temporal_patch_size, cfg.in_channels, cfg.hidden_size
+        )
+        self.blocks = nn.ModuleList([Qwen2_5_VisionBlock(cfg) for _ in range(cfg.depth)])
+        self.merger = PatchMerger(
+            cfg.hidden_size, cfg.out_hidden_size, cfg.spatial_merge_size, rms_norm=True
+        )
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        merge = self.spatial_merge_size
+        grids = check_grid(pixel_values, grid_thw, merge)
+        x = self.patch_embed(pixel_values)  # [N, dim]
+        device = x.device
+        cos, sin = rotary_cos_sin(grids, merge, self.head_dim, self.rope_theta, device)
+        index, cu_window = window_index(grids, merge, self.window_size, self.patch_size)
+        index = index.to(device)
+
+        def to_window_order(t: torch.Tensor) -> torch.Tensor:  # [N, d], whole merge windows
+            return t.view(-1, merge * merge, t.shape[-1])[index].flatten(0, 1)
+
+        x, cos, sin = to_window_order(x), to_window_order(cos), to_window_order(sin)
+        # Windows never cross a frame, so per-frame boundaries stay valid after the permutation.
+        cu_full = cu_seqlens_from_grid(grids, device)
+        cu_window = torch.tensor(cu_window, device=device, dtype=torch.int32)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cu_full if i in self.fullatt_block_indexes else cu_window, cos, sin)
+        return self.merger(x)[torch.argsort(index)]

@@ -1,0 +1,233 @@
+"""Qwen2-VL vision tower: a ViT over flattened patches with 2-D rotary and a 2x2 patch merger.
+
+Input is what the Qwen2-VL image processor makes (see ``encoders/base.py``): every image's
+patches, already flattened to ``C * temporal_patch * patch * patch`` values and ordered so that
+each ``spatial_merge_size x spatial_merge_size`` block of patches is contiguous ("merge-window
+order"). The tower keeps that order throughout, so the merger only has to concatenate every
+``merge**2`` consecutive rows.
+
+Parameter names equal those of HF ``Qwen2VisionTransformerPretrainedModel`` (transformers 5.x),
+so the checkpoint's ``visual.*`` tensors load by name after stripping the ``visual.`` prefix:
+``patch_embed.proj.weight``, ``blocks.{i}.norm1/norm2``, ``blocks.{i}.attn.qkv/proj``,
+``blocks.{i}.mlp.fc1/fc2``, ``merger.ln_q``, ``merger.mlp.0/2``. There are no buffers (the rotary
+frequencies are recomputed each forward), so a model built on ``meta`` needs no rebuild.
+
+The pieces shared with Qwen2.5-VL (patch embedding, rotary, varlen attention, merger) live here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from mm_serve.models.layers.layernorm import RMSNorm
+
+
+def rope_theta(vision_config) -> float:
+    """The vision rotary base: ``rope_parameters["rope_theta"]`` (transformers 5), else 10000."""
+    params = getattr(vision_config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", 10000.0))
+
+
+def check_grid(pixel_values: torch.Tensor, grid_thw: torch.Tensor, merge: int) -> list[list[int]]:
+    """``grid_thw`` as a list of ``[t, h, w]``; raises ``ValueError`` if it does not describe
+    ``pixel_values`` (row count) or a side is not a multiple of the merge size."""
+    grids = grid_thw.tolist()
+    if any(h % merge or w % merge for _, h, w in grids):
+        raise ValueError(f"grid_thw {grids}: h and w must be multiples of {merge}.")
+    num_patches = sum(t * h * w for t, h, w in grids)
+    if num_patches != pixel_values.shape[0]:
+        raise ValueError(
+            f"grid_thw {grids} describes {num_patches} patches, pixel_values has "
+            f"{pixel_values.shape[0]} rows."
+        )
+    return grids
+
+
+def cu_seqlens_from_grid(grids: list[list[int]], device: torch.device) -> torch.Tensor:
+    """``[num_frames + 1]`` int32 boundaries: every frame of every image attends only to itself
+    (HF's convention: ``t`` segments of ``h * w`` patches per image)."""
+    lengths = [h * w for t, h, w in grids for _ in range(t)]
+    return F.pad(torch.tensor(lengths, device=device).cumsum(0), (1, 0)).to(torch.int32)
+
+
+def rotary_cos_sin(
+    grids: list[list[int]], merge: int, head_dim: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """2-D rotary tables ``(cos, sin)``, each ``[num_patches, head_dim]`` float32.
+
+    A patch at row ``y``, column ``x`` of its image gets angles ``y * inv_freq`` on the first
+    quarter of the head dim and ``x * inv_freq`` on the second (``head_dim // 4`` frequencies
+    each), the half repeated over both halves (``rotate_half`` convention). Rows are listed in
+    merge-window order and repeated for every frame, as HF ``get_vision_position_ids`` does.
+    """
+    positions = []
+    for t, h, w in grids:
+        ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        # [h, w] -> [h/m, m, w/m, m] -> [h/m, w/m, m, m]: each merge window contiguous.
+        ys, xs = (p.reshape(h // merge, merge, w // merge, merge).transpose(1, 2) for p in (ys, xs))
+        positions.append(torch.stack([ys.flatten(), xs.flatten()], dim=-1).repeat(t, 1))
+    pos = torch.cat(positions).to(device=device, dtype=torch.float32)  # [N, 2]
+    half = head_dim // 2
+    inv_freq = 1.0 / theta ** (torch.arange(0, half, 2, device=device, dtype=torch.float32) / half)
+    freqs = (pos[:, :, None] * inv_freq).flatten(1)  # [N, 2 * head_dim // 4]: y | x
+    emb = torch.cat([freqs, freqs], dim=-1)  # [N, head_dim]
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x: [N, num_heads, head_dim]`` by ``cos/sin: [N, head_dim]``, in float32 and cast
+    back to ``x.dtype`` (HF ``apply_rotary_pos_emb_vision``)."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor
+) -> torch.Tensor:
+    """Bidirectional attention restricted to segments ``[cu_seqlens[i], cu_seqlens[i + 1])``.
+
+    ``q, k, v: [N, num_heads, head_dim]`` -> ``[N, num_heads, head_dim]``; scale
+    ``head_dim ** -0.5``. Reference path (CPU and until a GPU varlen kernel replaces it):
+    segments of equal length are gathered into one batched SDPA call, so the many equal windows
+    of Qwen2.5-VL cost one call per distinct length rather than one per window, and no
+    ``N x N`` block-diagonal mask is ever built.
+    """
+    bounds = cu_seqlens.tolist()
+    by_length: dict[int, list[int]] = {}
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        if end > start:
+            by_length.setdefault(end - start, []).append(start)
+    out = torch.empty_like(q)
+    for length, starts in by_length.items():
+        # [num_segments, length] row indices of every segment of this length.
+        idx = torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)
+        qs, ks, vs = (t[idx].transpose(1, 2) for t in (q, k, v))  # [B, heads, length, head_dim]
+        out[idx] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
+    return out
+
+
+class PatchEmbed(nn.Module):
+    """``[N, C * T * P * P] -> [N, embed_dim]``: HF's ``Conv3d`` with kernel = stride = (T, P, P).
+
+    The weight keeps the ``Conv3d`` shape ``[embed_dim, C, T, P, P]`` for loading, but the
+    forward is the equivalent matmul over the flattened patch (one kernel window per row), which
+    is much faster than a ``Conv3d`` call on such inputs.
+    """
+
+    def __init__(self, patch_size: int, temporal_patch_size: int, in_channels: int, dim: int):
+        super().__init__()
+        kernel = (temporal_patch_size, patch_size, patch_size)
+        self.proj = nn.Conv3d(in_channels, dim, kernel_size=kernel, stride=kernel, bias=False)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        weight = self.proj.weight
+        return F.linear(pixel_values.to(weight.dtype), weight.flatten(1))
+
+
+class VisionAttention(nn.Module):
+    """Fused-qkv self-attention with 2-D rotary, restricted by ``cu_seqlens``: ``[N, dim]``."""
+
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)  # [N, heads, head_dim]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.proj(varlen_attention(q, k, v, cu_seqlens).reshape(n, -1))
+
+
+class PatchMerger(nn.Module):
+    """``[N, context_dim] -> [N / merge**2, out_dim]``: norm each patch, concatenate every
+    ``merge**2`` consecutive rows (one merge window), then Linear-GELU-Linear.
+
+    The norm is LayerNorm (Qwen2-VL) or RMSNorm (Qwen2.5-VL), eps 1e-6, named ``ln_q``.
+    """
+
+    def __init__(self, context_dim: int, out_dim: int, merge: int, rms_norm: bool = False):
+        super().__init__()
+        self.hidden_size = context_dim * merge**2
+        self.ln_q = RMSNorm(context_dim, eps=1e-6) if rms_norm else nn.LayerNorm(context_dim, 1e-6)
+        self.mlp = nn.Sequential(
+            nn.Linear(self.hidden_size, self.hidden_size),
+            nn.GELU(),
+            nn.Linear(self.hidden_size, out_dim),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.hidden_size))
+
+
+class VisionMlp(nn.Module):
+    """``fc2(act(fc1(x)))``, ``[N, dim]``; ``act`` is the config's ``hidden_act`` (QuickGELU)."""
+
+    def __init__(self, dim: int, hidden_dim: int, hidden_act: str) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden_dim)
+        self.act = ACT2FN[hidden_act]
+        self.fc2 = nn.Linear(hidden_dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Qwen2VisionBlock(nn.Module):
+    """Pre-LayerNorm transformer block: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``."""
+
+    def __init__(self, vision_config) -> None:
+        super().__init__()
+        dim = vision_config.embed_dim
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = VisionAttention(dim, vision_config.num_heads)
+        hidden = int(dim * vision_config.mlp_ratio)
+        self.mlp = VisionMlp(dim, hidden, vision_config.hidden_act)
+
+    def forward(
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+class Qwen2VisionTransformer(nn.Module):
+    """The Qwen2-VL vision tower, from the checkpoint's ``vision_config`` (``Qwen2VLVisionConfig``).
+
+    ``forward(pixel_values [num_patches, C*T*P*P], grid_thw [num_images, 3] long)
+    -> [num_patches // spatial_merge_size**2, hidden_size]`` (``hidden_size`` = the LM's width):
+    the images' embeddings concatenated in input order, image ``i`` taking
+    ``t * h * w // merge**2`` rows. Raises ``ValueError`` if ``grid_thw`` does not fit.
+    """
+
+    def __init__(self, vision_config) -> None:
+        super().__init__()
+        cfg = vision_config
+        self.spatial_merge_size = cfg.spatial_merge_size
+        self.head_dim = cfg.embed_dim // cfg.num_heads
+        self.rope_theta = rope_theta(cfg)
+        self.patch_embed = PatchEmbed(
+            cfg.patch_size, cfg.temporal_patch_size, cfg.in_channels, cfg.embed_dim
+        )
+        self.blocks = nn.ModuleList([Qwen2VisionBlock(cfg) for _ in range(cfg.depth)])
+        self.merger = PatchMerger(cfg.embed_dim, cfg.hidden_size, cfg.spatial_merge_size)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        grids = check_grid(pixel_values, grid_thw, self.spatial_merge_size)
+        x = self.patch_embed(pixel_values)  # [N, embed_dim]
+        cos, sin = rotary_cos_sin(
+            grids, self.spatial_merge_size, self.head_dim, self.rope_theta, x.device
+        )
+        cu_seqlens = cu_seqlens_from_grid(grids, x.device)
+        for block in self.blocks:
+            x = block(x, cu_seqlens, cos, sin)
+        return self.merger(x)

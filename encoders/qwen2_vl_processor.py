@@ -1,0 +1,201 @@
+"""Qwen2-VL / Qwen2.5-VL image processor: dynamic resolution, 14x14 patches, 2x2 merge.
+
+An image keeps (about) its aspect ratio and is resized so that each side is a multiple of
+``patch_size * merge_size`` (28) and its area lies in ``[min_pixels, max_pixels]``; the vision
+tower then sees ``grid_h x grid_w`` patches and the LLM ``grid_h * grid_w / merge_size**2``
+image tokens. Pixels equal those of transformers' default ``Qwen2VLImageProcessor``
+(torchvision backend), which both Qwen2-VL and Qwen2.5-VL checkpoints load.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from PIL import Image
+
+from mm_serve.encoders.base import ImageProcessor, ProcessedImage
+from mm_serve.encoders.image_io import Normalization, pil_to_tensor, resize
+
+DEFAULT_MIN_PIXELS = 56 * 56
+DEFAULT_MAX_PIXELS = 28 * 28 * 1280
+MAX_ASPECT_RATIO = 200
+
+
+def smart_resize(
+    height: int,
+    width: int,
+    factor: int = 28,
+    min_pixels: int = DEFAULT_MIN_PIXELS,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+) -> tuple[int, int]:
+    """Target ``(height, width)`` in pixels: multiples of ``factor``, area in range, aspect kept.
+
+    From the Qwen2-VL paper's "Naive Dynamic Resolution" (Wang et al. 2024, arXiv:2409.12191),
+    as implemented by the Qwen team in HF transformers
+    (``models/qwen2_vl/image_processing_qwen2_vl.py``): round each side to the nearest multiple
+    of ``factor`` (Python's ``round``: halves go to even); if the area then exceeds
+    ``max_pixels``, scale both sides down by ``sqrt(area / max_pixels)`` and floor to
+    multiples; if it is below ``min_pixels``, scale up and ceil. Never below ``factor``.
+
+    Raises:
+        ValueError: a side is not positive, or the aspect ratio exceeds 200 (as HF).
+    """
+    if height <= 0 or width <= 0:
+        raise ValueError(f"The image is {width}x{height} pixels: it has no pixels to process.")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ValueError(
+            f"The image is {width}x{height} pixels: its aspect ratio must be at most "
+            f"{MAX_ASPECT_RATIO}, got {max(height, width) / min(height, width):.1f}."
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def patchify(
+    pixels: torch.Tensor, patch_size: int, temporal_patch_size: int, merge_size: int
+) -> torch.Tensor:
+    """``[C, H, W]`` → ``[grid_h * grid_w, C * temporal_patch_size * patch_size**2]``.
+
+    Row order groups each ``merge_size x merge_size`` block of neighbouring patches together
+    (the vision tower's patch merger relies on it); each row is ``(C, t, py, px)`` flattened.
+    A still image is one frame repeated ``temporal_patch_size`` times, so ``grid_t = 1``.
+    """
+    channels, height, width = pixels.shape
+    grid_h, grid_w = height // patch_size, width // patch_size
+    blocks = pixels.reshape(
+        channels,
+        grid_h // merge_size,
+        merge_size,
+        patch_size,
+        grid_w // merge_size,
+        merge_size,
+        patch_size,
+    )
+    # [grid_h/m, grid_w/m, m, m, C, patch, patch]
+    blocks = blocks.permute(1, 4, 2, 5, 0, 3, 6)
+    frames = blocks.unsqueeze(5).expand(-1, -1, -1, -1, -1, temporal_patch_size, -1, -1)
+    return frames.reshape(grid_h * grid_w, channels * temporal_patch_size * patch_size**2)
+
+
+class Qwen2VLImageProcessor(ImageProcessor):
+    """Resize (smart_resize, bicubic) → rescale → normalise → patchify; one image at a time.
+
+    Build it with ``from_config(preprocessor_config_dict)``. ``preprocess`` returns
+    ``pixel_values`` ``[grid_h * grid_w, 3 * temporal_patch_size * patch_size**2]`` float32,
+    ``image_grid_thw = (1, grid_h, grid_w)`` and ``num_tokens = grid_h * grid_w //
+    merge_size**2``.
+    """
+
+    def __init__(
+        self,
+        *,
+        min_pixels: int = DEFAULT_MIN_PIXELS,
+        max_pixels: int = DEFAULT_MAX_PIXELS,
+        patch_size: int = 14,
+        temporal_patch_size: int = 2,
+        merge_size: int = 2,
+        normalization: Normalization | None = None,
+        do_resize: bool = True,
+        resample: int = 3,
+        do_convert_rgb: bool = True,
+    ) -> None:
+        if min_pixels > max_pixels:
+            raise ValueError(
+                f"min_pixels ({min_pixels}) must not exceed max_pixels ({max_pixels})."
+            )
+        self.min_pixels = min_pixels
+        self.max_pixels = max_pixels
+        self.patch_size = patch_size
+        self.temporal_patch_size = temporal_patch_size
+        self.merge_size = merge_size
+        self.normalization = normalization or Normalization()
+        self.do_resize = do_resize
+        self.resample = resample
+        self.do_convert_rgb = do_convert_rgb
+
+    @classmethod
+    def from_config(
+        cls, config: Mapping[str, Any], max_pixels: int | None = None
+    ) -> Qwen2VLImageProcessor:
+        """From a ``preprocessor_config.json`` dict.
+
+        Pixel bounds come, as in HF, from top-level ``min_pixels``/``max_pixels`` when present,
+        else from ``size.shortest_edge``/``size.longest_edge`` (despite the names: areas in
+        pixels). ``max_pixels`` overrides the config's bound; ``min_pixels`` is then clamped
+        not to exceed it.
+        """
+        size = dict(config.get("size") or {})
+        low = config.get("min_pixels")
+        low = low if low is not None else size.get("shortest_edge", size.get("min_pixels"))
+        high = config.get("max_pixels")
+        high = high if high is not None else size.get("longest_edge", size.get("max_pixels"))
+        low = DEFAULT_MIN_PIXELS if low is None else int(low)
+        high = DEFAULT_MAX_PIXELS if high is None else int(high)
+        if max_pixels is not None:
+            high = int(max_pixels)
+            low = min(low, high)
+        return cls(
+            min_pixels=low,
+            max_pixels=high,
+            patch_size=int(config.get("patch_size", 14)),
+            temporal_patch_size=int(config.get("temporal_patch_size", 2)),
+            merge_size=int(config.get("merge_size", 2)),
+            normalization=Normalization.from_config(config),
+            do_resize=bool(config.get("do_resize", True)),
+            resample=int(config.get("resample", 3)),
+            do_convert_rgb=bool(config.get("do_convert_rgb", True)),
+        )
+
+    @property
+    def factor(self) -> int:
+        """Side lengths are multiples of this many pixels (one merged token's width)."""
+        return self.patch_size * self.merge_size
+
+    def target_size(self, height: int, width: int) -> tuple[int, int]:
+        """The resized ``(height, width)`` of a ``height x width`` input image."""
+        if not self.do_resize:
+            return height, width
+        return smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
+
+    def num_tokens(self, height: int, width: int) -> int:
+        """Image tokens for an input of this size, without touching pixels (for profiling)."""
+        resized_height, resized_width = self.target_size(height, width)
+        return (resized_height // self.factor) * (resized_width // self.factor)
+
+    def preprocess(self, image: Image.Image) -> ProcessedImage:
+        """PIL image (any mode) → patches; see the class docstring for shapes.
+
+        Raises:
+            ValueError: zero-sized image, aspect ratio above 200, or (with ``do_resize`` off)
+                sides that are not multiples of ``patch_size * merge_size``.
+        """
+        pixels = pil_to_tensor(image, self.do_convert_rgb)  # [3, H, W] uint8
+        height, width = self.target_size(*pixels.shape[-2:])
+        if height % self.factor or width % self.factor:
+            raise ValueError(
+                f"The image is {width}x{height} pixels; with do_resize off both sides must be "
+                f"multiples of {self.factor}."
+            )
+        if self.do_resize:
+            pixels = resize(pixels, height, width, self.resample)
+        patches = patchify(
+            self.normalization(pixels), self.patch_size, self.temporal_patch_size, self.merge_size
+        )
+        grid_h, grid_w = height // self.patch_size, width // self.patch_size
+        return ProcessedImage(
+            pixel_values=patches,
+            num_tokens=grid_h * grid_w // self.merge_size**2,
+            image_grid_thw=(1, grid_h, grid_w),
+        )

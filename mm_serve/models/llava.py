@@ -1,0 +1,100 @@
+"""LLaVA (1.5): CLIP vision tower + 2-layer MLP projector in front of a Llama decoder.
+
+The language model is our ``LlamaForCausalLM`` on the HF ``text_config`` with plain 1-D RoPE.
+An image becomes ``(image_size / patch)**2`` tokens (the class token dropped by the
+``"default"`` select strategy), which replace its ``<image>`` placeholder tokens.
+
+Parameter names: ``vision_tower.vision_model.*`` (``CLIPVisionTower``),
+``multi_modal_projector.linear_{1,2}.*``, ``model.*`` and ``lm_head.*`` (the LM's). Checkpoint
+names accepted: llava-hf's ``vision_tower.vision_model.*``, ``multi_modal_projector.*``,
+``language_model.model.*``, ``language_model.lm_head.*``; what transformers 5 saves
+(``vision_tower.*`` without ``vision_model.``); and its in-memory names (``model.vision_tower.*``,
+``model.multi_modal_projector.*``, ``model.language_model.*``, ``lm_head.*``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from mm_serve.encoders.base import ProcessedImage
+from mm_serve.encoders.clip import CLIPVisionTower, LlavaMultiModalProjector, tower_weight_name
+from mm_serve.models.llama import LlamaForCausalLM
+from mm_serve.models.qwen2_vl import load_tower_tensor, tie_embeddings_like
+
+# Checkpoint name prefix -> ours, tried in order (first match wins).
+_PREFIXES = (
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+
+
+def _rename(ckpt_name: str) -> str:
+    """Checkpoint tensor name -> our parameter name (unknown names are returned unchanged)."""
+    name = ckpt_name
+    for old, new in _PREFIXES:
+        if name.startswith(old):
+            name = new + name[len(old) :]
+            break
+    if name.startswith("vision_tower."):  # with or without the vision_model level
+        return "vision_tower." + tower_weight_name(name.removeprefix("vision_tower."))
+    return name
+
+
+class LlavaForConditionalGeneration(LlamaForCausalLM):
+    """LLaVA: ``vision_tower`` + ``multi_modal_projector`` + the Llama LM (1-D RoPE).
+
+    ``config`` is the HF ``LlavaConfig``. Inherits the LM interface (``get_input_embeddings``,
+    ``forward`` with positions ``[T]``, ``compute_logits``, ``attention_layers``,
+    ``bind_kv_cache``).
+    """
+
+    uses_mrope = False
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config.text_config)
+        tie_embeddings_like(self, config)
+        self.config = config
+        self.image_token_id: int = config.image_token_id
+        self.vision_tower = CLIPVisionTower(
+            config.vision_config,
+            config.vision_feature_layer,
+            config.vision_feature_select_strategy,
+        )
+        self.multi_modal_projector = LlavaMultiModalProjector(config)
+
+    def embed_images(self, images: list[ProcessedImage]) -> list[torch.Tensor]:
+        """One ``[num_tokens, hidden]`` tensor per image (projected CLIP features), in order.
+
+        Each image's ``pixel_values`` is ``[3, H, W]``, all of the same size (the processor
+        crops to the tower's ``image_size``); they go through the tower as one batch.
+        """
+        if not images:
+            return []
+        weight = self.multi_modal_projector.linear_1.weight
+        pixel_values = torch.stack([image.pixel_values for image in images])
+        pixel_values = pixel_values.to(device=weight.device, dtype=weight.dtype)
+        features = self.vision_tower(pixel_values)  # [N, num_tokens, vision_hidden]
+        return list(self.multi_modal_projector(features).unbind(0))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load the tower's and projector's tensors here, pass the LM's to
+        ``LlamaForCausalLM.load_weights``. Returns the fully loaded parameter names; raises
+        ``ValueError`` for a tensor of the wrong shape."""
+        loaded: set[str] = set()
+
+        def language_model_weights() -> Iterator[tuple[str, torch.Tensor]]:
+            for ckpt_name, tensor in weights:
+                name = _rename(ckpt_name)
+                vision = name.startswith(("vision_tower.", "multi_modal_projector."))
+                if vision and load_tower_tensor(self, name, tensor):
+                    loaded.add(name)
+                else:
+                    yield name, tensor  # the LM's loader skips unknown names with a warning
+
+        return loaded | super().load_weights(language_model_weights())

@@ -1,0 +1,136 @@
+"""Qwen2-VL and Qwen2.5-VL: a ViT (``encoders``) in front of a Qwen2 decoder with M-RoPE.
+
+The language model is our ``LlamaForCausalLM`` on the HF ``text_config``; its rope dict has
+``mrope_section``, so ``get_rope`` gives it ``MRotaryEmbedding`` and ``forward`` takes
+positions ``[3, T]`` (``mm_serve.models.mrope.get_mrope_input_positions`` makes them).
+The model runner drives it as a text model plus two calls:
+
+1. ``embed_images(images)`` -> one ``[num_tokens, hidden]`` tensor per image;
+2. it writes those rows into ``get_input_embeddings(input_ids)`` at the image-token positions
+   and calls ``forward(None, positions, attn_metadata, inputs_embeds)``.
+
+Parameter names: ``visual.*`` (the tower's, as HF's), ``model.*`` and ``lm_head.*`` (the LM's).
+Checkpoints name the tensors either so (Qwen/Qwen2-VL-*, and what transformers 5 saves) or
+``model.visual.*``, ``model.language_model.*``, ``lm_head.*`` (transformers 5 in memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from mm_serve.encoders.base import ProcessedImage
+from mm_serve.encoders.qwen2_5_vl import Qwen2_5_VisionTransformer
+from mm_serve.encoders.qwen2_vl import Qwen2VisionTransformer
+from mm_serve.models.llama import LlamaForCausalLM
+
+# Checkpoint name prefix -> ours, tried in order (first match wins).
+_PREFIXES = (
+    ("model.visual.", "visual."),
+    ("model.language_model.", "model."),
+    ("visual.", "visual."),
+    ("model.", "model."),
+    ("lm_head.", "lm_head."),
+)
+
+
+def _rename(ckpt_name: str) -> str:
+    """Checkpoint tensor name -> our parameter name (unknown names are returned unchanged)."""
+    for old, new in _PREFIXES:
+        if ckpt_name.startswith(old):
+            return new + ckpt_name[len(old) :]
+    return ckpt_name
+
+
+def load_tower_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    """Copy a vision tensor into ``model``'s parameter ``name`` (plain, unsharded copy).
+
+    Returns False, copying nothing, if there is no such parameter; raises ``ValueError``
+    naming the tensor if the shapes differ.
+    """
+    try:
+        param = model.get_parameter(name)
+    except AttributeError:
+        return False
+    if param.shape != tensor.shape:
+        raise ValueError(
+            f"Cannot load {name!r}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+        )
+    param.data.copy_(tensor)
+    return True
+
+
+def tie_embeddings_like(model: LlamaForCausalLM, hf_config: Any) -> None:
+    """transformers 5 keeps a VLM's ``tie_word_embeddings`` on the outer config, not in
+    ``text_config``: apply it to the LM built from ``text_config``."""
+    if getattr(hf_config, "tie_word_embeddings", False) and not model.tie_word_embeddings:
+        model.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
+    """Qwen2-VL: ``visual`` (``Qwen2VisionTransformer``) + the Qwen2 LM with M-RoPE.
+
+    ``config`` is the HF ``Qwen2VLConfig``. Inherits the LM interface (``get_input_embeddings``,
+    ``forward``, ``compute_logits``, ``attention_layers``, ``bind_kv_cache``); ``forward``
+    takes positions ``[3, T]`` (or ``[T]`` when the three axes are equal, e.g. decode).
+    """
+
+    uses_mrope = True
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config.text_config)
+        tie_embeddings_like(self, config)
+        self.config = config
+        self.image_token_id: int = config.image_token_id
+        self.spatial_merge_size: int = config.vision_config.spatial_merge_size
+        self.visual = self._build_tower(config.vision_config)
+
+    def _build_tower(self, vision_config: Any) -> nn.Module:
+        return Qwen2VisionTransformer(vision_config)
+
+    def embed_images(self, images: list[ProcessedImage]) -> list[torch.Tensor]:
+        """One ``[num_tokens, hidden]`` tensor per image, in order, from one tower call.
+
+        Each image's ``pixel_values`` is ``[t * h * w, C * T * P * P]`` with
+        ``image_grid_thw = (t, h, w)``; it gives ``t * h * w // merge**2`` rows.
+        """
+        if not images:
+            return []
+        weight = self.visual.patch_embed.proj.weight
+        pixel_values = torch.cat([image.pixel_values for image in images])
+        pixel_values = pixel_values.to(device=weight.device, dtype=weight.dtype)
+        grids = [tuple(image.image_grid_thw) for image in images]
+        grid_thw = torch.tensor(grids, dtype=torch.long, device=weight.device)
+        embeddings = self.visual(pixel_values, grid_thw)  # [sum of tokens, hidden]
+        sizes = [t * h * w // self.spatial_merge_size**2 for t, h, w in grids]
+        return list(embeddings.split(sizes))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load the tower's tensors here and pass the LM's to ``LlamaForCausalLM.load_weights``.
+
+        Returns the fully loaded parameter names; raises ``ValueError`` for a tensor of the
+        wrong shape. Tensors matching no parameter are skipped with a warning.
+        """
+        loaded: set[str] = set()
+
+        def language_model_weights() -> Iterator[tuple[str, torch.Tensor]]:
+            for ckpt_name, tensor in weights:
+                name = _rename(ckpt_name)
+                if name.startswith("visual.") and load_tower_tensor(self, name, tensor):
+                    loaded.add(name)
+                else:
+                    yield name, tensor  # the LM's loader skips unknown names with a warning
+
+        return loaded | super().load_weights(language_model_weights())
+
+
+class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
+    """Qwen2.5-VL: the same model with the windowed-attention tower
+    (``Qwen2_5_VisionTransformer``, SwiGLU MLP, RMSNorm); ``config`` is ``Qwen2_5_VLConfig``."""
+
+    def _build_tower(self, vision_config: Any) -> nn.Module:
+        return Qwen2_5_VisionTransformer(vision_config)

@@ -1,0 +1,276 @@
+"""Tiny, deterministic vision-language checkpoints (Qwen2-VL, Qwen2.5-VL, LLaVA) for tests.
+
+``build_tiny_vlm_checkpoint`` writes a folder shaped like the real checkpoint: the text
+builder's byte-level BPE tokenizer plus the family's image tokens, a chat template that
+renders image parts as the family's placeholder, ``config.json`` (tiny text and vision
+configs), the HF processor files (small image sizes, so few image tokens) and float32
+safetensors. ``AutoProcessor.from_pretrained`` and the HF model load from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from mm_serve._compat import ensure_torchvision_importable
+from mm_serve.testing.checkpoints import _perturb_norms_and_biases, build_tokenizer
+
+QWEN_VL_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+LLAVA_IMAGE_TOKEN = "<image>"
+
+# As Qwen2-VL-Instruct's template: image parts become <|vision_start|><|image_pad|><|vision_end|>
+# (the processor repeats <|image_pad|> once per image token).
+QWEN_VL_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if loop.first and message['role'] != 'system' -%}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' -}}{%- endif -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] in ('image', 'image_url') -%}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+# Vicuna style, as llava-1.5-hf: "USER: <image>\nWhat is this? ASSISTANT:" (the tokenizer adds
+# the BOS token).
+LLAVA_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}{{- message['content'] + ' ' -}}"
+    "{%- else -%}{{- message['role'].upper() + ': ' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] in ('image', 'image_url') -%}{{- '<image>\\n' -}}"
+    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- ' ' if message['role'] == 'user' else '</s>' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- 'ASSISTANT:' -}}{%- endif -%}"
+)
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava")
+_TEXT = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    initializer_range=0.3,  # peaked logits: no greedy near-ties between implementations
+)
+# Qwen2-VL: 8 rotary frequencies (head_dim 16) split 2:3:3 like the real 16:24:24.
+_MROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]}
+QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 28 * 28 * 4, 28 * 28 * 64
+LLAVA_IMAGE_SIZE = 56  # 4 x 4 patches of 14 -> 16 image tokens
+
+
+def _tokenizer(family: str) -> Any:
+    """The text builder's tokenizer plus the family's image tokens and chat template."""
+    if family == "llava":
+        tokenizer = build_tokenizer("llama")
+        tokenizer.add_tokens([LLAVA_IMAGE_TOKEN], special_tokens=True)
+        tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
+    else:
+        tokenizer = build_tokenizer("qwen2")
+        tokenizer.add_tokens(QWEN_VL_SPECIALS, special_tokens=True)
+        tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
+    return tokenizer
+
+
+def _token_ids(tokenizer: Any) -> dict[str, Any]:
+    ids = tokenizer.convert_tokens_to_ids
+    pad = tokenizer.pad_token_id
+    eos = [tokenizer.eos_token_id] + ([pad] if pad != tokenizer.eos_token_id else [])
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else pad
+    common = {"vocab_size": len(tokenizer), "bos_token_id": bos, "eos_token_id": eos}
+    common["pad_token_id"] = pad
+    if LLAVA_IMAGE_TOKEN in tokenizer.get_vocab():
+        return {"text": common, "image_token_id": ids(LLAVA_IMAGE_TOKEN)}
+    return {
+        "text": common,
+        "image_token_id": ids("<|image_pad|>"),
+        "video_token_id": ids("<|video_pad|>"),
+        "vision_start_token_id": ids("<|vision_start|>"),
+        "vision_end_token_id": ids("<|vision_end|>"),
+    }
+
+
+def _build_config(family: str, tokenizer: Any) -> Any:
+    ids = _token_ids(tokenizer)
+    text = {**_TEXT, **ids.pop("text")}
+    if family == "llava":
+        return _llava_config(text, ids)
+    return _qwen_vl_config(family, {**text, "rope_parameters": dict(_MROPE)}, ids)
+
+
+def _llava_config(text: dict[str, Any], ids: dict[str, Any]) -> Any:
+    from transformers import LlavaConfig
+
+    vision = dict(
+        model_type="clip_vision_model",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,  # the last one unused: LLaVA takes the penultimate layer
+        num_attention_heads=2,
+        image_size=LLAVA_IMAGE_SIZE,
+        patch_size=14,
+        projection_dim=32,
+    )
+    return LlavaConfig(
+        text_config={**text, "model_type": "llama", "rope_theta": 500000.0},
+        vision_config=vision,
+        image_seq_length=(LLAVA_IMAGE_SIZE // 14) ** 2,
+        architectures=["LlavaForConditionalGeneration"],
+        **ids,
+    )
+
+
+def _qwen_vl_config(family: str, text: dict[str, Any], ids: dict[str, Any]) -> Any:
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+
+    # Init between HF's 0.02 and the text 0.3: image embeddings about as large as token ones.
+    common = dict(depth=2, num_heads=2, patch_size=14, spatial_merge_size=2, initializer_range=0.05)
+    if family == "qwen2_vl":
+        vision = dict(embed_dim=32, hidden_size=_TEXT["hidden_size"], mlp_ratio=2, **common)
+        config_cls, arch = Qwen2VLConfig, "Qwen2VLForConditionalGeneration"
+    else:
+        vision = dict(
+            hidden_size=32,
+            intermediate_size=64,
+            out_hidden_size=_TEXT["hidden_size"],
+            window_size=56,  # 2 x 2 merged units per window: images of a few windows
+            fullatt_block_indexes=[1],
+            **common,
+        )
+        config_cls, arch = Qwen2_5_VLConfig, "Qwen2_5_VLForConditionalGeneration"
+    return config_cls(
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=True,  # as Qwen2-VL-2B
+        architectures=[arch],
+        **ids,
+    )
+
+
+def _build_processor(family: str, tokenizer: Any) -> Any:
+    ensure_torchvision_importable()
+    if family == "llava":
+        from transformers import CLIPImageProcessor, LlavaProcessor
+
+        size = LLAVA_IMAGE_SIZE
+        image_processor = CLIPImageProcessor(
+            size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+        )
+        return LlavaProcessor(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            patch_size=14,
+            vision_feature_select_strategy="default",
+            num_additional_image_tokens=1,  # the CLS token, dropped by the "default" strategy
+            chat_template=LLAVA_CHAT_TEMPLATE,
+        )
+    from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+    pixels = dict(min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS)
+    processor_cls = _processor_class(family)
+    return processor_cls(
+        image_processor=Qwen2VLImageProcessor(**pixels),
+        video_processor=Qwen2VLVideoProcessor(**pixels),
+        tokenizer=tokenizer,
+        chat_template=QWEN_VL_CHAT_TEMPLATE,
+    )
+
+
+def _processor_class(family: str) -> type:
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor
+
+    return Qwen2VLProcessor if family == "qwen2_vl" else Qwen2_5_VLProcessor
+
+
+def _model_class(family: str) -> type:
+    import transformers
+
+    name = {
+        "qwen2_vl": "Qwen2VLForConditionalGeneration",
+        "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+        "llava": "LlavaForConditionalGeneration",
+    }[family]
+    return getattr(transformers, name)
+
+
+def build_tiny_vlm_checkpoint(path: str | os.PathLike, family: str, seed: int = 0) -> str:
+    """Write a tiny ``family`` ("qwen2_vl", "qwen2_5_vl" or "llava") checkpoint to ``path``.
+
+    Text: hidden 64, 2 layers, 4 heads, 2 KV heads, intermediate 128 (Qwen: mrope sections
+    2:3:3, tied embeddings). Vision: 2-3 layers of width 32, patch 14, merge 2; Qwen images
+    are resized into ``[QWEN_MIN_PIXELS, QWEN_MAX_PIXELS]`` (4 to 64 image tokens), LLaVA's to
+    56 x 56 (16 image tokens). Float32 weights; same arguments, same bytes. Returns ``path``.
+    """
+    from transformers import GenerationConfig
+
+    if family not in FAMILIES:
+        raise ValueError(f"Unknown family {family!r}; choose from {FAMILIES}.")
+    os.makedirs(path, exist_ok=True)
+    tokenizer = _tokenizer(family)
+    config = _build_config(family, tokenizer)
+    torch.manual_seed(seed)
+    model = _model_class(family)(config).to(torch.float32).eval()
+    if family == "llava":
+        _shrink_projector(model.model.multi_modal_projector)
+    _perturb_norms_and_biases(model, seed)
+    text = config.text_config
+    model.generation_config = GenerationConfig(
+        bos_token_id=text.bos_token_id,
+        eos_token_id=text.eos_token_id,
+        pad_token_id=text.pad_token_id,
+    )
+    model.save_pretrained(path)
+    _save_processor(_build_processor(family, tokenizer), path)
+    return str(path)
+
+
+@torch.no_grad()
+def _shrink_projector(projector: torch.nn.Module) -> None:
+    """HF inits LLaVA's projector with the text std (0.3 here), which makes image embeddings
+    ~10x larger than token embeddings and float32 rounding visible in the logits; use 0.05."""
+    for linear in (projector.linear_1, projector.linear_2):
+        linear.weight.normal_(0.0, 0.05)
+
+
+def _save_processor(processor: Any, path: str | os.PathLike) -> None:
+    """Save as the real checkpoints are laid out: the image processor's own
+    ``preprocessor_config.json`` (Qwen: with ``min_pixels``/``max_pixels``), the tokenizer and
+    chat template, and ``processor_config.json`` only for the processor's own kwargs (LLaVA)."""
+    processor.save_pretrained(path)
+    processor.image_processor.save_pretrained(path)
+    with open(os.path.join(path, "processor_config.json")) as f:
+        own = {k: v for k, v in json.load(f).items() if not k.endswith("_processor")}
+    os.remove(os.path.join(path, "processor_config.json"))
+    if set(own) - {"processor_class"}:
+        _write_json(os.path.join(path, "processor_config.json"), own)
+    image_config_path = os.path.join(path, "preprocessor_config.json")
+    with open(image_config_path) as f:
+        image_config = json.load(f)
+    image_config["processor_class"] = own["processor_class"]
+    if "longest_edge" in image_config["size"]:  # Qwen: min/max pixels, not a size
+        size = image_config.pop("size")
+        image_config["min_pixels"], image_config["max_pixels"] = (
+            size["shortest_edge"],
+            size["longest_edge"],
+        )
+    _write_json(image_config_path, image_config)
+
+
+def _write_json(path: str, value: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, indent=2, sort_keys=True)
+        f.write("\n")
