@@ -133,8 +133,8 @@ class InputProcessor:
         """Render a conversation with the checkpoint's chat template into a prompt dict.
 
         Image parts (``image_url`` with a data/file URL or path, or ``image``) become the
-        template's image placeholder and the prompt's ``multi_modal_data``. The template writes
-        the special tokens itself, so the text is tokenized without adding more (as vLLM does).
+        template's image placeholder and the prompt's ``multi_modal_data``. BOS is added as HF's
+        processors do, unless the template already wrote it (no double BOS).
         """
         from mm_serve.engine.mm_processor import split_chat_images
 
@@ -147,7 +147,9 @@ class InputProcessor:
             tokenize=False,
             **template_kwargs,
         )
-        token_ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        bos = self.tokenizer.bos_token
+        add_special_tokens = not (bos and text.startswith(bos))
+        token_ids = self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
         prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": token_ids}
         if images:
             prompt["multi_modal_data"] = {"image": images}

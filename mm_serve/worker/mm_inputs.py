@@ -28,7 +28,8 @@ class EmbeddingSlice:
 
 
 class EncoderOutputs:
-    """mm_hash → ``[num_tokens, hidden]`` embeddings, kept while a live request references them.
+    """mm_hash → ``[num_tokens, hidden]`` embeddings, kept while a live request still has
+    tokens of that image's placeholder range to compute.
 
     (The scheduler-driven encoder cache with budgets replaces this bookkeeping later.)
     """
@@ -36,10 +37,23 @@ class EncoderOutputs:
     def __init__(self) -> None:
         self.embeddings: dict[str, torch.Tensor] = {}
 
-    def free_unreferenced(self, states: dict[str, CachedRequestState]) -> None:
-        referenced = {f.mm_hash for s in states.values() for f in s.mm_features}
+    def free_consumed(
+        self, states: dict[str, CachedRequestState], num_scheduled: dict[str, int]
+    ) -> None:
+        """Drop images every live request has computed past (after this step's tokens).
+
+        A request preempted later recomputes from scratch and re-encodes its images.
+        """
+        if not self.embeddings:
+            return
+        needed = {
+            f.mm_hash
+            for req_id, state in states.items()
+            for f in state.mm_features
+            if state.num_computed_tokens + num_scheduled.get(req_id, 0) < f.placeholder.end
+        }
         for mm_hash in list(self.embeddings):
-            if mm_hash not in referenced:
+            if mm_hash not in needed:
                 del self.embeddings[mm_hash]
 
 

@@ -93,6 +93,7 @@ class ModelRunner:
         prompt_logprobs = compute_prompt_logprobs(
             self.model, hidden_states, inputs.prompt_logprobs_jobs
         )
+        self.encoder_outputs.free_consumed(self.requests, scheduler_output.num_scheduled_tokens)
         return self._make_output(inputs.sample_rows, sampler_output, prompt_logprobs)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -134,8 +135,6 @@ class ModelRunner:
         batch = self.input_batch
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
-        if scheduler_output.finished_req_ids:
-            self.encoder_outputs.free_unreferenced(self.requests)
         # Requests in the batch that were not scheduled (finished or preempted) leave it; the
         # preempted keep their state here and come back with resumed_from_preemption.
         scheduled = scheduler_output.num_scheduled_tokens
