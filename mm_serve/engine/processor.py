@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mm_serve.config import ModelConfig, MultiModalConfig
+from mm_serve.engine.mm_processor import MultiModalProcessor, image_token_id, split_chat_images
 from mm_serve.request import MultiModalFeature, Request
 from mm_serve.sampling_params import SamplingParams
 
@@ -61,8 +62,6 @@ class InputProcessor:
         tokenizer,
         generation_config,
     ) -> None:
-        from mm_serve.engine.mm_processor import MultiModalProcessor, image_token_id
-
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.mm_processor = None
@@ -136,8 +135,6 @@ class InputProcessor:
         template's image placeholder and the prompt's ``multi_modal_data``. BOS is added as HF's
         processors do, unless the template already wrote it (no double BOS).
         """
-        from mm_serve.engine.mm_processor import split_chat_images
-
         messages, images = split_chat_images(messages)
         text = self.tokenizer.apply_chat_template(
             messages,
