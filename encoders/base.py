@@ -32,10 +32,6 @@ class ProcessedImage:
     num_tokens: int  # placeholder tokens in the prompt = rows of the image's embeddings
     image_grid_thw: tuple[int, int, int] | None = None
 
-    @property
-    def nbytes(self) -> int:
-        return self.pixel_values.numel() * self.pixel_values.element_size()
-
 
 class ImageProcessor:
     """Base of each family's processor, built from ``preprocessor_config.json`` values.

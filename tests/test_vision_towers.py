@@ -108,7 +108,7 @@ def _pair(hf_cls, ours_cls, config, dtype=torch.float32):
     return hf.to(dtype), ours.to(dtype)
 
 
-@pytest.mark.parametrize(
+QWEN_TOWERS = pytest.mark.parametrize(
     "hf_cls, ours_cls, make_config",
     [
         (Qwen2VisionTransformerPretrainedModel, Qwen2VisionTransformer, _qwen2_config),
@@ -116,6 +116,9 @@ def _pair(hf_cls, ours_cls, config, dtype=torch.float32):
     ],
     ids=["qwen2_vl", "qwen2_5_vl"],
 )
+
+
+@QWEN_TOWERS
 @torch.inference_mode()
 def test_qwen_tower_matches_hf(hf_cls, ours_cls, make_config):
     config = make_config()
@@ -138,14 +141,7 @@ def test_qwen_tower_matches_hf(hf_cls, ours_cls, make_config):
         start += rows
 
 
-@pytest.mark.parametrize(
-    "hf_cls, ours_cls, make_config",
-    [
-        (Qwen2VisionTransformerPretrainedModel, Qwen2VisionTransformer, _qwen2_config),
-        (Qwen2_5_VisionTransformerPretrainedModel, Qwen2_5_VisionTransformer, _qwen2_5_config),
-    ],
-    ids=["qwen2_vl", "qwen2_5_vl"],
-)
+@QWEN_TOWERS
 @torch.inference_mode()
 def test_qwen_tower_bf16(hf_cls, ours_cls, make_config):
     config = make_config()

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import re
 from typing import Any
 
 import torch
@@ -242,16 +240,3 @@ def build_tiny_checkpoint(
     if num_shards > 1:
         _shard(path, num_shards)
     return str(path)
-
-
-def sample_prompts(num: int = 4, seed: int = 0) -> list[str]:
-    """``num`` deterministic English prompts of mixed lengths (a few words to a paragraph)."""
-    rng = random.Random(seed)
-    sentences = [s for p in CORPUS for s in re.split(r"(?<=[.!?])\s+", p.strip()) if s]
-    prompts = []
-    for i in range(num):
-        start = rng.randrange(len(sentences))
-        count = 1 + (i * 2) % 5
-        text = " ".join(sentences[(start + j) % len(sentences)] for j in range(count))
-        prompts.append(text if i % 3 else " ".join(text.split()[: 3 + i]))
-    return prompts

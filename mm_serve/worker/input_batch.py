@@ -184,21 +184,20 @@ class InputBatch:
             repetition_penalties=None
             if no_penalties
             else torch.from_numpy(self.repetition_penalty[rows]).to(device),
-            prompt_token_ids=None if no_penalties else self._padded_prompts(states, device),
+            prompt_token_ids=None if no_penalties else self._padded_prompts(rows, device),
             output_token_ids=[s.output_token_ids for s in states],
             banned_token_ids={
                 i: banned for i, s in enumerate(states) if (banned := _banned_tokens(s))
             },
         )
 
-    def _padded_prompts(
-        self, states: list[CachedRequestState], device: torch.device
-    ) -> torch.Tensor:
-        width = max(len(s.prompt_token_ids) for s in states)
-        out = torch.full((len(states), width), self.vocab_size, dtype=torch.int64)
-        for i, s in enumerate(states):
-            out[i, : len(s.prompt_token_ids)] = torch.tensor(s.prompt_token_ids)
-        return out.to(device)
+    def _padded_prompts(self, rows: np.ndarray, device: torch.device) -> torch.Tensor:
+        """``[len(rows), max_prompt_len]`` prompt ids from the batch's buffer, padded with
+        ``vocab_size`` (an id no logit has)."""
+        lengths = self.num_prompt_tokens[rows]
+        prompts = self.token_ids[rows, : lengths.max()].astype(np.int64)
+        prompts[np.arange(prompts.shape[1]) >= lengths[:, None]] = self.vocab_size
+        return torch.from_numpy(prompts).to(device)
 
 
 def _banned_tokens(state: CachedRequestState) -> list[int]:
