@@ -43,3 +43,12 @@ class ImageProcessor:
 
     def preprocess(self, image: Image.Image) -> ProcessedImage:
         raise NotImplementedError
+
+    @property
+    def max_num_tokens(self) -> int:
+        """The most placeholder tokens one image can expand to (sizes the encoder cache)."""
+        raise NotImplementedError
+
+    def hash_kwargs(self) -> dict[str, str]:
+        """Every setting that changes ``preprocess``'s result, for the image content hash."""
+        return {name: repr(value) for name, value in sorted(vars(self).items())}

@@ -104,6 +104,10 @@ class CLIPImageProcessor(ImageProcessor):
             do_convert_rgb=bool(config.get("do_convert_rgb", True)),
         )
 
+    @property
+    def max_num_tokens(self) -> int:
+        return self.num_tokens
+
     def target_size(self, height: int, width: int) -> tuple[int, int]:
         """The resized ``(height, width)`` of a ``height x width`` image, before the crop."""
         if not self.do_resize:

@@ -174,6 +174,23 @@ class Qwen2VLImageProcessor(ImageProcessor):
         resized_height, resized_width = self.target_size(height, width)
         return (resized_height // self.factor) * (resized_width // self.factor)
 
+    @property
+    def max_num_tokens(self) -> int:
+        """An upper bound on ``num_tokens`` over every image ``smart_resize`` accepts.
+
+        Three cases of ``smart_resize`` (``f = patch_size * merge_size``, aspect ratio at most
+        200): the area stays at most ``max_pixels``; or a side is clamped to ``f`` and the other
+        is at most ``sqrt(200 * max_pixels)``; or the area is rounded up from ``min_pixels``,
+        adding at most ``f`` to each side, whose sum is at most ``sqrt(min_pixels) * 15.2``.
+        """
+        f = self.patch_size * self.merge_size
+        root_min = math.isqrt(self.min_pixels) + 1
+        return max(
+            self.max_pixels // f**2,
+            math.isqrt(MAX_ASPECT_RATIO * self.max_pixels) // f + 1,
+            (self.min_pixels + 16 * f * root_min + f * f) // f**2,
+        )
+
     def preprocess(self, image: Image.Image) -> ProcessedImage:
         """PIL image (any mode) → patches; see the class docstring for shapes.
 

@@ -9,6 +9,7 @@ their owner and passed down explicitly; they are never written back into the con
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,21 +79,37 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """The per-step budgets: tokens (prompt and output alike) and sequences."""
+    """The per-step budgets: tokens (prompt and output alike), sequences, and encoder work.
+
+    ``max_num_encoder_input_tokens`` caps the image embedding tokens encoded per step;
+    ``encoder_cache_size`` is the encoder cache's capacity in embedding tokens. Both are at
+    least the largest image's token count (0 for a text-only model).
+    """
 
     max_num_batched_tokens: int
     max_num_seqs: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    max_num_encoder_input_tokens: int = 0
+    encoder_cache_size: int = 0
 
 
 @dataclass(frozen=True)
 class MultiModalConfig:
-    """Image limits: ``max_pixels`` caps an input image's width x height (larger ones are
-    rejected); ``processor_max_pixels`` overrides the processor's resize target."""
+    """Image limits and preprocessing.
+
+    ``max_pixels`` caps an input image's width x height (larger ones are rejected);
+    ``processor_max_pixels`` overrides the processor's resize target; ``max_image_tokens`` is
+    the most placeholder tokens one image can expand to (0 for a text-only model).
+    ``mm_processor_cache_gb`` bounds the processor cache (0 turns it off) and
+    ``mm_preprocess_workers`` is the size of the preprocessing process pool.
+    """
 
     max_pixels: int = 8192 * 8192
     processor_max_pixels: int | None = None
+    max_image_tokens: int = 0
+    mm_processor_cache_gb: float = 4.0
+    mm_preprocess_workers: int = 1
 
 
 @dataclass(frozen=True)
@@ -132,6 +149,10 @@ class EngineArgs:
     device: str = "auto"
     max_pixels: int = 8192 * 8192
     processor_max_pixels: int | None = None
+    mm_processor_cache_gb: float = 4.0
+    mm_preprocess_workers: int | None = None
+    max_num_encoder_input_tokens: int | None = None
+    encoder_cache_size: int | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the arguments (download, read config.json, pick dtype and lengths) once."""
@@ -160,15 +181,60 @@ class EngineArgs:
             cpu_kv_cache_bytes=self.cpu_kv_cache_bytes,
             num_kv_blocks=self.num_kv_blocks,
         )
+        multimodal = self._multimodal_config(path, hf_config)
+        batched_tokens = self._resolve_batched_tokens(max_model_len)
+        encoder_budget, encoder_cache_size = self._resolve_encoder_budgets(
+            batched_tokens, multimodal.max_image_tokens
+        )
         scheduler = SchedulerConfig(
-            max_num_batched_tokens=self._resolve_batched_tokens(max_model_len),
+            max_num_batched_tokens=batched_tokens,
             max_num_seqs=self.max_num_seqs,
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            max_num_encoder_input_tokens=encoder_budget,
+            encoder_cache_size=encoder_cache_size,
         )
         parallel = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
-        multimodal = MultiModalConfig(self.max_pixels, self.processor_max_pixels)
         return EngineConfig(model, cache, scheduler, parallel, device, multimodal)
+
+    def _multimodal_config(self, path: str, hf_config: Any) -> MultiModalConfig:
+        """Image limits; for a VLM, the largest image's token count from its processor."""
+        from mm_serve.encoders.processors import SUPPORTED_MODEL_TYPES, get_image_processor
+
+        max_image_tokens = 0
+        if getattr(hf_config, "model_type", None) in SUPPORTED_MODEL_TYPES:
+            processor = get_image_processor(path, hf_config, self.processor_max_pixels)
+            max_image_tokens = processor.max_num_tokens
+        if self.mm_processor_cache_gb < 0:
+            raise ValueError("mm_processor_cache_gb must not be negative.")
+        workers = self.mm_preprocess_workers
+        if workers is None:  # leave cores to the engine and the API server
+            workers = max(1, min(8, (os.cpu_count() or 2) // 2))
+        if workers < 1:
+            raise ValueError("mm_preprocess_workers must be at least 1.")
+        return MultiModalConfig(
+            max_pixels=self.max_pixels,
+            processor_max_pixels=self.processor_max_pixels,
+            max_image_tokens=max_image_tokens,
+            mm_processor_cache_gb=self.mm_processor_cache_gb,
+            mm_preprocess_workers=workers,
+        )
+
+    def _resolve_encoder_budgets(self, batched_tokens: int, max_image_tokens: int):
+        """(encoder tokens per step, encoder cache size): default to the token budget, and
+        never below the largest image, which must fit in one step and in the cache."""
+        budgets = []
+        for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
+            value = getattr(self, name)
+            if value is None:
+                value = max(batched_tokens, max_image_tokens) if max_image_tokens else 0
+            elif value < max_image_tokens:
+                raise ValueError(
+                    f"{name}={value} is below the largest image's {max_image_tokens} tokens; "
+                    "raise it or lower processor_max_pixels."
+                )
+            budgets.append(value)
+        return tuple(budgets)
 
     def _resolve_batched_tokens(self, max_model_len: int) -> int:
         tokens = self.max_num_batched_tokens or 8192

@@ -1,0 +1,26 @@
+"""Counters of one engine, readable at any time (``LLM.get_stats()``, later ``/metrics``).
+
+Counts are cumulative since start-up; gauges (running, waiting, KV usage) are the current
+values. Prefix-cache counts are in tokens, encoder-cache counts in images (one query per
+image a request needs, the first time its placeholder range is scheduled).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineStats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens whose KV was found
+    encoder_cache_queries: int = 0  # images needed by a scheduled window
+    encoder_cache_hits: int = 0  # of those, images whose embeddings were already cached
+    encoder_tokens_computed: int = 0  # embedding tokens run through the vision encoder
+    num_encoder_cache_entries: int = 0  # entries held by the encoder cache now
+    processor_cache_queries: int = 0  # images looked up in the front end's processor cache
+    processor_cache_hits: int = 0  # of those, images that skipped the preprocessing pool
