@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 from mm_serve import LLM, SamplingParams
+from mm_serve.testing.leaks import assert_engine_idle
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 MAX_NEW_TOKENS = 12
@@ -105,10 +106,7 @@ class HFVisionReference:
 
 
 def assert_no_kv_leak(llm: LLM) -> None:
-    kv = llm.engine_core.scheduler.kv_cache_manager
-    assert not llm.engine_core.has_unfinished_requests()
-    assert kv.num_free_blocks == kv.num_blocks
-    assert not llm.engine_core.model_runner.encoder_outputs.embeddings
+    assert_engine_idle(llm.engine_core)
 
 
 @pytest.mark.parametrize("engine_args", [{}, {"max_num_batched_tokens": 8, "block_size": 4}])

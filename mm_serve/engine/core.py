@@ -8,6 +8,7 @@ from mm_serve.config import EngineConfig
 from mm_serve.request import Request, RequestStatus
 from mm_serve.sched.output import EngineCoreOutput
 from mm_serve.sched.scheduler import Scheduler
+from mm_serve.stats import EngineStats
 from mm_serve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,10 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def get_stats(self) -> EngineStats:
+        """Counters of the scheduler and its caches (processor-cache counts are the front end's)."""
+        return self.scheduler.make_stats()
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, execute, update: one forward pass over the batch the scheduler chose."""

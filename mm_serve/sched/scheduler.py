@@ -6,14 +6,22 @@ request ``num_tokens - num_computed_tokens`` new tokens (capped by the step's to
 a long prompt is chunked over steps and decodes of other requests ride along. Running requests
 go first; when the KV pool runs out, the newest running request is preempted (its blocks freed,
 recomputed later); waiting requests are admitted only if no request was preempted this step.
+
+Images are scheduled like tokens: an image whose placeholder range enters a request's window is
+encoded this step unless its embeddings are cached or its range is already covered by computed
+(or prefix-cached) KV. Encoding spends the step's encoder budget and encoder-cache space; an image
+that does not fit ends the request's chunk just before it, so the encoder work of a long
+multi-image prompt spreads over several steps while other requests keep decoding.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from dataclasses import dataclass, field
 
 from mm_serve.cache import KVCacheManager
+from mm_serve.cache.encoder_cache_manager import EncoderCacheManager
 from mm_serve.config import CacheConfig, SchedulerConfig
 from mm_serve.request import Request, RequestStatus
 from mm_serve.sched.output import (
@@ -23,8 +31,21 @@ from mm_serve.sched.output import (
     NewRequestData,
     SchedulerOutput,
 )
+from mm_serve.stats import EngineStats
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Step:
+    """What one ``schedule()`` call has decided so far, and the budgets left."""
+
+    token_budget: int
+    encoder_budget: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -46,12 +67,15 @@ class Scheduler:
             block_size=cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching,
         )
+        self.encoder_cache_manager = EncoderCacheManager(scheduler_config.encoder_cache_size)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Finished since the last schedule(); the runner drops their state.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0  # since start-up, for stats and tests
+        self.prefix_cache_queries = 0  # tokens, since start-up
+        self.prefix_cache_hits = 0
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -73,8 +97,23 @@ class Scheduler:
                 f"The prompt needs {blocks_needed} KV blocks but the cache holds only "
                 f"{self.kv_cache_manager.num_blocks}; raise the KV cache size."
             )
+        self._check_images_fit(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def _check_images_fit(self, request: Request) -> None:
+        """Every image must fit the encoder budget and cache; without chunked prefill, all of a
+        prompt's images must fit one step's encoder budget."""
+        budget = min(self.config.max_num_encoder_input_tokens, self.config.encoder_cache_size)
+        lengths = [f.placeholder.length for f in request.mm_features]
+        if not self.config.enable_chunked_prefill:
+            lengths.append(sum(lengths))
+        if lengths and max(lengths) > budget:
+            raise ValueError(
+                f"The prompt's images need {max(lengths)} encoder tokens in one step, above the "
+                f"encoder budget of {budget} tokens (max_num_encoder_input_tokens, "
+                "encoder_cache_size)."
+            )
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         """Finish (usually abort) requests wherever they are; unknown ids are ignored."""
@@ -96,36 +135,37 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decide this step: running requests first, then waiting ones, within the budgets."""
-        token_budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs = CachedRequestData()
-
-        token_budget, preempted = self._schedule_running(token_budget, num_scheduled, cached_reqs)
-        if not preempted:
-            self._schedule_waiting(token_budget, num_scheduled, new_reqs, cached_reqs)
-
+        step = _Step(self.config.max_num_batched_tokens, self.config.max_num_encoder_input_tokens)
+        if not self._schedule_running(step):
+            self._schedule_waiting(step)
         output = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            scheduled_new_reqs=step.new_reqs,
+            scheduled_cached_reqs=step.cached_reqs,
+            num_scheduled_tokens=step.num_scheduled,
+            total_num_scheduled_tokens=sum(step.num_scheduled.values()),
             finished_req_ids=self.finished_req_ids,
+            scheduled_encoder_inputs=step.encoder_inputs,
+            free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
         )
         # The scheduled tokens count as computed from now on: their KV is written this step.
-        for req_id, num_tokens in num_scheduled.items():
+        for req_id, num_tokens in step.num_scheduled.items():
             self.requests[req_id].num_computed_tokens += num_tokens
         self.finished_req_ids = set()
         return output
 
-    def _schedule_running(
-        self, token_budget: int, num_scheduled: dict[str, int], cached_reqs: CachedRequestData
-    ) -> tuple[int, list[Request]]:
+    def _schedule_running(self, step: _Step) -> list[Request]:
+        """Schedule running requests; returns those preempted to make room."""
         preempted: list[Request] = []
         index = 0
-        while index < len(self.running) and token_budget > 0:
+        while index < len(self.running) and step.token_budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, step.token_budget)
+            to_encode, num_new = self._schedule_encoder_inputs(
+                request, request.num_computed_tokens, num_new, step.encoder_budget
+            )
+            if num_new == 0:  # its next image waits for encoder budget or cache space
+                index += 1
+                continue
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             while new_blocks is None:
                 # Out of KV blocks: preempt the newest running request and retry.
@@ -137,27 +177,26 @@ class Scheduler:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             if new_blocks is None:
                 break
-            cached_reqs.add(request, [b.block_id for b in new_blocks], resumed=False)
-            num_scheduled[request.request_id] = num_new
-            token_budget -= num_new
+            step.cached_reqs.add(request, [b.block_id for b in new_blocks], resumed=False)
+            self._commit(step, request, num_new, to_encode)
             index += 1
-        return token_budget, preempted
+        return preempted
 
-    def _schedule_waiting(
-        self,
-        token_budget: int,
-        num_scheduled: dict[str, int],
-        new_reqs: list[NewRequestData],
-        cached_reqs: CachedRequestData,
-    ) -> None:
+    def _schedule_waiting(self, step: _Step) -> None:
         kv = self.kv_cache_manager
-        while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (
+            self.waiting and step.token_budget > 0 and len(self.running) < self.config.max_num_seqs
+        ):
             request = self.waiting[0]
             computed_blocks, num_computed = kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_computed
-            if not self.config.enable_chunked_prefill and num_new > token_budget:
+            num_wanted = request.num_tokens - num_computed
+            if not self.config.enable_chunked_prefill and num_wanted > step.token_budget:
                 break
-            num_new = min(num_new, token_budget)
+            to_encode, num_new = self._schedule_encoder_inputs(
+                request, num_computed, min(num_wanted, step.token_budget), step.encoder_budget
+            )
+            if num_new == 0 or (not self.config.enable_chunked_prefill and num_new < num_wanted):
+                break  # Its first image must wait for the encoder; the queue stays in order.
             if kv.allocate_slots(request, num_new, num_computed, computed_blocks) is None:
                 break  # No room; the waiting queue stays in order (FCFS).
             self.waiting.popleft()
@@ -167,16 +206,57 @@ class Scheduler:
                 request.num_cached_tokens = num_computed
             block_ids = kv.get_block_ids(request.request_id)
             if request.status == RequestStatus.PREEMPTED:
-                cached_reqs.add(request, block_ids, resumed=True)
+                step.cached_reqs.add(request, block_ids, resumed=True)
             else:
-                new_reqs.append(NewRequestData.from_request(request, block_ids))
+                step.new_reqs.append(NewRequestData.from_request(request, block_ids))
             request.status = RequestStatus.RUNNING
-            num_scheduled[request.request_id] = num_new
-            token_budget -= num_new
+            self._commit(step, request, num_new, to_encode)
+
+    def _schedule_encoder_inputs(
+        self, request: Request, num_computed: int, num_new: int, encoder_budget: int
+    ) -> tuple[list[int], int]:
+        """Which of ``request``'s images to encode for the window
+        ``[num_computed, num_computed + num_new)``, and the window's (possibly cut) length.
+
+        An image is skipped when its range lies before ``num_computed`` (its KV exists, e.g. a
+        prefix-cache hit) or its embeddings are cached (the request then references them). The
+        first image that does not fit the encoder budget or cache cuts the window just before
+        it (to 0 tokens when the window starts inside that image).
+        """
+        cache = self.encoder_cache_manager
+        to_encode: list[int] = []
+        chosen: set[str] = set()
+        pending = 0  # encoder tokens chosen for this request, not yet allocated
+        for input_id, feature in enumerate(request.mm_features):
+            start, length = feature.placeholder.offset, feature.placeholder.length
+            if start >= num_computed + num_new:
+                break  # mm_features are in prompt order
+            if start + length <= num_computed or feature.mm_hash in chosen:
+                continue
+            if cache.check_and_update_cache(request, input_id):
+                continue
+            if not cache.can_allocate(length, encoder_budget - pending, pending):
+                num_new = max(0, start - num_computed)
+                break
+            to_encode.append(input_id)
+            chosen.add(feature.mm_hash)
+            pending += length
+        return to_encode, num_new
+
+    def _commit(self, step: _Step, request: Request, num_new: int, to_encode: list[int]) -> None:
+        """Record a scheduled request: its tokens, and the images it encodes this step."""
+        step.num_scheduled[request.request_id] = num_new
+        step.token_budget -= num_new
+        if to_encode:
+            step.encoder_inputs[request.request_id] = to_encode
+            for input_id in to_encode:
+                self.encoder_cache_manager.allocate(request, input_id)
+                step.encoder_budget -= request.mm_features[input_id].placeholder.length
 
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: drop the KV and start the request over later."""
         self.kv_cache_manager.free(request)
+        self.encoder_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -203,12 +283,20 @@ class Scheduler:
                     del new_token_ids[count:]
                     break
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
+            self._free_consumed_encoder_inputs(request)
             if new_token_ids or prompt_logprobs or request.is_finished:
                 outputs.append(self._make_output(request, new_token_ids, logprobs, prompt_logprobs))
             if request.is_finished:
                 self.running.remove(request)
                 self._free_request(request)
         return outputs
+
+    def _free_consumed_encoder_inputs(self, request: Request) -> None:
+        """Release the images whose whole range is now computed (their KV holds them)."""
+        cache = self.encoder_cache_manager
+        for input_id in cache.get_cached_input_ids(request):
+            if request.mm_features[input_id].placeholder.end <= request.num_computed_tokens:
+                cache.free_encoder_input(request, input_id)
 
     def _check_stop(self, request: Request) -> bool:
         params = request.sampling_params
@@ -243,5 +331,28 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self.encoder_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+
+    # ---- stats ---------------------------------------------------------------------------
+
+    def make_stats(self) -> EngineStats:
+        """The scheduler-side counters (cumulative since start-up) and current gauges."""
+        kv = self.kv_cache_manager
+        prefix = kv.make_prefix_cache_stats()
+        self.prefix_cache_queries += prefix.queries
+        self.prefix_cache_hits += prefix.hits
+        encoder = self.encoder_cache_manager
+        return EngineStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=1.0 - kv.num_free_blocks / kv.num_blocks,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            encoder_cache_queries=encoder.hits + encoder.misses,
+            encoder_cache_hits=encoder.hits,
+            encoder_tokens_computed=encoder.num_encoder_tokens,
+            num_encoder_cache_entries=len(encoder.cached),
+        )

@@ -19,14 +19,22 @@ def kv_block_bytes(config: EngineConfig) -> int:
     return per_layer * model.num_layers
 
 
+def encoder_cache_bytes(config: EngineConfig) -> int:
+    """Bytes the encoder cache can hold: ``encoder_cache_size`` embeddings of the LM's hidden
+    size in the model dtype (0 for a text-only model)."""
+    element_size = torch.empty((), dtype=config.model.dtype).element_size()
+    hidden = config.model.text_config.hidden_size
+    return config.scheduler.encoder_cache_size * hidden * element_size
+
+
 def determine_num_kv_blocks(config: EngineConfig, model: torch.nn.Module) -> int:
     """The KV pool size in blocks.
 
     ``cache.num_kv_blocks`` wins when set. Otherwise on CPU the pool takes
     ``cache.cpu_kv_cache_bytes``; on CUDA, ``gpu_memory_utilization`` of the device memory minus
-    what the process already holds (weights). Either way it is capped at what ``max_num_seqs``
-    sequences of ``max_model_len`` tokens can use, so a tiny model does not get millions of
-    blocks.
+    what the process already holds (weights) and the encoder cache's reserve. Either way it is
+    capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens can use, so a tiny
+    model does not get millions of blocks.
 
     Raises:
         ValueError: if not even one sequence of ``max_model_len`` tokens fits.
@@ -38,6 +46,7 @@ def determine_num_kv_blocks(config: EngineConfig, model: torch.nn.Module) -> int
     if config.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(config.device)
         budget = total * cache.gpu_memory_utilization - (total - free)
+        budget -= encoder_cache_bytes(config)
     else:
         budget = cache.cpu_kv_cache_bytes
     num_blocks = int(budget // kv_block_bytes(config))

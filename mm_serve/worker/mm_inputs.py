@@ -1,10 +1,10 @@
 """Multimodal inputs of one step: image embeddings for the scheduled windows, mrope positions.
 
-A request's step covers prompt positions ``[num_computed, num_computed + num_scheduled)``. An
-image whose placeholder range overlaps that window must have its embeddings (run through the
-vision encoder once, then kept by mm_hash); the overlapping slice replaces the placeholder
-tokens' embeddings. A chunk may cut an image in two: the next chunk takes the rest of the same
-cached embeddings.
+A request's step covers prompt positions ``[num_computed, num_computed + num_scheduled)``. The
+scheduler has made sure every image overlapping that window is in the encoder cache (``mm_hash
+-> [num_tokens, hidden]``) or is encoded this step (``scheduled_encoder_inputs``); the
+overlapping slice replaces the placeholder tokens' embeddings. A chunk may cut an image in two:
+the next chunk takes the rest of the same cached embeddings.
 """
 
 from __future__ import annotations
@@ -27,40 +27,28 @@ class EmbeddingSlice:
     end: int
 
 
-class EncoderOutputs:
-    """mm_hash → ``[num_tokens, hidden]`` embeddings, kept while a live request still has
-    tokens of that image's placeholder range to compute.
-
-    (The scheduler-driven encoder cache with budgets replaces this bookkeeping later.)
-    """
-
-    def __init__(self) -> None:
-        self.embeddings: dict[str, torch.Tensor] = {}
-
-    def free_consumed(
-        self, states: dict[str, CachedRequestState], num_scheduled: dict[str, int]
-    ) -> None:
-        """Drop images every live request has computed past (after this step's tokens).
-
-        A request preempted later recomputes from scratch and re-encodes its images.
-        """
-        if not self.embeddings:
-            return
-        needed = {
-            f.mm_hash
-            for req_id, state in states.items()
-            for f in state.mm_features
-            if state.num_computed_tokens + num_scheduled.get(req_id, 0) < f.placeholder.end
-        }
-        for mm_hash in list(self.embeddings):
-            if mm_hash not in needed:
-                del self.embeddings[mm_hash]
+def encode_images(
+    model: torch.nn.Module,
+    requests: dict[str, CachedRequestState],
+    scheduled_encoder_inputs: dict[str, list[int]],
+    encoder_cache: dict[str, torch.Tensor],
+) -> None:
+    """Run the vision encoder once over the images scheduled this step (one batched call) and
+    put each ``[num_tokens, hidden]`` result in ``encoder_cache`` under its mm_hash."""
+    items = {}
+    for req_id, input_ids in scheduled_encoder_inputs.items():
+        features = requests[req_id].mm_features
+        for input_id in input_ids:
+            items.setdefault(features[input_id].mm_hash, features[input_id].data)
+    if items:
+        embeddings = model.embed_images(list(items.values()))
+        encoder_cache.update(zip(items, embeddings, strict=True))
 
 
 def scheduled_slices(
     states: list[CachedRequestState], num_computed: np.ndarray, query_start_loc: np.ndarray
-) -> list[tuple[EmbeddingSlice, object]]:
-    """The image slices inside this step's windows, with each image's preprocessed data."""
+) -> list[EmbeddingSlice]:
+    """The image slices inside this step's windows."""
     slices = []
     for row, state in enumerate(states):
         start = int(num_computed[row])
@@ -70,32 +58,28 @@ def scheduled_slices(
             lo, hi = max(start, placeholder.offset), min(end, placeholder.end)
             if lo < hi:
                 dst = int(query_start_loc[row]) + lo - start
-                piece = EmbeddingSlice(
-                    dst, feature.mm_hash, lo - placeholder.offset, hi - placeholder.offset
+                slices.append(
+                    EmbeddingSlice(
+                        dst, feature.mm_hash, lo - placeholder.offset, hi - placeholder.offset
+                    )
                 )
-                slices.append((piece, feature.data))
     return slices
 
 
 def gather_image_embeddings(
-    model: torch.nn.Module,
-    encoder_outputs: EncoderOutputs,
-    slices: list[tuple[EmbeddingSlice, object]],
-    device: torch.device,
+    encoder_cache: dict[str, torch.Tensor], slices: list[EmbeddingSlice], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Encode the images not yet encoded (one batched call), then gather the slices.
+    """``(batch row indices [n] int64, embeddings [n, hidden])`` of this step's slices.
 
-    Returns ``(batch row indices [n] int64, embeddings [n, hidden])``.
+    Raises:
+        RuntimeError: an image's embeddings are neither cached nor encoded this step (a
+            scheduler bug, never a user error).
     """
-    missing = {}
-    for piece, data in slices:
-        if piece.mm_hash not in encoder_outputs.embeddings:
-            missing.setdefault(piece.mm_hash, data)
+    missing = {piece.mm_hash for piece in slices} - encoder_cache.keys()
     if missing:
-        embeds = model.embed_images(list(missing.values()))
-        encoder_outputs.embeddings.update(zip(missing, embeds, strict=True))
-    rows = torch.cat([torch.arange(p.dst, p.dst + p.end - p.start) for p, _ in slices])
-    values = torch.cat([encoder_outputs.embeddings[p.mm_hash][p.start : p.end] for p, _ in slices])
+        raise RuntimeError(f"No encoder output for images {sorted(missing)} in this step.")
+    rows = torch.cat([torch.arange(p.dst, p.dst + p.end - p.start) for p in slices])
+    values = torch.cat([encoder_cache[p.mm_hash][p.start : p.end] for p in slices])
     return rows.to(device), values
 
 

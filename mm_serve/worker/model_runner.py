@@ -19,7 +19,7 @@ from mm_serve.sched.output import ModelRunnerOutput, SchedulerOutput
 from mm_serve.worker.input_batch import CachedRequestState, InputBatch
 from mm_serve.worker.kv_cache import allocate_kv_caches, determine_num_kv_blocks
 from mm_serve.worker.mm_inputs import (
-    EncoderOutputs,
+    encode_images,
     gather_image_embeddings,
     mrope_positions,
     scheduled_slices,
@@ -62,7 +62,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
-        self.encoder_outputs = EncoderOutputs()
+        # mm_hash -> [num_tokens, hidden] image embeddings; what enters and leaves is decided
+        # by the scheduler's EncoderCacheManager.
+        self.encoder_cache: dict[str, torch.Tensor] = {}
 
     def load_model(self) -> None:
         torch.manual_seed(self.config.model.seed)
@@ -80,9 +82,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        for mm_hash in scheduler_output.free_encoder_mm_hashes:
+            self.encoder_cache.pop(mm_hash, None)
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [], [], {})
+        encode_images(
+            self.model, self.requests, scheduler_output.scheduled_encoder_inputs, self.encoder_cache
+        )
         inputs = self._prepare_inputs(scheduler_output)
         hidden_states = self._forward(inputs)
         sampler_output = None
@@ -93,7 +100,6 @@ class ModelRunner:
         prompt_logprobs = compute_prompt_logprobs(
             self.model, hidden_states, inputs.prompt_logprobs_jobs
         )
-        self.encoder_outputs.free_consumed(self.requests, scheduler_output.num_scheduled_tokens)
         return self._make_output(inputs.sample_rows, sampler_output, prompt_logprobs)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -135,8 +141,8 @@ class ModelRunner:
         batch = self.input_batch
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
-        # Requests in the batch that were not scheduled (finished or preempted) leave it; the
-        # preempted keep their state here and come back with resumed_from_preemption.
+        # Requests in the batch that were not scheduled (finished, preempted, or waiting for the
+        # encoder) leave it; the others keep their state here and are added back when scheduled.
         scheduled = scheduler_output.num_scheduled_tokens
         batch.remove_requests({r for r in batch.req_id_to_index if r not in scheduled})
 
@@ -151,10 +157,12 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens[i]
             if cached.resumed_from_preemption[i]:
                 state.block_ids = list(cached.new_block_ids[i])
+            else:
+                state.block_ids.extend(cached.new_block_ids[i])
+            row = batch.req_id_to_index.get(req_id)
+            if row is None:  # preempted, or skipped a step (waiting for the encoder)
                 batch.add_request(state)
                 continue
-            state.block_ids.extend(cached.new_block_ids[i])
-            row = batch.req_id_to_index[req_id]
             batch.num_computed_tokens[row] = state.num_computed_tokens
             batch.append_block_ids(row, cached.new_block_ids[i])
 
@@ -205,9 +213,7 @@ class ModelRunner:
         slices = scheduled_slices(states, num_computed, query_start_loc)
         image_embeddings = None
         if slices:
-            image_embeddings = gather_image_embeddings(
-                self.model, self.encoder_outputs, slices, self.device
-            )
+            image_embeddings = gather_image_embeddings(self.encoder_cache, slices, self.device)
         return StepInputs(
             input_ids=to_device(input_ids, torch.int64),
             positions=to_device(positions, torch.int64),

@@ -1,0 +1,26 @@
+"""Leak checks the tests run after every engine test: nothing held once all requests are done."""
+
+from __future__ import annotations
+
+from mm_serve.engine.core import EngineCore
+
+
+def assert_engine_idle(engine_core: EngineCore) -> None:
+    """No request left, every KV block free, no encoder-cache entry referenced, and the runner
+    holds no embeddings the encoder cache manager does not know of.
+
+    Unreferenced encoder-cache entries may stay (they are the cache); they must be evictable.
+
+    Raises:
+        AssertionError: on any leak.
+    """
+    scheduler = engine_core.scheduler
+    assert not scheduler.has_unfinished_requests()
+    assert not scheduler.requests
+    kv = scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
+    encoder = scheduler.encoder_cache_manager
+    assert all(not refs for refs in encoder.cached.values()), encoder.cached
+    assert encoder.num_freeable_slots == encoder.cache_size
+    held = engine_core.model_runner.encoder_cache.keys()
+    assert held <= encoder.cached.keys() | set(encoder.freed)
