@@ -1,4 +1,5 @@
-"""KV-cache blocks, prefix-cache hashing and the per-request KV-cache manager (no torch)."""
+"""KV-cache blocks, prefix-cache hashing, the per-request KV-cache manager, the image content
+hash and the processor cache (no torch)."""
 
 from mm_serve.cache.block_hash import (
     BlockHash,
@@ -8,6 +9,8 @@ from mm_serve.cache.block_hash import (
 )
 from mm_serve.cache.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from mm_serve.cache.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from mm_serve.cache.mm_hash import MultiModalHasher
+from mm_serve.cache.processor_cache import ProcessorCache
 
 __all__ = [
     "BlockHash",
@@ -15,7 +18,9 @@ __all__ = [
     "FreeKVCacheBlockQueue",
     "KVCacheBlock",
     "KVCacheManager",
+    "MultiModalHasher",
     "PrefixCacheStats",
+    "ProcessorCache",
     "block_extra_keys",
     "hash_block_tokens",
     "update_block_hashes",

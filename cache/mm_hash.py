@@ -1,35 +1,129 @@
-"""Content hash of a preprocessed image: the key of the encoder cache and of KV prefix blocks."""
+"""Content hash of an image (its ``mm_hash``): the key of the processor cache, of the encoder
+cache, and part of the prefix-cache hash of every KV block the image's placeholders overlap.
+
+The idea is vLLM's ``MultiModalHasher`` (vllm/multimodal/hasher.py): hash what the client sent
+(the encoded bytes, or a PIL image's pixels, or a client-supplied uuid standing in for them)
+together with everything that changes the preprocessed result (the model and the processor's
+settings), so that an image is hashed before it is decoded and a repeated image skips decoding
+and preprocessing altogether. Encoding: type-tagged, length-framed (``block_hash._encode``),
+hashed with xxh3-128 under a seed drawn at random once per deployment, so that colliding inputs
+cannot be precomputed.
+"""
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
 import xxhash
 
-if TYPE_CHECKING:  # cache/ stays free of torch at run time
-    from mm_serve.encoders.base import ProcessedImage
+from mm_serve.cache.block_hash import _U64, _encode
 
-# Random per process, so hashes cannot be precomputed across deployments.
-_SEED = int.from_bytes(os.urandom(8), "little")
+_EXIF_ORIENTATION = 0x0112
 
 
-def _frame(tag: bytes, payload: bytes) -> bytes:
-    """Type tag + length + payload: no two different field sequences encode alike."""
-    return tag + len(payload).to_bytes(8, "little") + payload
+class MultiModalHasher:
+    """Hashes images for one model and one processor configuration.
 
-
-def hash_processed_image(model_id: str, image: ProcessedImage) -> str:
-    """xxh3-128 hex digest of the model id, the pixel tensor (dtype, shape, bytes) and grid.
-
-    Two images hash equally exactly when they yield the same pixels for the same model, so
-    equal hashes imply equal embeddings.
+    Args:
+        model_id: the model as the user named it.
+        processor_kwargs: every processor setting that changes the preprocessed pixels (the
+            image processor's ``hash_kwargs()``); limits that only reject images are left out.
+        seed: the xxh3 seed; None draws a random 64-bit one (``os.urandom``). Every process
+            that must agree on hashes (the front end, preprocessing workers) has to share one
+            hasher: it is picklable.
     """
-    pixels = image.pixel_values.contiguous()
-    hasher = xxhash.xxh3_128(seed=_SEED)
-    hasher.update(_frame(b"model", model_id.encode()))
-    hasher.update(_frame(b"dtype", str(pixels.dtype).encode()))
-    hasher.update(_frame(b"shape", repr(tuple(pixels.shape)).encode()))
-    hasher.update(_frame(b"grid", repr(image.image_grid_thw).encode()))
-    hasher.update(_frame(b"pixels", pixels.numpy().tobytes()))
-    return hasher.hexdigest()
+
+    def __init__(
+        self, model_id: str, processor_kwargs: Mapping[str, str], seed: int | None = None
+    ) -> None:
+        self.model_id = model_id
+        self.processor_kwargs = tuple(sorted(processor_kwargs.items()))
+        self.seed = int.from_bytes(os.urandom(8), "little") if seed is None else seed
+
+    def hash_image(self, image: Any, uuid: str | None = None) -> str:
+        """xxh3-128 hex digest (32 characters) of the model, the processor settings and either
+        ``uuid`` (when given: it stands in for the content, which is then not read) or the
+        image's content.
+
+        ``image``: encoded bytes (``bytes``, ``bytearray``, ``memoryview``), a file path
+        (``str`` or ``Path``: the file's bytes), or a ``PIL.Image.Image`` (mode, size, palette,
+        transparency, EXIF orientation and raw pixel bytes). The same file given as a path or
+        as bytes hashes equally; the same picture encoded twice (another JPEG quality) does not.
+
+        Raises:
+            ValueError: a missing file, a PIL image whose pixels cannot be read (truncated
+                data), or an ``image`` of another type.
+        """
+        hasher = xxhash.xxh3_128(seed=self.seed)
+        header: list[bytes] = []
+        _encode((self.model_id, self.processor_kwargs), header)
+        hasher.update(b"".join(header))
+        if uuid is not None:
+            _update(hasher, "uuid", (), uuid.encode("utf-8"))
+        elif isinstance(image, (bytes, bytearray, memoryview)):
+            _update(hasher, "bytes", (), image)
+        elif isinstance(image, (str, Path)):
+            _update(hasher, "bytes", (), _read_file(image))
+        elif _is_pil_image(image):
+            metadata, pixels = _pil_content(image)
+            _update(hasher, "pil", metadata, pixels)
+        else:
+            raise ValueError(
+                f"Cannot load an image from a {type(image).__name__}; pass bytes, a path or a "
+                "PIL image."
+            )
+        return hasher.hexdigest()
+
+
+def _update(hasher: Any, kind: str, metadata: tuple, payload: bytes | bytearray | memoryview):
+    """Frame ``(kind, metadata)`` then the payload (tag, length, bytes) without copying it."""
+    header: list[bytes] = []
+    _encode((kind, metadata), header)
+    payload = memoryview(payload).cast("B")
+    header.append(b"B" + _U64.pack(len(payload)))
+    hasher.update(b"".join(header))
+    hasher.update(payload)
+
+
+def _read_file(path: str | Path) -> bytes:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"Image file not found: {str(path)!r}.")
+    return path.read_bytes()
+
+
+def _is_pil_image(value: Any) -> bool:
+    # No PIL import here (cache/ imports neither PIL nor torch): a PIL image can only exist
+    # once PIL.Image has been imported.
+    pil_image = sys.modules.get("PIL.Image")
+    return pil_image is not None and isinstance(value, pil_image.Image)
+
+
+def _pil_content(image: Any) -> tuple[tuple, bytes]:
+    """(metadata that changes the decoded RGB pixels, raw pixel bytes) of a PIL image."""
+    try:
+        pixels = image.tobytes()
+    except (OSError, SyntaxError, ValueError) as e:
+        raise ValueError(f"Cannot read the image's pixels: {e}") from e
+    palette = None if image.palette is None else (image.palette.mode, image.palette.tobytes())
+    transparency = image.info.get("transparency")
+    metadata = (
+        image.mode,
+        tuple(image.size),
+        palette,
+        None if transparency is None else repr(transparency),
+        _exif_orientation(image),
+    )
+    return metadata, pixels
+
+
+def _exif_orientation(image: Any) -> int | None:
+    try:
+        orientation = image.getexif().get(_EXIF_ORIENTATION)
+    except (ValueError, OSError, SyntaxError, TypeError, KeyError):
+        return None  # malformed EXIF: load_image ignores it too
+    return orientation if isinstance(orientation, int) else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ from mm_serve.engine.core import EngineCore
 from mm_serve.engine.output_processor import OutputProcessor, ParentRequest
 from mm_serve.engine.processor import (
     InputProcessor,
+    PendingPrompt,
     ProcessedPrompt,
     PromptType,
     load_generation_config,
@@ -21,6 +23,7 @@ from mm_serve.engine.processor import (
 )
 from mm_serve.outputs import RequestOutput
 from mm_serve.sampling_params import SamplingParams
+from mm_serve.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +32,11 @@ _DEFAULTS_FROM_GENERATION_CONFIG = ("temperature", "top_p", "top_k", "repetition
 
 class LLM:
     """An engine core run in-process over a batch of prompts.
+
+    Images are preprocessed by a pool of worker processes (started with the first image) while
+    the engine works on earlier prompts. Call ``shutdown()`` when done, or let the object be
+    garbage-collected: either stops the pool. Scripts that pass images must guard their entry
+    point with ``if __name__ == "__main__":`` (the workers import the main module).
 
     Args:
         model: a checkpoint folder or a Hugging Face hub id.
@@ -46,12 +54,28 @@ class LLM:
         self.input_processor = InputProcessor(
             self.config.model, self.config.multimodal, self.tokenizer, self.generation_config
         )
+        # Holds the input processor, not self: stops the pool when this LLM is collected.
+        self._finalizer = weakref.finalize(self, self.input_processor.shutdown)
         self.engine_core = EngineCore(self.config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the preprocessing pool's worker processes; safe to call more than once.
+        Afterwards an image not in the processor cache raises RuntimeError."""
+        self._finalizer()
+
+    def get_stats(self) -> EngineStats:
+        """The engine core's counters plus the front end's processor-cache counters."""
+        stats = self.engine_core.get_stats()
+        mm_processor = self.input_processor.mm_processor
+        if mm_processor is not None:
+            stats.processor_cache_queries = mm_processor.cache.queries
+            stats.processor_cache_hits = mm_processor.cache.hits
+        return stats
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's defaults, overridden by the checkpoint's ``generation_config.json``."""
@@ -71,9 +95,9 @@ class LLM:
         """Generate completions for each prompt; outputs come back in the prompts' order.
 
         Raises:
-            ValueError: on a bad prompt (too long, empty, images for a text model) or a list of
-                sampling params whose length differs from the prompts'. No request of the
-                call is started then.
+            ValueError: on a bad prompt (too long, empty, images for a text model, an
+                undecodable image) or a list of sampling params whose length differs from the
+                prompts'. Every request the call started is aborted then.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -112,18 +136,18 @@ class LLM:
             raise ValueError(
                 f"Got {len(sampling_params)} sampling params for {len(prompts)} prompts."
             )
-        # Validate everything first, and roll back on a late error: a bad prompt starts nothing.
-        processed = [self.input_processor.process(p) for p in prompts]
-        request_ids: list[str] = []
+        # Submit every prompt (tokenize, queue its images) before the engine starts, so that
+        # the pool preprocesses later prompts while the engine works on earlier ones. On any
+        # error, abort everything this call added: a bad prompt leaves nothing behind.
         added: list[str] = []
         try:
-            for prompt, params in zip(processed, sampling_params, strict=True):
-                request_ids.append(self._add_request(prompt, params, added))
-        except ValueError:
+            pending = [self.input_processor.process(p) for p in prompts]
+            request_ids, finished = self._run_engine(pending, sampling_params, added, use_tqdm)
+        except BaseException:
             self.engine_core.abort_requests(added)
             self.output_processor.abort_requests(added)
             raise
-        outputs = {o.request_id: o for o in self._run_engine(len(request_ids), use_tqdm)}
+        outputs = {o.request_id: o for o in finished}
         return [outputs[r] for r in request_ids]
 
     def _add_request(
@@ -141,14 +165,34 @@ class LLM:
             )
         return request_id
 
-    def _run_engine(self, num_requests: int, use_tqdm: bool) -> list[RequestOutput]:
+    def _run_engine(
+        self,
+        pending: list[PendingPrompt],
+        sampling_params: Sequence[SamplingParams],
+        added: list[str],
+        use_tqdm: bool,
+    ) -> tuple[list[str], list[RequestOutput]]:
+        """Add the prompts in order, each as soon as its images are ready, and step the engine
+        whenever it has work; wait for the next prompt only when it has none.
+
+        Returns the prompts' request ids and the finished outputs (in finishing order).
+        """
+        request_ids: list[str] = []
         finished: list[RequestOutput] = []
-        with tqdm(total=num_requests, desc="Processed prompts", disable=not use_tqdm) as bar:
-            while self.engine_core.has_unfinished_requests():
-                outputs = self.engine_core.step()
-                done, to_abort = self.output_processor.process_outputs(outputs)
+        engine = self.engine_core
+        with tqdm(total=len(pending), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while len(request_ids) < len(pending) or engine.has_unfinished_requests():
+                while len(request_ids) < len(pending):
+                    prompt = pending[len(request_ids)]
+                    if not prompt.done() and engine.has_unfinished_requests():
+                        break
+                    params = sampling_params[len(request_ids)]
+                    request_ids.append(self._add_request(prompt.result(), params, added))
+                if not engine.has_unfinished_requests():
+                    continue
+                done, to_abort = self.output_processor.process_outputs(engine.step())
                 if to_abort:
-                    self.engine_core.abort_requests(to_abort)
+                    engine.abort_requests(to_abort)
                 finished.extend(done)
                 bar.update(len(done))
-        return finished
+        return request_ids, finished

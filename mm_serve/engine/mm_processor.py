@@ -1,22 +1,29 @@
-"""Image prompts: load and preprocess images, expand their placeholders, hash their content.
+"""Image prompts: hash the images, preprocess them (processor cache, then the process pool),
+expand their placeholders.
 
 A VLM prompt carries one image-token placeholder per image (Qwen2-VL's chat template writes
 ``<|vision_start|><|image_pad|><|vision_end|>``, LLaVA's ``<image>``). Each placeholder is
 expanded to as many tokens as the image has embeddings, and its ``PlaceholderRange`` and
-``mm_hash`` go on the request.
+``mm_hash`` go on the request. Work is split into ``submit`` (hash, cache lookup, queue the
+misses: fast) and ``PendingImages.result()`` (wait, expand), so that the caller can tokenize
+and schedule other prompts while the pool works.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import functools
+import threading
+from concurrent.futures import Future
 from typing import Any
 
-from mm_serve.cache.mm_hash import hash_processed_image
+from mm_serve.cache.mm_hash import MultiModalHasher
+from mm_serve.cache.processor_cache import ProcessorCache
 from mm_serve.config import ModelConfig, MultiModalConfig
 from mm_serve.encoders.base import ProcessedImage
-from mm_serve.encoders.image_io import load_image
 from mm_serve.encoders.processors import get_image_processor
+from mm_serve.engine.preprocess_pool import PreprocessPool, PreprocessResult
 from mm_serve.request import MultiModalFeature, PlaceholderRange
 
 
@@ -50,39 +57,87 @@ def image_from_url(url: str) -> bytes | str:
     return url
 
 
+class PendingImages:
+    """A prompt's images on their way through the processor cache and the preprocessing pool.
+
+    ``items[i]`` is image i's ``ProcessedImage`` (a processor-cache hit) or the pool's future
+    of it. ``result()`` waits for the pool and expands the placeholders.
+    """
+
+    def __init__(
+        self,
+        image_token_id: int,
+        token_ids: list[int],
+        mm_hashes: list[str],
+        items: list[ProcessedImage | Future[PreprocessResult]],
+    ) -> None:
+        self.image_token_id = image_token_id
+        self.token_ids = token_ids
+        self.mm_hashes = mm_hashes
+        self.items = items
+
+    def done(self) -> bool:
+        """Whether every image is preprocessed (or failed): ``result()`` will not block."""
+        return all(not isinstance(item, Future) or item.done() for item in self.items)
+
+    def result(self) -> tuple[list[int], list[MultiModalFeature]]:
+        """Wait for the images; then (token ids with the i-th placeholder replaced by image i's
+        ``num_tokens`` placeholder tokens, one feature per image in prompt order).
+
+        Raises:
+            ValueError: an image failed in the pool (undecodable, above ``max_pixels``, ...).
+        """
+        processed = [
+            item.result().to_processed_image() if isinstance(item, Future) else item
+            for item in self.items
+        ]
+        expanded: list[int] = []
+        features: list[MultiModalFeature] = []
+        images = iter(zip(self.mm_hashes, processed, strict=True))
+        for token_id in self.token_ids:
+            if token_id != self.image_token_id:
+                expanded.append(token_id)
+                continue
+            mm_hash, item = next(images)
+            placeholder = PlaceholderRange(offset=len(expanded), length=item.num_tokens)
+            features.append(MultiModalFeature(mm_hash, placeholder, data=item))
+            expanded.extend([self.image_token_id] * item.num_tokens)
+        return expanded, features
+
+
 class MultiModalProcessor:
-    """Turns a VLM prompt's images into ``MultiModalFeature``s and expands its placeholders."""
+    """Turns a VLM prompt's images into ``MultiModalFeature``s and expands its placeholders.
+
+    ``submit`` hashes each image in the calling thread (xxh3 over the encoded bytes costs far
+    less than decoding), looks the hash up in the processor cache, and sends only misses to the
+    preprocessing pool, each distinct image once even while it is in flight. Finished images
+    enter the cache as soon as the pool returns them. Thread-safe; owns the pool: call
+    ``shutdown()`` when done.
+    """
 
     def __init__(self, model_config: ModelConfig, mm_config: MultiModalConfig) -> None:
-        self.model_config = model_config
-        self.mm_config = mm_config
         self.image_token_id = image_token_id(model_config.hf_config)
-        self.image_processor = get_image_processor(
+        processor = get_image_processor(
             model_config.path, model_config.hf_config, max_pixels=mm_config.processor_max_pixels
         )
+        self.hasher = MultiModalHasher(model_config.model, processor.hash_kwargs())
+        self.cache = ProcessorCache(int(mm_config.mm_processor_cache_gb * (1 << 30)))
+        self.pool = PreprocessPool(model_config, mm_config)
+        self._in_flight: dict[str, Future[PreprocessResult]] = {}
+        self._lock = threading.Lock()
 
-    def process_image(self, source: Any) -> ProcessedImage:
-        """Decode (EXIF-rotated), check the size limit, preprocess.
+    def submit(
+        self, token_ids: list[int], images: list[Any], uuids: list[str | None] | None = None
+    ) -> PendingImages:
+        """Start preprocessing a prompt's images; returns at once.
 
-        Raises:
-            ValueError: undecodable data, or more than ``max_pixels`` input pixels.
-        """
-        image = load_image(source)
-        width, height = image.size
-        if width * height > self.mm_config.max_pixels:
-            raise ValueError(
-                f"The image is {width}x{height} = {width * height} pixels, above the limit of "
-                f"{self.mm_config.max_pixels} (max_pixels)."
-            )
-        return self.image_processor.preprocess(image)
-
-    def expand(
-        self, token_ids: list[int], images: list[Any]
-    ) -> tuple[list[int], list[MultiModalFeature]]:
-        """Replace the i-th image placeholder with ``num_tokens`` copies for image i.
+        ``uuids[i]``, when not None, identifies image i in place of its content (vLLM's
+        ``multi_modal_uuids``): equal uuids share cache entries whatever the bytes.
 
         Raises:
-            ValueError: if the prompt's placeholders and the images differ in number.
+            ValueError: the prompt's placeholders and the images (or the uuids) differ in
+                number, a uuid is not a str, or an image is of an unsupported type or a
+                missing file.
         """
         num_placeholders = token_ids.count(self.image_token_id)
         if num_placeholders != len(images):
@@ -90,29 +145,63 @@ class MultiModalProcessor:
                 f"The prompt has {num_placeholders} image placeholders but {len(images)} "
                 "images were given; each image needs exactly one placeholder."
             )
-        processed = [self.process_image(image) for image in images]
-        expanded: list[int] = []
-        features: list[MultiModalFeature] = []
-        image_iter = iter(processed)
-        for token_id in token_ids:
-            if token_id != self.image_token_id:
-                expanded.append(token_id)
-                continue
-            item = next(image_iter)
-            placeholder = PlaceholderRange(offset=len(expanded), length=item.num_tokens)
-            mm_hash = hash_processed_image(self.model_config.model, item)
-            features.append(MultiModalFeature(mm_hash, placeholder, data=item))
-            expanded.extend([self.image_token_id] * item.num_tokens)
-        return expanded, features
+        uuids = [None] * len(images) if uuids is None else list(uuids)
+        if len(uuids) != len(images):
+            raise ValueError(f"Got {len(uuids)} image uuids for {len(images)} images.")
+        if not all(uuid is None or isinstance(uuid, str) for uuid in uuids):
+            raise ValueError("Image uuids must be strings or None.")
+        # Hash all first: a bad image then queues nothing.
+        mm_hashes = [
+            self.hasher.hash_image(image, uuid) for image, uuid in zip(images, uuids, strict=True)
+        ]
+        items = [
+            self._lookup_or_submit(mm_hash, image)
+            for mm_hash, image in zip(mm_hashes, images, strict=True)
+        ]
+        return PendingImages(self.image_token_id, token_ids, mm_hashes, items)
+
+    def shutdown(self) -> None:
+        """Stop the preprocessing pool's processes (see ``PreprocessPool.shutdown``)."""
+        self.pool.shutdown()
+
+    def _lookup_or_submit(
+        self, mm_hash: str, image: Any
+    ) -> ProcessedImage | Future[PreprocessResult]:
+        with self._lock:
+            item = self.cache.get(mm_hash)
+            if item is not None:
+                return item
+            future = self._in_flight.get(mm_hash)
+            if future is not None:
+                return future
+            future = self.pool.submit(image)
+            self._in_flight[mm_hash] = future
+        future.add_done_callback(functools.partial(self._on_done, mm_hash))
+        return future
+
+    def _on_done(self, mm_hash: str, future: Future[PreprocessResult]) -> None:
+        """Runs in the pool's manager thread: cache the image, end its in-flight entry."""
+        failed = future.cancelled() or future.exception() is not None
+        with self._lock:
+            if self._in_flight.get(mm_hash) is future:
+                del self._in_flight[mm_hash]
+            if not failed:
+                item = future.result().to_processed_image()
+                self.cache.put(mm_hash, item, item.pixel_values.nbytes)
 
 
-def split_chat_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list]:
-    """OpenAI-style messages → (messages with ``{"type": "image"}`` parts, images in order).
+def split_chat_images(
+    messages: list[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], list[Any], list[str | None]]:
+    """OpenAI-style messages → (messages with ``{"type": "image"}`` parts, images in order,
+    their uuids).
 
     Accepts ``image_url`` parts (``{"url": data/file URL or path}``) and ``image`` parts
-    (``{"image": PIL image | bytes | path}``).
+    (``{"image": PIL image | bytes | path}``); either may carry a ``"uuid"`` key (vLLM's name)
+    that identifies the image in place of its content, else its uuid is None.
     """
-    images: list = []
+    images: list[Any] = []
+    uuids: list[str | None] = []
     rendered = []
     for message in messages:
         content = message.get("content")
@@ -125,11 +214,12 @@ def split_chat_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, An
             if kind == "image_url":
                 url = part["image_url"]
                 images.append(image_from_url(url["url"] if isinstance(url, dict) else url))
-                parts.append({"type": "image"})
             elif kind == "image":
                 images.append(part.get("image"))
-                parts.append({"type": "image"})
             else:
                 parts.append(part)
+                continue
+            uuids.append(part.get("uuid"))
+            parts.append({"type": "image"})
         rendered.append({**message, "content": parts})
-    return rendered, images
+    return rendered, images, uuids

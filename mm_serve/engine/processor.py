@@ -1,4 +1,9 @@
-"""Prompt processing: prompts and chat messages in, validated engine ``Request``s out."""
+"""Prompt processing: prompts and chat messages in, validated engine ``Request``s out.
+
+``InputProcessor.process`` tokenizes a prompt and submits its images to the multimodal
+processor, returning a ``PendingPrompt`` at once; its ``result()`` waits for the images. No
+asyncio here: the offline API calls it directly, a server from a worker thread.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +13,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mm_serve.config import ModelConfig, MultiModalConfig
-from mm_serve.engine.mm_processor import MultiModalProcessor, image_token_id, split_chat_images
+from mm_serve.engine.mm_processor import (
+    MultiModalProcessor,
+    PendingImages,
+    image_token_id,
+    split_chat_images,
+)
 from mm_serve.request import MultiModalFeature, Request
 from mm_serve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 # A prompt: text, {"prompt": text}, or {"prompt_token_ids": [...]}; VLMs add
-# "multi_modal_data": {"image": [...]}.
+# "multi_modal_data": {"image": [...]} and optionally "multi_modal_uuids": {"image": [...]};
+# any prompt may carry a "cache_salt" (str) that keeps its KV blocks from being shared.
 PromptType = str | dict[str, Any]
+
+_PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data", "multi_modal_uuids", "cache_salt")
 
 
 @dataclass
@@ -26,6 +39,60 @@ class ProcessedPrompt:
     text: str | None
     token_ids: list[int]
     mm_features: list[MultiModalFeature] = field(default_factory=list)
+    cache_salt: str | None = None
+
+
+class PendingPrompt:
+    """A tokenized prompt whose images may still be in the preprocessing pool.
+
+    ``done()`` says whether ``result()`` would return without waiting.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        text: str | None,
+        token_ids: list[int],
+        cache_salt: str | None,
+        images: PendingImages | None,
+    ) -> None:
+        self.model_config = model_config
+        self.text = text
+        self.token_ids = token_ids
+        self.cache_salt = cache_salt
+        self.images = images
+
+    def done(self) -> bool:
+        return self.images is None or self.images.done()
+
+    def result(self) -> ProcessedPrompt:
+        """Wait for the images, expand their placeholders and check the final length.
+
+        Raises:
+            ValueError: an image failed to preprocess, or the expanded prompt leaves no room
+                for output within ``max_model_len``.
+        """
+        if self.images is None:
+            return ProcessedPrompt(self.text, self.token_ids, [], self.cache_salt)
+        token_ids, features = self.images.result()
+        check_token_ids(token_ids, self.model_config)
+        return ProcessedPrompt(self.text, token_ids, features, self.cache_salt)
+
+
+def check_token_ids(token_ids: list[int], model_config: ModelConfig) -> None:
+    """Raises ValueError for an empty prompt, one that leaves no room for an output token
+    within ``max_model_len``, or token ids outside the vocabulary."""
+    if not token_ids:
+        raise ValueError("The prompt is empty.")
+    max_len = model_config.max_model_len
+    if len(token_ids) >= max_len:
+        raise ValueError(
+            f"The prompt has {len(token_ids)} tokens, but the model's maximum length is "
+            f"{max_len} (prompt and at least one output token)."
+        )
+    vocab_size = model_config.vocab_size
+    if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+        raise ValueError(f"Prompt token ids must be in [0, {vocab_size}).")
 
 
 def load_tokenizer(path: str):
@@ -53,6 +120,10 @@ class InputProcessor:
     Stop tokens: the tokenizer's EOS is the request's ``eos_token_id``; further EOS ids of the
     checkpoint's ``generation_config.json`` (e.g. Llama 3's ``<|eot_id|>``) are added to the
     request's ``stop_token_ids``, as vLLM does, so generation ends where HF ``generate`` ends.
+
+    Needs no event loop (a server calls it from a worker thread). For a VLM it owns the
+    preprocessing pool, through its thread-safe ``MultiModalProcessor``: call ``shutdown()``
+    when done.
     """
 
     def __init__(
@@ -72,31 +143,49 @@ class InputProcessor:
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         self.extra_stop_token_ids = [t for t in eos if t != self.eos_token_id]
 
-    def process(self, prompt: PromptType) -> ProcessedPrompt:
-        """Tokenize a prompt and expand its images' placeholders.
+    def process(self, prompt: PromptType) -> PendingPrompt:
+        """Tokenize a prompt and start preprocessing its images; returns without waiting for
+        the preprocessing pool (call ``result()`` on the returned prompt).
 
         Raises:
-            ValueError: on an empty prompt, unknown keys, images for a text-only model, images
-                and placeholders that differ in number, an image above ``max_pixels``, token
-                ids outside the vocabulary, or a prompt (after expansion) that leaves no room
-                for output within ``max_model_len``.
+            ValueError: on an empty prompt, unknown keys, a cache_salt that is not a str,
+                images for a text-only model, images and placeholders (or uuids) that differ
+                in number, token ids outside the vocabulary, or a prompt that leaves no room
+                for output within ``max_model_len``. Errors found while preprocessing (an
+                undecodable image, one above ``max_pixels``, the length after expansion)
+                are raised by ``result()``.
         """
         if isinstance(prompt, str):
             prompt = {"prompt": prompt}
         if not isinstance(prompt, dict):
             raise ValueError(f"A prompt must be a str or a dict, not {type(prompt).__name__}.")
+        unknown = sorted(set(prompt) - set(_PROMPT_KEYS))
+        if unknown:
+            raise ValueError(f"Unknown prompt keys {unknown}; expected some of {_PROMPT_KEYS}.")
+        cache_salt = prompt.get("cache_salt")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError("cache_salt must be a str.")
         text, token_ids = self._tokenize(prompt)
-        features: list[MultiModalFeature] = []
+        # Placeholders only grow on expansion: a prompt too long already fails here.
+        check_token_ids(token_ids, self.model_config)
         images = (prompt.get("multi_modal_data") or {}).get("image")
-        if images is not None:
-            if self.mm_processor is None:
-                raise ValueError(
-                    f"The model {self.model_config.model!r} is text-only and takes no images."
-                )
-            images = images if isinstance(images, (list, tuple)) else [images]
-            token_ids, features = self.mm_processor.expand(token_ids, list(images))
-        self._check_token_ids(token_ids)
-        return ProcessedPrompt(text, token_ids, features)
+        if images is None:
+            return PendingPrompt(self.model_config, text, token_ids, cache_salt, None)
+        if self.mm_processor is None:
+            raise ValueError(
+                f"The model {self.model_config.model!r} is text-only and takes no images."
+            )
+        images = images if isinstance(images, (list, tuple)) else [images]
+        uuids = (prompt.get("multi_modal_uuids") or {}).get("image")
+        if uuids is not None and not isinstance(uuids, (list, tuple)):
+            uuids = [uuids]
+        pending = self.mm_processor.submit(token_ids, list(images), uuids)
+        return PendingPrompt(self.model_config, text, token_ids, cache_salt, pending)
+
+    def shutdown(self) -> None:
+        """Stop the preprocessing pool's processes, if any were started."""
+        if self.mm_processor is not None:
+            self.mm_processor.shutdown()
 
     def _tokenize(self, prompt: dict[str, Any]) -> tuple[str | None, list[int]]:
         if "prompt_token_ids" in prompt:
@@ -107,19 +196,6 @@ class InputProcessor:
         else:
             raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
         return text, token_ids
-
-    def _check_token_ids(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise ValueError("The prompt is empty.")
-        max_len = self.model_config.max_model_len
-        if len(token_ids) >= max_len:
-            raise ValueError(
-                f"The prompt has {len(token_ids)} tokens, but the model's maximum length is "
-                f"{max_len} (prompt and at least one output token)."
-            )
-        vocab_size = self.model_config.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab_size:
-            raise ValueError(f"Prompt token ids must be in [0, {vocab_size}).")
 
     def apply_chat_template(
         self,
@@ -132,10 +208,11 @@ class InputProcessor:
         """Render a conversation with the checkpoint's chat template into a prompt dict.
 
         Image parts (``image_url`` with a data/file URL or path, or ``image``) become the
-        template's image placeholder and the prompt's ``multi_modal_data``. BOS is added as HF's
-        processors do, unless the template already wrote it (no double BOS).
+        template's image placeholder and the prompt's ``multi_modal_data``; their ``uuid`` keys
+        its ``multi_modal_uuids``. BOS is added as HF's processors do, unless the template
+        already wrote it (no double BOS).
         """
-        messages, images = split_chat_images(messages)
+        messages, images, uuids = split_chat_images(messages)
         text = self.tokenizer.apply_chat_template(
             messages,
             chat_template=chat_template,
@@ -150,6 +227,8 @@ class InputProcessor:
         prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": token_ids}
         if images:
             prompt["multi_modal_data"] = {"image": images}
+        if any(uuid is not None for uuid in uuids):
+            prompt["multi_modal_uuids"] = {"image": uuids}
         return prompt
 
     def make_requests(
@@ -157,8 +236,9 @@ class InputProcessor:
     ) -> list[Request]:
         """One engine request per completion (``n``); child ``i`` is ``{i}_{request_id}``.
 
-        Children share the prompt's KV blocks through the prefix cache. A seeded request's
-        child ``i`` uses seed ``seed + i`` so the ``n`` samples differ but are reproducible.
+        Children share the prompt's KV blocks through the prefix cache, and its cache_salt. A
+        seeded request's child ``i`` uses seed ``seed + i`` so the ``n`` samples differ but are
+        reproducible.
         """
         stop_token_ids = params.stop_token_ids + [
             t for t in self.extra_stop_token_ids if t not in params.stop_token_ids
@@ -177,6 +257,7 @@ class InputProcessor:
                     child_params,
                     eos_token_id=self.eos_token_id,
                     mm_features=prompt.mm_features,
+                    cache_salt=prompt.cache_salt,
                 )
             )
         return requests

@@ -1,0 +1,210 @@
+"""The preprocessing pool: worker processes that decode, validate and preprocess images.
+
+Decoding a JPEG and resizing it take milliseconds to tens of milliseconds of CPU per image and
+hold the GIL for much of it, so the front end hands them to a pool of processes (DESIGN.md,
+"Process layout") and keeps tokenizing, scheduling and detokenizing meanwhile. Workers are
+forked from a forkserver that has already imported torch, torchvision and the processors, so
+they start fast without inheriting the front end's threads or memory (no plain ``fork``).
+
+Each worker builds the checkpoint's image processor once. Results come back as numpy arrays
+(pickled through the pool's pipe: no torch shared memory or file descriptors) and become
+torch tensors in the caller (``PreprocessResult.to_processed_image``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import threading
+import weakref
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from mm_serve.config import ModelConfig, MultiModalConfig
+from mm_serve.encoders.base import ImageProcessor, ProcessedImage
+from mm_serve.encoders.image_io import load_image
+from mm_serve.encoders.processors import get_image_processor
+
+logger = logging.getLogger(__name__)
+
+# Imported once by the forkserver, so that every forked worker starts with them loaded. This
+# module first: importing mm_serve makes torchvision importable on CPU hosts (see _compat).
+_FORKSERVER_PRELOAD = [__name__, "torchvision.transforms.v2.functional"]
+
+# The worker process's image processor, built by _init_worker.
+_processor: ImageProcessor | None = None
+_max_pixels: int = 0
+
+
+@dataclass
+class PreprocessResult:
+    """One preprocessed image as it crosses the process boundary.
+
+    ``pixel_values`` is ``ProcessedImage.pixel_values`` as a numpy array (float32, shape per
+    family: see ``ProcessedImage``); ``pid`` is the worker process that made it.
+    """
+
+    pixel_values: np.ndarray
+    num_tokens: int
+    image_grid_thw: tuple[int, int, int] | None
+    pid: int
+
+    def to_processed_image(self) -> ProcessedImage:
+        """The torch form, sharing the array's memory (no copy)."""
+        return ProcessedImage(
+            torch.from_numpy(self.pixel_values), self.num_tokens, self.image_grid_thw
+        )
+
+
+def check_max_pixels(image: Image.Image, max_pixels: int) -> None:
+    """Raises ValueError when the image has more than ``max_pixels`` input pixels."""
+    width, height = image.size
+    if width * height > max_pixels:
+        raise ValueError(
+            f"The image is {width}x{height} = {width * height} pixels, above the limit of "
+            f"{max_pixels} (max_pixels)."
+        )
+
+
+def preprocess_image(source: Any, processor: ImageProcessor, max_pixels: int) -> ProcessedImage:
+    """Decode (EXIF-rotated), check the size limit, convert, resize, normalise, patchify.
+
+    ``source``: encoded bytes, a file path or a PIL image (see ``load_image``).
+
+    Raises:
+        ValueError: undecodable data, a missing file, more than ``max_pixels`` input pixels,
+            or an image the processor rejects.
+    """
+    image = load_image(source)
+    check_max_pixels(image, max_pixels)
+    return processor.preprocess(image)
+
+
+def _init_worker(model_path: str, hf_config: dict[str, Any], processor_max_pixels, max_pixels):
+    global _processor, _max_pixels
+    _exit_with_owner()
+    # One image per worker at a time: parallelism comes from the number of workers.
+    torch.set_num_threads(1)
+    _processor = get_image_processor(model_path, hf_config, max_pixels=processor_max_pixels)
+    _max_pixels = max_pixels
+
+
+def _exit_with_owner() -> None:
+    """Exit this worker as soon as the process that owns the pool dies, even by SIGKILL (it
+    then never sends the shutdown sentinel, and the worker would wait on its queue forever).
+
+    A worker's ``parent_process()`` is the owner (the forkserver only forks it), and its
+    sentinel becomes readable when the owner's end of the pipe closes, that is when it dies.
+    """
+    owner = multiprocessing.parent_process()
+    if owner is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([owner.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="owner-watch", daemon=True).start()
+
+
+def _run_job(source: Any) -> PreprocessResult:
+    assert _processor is not None, "worker not initialised"
+    item = preprocess_image(source, _processor, _max_pixels)
+    pixels = item.pixel_values.numpy()
+    return PreprocessResult(pixels, item.num_tokens, item.image_grid_thw, os.getpid())
+
+
+class PreprocessPool:
+    """``mm_config.mm_preprocess_workers`` processes that preprocess images for one model.
+
+    The processes start with the first ``submit`` (a text-only model never starts them) and
+    stop on ``shutdown()``, when the pool is garbage-collected, or at interpreter exit; the
+    kernel kills them if the owner dies. As with any non-fork process pool, workers import the
+    main module again: a script must guard its entry point with ``if __name__ == "__main__":``.
+
+    Raises (from ``submit``'s future):
+        ValueError: the image is undecodable, missing, or above ``mm_config.max_pixels``;
+            the message is the worker's.
+    """
+
+    def __init__(self, model_config: ModelConfig, mm_config: MultiModalConfig) -> None:
+        self.num_workers = mm_config.mm_preprocess_workers
+        # Plain values only: the HF config as a dict, so workers need not import transformers.
+        self._init_args = (
+            model_config.path,
+            model_config.hf_config.to_dict(),
+            mm_config.processor_max_pixels,
+            mm_config.max_pixels,
+        )
+        self._executor: concurrent.futures.ProcessPoolExecutor | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._closed = False
+        self._lock = threading.Lock()  # guards starting and stopping the executor
+
+    def submit(self, source: Any) -> concurrent.futures.Future[PreprocessResult]:
+        """Queue one image (encoded bytes, a file path or a PIL image) for preprocessing.
+
+        Raises:
+            RuntimeError: the pool was shut down.
+        """
+        if isinstance(source, memoryview):
+            source = source.tobytes()  # memoryviews do not pickle
+        with self._lock:
+            try:
+                return self._get_executor().submit(_run_job, source)
+            except BrokenProcessPool:
+                # A worker died (killed, out of memory): its futures failed; start afresh.
+                logger.warning("a preprocessing worker died; restarting the pool")
+                self._stop_executor(wait=False)
+                return self._get_executor().submit(_run_job, source)
+
+    def worker_pids(self) -> list[int]:
+        """The pids of the worker processes running now (none before the first submit)."""
+        with self._lock:
+            if self._executor is None:
+                return []
+            return list(self._executor._processes or {})
+
+    def shutdown(self) -> None:
+        """Stop the workers and wait for them to exit; queued images are cancelled. Safe to
+        call more than once; ``submit`` raises afterwards."""
+        with self._lock:
+            self._closed = True
+            self._stop_executor(wait=True)
+
+    def _get_executor(self) -> concurrent.futures.ProcessPoolExecutor:
+        if self._closed:
+            raise RuntimeError("The preprocessing pool has been shut down.")
+        if self._executor is None:
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload(_FORKSERVER_PRELOAD)
+            executor = concurrent.futures.ProcessPoolExecutor(
+                self.num_workers,
+                mp_context=context,
+                initializer=_init_worker,
+                initargs=self._init_args,
+            )
+            # Holds the executor, not the pool: runs when the pool is collected or at exit.
+            self._finalizer = weakref.finalize(self, _shutdown_executor, executor)
+            self._executor = executor
+        return self._executor
+
+    def _stop_executor(self, wait: bool) -> None:
+        if self._executor is None:
+            return
+        self._finalizer.detach()
+        self._executor.shutdown(wait=wait, cancel_futures=True)
+        self._executor = None
+
+
+def _shutdown_executor(executor: concurrent.futures.ProcessPoolExecutor) -> None:
+    # Never waits: a finalizer may run in any thread, including the executor's own manager.
+    executor.shutdown(wait=False, cancel_futures=True)
