@@ -1,0 +1,412 @@
+"""The front end's handle on the engine core process: start it, feed it, read it, watch it.
+
+``AsyncEngineCoreClient`` serves the API server (asyncio); ``EngineCoreClient`` is the same
+client with blocking calls and ``queue.Queue``s (tests, scripts). Both start the engine core
+with "spawn" (never fork: the parent holds threads and maybe CUDA) on two ``ipc://`` sockets
+in a fresh temporary folder and wait for its ``EngineReady`` (``engine_info``). One output
+thread decodes the engine's messages and puts each request's outputs on that request's queue
+(thread-safely, on the loop that added it); it also polls the process sentinel, so within
+~0.1 s of the engine core dying every in-flight queue gets an ``EngineDeadError``,
+``is_dead`` turns True and new calls raise.
+
+A request's queue yields ``EngineCoreOutput``s until one is ``finished``, or one exception
+instance after which nothing comes: ``EngineRequestError`` (refused: a 4xx unless ``kind`` is
+"internal") or ``EngineDeadError`` (a 503; the server should exit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from typing import Any, NamedTuple
+
+import zmq
+
+from mm_serve.config import EngineArgs
+from mm_serve.engine.core_proc import run_engine_core
+from mm_serve.engine.wire import (
+    AbortRequests,
+    EngineCoreOutputs,
+    EngineFailed,
+    EngineReady,
+    InputCodec,
+    KVCacheInfo,
+    OutputCodec,
+    UtilityRequest,
+    output_from_wire,
+)
+from mm_serve.request import Request
+from mm_serve.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+POLL_INTERVAL_MS = 100  # the output thread's wake-up period (it notices shutdown within this)
+
+
+class EngineStartupError(RuntimeError):
+    """The engine core process failed to start; the message carries its error."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core process is gone (crashed, killed or shut down); the server must exit."""
+
+
+class EngineRequestError(ValueError):
+    """The engine refused or dropped one request (``kind``: "invalid_request" or "internal")."""
+
+    def __init__(self, request_id: str, message: str, kind: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.request_id = request_id
+        self.kind = kind
+
+
+class _Sink(NamedTuple):
+    """Where one request's outputs go: a queue, and the event loop that owns it (or None)."""
+
+    queue: Any  # queue.Queue or asyncio.Queue
+    loop: asyncio.AbstractEventLoop | None
+
+
+class _EngineCoreClientBase:
+    """Process, sockets and output thread, shared by the sync and the async client.
+
+    Raises (from the constructor):
+        EngineStartupError: the process failed or exited during start-up, or did not report
+            ready within ``startup_timeout_s`` seconds (None: no limit).
+    """
+
+    def __init__(self, engine_args: EngineArgs, startup_timeout_s: float | None = None) -> None:
+        ipc_dir = tempfile.mkdtemp(prefix="mm_serve-")
+        tag = uuid.uuid4().hex[:12]
+        self.ipc_paths = (f"{ipc_dir}/input-{tag}.sock", f"{ipc_dir}/output-{tag}.sock")
+        self._ctx = zmq.Context()
+        self._input = self._bind(zmq.PUSH, self.ipc_paths[0])
+        self._output = self._bind(zmq.PULL, self.ipc_paths[1])
+        self._proc = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core,
+            args=(engine_args, *(f"ipc://{p}" for p in self.ipc_paths), os.getpid()),
+            name="mm_serve-engine-core",
+        )
+        thread = threading.Thread(
+            target=self._output_loop, name="mm_serve-engine-core-output", daemon=True
+        )
+        self._resources = _Resources(
+            self._proc, thread, self._ctx, (self._input, self._output), ipc_dir
+        )
+        self._lock = threading.Lock()  # guards the input socket, the codec and the tables
+        self._codec = InputCodec()
+        self._sinks: dict[str, _Sink] = {}
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._call_ids = itertools.count()
+        self._dead_error: EngineDeadError | None = None
+        self._failure: EngineFailed | None = None
+        try:
+            self._proc.start()
+            # Stop the child at exit, before multiprocessing's own exit hook would wait for it
+            # forever: atexit runs hooks last-in first-out, and that one was registered when
+            # multiprocessing.util was imported (by proc.start() at the latest).
+            atexit.register(self._resources.release)
+            self.engine_info: EngineReady = self._wait_ready(startup_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        thread.start()
+
+    def _bind(self, socket_type: int, path: str) -> zmq.Socket:
+        socket = self._ctx.socket(socket_type)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDHWM if socket_type == zmq.PUSH else zmq.RCVHWM, 0)
+        socket.bind(f"ipc://{path}")
+        return socket
+
+    @property
+    def pid(self) -> int | None:
+        """The engine core process's pid."""
+        return self._proc.pid
+
+    @property
+    def is_dead(self) -> bool:
+        """True once the engine core process is gone (or was shut down): serve nothing more."""
+        return self._dead_error is not None
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop the engine core (SIGTERM, SIGKILL after ``timeout_s``), wait for it, close the
+        sockets and remove the ipc files. In-flight requests get ``EngineDeadError``.
+        Idempotent."""
+        atexit.unregister(self._resources.release)
+        self._resources.release(timeout_s)
+        self._mark_dead(EngineDeadError("The engine core was shut down."))
+
+    # ---- start-up ----------------------------------------------------------------------
+
+    def _wait_ready(self, timeout_s: float | None) -> EngineReady:
+        codec = OutputCodec()
+        poller = zmq.Poller()
+        poller.register(self._output, zmq.POLLIN)
+        poller.register(self._proc.sentinel, zmq.POLLIN)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while deadline is None or time.monotonic() < deadline:
+            events = dict(poller.poll(POLL_INTERVAL_MS))
+            exited = self._proc.sentinel in events
+            # A failing child sends EngineFailed, then exits: read the message first.
+            if self._output in events or (exited and self._output.poll(500, zmq.POLLIN)):
+                message = codec.decode(self._output.recv())
+                if isinstance(message, EngineReady):
+                    return message
+                if isinstance(message, EngineFailed):
+                    raise EngineStartupError(
+                        f"The engine core failed to start: {message.message}\n{message.traceback}"
+                    )
+            elif exited:
+                raise EngineStartupError(
+                    f"The engine core process exited with code {self._proc.exitcode} during "
+                    "start-up (see its log above)."
+                )
+        raise EngineStartupError(f"The engine core did not start within {timeout_s} s.")
+
+    # ---- requests in -------------------------------------------------------------------
+
+    def _add(self, request: Request, sink: _Sink) -> None:
+        with self._lock:
+            self._check_alive()
+            if request.request_id in self._sinks:
+                raise ValueError(f"Request id {request.request_id!r} is already in flight.")
+            frames = self._codec.encode_request(request)
+            self._send(frames)
+            self._sinks[request.request_id] = sink
+
+    def _abort(self, request_ids: list[str]) -> None:
+        """Abort requests; unknown or finished ids are ignored. Their queues get no error and
+        no outputs but those already on their way."""
+        with self._lock:
+            for request_id in request_ids:
+                self._sinks.pop(request_id, None)
+            if self._dead_error is None:
+                self._send(self._codec.encode(AbortRequests(list(request_ids))))
+
+    def _call(self, method: str) -> concurrent.futures.Future:
+        """Send a utility call; the future gets the answering ``EngineCoreOutputs``."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._check_alive()
+            call_id = next(self._call_ids)
+            self._send(self._codec.encode(UtilityRequest(call_id, method)))
+            self._calls[call_id] = future
+        return future
+
+    def _check_alive(self) -> None:
+        if self._dead_error is not None:
+            raise EngineDeadError(str(self._dead_error))
+
+    def _send(self, frames: list[Any]) -> None:
+        """Send without blocking on a dead engine (PUSH blocks while it has no peer)."""
+        while True:
+            try:
+                self._input.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                if not self._proc.is_alive():
+                    raise EngineDeadError("The engine core process is gone.") from None
+                self._input.poll(POLL_INTERVAL_MS, zmq.POLLOUT)
+
+    # ---- outputs out -------------------------------------------------------------------
+
+    def _output_loop(self) -> None:
+        codec = OutputCodec()
+        poller = zmq.Poller()
+        poller.register(self._output, zmq.POLLIN)
+        poller.register(self._proc.sentinel, zmq.POLLIN)
+        try:
+            while not self._resources.closing.is_set():
+                events = dict(poller.poll(POLL_INTERVAL_MS))
+                if self._resources.closing.is_set():
+                    return
+                if self._output in events:
+                    self._drain(codec)
+                elif self._proc.sentinel in events:
+                    self._output.poll(POLL_INTERVAL_MS, zmq.POLLIN)  # its last words, if any
+                    self._drain(codec)
+                    self._on_process_exit()
+                    return
+        except Exception:
+            if not self._resources.closing.is_set():  # else: sockets closed by shutdown
+                logger.exception("The engine core client's output thread failed")
+                self._mark_dead(EngineDeadError("The engine core client's output thread failed."))
+
+    def _drain(self, codec: OutputCodec) -> None:
+        while True:
+            try:
+                body = self._output.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            message = codec.decode(body.buffer)
+            if isinstance(message, EngineCoreOutputs):
+                self._dispatch(message)
+            elif isinstance(message, EngineFailed):
+                logger.error("The engine core failed: %s\n%s", message.message, message.traceback)
+                self._failure = message
+
+    def _dispatch(self, message: EngineCoreOutputs) -> None:
+        deliveries: list[tuple[_Sink, Any]] = []
+        with self._lock:
+            for wire in message.outputs:
+                sink = self._sinks.get(wire.request_id)
+                if sink is None:
+                    continue  # aborted meanwhile
+                output = output_from_wire(wire)
+                if output.finished:
+                    del self._sinks[wire.request_id]
+                deliveries.append((sink, output))
+            for error in message.errors:
+                sink = self._sinks.pop(error.request_id, None)
+                if sink is not None:
+                    exc = EngineRequestError(error.request_id, error.message, error.kind)
+                    deliveries.append((sink, exc))
+            future = self._calls.pop(message.call_id, None)
+        _deliver(deliveries)
+        if future is not None and future.set_running_or_notify_cancel():
+            if message.call_error is not None:
+                future.set_exception(RuntimeError(message.call_error))
+            else:
+                future.set_result(message)
+
+    def _on_process_exit(self) -> None:
+        reason = f"The engine core process (pid {self.pid}) exited with code {self._proc.exitcode}"
+        if self._failure is not None:
+            reason += f" after an error: {self._failure.message}"
+        logger.error("%s.", reason)
+        self._mark_dead(EngineDeadError(reason + "."))
+
+    def _mark_dead(self, error: EngineDeadError) -> None:
+        """Fail every in-flight request and call with (a copy of) ``error``; once."""
+        with self._lock:
+            if self._dead_error is not None:
+                return
+            self._dead_error = error
+            sinks, self._sinks = list(self._sinks.values()), {}
+            calls, self._calls = list(self._calls.values()), {}
+        _deliver([(sink, EngineDeadError(str(error))) for sink in sinks])
+        for future in calls:
+            if future.set_running_or_notify_cancel():  # False: the caller gave up on it
+                future.set_exception(EngineDeadError(str(error)))
+
+
+def _deliver(deliveries: list[tuple[_Sink, Any]]) -> None:
+    """Put each item on its queue: directly for a sync queue, else one wake-up per loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = defaultdict(list)
+    for sink, item in deliveries:
+        if sink.loop is None:
+            sink.queue.put_nowait(item)
+        else:
+            by_loop[sink.loop].append((sink.queue, item))
+    for loop, items in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting any more
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
+@dataclass
+class _Resources:
+    """What the client must release; apart from it, so that the atexit hook does not hold it."""
+
+    proc: BaseProcess
+    thread: threading.Thread  # the output thread
+    ctx: zmq.Context
+    sockets: tuple[zmq.Socket, ...]
+    ipc_dir: str
+    closing: threading.Event = field(default_factory=threading.Event)
+
+    def release(self, timeout_s: float = 5.0) -> None:
+        """Stop the process (SIGTERM, SIGKILL after ``timeout_s``), the output thread and the
+        sockets; remove the ipc files. Safe to repeat, and on a process that never started."""
+        self.closing.set()
+        proc = self.proc
+        if proc.pid is not None:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout_s)
+            if proc.is_alive():
+                logger.warning("The engine core (pid %d) ignored SIGTERM; killing it.", proc.pid)
+                proc.kill()
+            proc.join()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout=2 * POLL_INTERVAL_MS / 1000 + 1)
+        for socket in self.sockets:
+            socket.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+class EngineCoreClient(_EngineCoreClientBase):
+    """Blocking client: ``add_request`` returns the request's ``queue.Queue`` (see module doc).
+
+    Raises:
+        EngineStartupError: from the constructor, see ``_EngineCoreClientBase``.
+        EngineDeadError: from any call once the engine core is gone.
+    """
+
+    def add_request(self, request: Request) -> queue.Queue:
+        """Send ``request`` to the engine core. Raises ValueError on an id already in flight."""
+        sink = _Sink(queue.Queue(), None)
+        self._add(request, sink)
+        return sink.queue
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self._abort(request_ids)
+
+    def get_stats(self, timeout_s: float | None = 30.0) -> EngineStats:
+        """The engine's counters (``mm_serve.stats.EngineStats``), after all earlier inputs."""
+        return self._call("get_stats").result(timeout_s).stats
+
+    def get_kv_cache_info(self, timeout_s: float | None = 30.0) -> KVCacheInfo:
+        """KV pool size and free blocks, after all earlier inputs (e.g. an abort) took effect."""
+        return self._call("get_stats").result(timeout_s).kv_cache
+
+
+class AsyncEngineCoreClient(_EngineCoreClientBase):
+    """The API server's client: coroutine calls, a per-request ``asyncio.Queue``.
+
+    The constructor blocks until the engine core is ready (seconds to minutes: the model
+    loads); from a running loop, build it with ``await asyncio.to_thread(...)``. Requests may
+    come from several event loops; each request's queue is fed on the loop that added it.
+
+    Raises:
+        EngineStartupError: from the constructor, see ``_EngineCoreClientBase``.
+        EngineDeadError: from any call once the engine core is gone.
+    """
+
+    async def add_request(self, request: Request) -> asyncio.Queue:
+        """Send ``request``; returns its queue. Raises ValueError on an id already in flight."""
+        sink = _Sink(asyncio.Queue(), asyncio.get_running_loop())
+        self._add(request, sink)
+        return sink.queue
+
+    async def abort_requests(self, request_ids: list[str]) -> None:
+        self._abort(request_ids)
+
+    async def get_stats(self) -> EngineStats:
+        """The engine's counters (``mm_serve.stats.EngineStats``), after all earlier inputs."""
+        return (await asyncio.wrap_future(self._call("get_stats"))).stats
+
+    async def get_kv_cache_info(self) -> KVCacheInfo:
+        """KV pool size and free blocks, after all earlier inputs (e.g. an abort) took effect."""
+        return (await asyncio.wrap_future(self._call("get_stats"))).kv_cache

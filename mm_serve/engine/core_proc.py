@@ -1,0 +1,271 @@
+"""The engine core in its own process: a busy loop fed and drained over ZeroMQ.
+
+Three threads (DESIGN.md, "Process layout (serve)"):
+
+- input thread: receives multipart messages, decodes them (``wire.InputCodec``; image tensors
+  stay in their ZeroMQ frames) and puts them on ``input_queue``; it also watches the parent
+  and ends the process when the parent is gone, so no orphan is left.
+- main thread (``run_busy_loop``): drains ``input_queue`` (add / abort / utility), runs
+  ``EngineCore.step()`` while requests remain, and blocks on the queue when idle.
+- output thread: encodes ``EngineCoreOutputs`` and sends them, overlapping the next step.
+
+The front end binds both ipc sockets and owns their files; this process connects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import traceback
+from typing import Any
+
+import zmq
+
+from mm_serve.config import EngineArgs
+from mm_serve.engine.core import EngineCore
+from mm_serve.engine.wire import (
+    AbortRequests,
+    EngineCoreOutputs,
+    EngineFailed,
+    EngineReady,
+    InputCodec,
+    KVCacheInfo,
+    OutputCodec,
+    RequestDecodeError,
+    RequestError,
+    UtilityRequest,
+    output_to_wire,
+)
+from mm_serve.request import Request
+from mm_serve.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+PARENT_CHECK_INTERVAL_MS = 200  # the input thread notices a dead parent within this
+_SHUTDOWN = object()  # input/output queue marker: stop the loop / the output thread
+
+
+def run_engine_core(
+    engine_args: EngineArgs, input_address: str, output_address: str, parent_pid: int
+) -> None:
+    """Entry point of the engine core process (started with the "spawn" method).
+
+    Connects to the front end's sockets, builds the engine and answers ``EngineReady`` (or
+    ``EngineFailed`` with the traceback, then exits with code 1), then serves until the
+    parent dies. A fatal error in the loop is reported as ``EngineFailed`` before exiting 1.
+    """
+    # Ctrl-C in a terminal reaches the whole process group; the front end decides to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGTERM (the front end's shutdown) unwinds the main thread, so that exit handlers run.
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    proc = EngineCoreProc(input_address, output_address, parent_pid)
+    sys.exit(proc.serve(engine_args))
+
+
+def _raise_system_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+class EngineCoreProc:
+    """Owns the sockets, the queues and the ``EngineCore`` of the engine core process.
+
+    Args:
+        input_address / output_address: the front end's ``ipc://`` endpoints.
+        parent_pid: the front end's pid; when ``os.getppid()`` changes, it is gone.
+    """
+
+    def __init__(self, input_address: str, output_address: str, parent_pid: int) -> None:
+        self.parent_pid = parent_pid
+        self.ipc_paths = [a.removeprefix("ipc://") for a in (input_address, output_address)]
+        self.ctx = zmq.Context()
+        self.input_socket = self.ctx.socket(zmq.PULL)
+        self.input_socket.setsockopt(zmq.RCVHWM, 0)
+        self.input_socket.connect(input_address)
+        self.output_socket = self.ctx.socket(zmq.PUSH)
+        self.output_socket.setsockopt(zmq.SNDHWM, 0)  # never block the loop on a slow reader
+        self.output_socket.connect(output_address)
+        self.input_queue: queue.Queue[Any] = queue.Queue()
+        self.output_queue: queue.Queue[Any] = queue.Queue()
+        self.stopping = threading.Event()  # tells the input thread to return
+        self.engine_core: EngineCore | None = None
+        self.vocab_size = 0
+
+    def serve(self, engine_args: EngineArgs) -> int:
+        """Start up (answering ``EngineReady`` or ``EngineFailed``), then run the busy loop
+        until the parent is gone or SIGTERM. Returns the process exit code."""
+        # Both threads first: the parent is watched during the (long) model load too.
+        threads = [
+            threading.Thread(target=self._input_loop, name="engine-core-input", daemon=True),
+            threading.Thread(target=self._output_loop, name="engine-core-output", daemon=True),
+        ]
+        for thread in threads:
+            thread.start()
+        exit_code = 0
+        try:
+            self._start_engine(engine_args)
+            self.run_busy_loop()
+        except Exception as e:
+            during_startup = self.engine_core is None
+            logger.exception(
+                "The engine core %s", "failed to start" if during_startup else "failed"
+            )
+            message = f"{type(e).__name__}: {e}"
+            self.output_queue.put(EngineFailed(message, traceback.format_exc(), during_startup))
+            exit_code = 1
+        finally:  # also on SystemExit (SIGTERM)
+            self.stopping.set()
+            self.output_queue.put(_SHUTDOWN)
+            for thread in threads:
+                thread.join(timeout=5)
+            self.output_socket.close(linger=2000)  # let the last outputs reach the front end
+            self.ctx.term()
+        return exit_code
+
+    def _start_engine(self, engine_args: EngineArgs) -> None:
+        config = engine_args.create_engine_config()
+        self.engine_core = EngineCore(config)
+        self.vocab_size = config.model.vocab_size
+        kv = self.engine_core.scheduler.kv_cache_manager
+        ready = EngineReady(
+            pid=os.getpid(),
+            model=config.model.model,
+            max_model_len=config.model.max_model_len,
+            vocab_size=self.vocab_size,
+            num_kv_blocks=kv.num_blocks,
+            block_size=config.cache.block_size,
+        )
+        self.output_queue.put(ready)
+
+    def run_busy_loop(self) -> None:
+        """Drain the inputs, step while there is work, block on the input queue when idle.
+
+        Returns when the input thread reports the parent gone; raises whatever ``step()``
+        raises (a bug, fatal to the engine).
+        """
+        engine_core = self.engine_core
+        while True:
+            if not self._process_input_queue(block=not engine_core.has_unfinished_requests()):
+                return
+            if engine_core.has_unfinished_requests():
+                outputs = engine_core.step()
+                if outputs:
+                    wire = [output_to_wire(o) for o in outputs]
+                    self.output_queue.put(EngineCoreOutputs(outputs=wire))
+
+    def _process_input_queue(self, block: bool) -> bool:
+        """Handle every queued input (waiting for one if ``block``); False on shutdown."""
+        try:
+            item = self.input_queue.get(block=block)
+            while True:
+                if item is _SHUTDOWN:
+                    return False
+                self._handle_input(item)
+                item = self.input_queue.get_nowait()
+        except queue.Empty:
+            return True
+
+    def _handle_input(self, item: Any) -> None:
+        if isinstance(item, Request):
+            error = self._add_request(item)
+            if error is not None:
+                self.output_queue.put(EngineCoreOutputs(errors=[error]))
+        elif isinstance(item, AbortRequests):
+            self.engine_core.abort_requests(item.request_ids)
+        elif isinstance(item, UtilityRequest):
+            self.output_queue.put(self._call_utility(item))
+        elif isinstance(item, RequestError):
+            self.output_queue.put(EngineCoreOutputs(errors=[item]))
+        elif isinstance(item, BaseException):
+            raise RuntimeError("The engine core's input thread failed.") from item
+
+    def _add_request(self, request: Request) -> RequestError | None:
+        """Add a request; a rejected one becomes its error, never an exception of the loop."""
+        try:
+            self._check_request(request)
+            self.engine_core.add_request(request)
+        except ValueError as e:
+            return RequestError(request.request_id, str(e))
+        except Exception as e:
+            logger.exception("Adding request %s failed", request.request_id)
+            return RequestError(request.request_id, f"{type(e).__name__}: {e}", "internal")
+        return None
+
+    def _check_request(self, request: Request) -> None:
+        """What the model would crash on rather than reject (the front end checks it too).
+
+        Raises:
+            ValueError: token ids outside the vocabulary, or an image without pixels or
+                whose placeholder range is outside the prompt or disagrees with its size.
+        """
+        token_ids = request.prompt_token_ids
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            raise ValueError(f"Prompt token ids must be in [0, {self.vocab_size}).")
+        for feature in request.mm_features:
+            placeholder, data = feature.placeholder, feature.data
+            if placeholder.offset < 0 or placeholder.end > len(token_ids):
+                raise ValueError(f"Image {feature.mm_hash!r}: placeholder outside the prompt.")
+            if data is None or data.num_tokens != placeholder.length:
+                raise ValueError(
+                    f"Image {feature.mm_hash!r}: no pixels, or a token count that differs from "
+                    "its placeholder's length."
+                )
+
+    def _call_utility(self, call: UtilityRequest) -> EngineCoreOutputs:
+        if call.method != "get_stats":
+            return EngineCoreOutputs(
+                call_id=call.call_id, call_error=f"Unknown utility method {call.method!r}."
+            )
+        engine_core = self.engine_core
+        # EngineCore.get_stats() is being added; until then the counters read as zero.
+        get_stats = getattr(engine_core, "get_stats", None)
+        stats = get_stats() if get_stats is not None else EngineStats()
+        kv = engine_core.scheduler.kv_cache_manager
+        kv_info = KVCacheInfo(kv.num_blocks, kv.num_free_blocks, kv.block_size)
+        return EngineCoreOutputs(stats=stats, kv_cache=kv_info, call_id=call.call_id)
+
+    # ---- threads -----------------------------------------------------------------------
+
+    def _input_loop(self) -> None:
+        codec = InputCodec()
+        try:
+            while not self.stopping.is_set():
+                if os.getppid() != self.parent_pid:
+                    self._exit_orphaned()
+                if not self.input_socket.poll(PARENT_CHECK_INTERVAL_MS, zmq.POLLIN):
+                    continue
+                frames = self.input_socket.recv_multipart(copy=False)
+                try:
+                    item = codec.decode(frames)
+                except RequestDecodeError as e:
+                    if e.request_id is None:
+                        logger.error("Dropped a message that could not be decoded: %s", e)
+                        continue
+                    item = RequestError(e.request_id, str(e))
+                self.input_queue.put(item)
+        except Exception as e:
+            logger.exception("The engine core's input thread failed")
+            self.input_queue.put(e)
+        finally:
+            self.input_socket.close(linger=0)  # by its owner thread: sockets are not thread-safe
+
+    def _exit_orphaned(self) -> None:
+        """The front end died without shutting us down: nobody reads our outputs; exit now."""
+        logger.warning("The front end (pid %d) is gone; the engine core exits.", self.parent_pid)
+        with contextlib.suppress(OSError):  # the front end could not remove them
+            for path in self.ipc_paths:
+                os.unlink(path)
+            os.rmdir(os.path.dirname(self.ipc_paths[0]))
+        os._exit(1)
+
+    def _output_loop(self) -> None:
+        codec = OutputCodec()
+        while True:
+            message = self.output_queue.get()
+            if message is _SHUTDOWN:
+                return
+            self.output_socket.send(codec.encode(message), copy=False)

@@ -1,0 +1,301 @@
+"""The engine core in its own process: same outputs as in-process, errors per request, abort,
+death detection, clean shutdown, and a wire of msgpack bodies plus raw tensor frames.
+
+One engine process (a tiny Qwen2-VL) is shared by the module; tests that kill or fail an
+engine start their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mm_serve import LLM, SamplingParams
+from mm_serve.config import EngineArgs
+from mm_serve.encoders.base import ProcessedImage
+from mm_serve.engine.core_client import (
+    AsyncEngineCoreClient,
+    EngineCoreClient,
+    EngineDeadError,
+    EngineRequestError,
+    EngineStartupError,
+)
+from mm_serve.engine.wire import (
+    EngineCoreOutputs,
+    EngineCoreOutputWire,
+    InputCodec,
+    KVCacheInfo,
+    OutputCodec,
+)
+from mm_serve.request import MultiModalFeature, PlaceholderRange, Request
+from mm_serve.stats import EngineStats
+from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+
+ENGINE_ARGS = {"num_kv_blocks": 128, "max_model_len": 512}
+TAG = "<|vision_start|><|image_pad|><|vision_end|>"
+TIMEOUT_S = 60.0
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)
+
+
+def photo() -> Image.Image:
+    import matplotlib
+
+    return Image.open(Path(matplotlib.get_data_path()) / "sample_data" / "grace_hopper.jpg")
+
+
+def generated(width: int, height: int, seed: int) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+@pytest.fixture(scope="module")
+def vlm_path(tmp_path_factory) -> str:
+    return build_tiny_vlm_checkpoint(tmp_path_factory.mktemp("qwen2_vl"), "qwen2_vl", seed=3)
+
+
+@pytest.fixture(scope="module")
+def llm(vlm_path) -> LLM:
+    return LLM(vlm_path, **ENGINE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def client(vlm_path):
+    client = AsyncEngineCoreClient(EngineArgs(model=vlm_path, **ENGINE_ARGS))
+    yield client
+    shut_down_and_check(client)
+
+
+def shut_down_and_check(client) -> None:
+    """After shutdown (twice: idempotent): the process is reaped, the ipc files are gone."""
+    pid = client.pid
+    client.shutdown()
+    client.shutdown()  # idempotent
+    assert process_gone(pid)
+    assert not any(os.path.exists(p) for p in client.ipc_paths)
+    assert not os.path.exists(os.path.dirname(client.ipc_paths[0]))
+    assert client.is_dead
+
+
+def process_gone(pid: int) -> bool:
+    """No such process, or a zombie nobody reaps yet (its parent is gone too)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def make_requests(llm: LLM, prompts: list, params: SamplingParams, prefix: str) -> list[Request]:
+    """Engine requests exactly as ``llm.generate`` builds them (images preprocessed)."""
+    requests = []
+    for index, prompt in enumerate(prompts):
+        processed = llm.input_processor.process(prompt)
+        if hasattr(processed, "result"):  # images preprocessed in a pool: wait for them
+            processed = processed.result()
+        requests += llm.input_processor.make_requests(f"{prefix}{index}", processed, params)
+    return requests
+
+
+async def collect(queue: asyncio.Queue) -> tuple[list[int], float, str]:
+    """(token ids, cumulative logprob, finish reason) of one request; raises its error."""
+    tokens, cumulative = [], 0.0
+    while True:
+        item = await asyncio.wait_for(queue.get(), TIMEOUT_S)
+        if isinstance(item, BaseException):
+            raise item
+        tokens += item.new_token_ids
+        cumulative += sum(entry[1][0] for entry in item.new_logprobs or [])
+        if item.finished:
+            return tokens, cumulative, item.finish_reason
+
+
+async def generate(client, requests: list[Request]) -> list[tuple[list[int], float, str]]:
+    queues = [await client.add_request(r) for r in requests]
+    return await asyncio.gather(*(collect(q) for q in queues))
+
+
+def test_greedy_matches_in_process_llm(client, llm):
+    prompts = [
+        "A text-only question about nothing in particular.",
+        {"prompt": f"{TAG}Describe the image.", "multi_modal_data": {"image": [photo()]}},
+        {
+            "prompt": f"Compare {TAG} with {TAG} please.",
+            "multi_modal_data": {"image": [generated(300, 90, 1), photo().convert("L")]},
+        },
+    ]
+    reference = llm.generate(prompts, GREEDY, use_tqdm=False)
+    results = asyncio.run(generate(client, make_requests(llm, prompts, GREEDY, "greedy-")))
+    for ref, (tokens, cumulative, finish_reason) in zip(reference, results, strict=True):
+        completion = ref.outputs[0]
+        assert tokens == completion.token_ids
+        assert finish_reason == completion.finish_reason
+        assert abs(cumulative - completion.cumulative_logprob) < 1e-4
+    assert client.engine_info.max_model_len == 512
+    assert client.engine_info.vocab_size == llm.config.model.vocab_size
+
+
+def test_abort_mid_generation_frees_blocks(client, llm):
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    prompt = {"prompt": f"{TAG}Tell me everything.", "multi_modal_data": {"image": [photo()]}}
+    (request,) = make_requests(llm, [prompt], long, "abort-")
+
+    async def run():
+        queue = await client.add_request(request)
+        first = await asyncio.wait_for(queue.get(), TIMEOUT_S)
+        assert first.new_token_ids and not first.finished
+        await client.abort_requests([request.request_id])
+        # The abort is handled before this call: inputs are processed in order.
+        kv = await client.get_kv_cache_info()
+        stats = await client.get_stats()
+        (again,) = make_requests(llm, ["Still serving?"], GREEDY, "after-abort-")
+        return kv, stats, await generate(client, [again])
+
+    kv, stats, (after,) = asyncio.run(run())
+    assert isinstance(kv, KVCacheInfo) and isinstance(stats, EngineStats)
+    assert kv.num_free_blocks == kv.num_blocks == ENGINE_ARGS["num_kv_blocks"]
+    assert stats.num_running_reqs == stats.num_waiting_reqs == 0
+    assert (
+        after[0] == llm.generate("Still serving?", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    )
+    assert asyncio.run(client.get_kv_cache_info()).num_free_blocks == kv.num_blocks
+
+
+def test_bad_requests_fail_alone(client, llm):
+    pixels = ProcessedImage(torch.zeros(16, 1176), num_tokens=4, image_grid_thw=(1, 4, 4))
+    bad = [
+        (Request("too-long", [1] * 600, GREEDY), "maximum length"),
+        (Request("bad-token", [1, 10**6], GREEDY), "must be in"),
+        (
+            Request(
+                "bad-image",
+                [1, 2, 3],
+                GREEDY,
+                mm_features=[MultiModalFeature("h", PlaceholderRange(2, 4), pixels)],
+            ),
+            "placeholder",
+        ),
+    ]
+    (good,) = make_requests(llm, ["A good one."], GREEDY, "good-")
+
+    async def run():
+        queues = [await client.add_request(r) for r, _ in bad]
+        good_queue = await client.add_request(good)
+        with pytest.raises(ValueError, match="already in flight"):
+            await client.add_request(good)
+        errors = []
+        for queue in queues:
+            item = await asyncio.wait_for(queue.get(), TIMEOUT_S)
+            errors.append(item)
+        return errors, await collect(good_queue)
+
+    errors, (tokens, _, _) = asyncio.run(run())
+    for (request, message), error in zip(bad, errors, strict=True):
+        assert isinstance(error, EngineRequestError) and error.kind == "invalid_request"
+        assert error.request_id == request.request_id and message in str(error)
+    assert tokens == llm.generate("A good one.", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert not client.is_dead
+
+
+def test_wire_is_msgpack_and_raw_frames(llm):
+    prompt = {"prompt": f"{TAG}Look.", "multi_modal_data": {"image": [photo()]}}
+    (request,) = make_requests(llm, [prompt], GREEDY, "wire-")
+    bf16 = ProcessedImage(torch.randn(4, 6).bfloat16(), 2, None)
+    request.mm_features.append(MultiModalFeature("bf16", PlaceholderRange(0, 2), bf16))
+    frames = [bytes(f) for f in InputCodec().encode_request(request)]
+    body = msgspec.msgpack.decode(frames[0])  # a plain msgpack map: no pickle anywhere
+    assert body["type"] == "add" and body["request_id"] == "wire-0"
+    assert body["sampling_params"]["logprobs"] == 2
+    assert len(frames) == 3 and [f["frame"] for f in body["mm_features"]] == [1, 2]
+    sent = [f.data.pixel_values for f in request.mm_features]
+    assert frames[1] == sent[0].numpy().tobytes()  # raw tensor bytes, not in the body
+    decoded = InputCodec().decode(frames)
+    for feature, original in zip(decoded.mm_features, request.mm_features, strict=True):
+        assert feature.data.pixel_values.dtype == original.data.pixel_values.dtype
+        assert torch.equal(feature.data.pixel_values, original.data.pixel_values)
+        assert feature.data.image_grid_thw == original.data.image_grid_thw
+        assert feature.placeholder == original.placeholder
+    assert decoded.sampling_params == request.sampling_params
+    assert decoded.prompt_token_ids == request.prompt_token_ids
+    outputs = EngineCoreOutputs(
+        outputs=[EngineCoreOutputWire("a", [5], [([5, 7], [-0.1, -2.5], 1)], None, "stop", 7)],
+        stats=EngineStats(num_running_reqs=1),
+    )
+    encoded = OutputCodec().encode(outputs)
+    assert msgspec.msgpack.decode(encoded)["outputs"][0][:2] == ["a", [5]]
+    assert OutputCodec().decode(encoded) == outputs
+
+
+def test_killed_engine_fails_in_flight_requests(vlm_path, llm):
+    client = AsyncEngineCoreClient(EngineArgs(model=vlm_path, **ENGINE_ARGS))
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    requests = make_requests(llm, ["One long answer.", "Another long answer."], long, "kill-")
+
+    async def run():
+        queues = [await client.add_request(r) for r in requests]
+        await asyncio.wait_for(queues[0].get(), TIMEOUT_S)  # generating
+        os.kill(client.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        for queue in queues:
+            item = await asyncio.wait_for(queue.get(), TIMEOUT_S)
+            while not isinstance(item, BaseException):  # outputs sent before the kill
+                item = await asyncio.wait_for(queue.get(), TIMEOUT_S)
+            assert isinstance(item, EngineDeadError)
+        return time.monotonic() - killed_at
+
+    assert asyncio.run(run()) < 1.0
+    assert client.is_dead
+    with pytest.raises(EngineDeadError):
+        asyncio.run(client.add_request(make_requests(llm, ["x"], GREEDY, "late-")[0]))
+    with pytest.raises(EngineDeadError):
+        asyncio.run(client.get_stats())
+    shut_down_and_check(client)
+
+
+def test_startup_error_is_raised_and_leaves_nothing(vlm_path):
+    pattern = os.path.join(tempfile.gettempdir(), "mm_serve-*")
+    before = set(glob.glob(pattern))
+    children = set(multiprocessing.active_children())
+    with pytest.raises(EngineStartupError, match="tensor_parallel_size"):
+        EngineCoreClient(EngineArgs(model=vlm_path, tensor_parallel_size=2))
+    assert set(glob.glob(pattern)) <= before
+    assert set(multiprocessing.active_children()) <= children
+
+
+ORPHAN_SCRIPT = """
+import os, sys
+from mm_serve.config import EngineArgs
+from mm_serve.engine.core_client import EngineCoreClient
+if __name__ == "__main__":
+    client = EngineCoreClient(EngineArgs(model=sys.argv[1], num_kv_blocks=16))
+    print(client.pid, client.ipc_paths[0], flush=True)
+    os._exit(0)  # a crash: no shutdown, no exit handlers
+"""
+
+
+def test_engine_exits_when_its_parent_dies(llama_path, tmp_path):
+    script = tmp_path / "orphan.py"
+    script.write_text(ORPHAN_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(script), llama_path], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    pid, ipc_path = out.stdout.split()
+    deadline = time.monotonic() + 5.0
+    while not process_gone(int(pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process_gone(int(pid))
+    assert not os.path.exists(os.path.dirname(ipc_path))  # removed by the orphan itself
