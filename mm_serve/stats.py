@@ -22,5 +22,6 @@ class EngineStats:
     encoder_cache_hits: int = 0  # of those, images whose embeddings were already cached
     encoder_tokens_computed: int = 0  # embedding tokens run through the vision encoder
     num_encoder_cache_entries: int = 0  # entries held by the encoder cache now
+    encoder_cache_usage: float = 0.0  # fraction of the encoder cache referenced by requests, 0..1
     processor_cache_queries: int = 0  # images looked up in the front end's processor cache
     processor_cache_hits: int = 0  # of those, images that skipped the preprocessing pool

@@ -1,0 +1,73 @@
+"""A real ``mm-serve serve`` subprocess on a free port, for integration tests and examples."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RemoteServer:
+    """Starts ``python -m mm_serve.entrypoints.cli serve MODEL --port PORT *args`` in its own
+    process group and waits until ``/health`` answers 200.
+
+    Use as a context manager; on exit the whole process group is terminated (then killed), so
+    no engine core or preprocessing worker outlives the test.
+
+    Raises:
+        RuntimeError: the server exited or was not healthy within ``startup_timeout_s``.
+    """
+
+    def __init__(self, model: str, args: list[str] | None = None, startup_timeout_s: float = 120):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", "mm_serve.entrypoints.cli", "serve", model]
+        command += ["--host", "127.0.0.1", "--port", str(self.port), *(args or [])]
+        self.proc = subprocess.Popen(command, start_new_session=True)
+        self._wait_healthy(startup_timeout_s)
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"The server exited with code {self.proc.returncode}.")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"The server was not healthy within {timeout_s} s.")
+
+    def stop(self, timeout_s: float = 10) -> int:
+        """Terminate the server's process group; returns the server's exit code."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        try:  # children left in the group (there should be none)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return self.proc.returncode
+
+    def __enter__(self) -> RemoteServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
