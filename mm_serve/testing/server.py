@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -60,10 +61,8 @@ class RemoteServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
-        try:  # children left in the group (there should be none)
+        with contextlib.suppress(ProcessLookupError):  # children left in the group (none)
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         return self.proc.returncode
 
     def __enter__(self) -> RemoteServer:
