@@ -1,27 +1,35 @@
-"""Kernels of the model forward, each with a pure-torch reference (``*_ref``).
+"""Kernels of the model forward, each with a pure-torch reference (``*_ref``) beside it.
 
-The names below are what the layers call. They point at the references for now; the Triton
-kernels will be dispatched here (GPU path) once they exist, the CPU path keeps the references;
-a kernel must keep its reference's signature and return convention (e.g. ``apply_rotary``
-returns new tensors, ``reshape_and_cache`` writes in place).
+The names without suffix are what the layers call: they dispatch per call (see
+:mod:`mm_serve.kernels.dispatch`) to the Triton kernels (``triton_*.py``; flash_attn for
+attention when it can serve the cache) for CUDA tensors and to the references otherwise, so
+the CPU path runs exactly the references. ``MM_SERVE_KERNELS=ref`` forces the references
+everywhere. A kernel keeps its reference's signature and return convention (e.g.
+``apply_rotary`` returns new tensors, ``reshape_and_cache`` writes in place).
 """
 
 from __future__ import annotations
 
 from mm_serve.kernels.activation import silu_and_mul_ref
 from mm_serve.kernels.attention import paged_attention_ref, reshape_and_cache_ref
+from mm_serve.kernels.dispatch import (
+    apply_mrotary,
+    apply_rotary,
+    kernel_mode,
+    paged_attention,
+    reshape_and_cache,
+    rms_norm,
+    silu_and_mul,
+)
 from mm_serve.kernels.norm import rms_norm_ref
-from mm_serve.kernels.rotary import apply_rotary_ref
-
-reshape_and_cache = reshape_and_cache_ref
-paged_attention = paged_attention_ref
-rms_norm = rms_norm_ref
-silu_and_mul = silu_and_mul_ref
-apply_rotary = apply_rotary_ref
+from mm_serve.kernels.rotary import apply_mrotary_ref, apply_rotary_ref
 
 __all__ = [
+    "apply_mrotary",
+    "apply_mrotary_ref",
     "apply_rotary",
     "apply_rotary_ref",
+    "kernel_mode",
     "paged_attention",
     "paged_attention_ref",
     "reshape_and_cache",

@@ -31,3 +31,29 @@ def apply_rotary_ref(
         return (h * cos + _rotate_half(h) * sin).reshape(x.shape)
 
     return rotate(query), rotate(key)
+
+
+def apply_mrotary_ref(
+    positions: torch.Tensor,  # [3, num_tokens] int (t, h, w), or [num_tokens]
+    query: torch.Tensor,  # [num_tokens, num_heads * head_dim] or [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim] or [..., num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]: cos | sin, each head_dim // 2
+    head_dim: int,
+    mrope_section: list[int],  # 3 parts summing to head_dim // 2
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multimodal RoPE (Qwen2-VL, arXiv:2409.12191, section 2.1); returns new tensors.
+
+    Rotary frequency ``i`` of section ``s`` (``mrope_section`` splits the ``head_dim // 2``
+    frequencies into t, h, w parts) rotates by the token's position on axis ``s``; the cos and
+    sin halves are split alike (HF ``Qwen2VLRotaryEmbedding`` recomposition). ``[T]``
+    positions (all axes equal: text, decode) is plain :func:`apply_rotary_ref`.
+    """
+    if positions.ndim == 1:
+        return apply_rotary_ref(positions, query, key, cos_sin_cache, head_dim)
+    cos_sin = cos_sin_cache[positions]  # [3, T, head_dim]
+    # cos and sin halves are split alike: section i of each half takes axis i.
+    parts = cos_sin.split(list(mrope_section) * 2, dim=-1)
+    table = torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)  # [T, head_dim]
+    # Each token now has its own row of the table: rotate token t by row t.
+    rows = torch.arange(table.shape[0], device=table.device)
+    return apply_rotary_ref(rows, query, key, table, head_dim)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mm_serve.kernels import apply_rotary
+from mm_serve.kernels import apply_mrotary, apply_rotary
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
@@ -154,15 +154,9 @@ class MRotaryEmbedding(RotaryEmbedding):
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if positions.ndim == 1:
-            return super().forward(positions, query, key)
-        cos_sin = self.cos_sin_cache[positions]  # [3, T, head_dim]
-        # cos and sin halves are split alike: section i of each half takes axis i.
-        parts = cos_sin.split(self.mrope_section * 2, dim=-1)
-        table = torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)  # [T, head_dim]
-        # Each token now has its own row of the table: rotate token t by row t.
-        rows = torch.arange(table.shape[0], device=table.device)
-        return apply_rotary(rows, query, key, table, self.head_dim)
+        return apply_mrotary(
+            positions, query, key, self.cos_sin_cache, self.head_dim, self.mrope_section
+        )
 
 
 def get_rope(

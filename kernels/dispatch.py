@@ -1,0 +1,146 @@
+"""Pick the implementation of each kernel per call: the Triton kernels (or flash_attn) for
+CUDA tensors, the pure-torch references otherwise.
+
+The CPU path always runs the references, unchanged. ``MM_SERVE_KERNELS`` (read at each call)
+overrides the choice for debugging: ``auto`` (default: flash_attn for attention when it can
+serve the cache, else Triton), ``triton`` (Triton even when flash_attn is installed), ``ref``
+(the references on every device). Triton is imported only when a CUDA tensor first needs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from mm_serve.attention import AttentionMetadata
+from mm_serve.kernels.activation import silu_and_mul_ref
+from mm_serve.kernels.attention import paged_attention_ref, reshape_and_cache_ref
+from mm_serve.kernels.norm import rms_norm_ref
+from mm_serve.kernels.rotary import apply_mrotary_ref, apply_rotary_ref
+
+logger = logging.getLogger(__name__)
+
+KERNELS_ENV = "MM_SERVE_KERNELS"
+KERNEL_MODES = ("auto", "triton", "ref")
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_logged: set[str] = set()
+
+
+def kernel_mode() -> str:
+    """The value of ``MM_SERVE_KERNELS`` (default ``auto``); ``ValueError`` for another."""
+    mode = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"{KERNELS_ENV}={mode!r}: choose one of {', '.join(KERNEL_MODES)}.")
+    return mode
+
+
+def _log_once(message: str, *args: object) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.info(message, *args)
+
+
+def use_kernels(*tensors: torch.Tensor) -> bool:
+    """True when every tensor is on CUDA in fp16/bf16/fp32 and the mode is not ``ref``."""
+    if not all(t.is_cuda and t.dtype in _KERNEL_DTYPES for t in tensors):
+        return False
+    return kernel_mode() != "ref"
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    """KV-cache write; see ``reshape_and_cache_ref``."""
+    if use_kernels(key, value, kv_cache) and kv_cache.is_contiguous():
+        from mm_serve.kernels.triton_cache import reshape_and_cache_triton
+
+        return reshape_and_cache_triton(key, value, kv_cache, slot_mapping)
+    return reshape_and_cache_ref(key, value, kv_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Paged attention; see ``paged_attention_ref``. The backend chosen is logged once."""
+    fits = query.dtype == kv_cache.dtype and query.shape[-1] <= 256
+    if not (fits and use_kernels(query, kv_cache)):
+        return paged_attention_ref(query, kv_cache, metadata, scale)
+    from mm_serve.kernels.flash_attention import flash_attn_unusable_reason, paged_attention_flash
+
+    reason = "MM_SERVE_KERNELS=triton" if kernel_mode() == "triton" else None
+    reason = reason or flash_attn_unusable_reason(query, kv_cache)
+    if reason is None:
+        _log_once("Paged attention: flash_attn (flash_attn_varlen_func with block_table).")
+        return paged_attention_flash(query, kv_cache, metadata, scale)
+    from mm_serve.kernels.triton_attention import paged_attention_triton
+
+    _log_once("Paged attention: Triton kernel (%s).", reason)
+    return paged_attention_triton(query, kv_cache, metadata, scale)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [..., hidden]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm, optionally with the residual add; see ``rms_norm_ref``."""
+    extra = () if residual is None else (residual,)
+    same = residual is None or residual.dtype == x.dtype
+    if same and use_kernels(x, weight, *extra):
+        from mm_serve.kernels.triton_norm import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_ref(x, weight, eps, residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``[..., 2 * d] -> [..., d]``; see ``silu_and_mul_ref``."""
+    if use_kernels(x):
+        from mm_serve.kernels.triton_activation import silu_and_mul_triton
+
+        return silu_and_mul_triton(x)
+    return silu_and_mul_ref(x)
+
+
+def apply_rotary(
+    positions: torch.Tensor,  # [num_tokens]
+    query: torch.Tensor,  # [num_tokens, num_heads * head_dim] or [..., num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim] or [..., num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeoX-style RoPE; see ``apply_rotary_ref``."""
+    if query.dtype == key.dtype and use_kernels(query, key, cos_sin_cache):
+        from mm_serve.kernels.triton_rotary import apply_rotary_triton
+
+        return apply_rotary_triton(positions, query, key, cos_sin_cache, head_dim)
+    return apply_rotary_ref(positions, query, key, cos_sin_cache, head_dim)
+
+
+def apply_mrotary(
+    positions: torch.Tensor,  # [3, num_tokens] or [num_tokens]
+    query: torch.Tensor,  # [num_tokens, num_heads * head_dim] or [..., num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim] or [..., num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]
+    head_dim: int,
+    mrope_section: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen2-VL multimodal RoPE; see ``apply_mrotary_ref``."""
+    if positions.ndim == 1:
+        return apply_rotary(positions, query, key, cos_sin_cache, head_dim)
+    if query.dtype == key.dtype and use_kernels(query, key, cos_sin_cache):
+        from mm_serve.kernels.triton_rotary import apply_rotary_triton
+
+        return apply_rotary_triton(
+            positions, query, key, cos_sin_cache, head_dim, mrope_section=mrope_section
+        )
+    return apply_mrotary_ref(positions, query, key, cos_sin_cache, head_dim, mrope_section)

@@ -1,0 +1,395 @@
+"""Triton paged attention for a flattened batch mixing prefill chunks and decode tokens.
+
+The GPU counterpart of :func:`mm_serve.kernels.attention.paged_attention_ref` (same arguments,
+same result up to rounding). Algorithm: FlashAttention-2 (Tri Dao, "FlashAttention-2: Faster
+Attention with Better Parallelism and Work Partitioning", arXiv:2307.08691): each program keeps
+a running row max ``m``, row sum ``l`` and an unnormalised output, and rescales them as it walks
+the key tiles (online softmax; exponentials in base 2 with ``log2(e)`` folded into the scale).
+Keys and values are read straight from the paged cache through the block table.
+
+Work split, in the manner of vLLM's Triton "unified attention" kernel:
+
+- one program per (query block, KV head): a query block is up to ``BLOCK_Q`` consecutive
+  tokens of one request times the ``GROUP`` query heads that share the KV head (GQA), packed
+  into ``BLOCK_M = BLOCK_Q * GROUP`` rows, so each K/V tile is loaded once for the whole group;
+- programs find their request by a binary search over ``query_start_loc`` (no host work);
+- split-KV (flash-decoding, Tri Dao et al., "Flash-Decoding for long-context inference", 2023):
+  when the batch is mostly decode tokens and too small to fill the GPU, a third grid axis cuts
+  each request's keys into ``num_segments`` ranges; each writes a partial output with its own
+  ``(m, l)`` and a second kernel merges them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from mm_serve.attention import AttentionMetadata
+
+LOG2E = 1.4426950408889634
+MAX_SEGMENTS = 32
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr):
+    """Last request ``i`` with ``query_start_loc[i] // BLOCK_Q + i <= q_block`` (binary search).
+
+    Request ``i``'s query blocks are numbered from ``query_start_loc[i] // BLOCK_Q + i``: that
+    bound leaves each request at least ``ceil(query_len / BLOCK_Q)`` block ids.
+    """
+    lo: tl.int32 = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_block <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_tiles(
+    q,  # [BLOCK_M, HEAD_DIM_PAD]
+    q_abs,  # [BLOCK_M] absolute position of each row
+    kv_len,
+    tile_lo,
+    tile_hi,
+    bt_row,  # this request's block table row
+    k_base,  # K cache at this KV head
+    v_base,
+    stride_c_block,
+    stride_c_slot,
+    scale_log2,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """FlashAttention-2 inner loop over key tiles ``[tile_lo, tile_hi)``, causal per row.
+
+    Returns the unnormalised output ``acc [BLOCK_M, HEAD_DIM_PAD]``, the running row max ``m``
+    (log2 domain, -inf for rows that saw no key) and the row sum ``l``.
+    """
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    for tile in range(tile_lo, tile_hi):
+        offs_n = tile * TILE_N + tl.arange(0, TILE_N)
+        n_ok = offs_n < kv_len
+        block = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        kv_offs = block * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_slot
+        k = tl.load(
+            k_base + kv_offs[None, :] + offs_d[:, None],
+            mask=d_ok[:, None] & n_ok[None, :],
+            other=0.0,
+        )  # [HEAD_DIM_PAD, TILE_N]
+        v = tl.load(
+            v_base + kv_offs[:, None] + offs_d[None, :],
+            mask=n_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # [TILE_N, HEAD_DIM_PAD]
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+        visible = (offs_n[None, :] <= q_abs[:, None]) & n_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]            (NUM_SEGMENTS == 1)
+    seg_out_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS, HEAD_DIM_PAD] fp32 (split)
+    seg_max_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS] fp32, log2 domain (split)
+    seg_sum_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS] fp32 (split)
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    scale_log2,
+    num_reqs,
+    num_heads,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_c_block,
+    stride_c_slot,
+    stride_c_head,
+    stride_bt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
+    req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    query_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    local_block = q_block - (q_start // BLOCK_Q + req)
+    if local_block * BLOCK_Q >= query_len:
+        return
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    q_pos = local_block * BLOCK_Q + offs_m // GROUP  # position inside this step's chunk
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = (offs_m // GROUP < BLOCK_Q) & (q_pos < query_len)
+    d_ok = offs_d < HEAD_DIM
+    q_rows = (q_start + q_pos).to(tl.int64)
+    q_offs = q_rows[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - query_len  # tokens cached before this step's chunk
+    q_abs = context_len + q_pos  # absolute position of each row: sees keys 0..q_abs
+    last_row = tl.minimum(local_block * BLOCK_Q + BLOCK_Q, query_len) - 1
+    kv_len = context_len + last_row + 1  # keys any row of this block can see
+    num_tiles = tl.cdiv(kv_len, TILE_N)
+    tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
+    tile_lo = segment * tiles_per_segment
+    tile_hi = tl.minimum(tile_lo + tiles_per_segment, num_tiles)
+
+    acc, m_i, l_i = _attend_tiles(
+        q,
+        q_abs,
+        kv_len,
+        tile_lo,
+        tile_hi,
+        block_table_ptr + req.to(tl.int64) * stride_bt,
+        k_cache_ptr + kv_head * stride_c_head,
+        v_cache_ptr + kv_head * stride_c_head,
+        stride_c_block,
+        stride_c_slot,
+        scale_log2,
+        HEAD_DIM,
+        HEAD_DIM_PAD,
+        BLOCK_SIZE,
+        BLOCK_M,
+        TILE_N,
+        DOT_PRECISION,
+    )
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if NUM_SEGMENTS == 1:
+        o_offs = q_rows[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
+        tl.store(
+            out_ptr + o_offs,
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+    else:
+        # Every segment writes its (m, l, out), also an empty one (m = -inf, l = 0, out = 0).
+        part = (q_rows * num_heads + head) * NUM_SEGMENTS + segment  # [BLOCK_M]
+        tl.store(seg_max_ptr + part, m_i, mask=row_ok)
+        tl.store(seg_sum_ptr + part, l_i, mask=row_ok)
+        seg_offs = part[:, None] * HEAD_DIM_PAD + offs_d[None, :]
+        tl.store(seg_out_ptr + seg_offs, out, mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_segments_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    seg_out_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS, HEAD_DIM_PAD] fp32
+    seg_max_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS] fp32 (log2 domain)
+    seg_sum_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS] fp32
+    num_heads,
+    stride_o_tok,
+    stride_o_head,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+    SEGMENTS_PAD: tl.constexpr,
+):
+    """``out = sum_s w_s * out_s / sum_s w_s`` with ``w_s = l_s * 2^(m_s - max_s m_s)``."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SEGMENTS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    s_ok = offs_s < NUM_SEGMENTS
+    part = (token * num_heads + head) * NUM_SEGMENTS + offs_s
+    m = tl.load(seg_max_ptr + part, mask=s_ok, other=float("-inf"))
+    l = tl.load(seg_sum_ptr + part, mask=s_ok, other=0.0)  # noqa: E741
+    w = l * tl.exp2(m - tl.max(m, 0))  # segment 0 always has keys: max(m) is finite
+    o = tl.load(
+        seg_out_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0
+    )
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(
+        out_ptr + token * stride_o_tok + head * stride_o_head + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the CPU interpreter: any small number
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _launch_config(
+    group: int, max_query_len: int, max_seq_len: int, num_reqs: int, num_kv_heads: int, device
+) -> dict[str, int]:
+    """Tile sizes and the number of KV segments for one call (host-side heuristics).
+
+    Decode-like batches (every request's queries fit one 16-row block) get 16-row blocks and,
+    when ``num_reqs * num_kv_heads`` programs cannot fill the GPU, split-KV: as many segments
+    as keep all programs within about one wave of 4 per SM (measured on an H200, decode
+    64 x 4096, 28/4 heads: 2 segments 0.146 ms, 3 segments 0.169 ms, none 0.193 ms), each
+    segment at least 4 key tiles long. Prefill batches get 64-row blocks.
+    """
+    rows = triton.next_power_of_2(group)
+    decode_like = max_query_len * rows <= max(16, rows)
+    block_m = max(16, rows) if decode_like else max(64, rows)
+    tile_n = 64
+    num_segments = 1
+    if decode_like:
+        target = 4 * _num_sms(device)  # programs in flight that keep HBM busy
+        want = target // max(1, num_reqs * num_kv_heads)
+        most = max(1, max_seq_len // (4 * tile_n))  # at least 4 tiles per segment
+        num_segments = int(max(1, min(want, most, MAX_SEGMENTS)))
+    return {"BLOCK_M": block_m, "TILE_N": tile_n, "NUM_SEGMENTS": num_segments}
+
+
+def paged_attention_triton(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    metadata: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], written
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """Varlen causal GQA attention over the paged cache; contract of ``paged_attention_ref``.
+
+    Request ``i``'s query rows ``query_start_loc[i]:query_start_loc[i+1]`` attend causally to its
+    ``seq_lens[i]`` cached tokens (this step's K/V already written), found through
+    ``block_table[i]``. ``query`` and ``kv_cache`` share one dtype (fp16, bf16 or fp32; fp32
+    dots in IEEE precision); ``head_dim`` <= 256 (any size: the tile is padded to a power of 2
+    and masked). Rows past ``metadata.num_tokens`` are zero. ``config`` overrides the launch
+    heuristics (``BLOCK_M``, ``TILE_N``, ``NUM_SEGMENTS``, ``num_warps``, ``num_stages``);
+    for benchmarks. Returns ``out`` (allocated when None).
+
+    Raises ``ValueError`` for mismatched dtypes or head counts/sizes, or a cache whose last dim
+    is strided.
+    """
+    _, num_heads, head_dim = query.shape
+    num_kv_heads, cache_head_dim = kv_cache.shape[3:]
+    fits = query.dtype == kv_cache.dtype and head_dim == cache_head_dim and head_dim <= 256
+    if not fits or num_heads % num_kv_heads or kv_cache.stride(-1) != 1:
+        raise ValueError(
+            f"paged_attention_triton: query {tuple(query.shape)} {query.dtype} does not fit "
+            f"kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype} (same dtype and head_dim <= 256, "
+            "num_heads a multiple of num_kv_heads, head_dim contiguous)."
+        )
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    num_tokens = metadata.num_tokens
+    out[num_tokens:].zero_()
+    if num_tokens == 0 or metadata.num_reqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    cfg = _launch_config(
+        group,
+        metadata.max_query_len,
+        metadata.max_seq_len,
+        metadata.num_reqs,
+        num_kv_heads,
+        query.device,
+    )
+    cfg.update(config or {})
+    _launch(query, kv_cache, metadata, scale, out, group, cfg)
+    return out
+
+
+def _launch(query, kv_cache, metadata, scale, out, group, cfg) -> None:
+    """Run the attention kernel (and the merge when split) with the launch config ``cfg``."""
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = kv_cache.shape[3]
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    block_m, num_segments = cfg["BLOCK_M"], cfg["NUM_SEGMENTS"]
+    block_q = block_m // group
+    num_tokens, num_reqs = metadata.num_tokens, metadata.num_reqs
+    grid = (num_tokens // block_q + num_reqs, num_kv_heads, num_segments)
+    if num_segments > 1:
+        parts = (num_tokens, num_heads, num_segments)
+        seg_out = torch.empty(*parts, head_dim_pad, dtype=torch.float32, device=query.device)
+        seg_max = torch.empty(parts, dtype=torch.float32, device=query.device)
+        seg_sum = torch.empty(parts, dtype=torch.float32, device=query.device)
+    else:
+        seg_out = seg_max = seg_sum = out  # unused
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    _paged_attention_kernel[grid](
+        out,
+        seg_out,
+        seg_max,
+        seg_sum,
+        query,
+        key_cache,
+        value_cache,
+        metadata.block_table,
+        metadata.seq_lens,
+        metadata.query_start_loc,
+        scale * LOG2E,
+        num_reqs,
+        num_heads,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        metadata.block_table.stride(0),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=kv_cache.shape[2],
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        TILE_N=cfg["TILE_N"],
+        NUM_SEGMENTS=num_segments,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=cfg.get("num_warps", 4),
+        num_stages=cfg.get("num_stages", 2),
+    )
+    if num_segments > 1:
+        _merge_segments_kernel[(num_tokens, num_heads)](
+            out,
+            seg_out,
+            seg_max,
+            seg_sum,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            NUM_SEGMENTS=num_segments,
+            SEGMENTS_PAD=max(2, triton.next_power_of_2(num_segments)),
+        )

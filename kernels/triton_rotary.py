@@ -1,0 +1,123 @@
+"""Triton rotary position embedding (NeoX style), plain and Qwen2-VL multimodal (mrope).
+
+The GPU counterpart of ``apply_rotary_ref`` and ``apply_mrotary_ref``. RoPE: Su et al.,
+"RoFormer", arXiv:2104.09864; the half-split ("rotate_half") layout of GPT-NeoX / HF Llama;
+M-RoPE: Qwen2-VL, arXiv:2409.12191, section 2.1. For inputs in fp16/bf16 every product and sum
+is rounded to the input dtype as the reference's torch ops do, and FP fusion is off for this
+kernel (an FMA would skip a rounding), so the results equal the reference's bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_heads(
+    out_ptr, x_ptr, token, stride_x_tok, stride_x_head, stride_o_tok, num_heads, cos, sin,
+    HALF: tl.constexpr, HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr, ROUND: tl.constexpr,
+):  # fmt: skip
+    """``out = x * cos + rotate_half(x) * sin`` for all heads of one token."""
+    offs_h = tl.arange(0, HEADS_PAD)[:, None]
+    offs_i = tl.arange(0, HALF_PAD)[None, :]
+    mask = (offs_h < num_heads) & (offs_i < HALF)
+    src = x_ptr + token * stride_x_tok + offs_h * stride_x_head + offs_i
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    a1, b1 = x1 * cos, x2 * sin
+    a2, b2 = x2 * cos, x1 * sin
+    if ROUND:  # each product rounded to the input dtype, as in the reference
+        dtype = out_ptr.dtype.element_ty
+        a1, b1 = a1.to(dtype).to(tl.float32), b1.to(dtype).to(tl.float32)
+        a2, b2 = a2.to(dtype).to(tl.float32), b2.to(dtype).to(tl.float32)
+    dst = out_ptr + token * stride_o_tok + offs_h * (2 * HALF) + offs_i
+    tl.store(dst, (a1 - b1).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, (a2 + b2).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_out_ptr, k_out_ptr, q_ptr, k_ptr, positions_ptr, cos_sin_ptr,
+    stride_pos_axis, stride_cs, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+    stride_qo_tok, stride_ko_tok, num_heads, num_kv_heads,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
+    K_HEADS_PAD: tl.constexpr, MROPE: tl.constexpr, SECTION_0: tl.constexpr,
+    SECTION_01: tl.constexpr, ROUND: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    offs_i = tl.arange(0, HALF_PAD)
+    i_ok = offs_i < HALF
+    if MROPE:  # frequency i takes its position from axis 0 (t), 1 (h) or 2 (w)
+        axis = tl.where(offs_i < SECTION_0, 0, tl.where(offs_i < SECTION_01, 1, 2))
+        pos = tl.load(positions_ptr + axis * stride_pos_axis + token, mask=i_ok, other=0)
+    else:
+        pos = tl.load(positions_ptr + token + offs_i * 0)
+    row = cos_sin_ptr + pos.to(tl.int64) * stride_cs
+    cos = tl.load(row + offs_i, mask=i_ok, other=0.0)
+    sin = tl.load(row + HALF + offs_i, mask=i_ok, other=0.0)
+    if ROUND:  # the table is cast to the input dtype first
+        dtype = q_out_ptr.dtype.element_ty
+        cos, sin = cos.to(dtype).to(tl.float32), sin.to(dtype).to(tl.float32)
+    cos, sin = cos[None, :], sin[None, :]
+    _rotate_heads(
+        q_out_ptr, q_ptr, token, stride_q_tok, stride_q_head, stride_qo_tok, num_heads, cos, sin,
+        HALF, Q_HEADS_PAD, HALF_PAD, ROUND,
+    )  # fmt: skip
+    _rotate_heads(
+        k_out_ptr, k_ptr, token, stride_k_tok, stride_k_head, stride_ko_tok, num_kv_heads, cos,
+        sin, HALF, K_HEADS_PAD, HALF_PAD, ROUND,
+    )  # fmt: skip
+
+
+def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    h = x.reshape(x.shape[0], -1, head_dim)
+    return h if h.stride(-1) == 1 else h.contiguous()
+
+
+def apply_rotary_triton(
+    positions: torch.Tensor,  # [num_tokens] int, or [3, num_tokens] with mrope_section
+    query: torch.Tensor,  # [num_tokens, num_heads * head_dim] or [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim] or [..., num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32: cos | sin
+    head_dim: int,
+    mrope_section: list[int] | None = None,  # [t, h, w] frequencies, summing to head_dim // 2
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,  # (query, key) shapes, written
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``query`` and ``key`` by their positions; returns new tensors of their shapes.
+
+    Contract of ``apply_rotary_ref`` (``positions [T]``) and, with ``mrope_section`` and
+    ``positions [3, T]``, of ``apply_mrotary_ref``. ``query`` and ``key`` share one dtype and
+    may be strided views (e.g. slices of a fused QKV output) with a contiguous last dim.
+    Raises ``ValueError`` for an mrope_section that does not sum to ``head_dim // 2``.
+    """
+    num_tokens = query.shape[0]
+    q, k = _heads(query, head_dim), _heads(key, head_dim)
+    positions = positions if positions.stride(-1) == 1 else positions.contiguous()
+    if out is None:
+        out = (torch.empty_like(query), torch.empty_like(key))
+    q_out, k_out = out[0].view(num_tokens, -1, head_dim), out[1].view(num_tokens, -1, head_dim)
+    mrope = mrope_section is not None
+    if mrope and (len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2):
+        raise ValueError(
+            f"mrope_section {mrope_section} must be 3 parts summing to {head_dim // 2}"
+        )
+    sections = mrope_section if mrope else [head_dim // 2, 0, 0]
+    if num_tokens == 0:
+        return out
+    half = head_dim // 2
+    _rotary_kernel[(num_tokens,)](
+        q_out, k_out, q, k, positions, cos_sin_cache,
+        positions.stride(0) if mrope else 0, cos_sin_cache.stride(0),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), k_out.stride(0),
+        q.shape[1], k.shape[1],
+        HALF=half, HALF_PAD=triton.next_power_of_2(half),
+        Q_HEADS_PAD=triton.next_power_of_2(q.shape[1]),
+        K_HEADS_PAD=triton.next_power_of_2(k.shape[1]),
+        MROPE=mrope, SECTION_0=sections[0], SECTION_01=sections[0] + sections[1],
+        ROUND=query.dtype != torch.float32,
+        num_warps=4 if q.shape[1] * half >= 1024 else 1,
+        enable_fp_fusion=False,  # an FMA would skip the reference's rounding of each product
+    )  # fmt: skip
+    return out

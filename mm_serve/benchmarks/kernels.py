@@ -1,0 +1,229 @@
+"""Time the Triton kernels on a CUDA device against their references and the memory ceiling.
+
+Run: ``python -m mm_serve.benchmarks.kernels [--sweep] [--out DIR]``. Prints a table (median
+of ``triton.testing.do_bench``, which warms up, clears L2 between runs and times with CUDA
+events) and writes every figure to ``DIR/kernels.json``. The ceiling is this device's measured
+copy bandwidth (bytes read + written by a 1 GiB device-to-device copy). The decode case is the
+acceptance shape: 28 query / 4 KV heads, head dim 128, batch 64 x 4096 context, block size 16,
+bf16; its bandwidth counts the K and V bytes read once. ``--sweep`` also times a grid of
+launch configs of the decode and prefill attention. A script, not a test: it prints figures
+and only checks each attention case against the reference once before timing it (the kernels'
+tests are in ``tests/test_kernels_triton.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+
+import torch
+
+from mm_serve.attention import AttentionMetadata
+from mm_serve.kernels import (
+    apply_rotary_ref,
+    paged_attention_ref,
+    reshape_and_cache_ref,
+    rms_norm_ref,
+    silu_and_mul_ref,
+)
+
+
+def bench(fn, rep_ms: int = 100) -> float:
+    """Median milliseconds of ``fn()`` (do_bench: warm-up, L2 flushed, CUDA events)."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy of 1 GiB: bytes read + written per second."""
+    src = torch.randn(2**28, device="cuda")
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def paged_batch(reqs, heads, block_size: int, dtype: torch.dtype, seed: int = 0):
+    """Random query and paged cache (shuffled blocks) for ``reqs`` = [(cached, new)]."""
+    num_heads, num_kv_heads, head_dim = heads
+    need = [-(-(c + n) // block_size) for c, n in reqs]
+    blocks = list(range(sum(need)))
+    random.Random(seed).shuffle(blocks)
+    tables = [[blocks.pop() for _ in range(n)] for n in need]
+    kv_cache = torch.randn(2, sum(need), block_size, num_kv_heads, head_dim, device="cuda")
+    starts = [0] + list(itertools.accumulate(n for _, n in reqs))
+    seq_lens = [c + n for c, n in reqs]
+    slots = [t[p // block_size] * block_size + p % block_size
+             for (c, n), t in zip(reqs, tables, strict=True) for p in range(c, c + n)]  # fmt: skip
+    width = max(need)
+    cuda = lambda x, dt: torch.tensor(x, dtype=dt, device="cuda")  # noqa: E731
+    metadata = AttentionMetadata(
+        num_reqs=len(reqs),
+        num_tokens=starts[-1],
+        slot_mapping=cuda(slots, torch.int64),
+        query_start_loc=cuda(starts, torch.int32),
+        seq_lens=cuda(seq_lens, torch.int32),
+        block_table=cuda([t + [0] * (width - len(t)) for t in tables], torch.int32),
+        max_query_len=max(n for _, n in reqs),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=seq_lens,
+    )
+    query = torch.randn(starts[-1], num_heads, head_dim, device="cuda")
+    return query.to(dtype), kv_cache.to(dtype), metadata
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def attention_case(name, reqs, heads, block_size, configs, copy_bw) -> list[dict]:
+    """Check once against the reference, then time each launch config (None: the heuristic)."""
+    from mm_serve.kernels.triton_attention import _launch_config, paged_attention_triton
+
+    q, kv, md = paged_batch(reqs, heads, block_size, torch.bfloat16)
+    scale = heads[2] ** -0.5
+    err = rel_err(paged_attention_triton(q, kv, md, scale), paged_attention_ref(q, kv, md, scale))
+    assert err < 1e-2, f"{name}: relative error {err}"
+    kv_bytes = 2 * sum(md.seq_lens_cpu) * heads[1] * heads[2] * kv.element_size()
+    causal_flops = sum(4 * n * (c + (n + 1) / 2) * heads[2] * heads[0] for c, n in reqs)
+    group = heads[0] // heads[1]
+    default = _launch_config(
+        group, md.max_query_len, md.max_seq_len, md.num_reqs, heads[1], q.device
+    )
+    rows = []
+    for config in configs:
+        try:
+            ms = bench(lambda c=config: paged_attention_triton(q, kv, md, scale, config=c))
+        except Exception as exc:  # a config that does not compile (shared memory): skip it
+            rows.append({"case": name, "config": config, "error": repr(exc)[:200]})
+            continue
+        rows.append({
+            "case": name, "config": config or default, "ms": ms, "rel_err": err,
+            "kv_GBps": kv_bytes / ms / 1e6, "pct_copy_bw": 100 * kv_bytes / (ms * 1e-3) / copy_bw,
+            "TFLOPs": causal_flops / ms / 1e9,
+        })  # fmt: skip
+    return rows
+
+
+def sweep_configs(decode: bool) -> list[dict | None]:
+    """Launch configs to time: the heuristic's first, then a small grid."""
+    if decode:
+        grid = itertools.product([32, 64, 128], [1, 2, 3, 4, 8], [(4, 2), (4, 3), (8, 2)])
+        return [None] + [
+            {"BLOCK_M": 16, "TILE_N": t, "NUM_SEGMENTS": s, "num_warps": w, "num_stages": st}
+            for t, s, (w, st) in grid
+        ]
+    grid = itertools.product([64, 128], [32, 64], [(4, 2), (8, 2), (4, 3)])
+    return [None] + [
+        {"BLOCK_M": m, "TILE_N": t, "NUM_SEGMENTS": 1, "num_warps": w, "num_stages": st}
+        for m, t, (w, st) in grid
+    ]
+
+
+def sdpa_prefill_ms(reqs, heads) -> float:
+    """PyTorch SDPA (its own backend choice) on the same prefills, contiguous: a yardstick."""
+    num_heads, num_kv_heads, head_dim = heads
+    n = reqs[0][1]
+    q = torch.randn(len(reqs), num_heads, n, head_dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(len(reqs), num_kv_heads, n, head_dim, device="cuda", dtype=torch.bfloat16)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return bench(lambda: sdpa(q, k, k, is_causal=True, enable_gqa=True))
+
+
+def small_kernel_rows(copy_bw: float) -> list[dict]:
+    """RMSNorm+residual, SiLU-and-mul, rotary, KV-cache write at a 4096-token step of a 7B."""
+    from mm_serve.kernels.triton_activation import silu_and_mul_triton
+    from mm_serve.kernels.triton_cache import reshape_and_cache_triton
+    from mm_serve.kernels.triton_norm import rms_norm_triton
+    from mm_serve.kernels.triton_rotary import apply_rotary_triton
+
+    t, dt = 4096, torch.bfloat16
+    x, res = (torch.randn(t, 3584, device="cuda", dtype=dt) for _ in range(2))
+    w = torch.randn(3584, device="cuda", dtype=dt)
+    gate_up = torch.randn(t, 2 * 18944, device="cuda", dtype=dt)
+    q = torch.randn(t, 28 * 128, device="cuda", dtype=dt)
+    k = torch.randn(t, 4, 128, device="cuda", dtype=dt)
+    cache = torch.randn(32768, 128, device="cuda")
+    pos = torch.randint(0, 32768, (t,), device="cuda")
+    kv_cache = torch.empty(2, 4096, 16, 4, 128, device="cuda", dtype=dt)
+    slots = torch.randperm(4096 * 16, device="cuda")[:t]
+    cases = [  # name, kernel, reference, bytes moved at least
+        ("rms_norm+residual", lambda: rms_norm_triton(x, w, 1e-6, res),
+         lambda: rms_norm_ref(x, w, 1e-6, res), 4 * x.nbytes),
+        ("silu_and_mul", lambda: silu_and_mul_triton(gate_up),
+         lambda: silu_and_mul_ref(gate_up), gate_up.nbytes * 3 // 2),
+        ("rotary q+k", lambda: apply_rotary_triton(pos, q, k, cache, 128),
+         lambda: apply_rotary_ref(pos, q, k, cache, 128), 2 * (q.nbytes + k.nbytes)),
+        ("reshape_and_cache", lambda: reshape_and_cache_triton(k, k, kv_cache, slots),
+         lambda: reshape_and_cache_ref(k, k, kv_cache, slots), 4 * k.nbytes),
+    ]  # fmt: skip
+    rows = []
+    for name, kernel, ref, nbytes in cases:
+        ms, ref_ms = bench(kernel), bench(ref)
+        rows.append({
+            "case": name, "ms": ms, "ref_ms": ref_ms, "GBps": nbytes / ms / 1e6,
+            "pct_copy_bw": 100 * nbytes / (ms * 1e-3) / copy_bw,
+        })  # fmt: skip
+    return rows
+
+
+def print_tables(copy_bw: float, rows: list[dict], sdpa_ms: float, small: list[dict]) -> None:
+    """Per attention case the heuristic's config first, then the fastest configs timed."""
+    print(f"device {torch.cuda.get_device_name()}; copy bandwidth {copy_bw / 1e9:.0f} GB/s")
+    print(f"{'case':28} {'ms':>8} {'KV GB/s':>8} {'%copy':>6} {'TFLOP/s':>8}  config")
+    for case in dict.fromkeys(r["case"] for r in rows):
+        timed = [r for r in rows if r["case"] == case and "ms" in r]
+        for r in timed[:1] + sorted(timed[1:], key=lambda r: r["ms"])[:5]:
+            print(
+                f"{case:28} {r['ms']:8.3f} {r['kv_GBps']:8.0f} {r['pct_copy_bw']:6.1f} "
+                f"{r['TFLOPs']:8.1f}  {r['config']}"
+            )
+    print(f"{'SDPA prefill 4x2048 (torch)':28} {sdpa_ms:8.3f}")
+    print(f"{'kernel':28} {'ms':>8} {'ref ms':>8} {'GB/s':>8} {'%copy':>6}")
+    for r in small:
+        print(
+            f"{r['case']:28} {r['ms']:8.3f} {r['ref_ms']:8.3f} {r['GBps']:8.0f} "
+            f"{r['pct_copy_bw']:6.1f}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="time a grid of launch configs")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for JSON")
+    args = parser.parse_args()
+    copy_bw = copy_bandwidth()
+    heads = (28, 4, 128)
+    prefill = [(0, 2048)] * 4
+    cases = [  # name, requests as (cached, new), configs to time with --sweep
+        ("decode 64x4096", [(4095, 1)] * 64, sweep_configs(decode=True)),
+        ("prefill 4x2048", prefill, sweep_configs(decode=False)),
+        ("mixed 512-chunk+63 decodes", [(1536, 512)] + [(2047, 1)] * 63, [None]),
+    ]
+    cases += [(f"decode {b}x4096", [(4095, 1)] * b, [None]) for b in (1, 8, 32, 128)]
+    rows = []
+    for name, reqs, configs in cases:
+        # Without --sweep: the heuristic's config, twice (the spread of two timings).
+        rows += attention_case(
+            name, reqs, heads, 16, configs if args.sweep else [None] * 2, copy_bw
+        )
+    sdpa_ms = sdpa_prefill_ms(prefill, heads)
+    small = small_kernel_rows(copy_bw)
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "copy_GBps": copy_bw / 1e9,
+        "attention": rows,
+        "sdpa_prefill_ms": sdpa_ms,
+        "small": small,
+    }
+    with open(os.path.join(args.out, "kernels.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print_tables(copy_bw, rows, sdpa_ms, small)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,398 @@
+"""The Triton kernels against their pure-torch references, on fresh random inputs.
+
+On a CUDA host the kernels run compiled, at larger shapes, in bf16 and fp16. On a CPU-only host
+they run in Triton's interpreter at small shapes in fp32 and fp16 (the interpreter gets bf16
+dots wrong), in a child pytest of this file started with ``TRITON_INTERPRET=1``
+(``test_kernels_in_triton_interpreter``): ``triton.jit`` reads the variable when it decorates a
+function, triton's own library functions (``tl.cdiv``...) included, so it must be set before
+anything in the process imports triton, which another test module may already have done. Every
+output buffer is filled with NaN before the call, so an element a kernel leaves unwritten fails.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import random
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+from mm_serve.attention import AttentionMetadata  # noqa: E402
+from mm_serve.kernels import (  # noqa: E402
+    apply_mrotary_ref,
+    apply_rotary_ref,
+    paged_attention_ref,
+    reshape_and_cache_ref,
+    rms_norm_ref,
+    silu_and_mul_ref,
+)
+from mm_serve.kernels import triton_activation as _act  # noqa: E402
+from mm_serve.kernels import triton_attention as _attn  # noqa: E402
+from mm_serve.kernels import triton_cache as _cache  # noqa: E402
+from mm_serve.kernels import triton_norm as _norm  # noqa: E402
+from mm_serve.kernels import triton_rotary as _rotary  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+RUN_KERNELS = ON_GPU or os.environ.get("TRITON_INTERPRET") == "1"
+kernel_test = pytest.mark.skipif(
+    not RUN_KERNELS, reason="CPU host: run by test_kernels_in_triton_interpreter"
+)
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = [torch.bfloat16, torch.float16] if ON_GPU else [torch.float32, torch.float16]
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-5}
+
+
+@pytest.mark.skipif(RUN_KERNELS, reason="the kernel tests run in this process")
+def test_kernels_in_triton_interpreter() -> None:
+    """This file's kernel tests in a fresh process under ``TRITON_INTERPRET=1``."""
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    report = proc.stdout[-8000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, report
+    assert " passed" in proc.stdout, report
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` in float64; NaN (an unwritten element) never passes."""
+    out, ref = out.double(), ref.double()
+    err = ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    return float("inf") if err != err else err
+
+
+def _nan_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(t, float("nan"))
+
+
+def _randn(*shape: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=dtype)
+
+
+# ---------------------------------------------------------------- paged attention
+
+
+def _metadata(reqs, tables, block_size: int, device) -> AttentionMetadata:
+    """Metadata of one step: ``reqs`` = [(cached tokens, new tokens)], one block table each."""
+    starts, seq_lens, slots = [0], [], []
+    for (cached, new), table in zip(reqs, tables, strict=True):
+        starts.append(starts[-1] + new)
+        seq_lens.append(cached + new)
+        for p in range(cached, cached + new):
+            slots.append(table[p // block_size] * block_size + p % block_size)
+    width = max(map(len, tables))
+    as_tensor = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
+    return AttentionMetadata(
+        num_reqs=len(reqs),
+        num_tokens=starts[-1],
+        slot_mapping=as_tensor(slots, torch.int64),
+        query_start_loc=as_tensor(starts, torch.int32),
+        seq_lens=as_tensor(seq_lens, torch.int32),
+        block_table=as_tensor([t + [0] * (width - len(t)) for t in tables], torch.int32),
+        max_query_len=max(n for _, n in reqs),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=seq_lens,
+    )
+
+
+def _shuffled_tables(lengths: list[int], block_size: int, seed: int) -> tuple[list, int]:
+    """Non-contiguous block tables for sequences of ``lengths``; returns (tables, num_blocks)."""
+    need = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(need) + 7
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)
+    return [[free.pop() for _ in range(n)] for n in need], num_blocks
+
+
+def _paged_batch(reqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed, pad_rows=2):
+    """Random query and paged cache (every slot random) for ``reqs`` = [(cached, new)] with
+    shuffled block tables. Returns (query, kv_cache, metadata); query has ``pad_rows`` extra."""
+    gen = torch.Generator().manual_seed(seed)
+    tables, num_blocks = _shuffled_tables([c + n for c, n in reqs], block_size, seed)
+    kv_cache = _randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, gen=gen)
+    metadata = _metadata(reqs, tables, block_size, DEVICE)
+    query = _randn(metadata.num_tokens + pad_rows, num_heads, head_dim, dtype=dtype, gen=gen)
+    return query, kv_cache, metadata
+
+
+def _check_attention(reqs, heads, dtype, block_size, seed, config=None) -> None:
+    num_heads, num_kv_heads, head_dim = heads
+    query, kv_cache, metadata = _paged_batch(
+        reqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed
+    )
+    scale = head_dim**-0.5
+    out = _nan_like(query)
+    _attn.paged_attention_triton(query, kv_cache, metadata, scale, out=out, config=config)
+    ref = paged_attention_ref(query, kv_cache, metadata, scale)
+    assert _rel_err(out, ref) <= TOLERANCE[dtype], (reqs, heads, dtype, config)
+    assert torch.all(out[metadata.num_tokens :] == 0)
+
+
+# (cached, new): full prefills, chunks whose cached prefix is not a multiple of the block size,
+# decode tokens, a 1-token prefill, a request with nothing scheduled.
+MIXED = [(0, 9), (6, 5), (13, 1), (0, 1), (22, 1), (3, 20), (0, 0), (37, 2)]
+MIXED_GPU = [(0, 300), (123, 77), (1000, 1), (0, 1), (2049, 1), (45, 130), (0, 0), (511, 17)]
+HEADS = [(8, 2, 64), (6, 1, 80), (4, 4, 128)]  # GQA 4, MQA with head dim 80, MHA
+HEADS_GPU = [(28, 4, 128), (12, 2, 128), (16, 16, 64), (32, 8, 80), (14, 2, 64)]
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS_GPU if ON_GPU else HEADS)
+def test_paged_attention_mixed_batch(heads, dtype) -> None:
+    reqs, block_size = (MIXED_GPU, 16) if ON_GPU else (MIXED, 4)
+    _check_attention(reqs, heads, dtype, block_size, seed=len(heads) + heads[2])
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS_GPU[:2] + HEADS_GPU[3:] if ON_GPU else HEADS[:2])
+def test_paged_attention_split_kv(heads, dtype) -> None:
+    """Decode-only batch over long contexts, cut into KV segments (flash-decoding) + merge."""
+    if ON_GPU:
+        reqs, block_size = [(4095, 1), (3000, 1), (17, 1), (1500, 1)], 16
+        configs = [None, {"NUM_SEGMENTS": 7, "TILE_N": 32}]  # the heuristic splits these too
+    else:
+        reqs, block_size = [(70, 1), (33, 1), (129, 1)], 4
+        configs = [{"NUM_SEGMENTS": 4, "TILE_N": 16}]
+    for i, config in enumerate(configs):
+        _check_attention(reqs, heads, dtype, block_size, seed=i, config=config)
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_tile_shapes(dtype) -> None:
+    """Prefill chunks with 16- and 64-row query blocks and key tiles that straddle blocks."""
+    reqs = [(5, 40), (0, 3), (70, 1)] if not ON_GPU else [(500, 700), (0, 33), (1800, 1)]
+    block_size = 4 if not ON_GPU else 32
+    for config in ({"BLOCK_M": 16, "TILE_N": 16}, {"BLOCK_M": 64, "TILE_N": 32}):
+        _check_attention(reqs, (8, 2, 64), dtype, block_size, seed=3, config=config)
+
+
+def test_paged_attention_split_is_selected_for_small_decode_batches() -> None:
+    cfg = _attn._launch_config(7, 1, 4096, 4, 4, torch.device(DEVICE))
+    assert cfg["NUM_SEGMENTS"] > 1 and cfg["BLOCK_M"] == 16
+    cfg = _attn._launch_config(7, 300, 4096, 4, 4, torch.device(DEVICE))
+    assert cfg["NUM_SEGMENTS"] == 1 and cfg["BLOCK_M"] == 64
+
+
+# ---------------------------------------------------------------- KV-cache write
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_kv_heads,head_dim", [(2, 64), (1, 80), (4, 128)])
+def test_reshape_and_cache(num_kv_heads, head_dim, dtype) -> None:
+    gen = torch.Generator().manual_seed(head_dim)
+    num_blocks, block_size = (64, 16) if ON_GPU else (8, 4)
+    num_tokens = 200 if ON_GPU else 12
+    # K and V as strided slices of one fused projection, as the model passes them.
+    kv = _randn(num_tokens + 3, 2, num_kv_heads, head_dim, dtype=dtype, gen=gen)
+    key, value = kv[:, 0], kv[:, 1]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::5] = -1  # padding tokens: skipped
+    slot_mapping = slots.to(DEVICE)
+    kv_cache = _randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, gen=gen)
+    expected = kv_cache.clone()
+    _cache.reshape_and_cache_triton(key, value, kv_cache, slot_mapping)
+    reshape_and_cache_ref(key, value, expected, slot_mapping)
+    assert torch.equal(kv_cache, expected)
+
+
+# ---------------------------------------------------------------- RMSNorm, SiLU-and-mul
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [1536, 3584, 1000] if ON_GPU else [64, 40])
+def test_rms_norm(hidden, dtype) -> None:
+    gen = torch.Generator().manual_seed(hidden)
+    rows = 333 if ON_GPU else 5
+    x, residual = (_randn(rows, hidden, dtype=dtype, gen=gen) for _ in range(2))
+    weight = _randn(hidden, dtype=dtype, gen=gen)
+    out = _nan_like(x)
+    _norm.rms_norm_triton(x, weight, 1e-6, out=out)
+    assert _rel_err(out, rms_norm_ref(x, weight, 1e-6)) <= TOLERANCE[dtype]
+    out, new_residual = _nan_like(x), _nan_like(x)
+    _norm.rms_norm_triton(x, weight, 1e-6, residual, out=out, residual_out=new_residual)
+    ref_out, ref_residual = rms_norm_ref(x, weight, 1e-6, residual)
+    assert _rel_err(out, ref_out) <= TOLERANCE[dtype]
+    assert torch.equal(new_residual, ref_residual)
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [8960, 1000] if ON_GPU else [40, 64])
+def test_silu_and_mul(d, dtype) -> None:
+    gen = torch.Generator().manual_seed(d)
+    x = _randn(3, 67 if ON_GPU else 3, 2 * d, dtype=dtype, gen=gen)
+    out = torch.full((*x.shape[:-1], d), float("nan"), dtype=dtype, device=DEVICE)
+    _act.silu_and_mul_triton(x, out=out)
+    assert _rel_err(out, silu_and_mul_ref(x)) <= TOLERANCE[dtype]
+
+
+# ---------------------------------------------------------------- rotary, mrope
+
+
+def _rotary_inputs(head_dim: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens, num_heads, num_kv_heads, max_pos = (300, 28, 4, 4096) if ON_GPU else (7, 3, 2, 64)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(max_pos).float()[:, None] * inv_freq[None, :]
+    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(DEVICE)
+    # Query and key as strided slices of one fused QKV output; key given as [T, H_kv, d].
+    qkv = _randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, gen=gen)
+    query, key, _ = qkv.split([num_heads * head_dim, *[num_kv_heads * head_dim] * 2], dim=-1)
+    key = key.view(num_tokens, num_kv_heads, head_dim)
+    positions = torch.randint(0, max_pos, (3, num_tokens), generator=gen).to(DEVICE)
+    return positions, query, key, cache
+
+
+def _check_rotary(outs, refs) -> None:
+    """The kernel rounds each product and sum like the reference: the results are equal."""
+    for out, ref in zip(outs, refs, strict=True):
+        assert out.shape == ref.shape
+        assert torch.equal(out, ref), _rel_err(out, ref)
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "head_dim,section", [(64, [8, 12, 12]), (80, [8, 16, 16]), (128, [16, 24, 24])]
+)
+def test_rotary_and_mrope(head_dim, section, dtype) -> None:
+    positions, query, key, cache = _rotary_inputs(head_dim, dtype, seed=head_dim)
+    outs = (_nan_like(query), _nan_like(key))
+    _rotary.apply_rotary_triton(positions[0], query, key, cache, head_dim, out=outs)
+    _check_rotary(outs, apply_rotary_ref(positions[0], query, key, cache, head_dim))
+    outs = (_nan_like(query), _nan_like(key))
+    _rotary.apply_rotary_triton(positions, query, key, cache, head_dim, section, out=outs)
+    refs = apply_mrotary_ref(positions, query, key, cache, head_dim, section)
+    _check_rotary(outs, refs)
+
+
+# ---------------------------------------------------------------- dispatch, flash_attn
+
+
+def _fake_flash_attn_varlen(
+    q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+    causal, block_table,
+):  # fmt: skip
+    """FlashAttention-2's documented semantics of the paged varlen call, in torch."""
+    from mm_serve.kernels.attention import causal_attention_ref, gather_kv_ref
+
+    assert causal and k_cache.shape[1] % 256 == 0
+    out = torch.empty_like(q)
+    for i in range(cu_seqlens_q.numel() - 1):
+        (qs, qe), (ks, ke) = cu_seqlens_q[i : i + 2].tolist(), cu_seqlens_k[i : i + 2].tolist()
+        assert qe - qs <= max_seqlen_q and ke - ks <= max_seqlen_k
+        kv = torch.stack((k_cache, v_cache))
+        key, value = gather_kv_ref(kv, block_table[i], ke - ks)
+        out[qs:qe] = causal_attention_ref(q[qs:qe], key, value, softmax_scale)
+    return out
+
+
+def test_flash_attn_wrapper_passes_cumulative_key_lengths(monkeypatch) -> None:
+    from mm_serve.kernels import flash_attention
+
+    fake = types.ModuleType("flash_attn")
+    fake.flash_attn_varlen_func = _fake_flash_attn_varlen
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    flash_attention.flash_attn_varlen.cache_clear()
+    try:
+        query, kv_cache, metadata = _paged_batch(
+            [(300, 1), (0, 5), (511, 3)], 8, 2, 64, 256, DTYPES[-1], seed=5
+        )
+        assert flash_attention.flash_attn_unusable_reason(query, kv_cache) is None
+        out = flash_attention.paged_attention_flash(query, kv_cache, metadata, 0.125)
+        torch.testing.assert_close(out, paged_attention_ref(query, kv_cache, metadata, 0.125))
+        assert "256" in flash_attention.flash_attn_unusable_reason(query, kv_cache[:, :, :16])
+    finally:
+        flash_attention.flash_attn_varlen.cache_clear()
+
+
+def test_cpu_dispatch_runs_the_references(monkeypatch) -> None:
+    from mm_serve import kernels
+
+    monkeypatch.setenv("MM_SERVE_KERNELS", "triton")  # no effect on CPU tensors
+    cpu = torch.device("cpu")
+    query, kv_cache, metadata = _paged_batch(MIXED, 8, 2, 16, 4, torch.float32, seed=1)
+    query, kv_cache = query.to(cpu), kv_cache.to(cpu)
+    fields = vars(metadata).items()
+    metadata = AttentionMetadata(**{k: v.cpu() if torch.is_tensor(v) else v for k, v in fields})
+    assert torch.equal(
+        kernels.paged_attention(query, kv_cache, metadata, 0.3),
+        paged_attention_ref(query, kv_cache, metadata, 0.3),
+    )
+    x = torch.randn(4, 32)
+    assert torch.equal(kernels.silu_and_mul(x), silu_and_mul_ref(x))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_cuda_dispatch_uses_triton_and_honours_ref_mode(monkeypatch, caplog) -> None:
+    from mm_serve import kernels
+    from mm_serve.kernels import dispatch
+
+    query, kv_cache, metadata = _paged_batch(MIXED_GPU, 28, 4, 128, 16, torch.bfloat16, seed=2)
+    dispatch._logged.clear()
+    with caplog.at_level(logging.INFO, logger="mm_serve.kernels.dispatch"):
+        out = kernels.paged_attention(query, kv_cache, metadata, 0.1)
+        kernels.paged_attention(query, kv_cache, metadata, 0.1)
+    assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
+    assert "Triton" in caplog.records[0].getMessage()
+    ref = paged_attention_ref(query, kv_cache, metadata, 0.1)
+    assert _rel_err(out, ref) <= 1e-2
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the Triton kernel ran in ref mode")
+
+    monkeypatch.setenv("MM_SERVE_KERNELS", "ref")
+    monkeypatch.setattr(_attn, "paged_attention_triton", boom)
+    assert torch.equal(kernels.paged_attention(query, kv_cache, metadata, 0.1), ref)
+    monkeypatch.setenv("MM_SERVE_KERNELS", "bogus")
+    with pytest.raises(ValueError, match="MM_SERVE_KERNELS"):
+        kernels.paged_attention(query, kv_cache, metadata, 0.1)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiny_model_on_cuda_matches_cpu(tmp_path, dtype) -> None:
+    """The whole LM forward (Triton norm, rotary, cache write, attention, SiLU) on CUDA against
+    the same checkpoint on the CPU path: a prefill step, then decodes beside a chunk."""
+    from mm_serve.config import EngineArgs
+    from mm_serve.models.loader import load_model
+    from mm_serve.testing.checkpoints import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(tmp_path / "llama", "llama", seed=0, head_dim=32)
+    steps = [[(0, 12), (0, 1), (0, 30)], [(12, 1), (1, 7), (30, 1)]]
+    block_size = 16
+    tables, num_blocks = _shuffled_tables([13, 8, 31], block_size, seed=4)
+    logits = {}
+    for device in ("cpu", "cuda"):
+        config = EngineArgs(model=path, dtype=dtype, device=device).create_engine_config().model
+        model = load_model(config, device)
+        shape = (2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        nan = torch.full(shape, float("nan"), dtype=config.dtype, device=device)
+        model.bind_kv_cache([nan.clone() for _ in range(config.num_layers)])
+        gen = torch.Generator().manual_seed(0)
+        logits[device] = []
+        for reqs in steps:
+            metadata = _metadata(reqs, tables, block_size, device)
+            ids = torch.randint(0, config.vocab_size, (metadata.num_tokens,), generator=gen)
+            positions = torch.cat([torch.arange(c, c + n) for c, n in reqs])
+            with torch.inference_mode():
+                hidden = model(ids.to(device), positions.to(device), metadata)
+                logits[device].append(model.compute_logits(hidden).float().cpu())
+    tol = 1e-3 if dtype == "float32" else 3e-2
+    for cuda, cpu in zip(logits["cuda"], logits["cpu"], strict=True):
+        assert _rel_err(cuda, cpu) <= tol
