@@ -31,26 +31,30 @@ _EXIF_ORIENTATION = 0x0112
 ImageSource = bytes | bytearray | memoryview | str | Path | Image.Image
 
 
-def load_image(source: ImageSource) -> Image.Image:
+def load_image(source: ImageSource, max_pixels: int | None = None) -> Image.Image:
     """Decode an image and apply its EXIF orientation (as HF's ``load_image`` does).
 
     ``source``: encoded bytes (any format Pillow reads), a file path, or a PIL image (decoded
     already; only its EXIF orientation is applied). The mode is left as decoded: call
-    ``to_rgb`` (or a processor) next. Animated images give their first frame.
+    ``to_rgb`` (or a processor) next. Animated images give their first frame. With
+    ``max_pixels``, the size declared in the header is checked before any pixel is decoded, so
+    a small file declaring a huge image costs nothing.
 
     Raises:
         ValueError: empty or undecodable data, a missing file, a zero-sized image, an image
-            above Pillow's decompression-bomb limit, or a source of another type.
+            above ``max_pixels`` or Pillow's decompression-bomb limit, or a source of another
+            type.
     """
     if isinstance(source, Image.Image):
         image = source
+        check_max_pixels(image, max_pixels)
     elif isinstance(source, (bytes, bytearray, memoryview)):
-        image = _decode(bytes(source), "the image data")
+        image = _decode(bytes(source), "the image data", max_pixels)
     elif isinstance(source, (str, Path)):
         path = Path(source)
         if not path.is_file():
             raise ValueError(f"Image file not found: {str(path)!r}.")
-        image = _decode(path.read_bytes(), f"the image file {str(path)!r}")
+        image = _decode(path.read_bytes(), f"the image file {str(path)!r}", max_pixels)
     else:
         raise ValueError(
             f"Cannot load an image from a {type(source).__name__}; pass bytes, a path or a "
@@ -73,17 +77,35 @@ def _apply_exif_orientation(image: Image.Image) -> Image.Image:
         return image
 
 
-def _decode(data: bytes, what: str) -> Image.Image:
+def _decode(data: bytes, what: str, max_pixels: int | None) -> Image.Image:
     if not data:
         raise ValueError(f"Cannot decode {what}: it is empty.")
     try:
-        image = Image.open(io.BytesIO(data))
+        image = Image.open(io.BytesIO(data))  # reads the header only
+    except Image.DecompressionBombError as e:
+        raise ValueError(f"Refusing to decode {what}: {e}") from e
+    except UnidentifiedImageError as e:
+        raise ValueError(f"Cannot decode {what}: not an image in a known format.") from e
+    except (OSError, SyntaxError, ValueError) as e:
+        raise ValueError(f"Cannot decode {what} as an image: {e}") from e
+    check_max_pixels(image, max_pixels)
+    try:
         image.load()  # decode now: truncated or corrupt data fails here, not later
     except Image.DecompressionBombError as e:
         raise ValueError(f"Refusing to decode {what}: {e}") from e
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+    except (OSError, SyntaxError, ValueError) as e:
         raise ValueError(f"Cannot decode {what} as an image: {e}") from e
     return image
+
+
+def check_max_pixels(image: Image.Image, max_pixels: int | None) -> None:
+    """Raises ValueError when the image has more than ``max_pixels`` pixels (None: no limit)."""
+    width, height = image.size
+    if max_pixels is not None and width * height > max_pixels:
+        raise ValueError(
+            f"The image is {width}x{height} = {width * height} pixels, above the limit of "
+            f"{max_pixels} (max_pixels)."
+        )
 
 
 def check_image_size(image: Image.Image) -> None:

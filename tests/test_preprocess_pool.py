@@ -7,8 +7,10 @@ import dataclasses
 import gc
 import io
 import os
+import struct
 import threading
 import time
+import zlib
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -107,13 +109,27 @@ def test_pool_matches_in_process_preprocessing(config, tmp_path):
         pool.submit(sources[0])
 
 
+def png_header(width: int, height: int) -> bytes:
+    """A PNG declaring ``width x height`` RGB whose pixel data (IDAT) is empty."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"")
+
+
 def test_pool_errors_are_value_errors_and_the_pool_keeps_working(config):
     pool = PreprocessPool(config.model, config.multimodal)
     good = jpeg(photo("coffee.png").resize((120, 80)))
     cases = [
-        (b"not an image", "Cannot decode the image data as an image"),
+        (b"not an image", "Cannot decode the image data: not an image in a known format"),
         (good[: len(good) // 2], "Cannot decode the image data as an image"),
         (jpeg(noise(600, 600, 2)), r"600x600 = 360000 pixels, above the limit of 250000"),
+        # A 45-byte PNG whose header declares 12000x12000: rejected before decoding.
+        (png_header(12000, 12000), r"12000x12000 = 144000000 pixels, above the limit"),
     ]
     try:
         for source, message in cases:

@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 
 from mm_serve.config import ModelConfig, MultiModalConfig
 from mm_serve.encoders.base import ImageProcessor, ProcessedImage
@@ -64,16 +63,6 @@ class PreprocessResult:
         )
 
 
-def check_max_pixels(image: Image.Image, max_pixels: int) -> None:
-    """Raises ValueError when the image has more than ``max_pixels`` input pixels."""
-    width, height = image.size
-    if width * height > max_pixels:
-        raise ValueError(
-            f"The image is {width}x{height} = {width * height} pixels, above the limit of "
-            f"{max_pixels} (max_pixels)."
-        )
-
-
 def preprocess_image(source: Any, processor: ImageProcessor, max_pixels: int) -> ProcessedImage:
     """Decode (EXIF-rotated), check the size limit, convert, resize, normalise, patchify.
 
@@ -83,9 +72,7 @@ def preprocess_image(source: Any, processor: ImageProcessor, max_pixels: int) ->
         ValueError: undecodable data, a missing file, more than ``max_pixels`` input pixels,
             or an image the processor rejects.
     """
-    image = load_image(source)
-    check_max_pixels(image, max_pixels)
-    return processor.preprocess(image)
+    return processor.preprocess(load_image(source, max_pixels))
 
 
 def _init_worker(model_path: str, hf_config: dict[str, Any], processor_max_pixels, max_pixels):
