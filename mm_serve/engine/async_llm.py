@@ -1,0 +1,403 @@
+"""The API server's front end of the engine: prompts in, streamed completions out (asyncio).
+
+``AsyncLLM`` ties the pieces of the offline ``LLM`` to an event loop (DESIGN.md, "Process
+layout (serve)"): the ``InputProcessor`` (chat template, tokenization, image hashing) runs in
+one worker thread, never on the event loop; images are preprocessed by its process pool; the
+engine core runs in its own process behind an ``AsyncEngineCoreClient``; outputs are
+detokenized incrementally on the loop as they arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mm_serve.config import EngineArgs
+from mm_serve.engine.core_client import AsyncEngineCoreClient
+from mm_serve.engine.mm_processor import image_token_id
+from mm_serve.engine.output_processor import ParentRequest, RequestState
+from mm_serve.engine.processor import (
+    InputProcessor,
+    PendingPrompt,
+    ProcessedPrompt,
+    PromptType,
+    load_generation_config,
+    load_tokenizer,
+)
+from mm_serve.outputs import CompletionOutput, RequestOutput
+from mm_serve.sampling_params import SamplingParams
+from mm_serve.sched.output import EngineCoreOutput
+from mm_serve.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+# SamplingParams fields whose default the checkpoint's generation_config.json may set (vLLM's).
+DEFAULTS_FROM_GENERATION_CONFIG = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
+def generation_config_defaults(generation_config: Any) -> dict[str, Any]:
+    """The sampling defaults a checkpoint's ``generation_config.json`` sets (may be empty)."""
+    defaults = {}
+    for name in DEFAULTS_FROM_GENERATION_CONFIG:
+        value = getattr(generation_config, name, None)
+        if value is not None:
+            defaults[name] = value
+    return defaults
+
+
+@dataclass
+class RequestStats:
+    """How one completion (one of a request's ``n``) went; times are ``time.monotonic()``
+    seconds.
+
+    ``index``: the completion's place among the request's ``n`` (0 for the first);
+    ``finish_reason``: "stop" or "length" (the engine's), "abort" (cancelled: the client went
+    away) or "error" (the engine refused the request or died).
+    """
+
+    index: int
+    finish_reason: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    arrival_time: float
+    first_token_time: float | None
+    finished_time: float
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token (s): arrival to the first output token reaching the front end."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float:
+        """End-to-end latency (s): arrival to the last output."""
+        return self.finished_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token (s) after the first one; None with fewer than two tokens."""
+        if self.first_token_time is None or self.num_output_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+
+class _Completion:
+    """One engine request as the client sees it: what was generated and what was sent.
+
+    Text that could still turn out to be the start of a stop string is held back until it
+    cannot (or the completion ends), so that streamed text is never taken back.
+    """
+
+    def __init__(self, tokenizer, parent: ParentRequest, index: int, params: SamplingParams):
+        self.state = RequestState(tokenizer, parent, index, params)
+        self.num_sent_chars = 0
+        self.num_sent_tokens = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.first_token_time: float | None = None
+        self.finish_sent = False
+        stops = params.stop if not params.include_stop_str_in_output else []
+        self.holdback = max((len(s) for s in stops), default=1) - 1
+
+    def update(self, output: EngineCoreOutput, now: float) -> bool:
+        """Take one engine output; True when a stop string ended the text (abort the engine
+        request: it does not know)."""
+        if output.new_token_ids and self.first_token_time is None:
+            self.first_token_time = now
+        stop_string = self.state.update(output)
+        self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
+        if stop_string is not None:
+            stopped_here = output.finish_reason is None
+            self.finish_reason, self.stop_reason = "stop", stop_string
+            return stopped_here
+        return False
+
+    def take_delta(self) -> CompletionOutput | None:
+        """New text, tokens and logprobs since the last call; None when there is nothing."""
+        text = self.state.detokenizer.text
+        end = len(text) if self.finish_reason else len(text) - self.holdback
+        end = max(end, self.num_sent_chars)
+        token_ids = self.state.token_ids
+        news = end > self.num_sent_chars or len(token_ids) > self.num_sent_tokens
+        if not news and (self.finish_reason is None or self.finish_sent):
+            return None
+        logprobs = self.state.logprobs
+        delta = CompletionOutput(
+            index=self.state.index,
+            text=text[self.num_sent_chars : end],
+            token_ids=token_ids[self.num_sent_tokens :],
+            cumulative_logprob=self.state.cumulative_logprob,
+            logprobs=None if logprobs is None else logprobs[self.num_sent_tokens :],
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+        self.num_sent_chars, self.num_sent_tokens = end, len(token_ids)
+        self.finish_sent = self.finish_reason is not None
+        return delta
+
+
+class AsyncLLM:
+    """The engine for one event loop: process prompts, generate, abort, read the counters.
+
+    The constructor blocks while the engine core process starts and loads the model (seconds
+    to minutes); from a running loop, use ``await AsyncLLM.create(...)``. Call ``shutdown()``
+    when done: it stops the engine core and the preprocessing pool.
+
+    Args:
+        engine_args: every engine option (``mm_serve.config.EngineArgs``).
+        on_request_finished: called on the loop with each completion's ``RequestStats`` when
+            it finishes, is cancelled or fails (for metrics); must not raise.
+
+    Raises:
+        ValueError: an unusable checkpoint or option.
+        EngineStartupError: the engine core process failed to start.
+    """
+
+    def __init__(
+        self,
+        engine_args: EngineArgs,
+        on_request_finished: Callable[[RequestStats], None] | None = None,
+    ) -> None:
+        self.config = engine_args.create_engine_config()
+        self.tokenizer = load_tokenizer(self.config.model.tokenizer)
+        self.generation_config = load_generation_config(self.config.model.path)
+        self.input_processor = InputProcessor(
+            self.config.model, self.config.multimodal, self.tokenizer, self.generation_config
+        )
+        # One thread: HF fast tokenizers are not safe to call from several threads at once.
+        self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="mm_serve-tokenizer"
+        )
+        try:
+            self.engine_core = AsyncEngineCoreClient(engine_args)
+        except BaseException:
+            self._tokenizer_thread.shutdown(wait=False)
+            self.input_processor.shutdown()
+            raise
+        self.on_request_finished = on_request_finished
+        self._image_token_id = image_token_id(self.config.model.hf_config)
+        logger.info("The engine core is running (pid %s).", self.engine_core.pid)
+
+    @classmethod
+    async def create(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
+        """Build an ``AsyncLLM`` in a worker thread, keeping the running loop free."""
+        return await asyncio.to_thread(cls, engine_args, **kwargs)
+
+    @property
+    def is_dead(self) -> bool:
+        """True once the engine core process is gone: nothing more can be served."""
+        return self.engine_core.is_dead
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt + output length limit, in tokens."""
+        return self.config.model.max_model_len
+
+    def default_sampling_overrides(self) -> dict[str, Any]:
+        """Sampling defaults from the checkpoint's ``generation_config.json`` (as ``LLM``'s)."""
+        return generation_config_defaults(self.generation_config)
+
+    async def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> dict:
+        """Render OpenAI-style messages into a prompt dict (``InputProcessor.apply_chat_
+        template``), in the tokenizer thread.
+
+        Raises:
+            ValueError: the messages are malformed or the chat template rejects them (the
+                template's own message, e.g. roles that must alternate).
+        """
+        from jinja2 import TemplateError
+
+        try:
+            return await self._in_tokenizer_thread(
+                self.input_processor.apply_chat_template, messages, **kwargs
+            )
+        except TemplateError as e:
+            raise ValueError(f"The chat template could not render the messages: {e}") from e
+
+    async def process(self, prompt: PromptType) -> ProcessedPrompt:
+        """Tokenize a prompt (in the tokenizer thread), wait for its images to come out of the
+        preprocessing pool (without blocking the loop), and expand their placeholders.
+
+        Raises:
+            ValueError: see ``InputProcessor.process`` and ``PendingPrompt.result``.
+        """
+        pending = await self._in_tokenizer_thread(self.input_processor.process, prompt)
+        if pending.images is not None:
+            for item in pending.images.items:
+                if isinstance(item, concurrent.futures.Future):
+                    # Shielded: the pool's future may be shared with other requests, and a
+                    # cancelled waiter must not cancel it.
+                    await asyncio.shield(asyncio.wrap_future(item))
+        return await self._in_tokenizer_thread(self._finish_prompt, pending)
+
+    def _finish_prompt(self, pending: PendingPrompt) -> ProcessedPrompt:
+        """Expand the placeholders; refuse image tokens that no image fills (the prompt's
+        text may spell the placeholder without images, and the model cannot run that)."""
+        prompt = pending.result()
+        token_id = self._image_token_id
+        if token_id is not None:
+            expected = sum(f.placeholder.length for f in prompt.mm_features)
+            if prompt.token_ids.count(token_id) != expected:
+                raise ValueError(
+                    "The prompt contains image placeholder tokens that no image fills; pass "
+                    "images as image parts, not as placeholder text."
+                )
+        return prompt
+
+    async def generate(
+        self,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        request_id: str,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Run one request; yields deltas until every one of its ``n`` completions finished.
+
+        Each ``RequestOutput`` lists only the completions with news, and each of them holds
+        the text, token ids and logprobs *new since the previous output* (the
+        ``cumulative_logprob`` is the running total); a completion appears once more with
+        its ``finish_reason``. ``finished`` is True on the last output. Closing the iterator
+        early (the client went away; ``asyncio.CancelledError``) aborts the request in the
+        engine core, which frees its KV blocks and encoder-cache references.
+
+        ``arrival_time``: ``time.monotonic()`` when the request arrived (TTFT is measured from
+        it); now when None.
+
+        Raises:
+            EngineRequestError: the engine refused the request (a ``ValueError``: a 4xx unless
+                its ``kind`` is "internal").
+            EngineDeadError: the engine core process is gone (within ~0.1 s of its death).
+        """
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        parent = ParentRequest(request_id, prompt.text, prompt.token_ids, params.n)
+        requests = self.input_processor.make_requests(request_id, prompt, params)
+        completions = {
+            r.request_id: _Completion(self.tokenizer, parent, i, r.sampling_params)
+            for i, r in enumerate(requests)
+        }
+        outcome = ""
+        forwarders: list[asyncio.Task] = []
+        try:
+            queues = [await self.engine_core.add_request(r) for r in requests]
+            merged = queues[0] if len(queues) == 1 else asyncio.Queue()
+            if len(queues) > 1:
+                forwarders = [asyncio.ensure_future(_forward(q, merged)) for q in queues]
+            while any(c.finish_reason is None for c in completions.values()):
+                items = [await merged.get()]
+                while not merged.empty():
+                    items.append(merged.get_nowait())
+                await self._apply(items, completions, parent)
+                deltas = [d for c in completions.values() if (d := c.take_delta()) is not None]
+                if deltas:
+                    yield _request_output(parent, deltas, completions)
+        except BaseException as e:
+            cancelled = isinstance(e, (GeneratorExit, asyncio.CancelledError))
+            outcome = "abort" if cancelled else "error"
+            raise
+        finally:
+            for task in forwarders:
+                task.cancel()
+            await self._finish(completions, parent, arrival_time, outcome)
+
+    async def _apply(
+        self, items: list[Any], completions: dict[str, _Completion], parent: ParentRequest
+    ) -> None:
+        """Feed engine outputs to their completions; raise an error item; abort the engine
+        requests that a stop string ended."""
+        now = time.monotonic()
+        to_abort = []
+        for item in items:
+            if isinstance(item, BaseException):
+                raise item
+            completion = completions[item.request_id]
+            if completion.finish_reason is not None:
+                continue  # ended by a stop string; the engine's last outputs are moot
+            parent.num_cached_tokens = max(parent.num_cached_tokens, item.num_cached_tokens)
+            if completion.update(item, now):
+                to_abort.append(item.request_id)
+        if to_abort:
+            await self.engine_core.abort_requests(to_abort)
+
+    async def _finish(
+        self,
+        completions: dict[str, _Completion],
+        parent: ParentRequest,
+        arrival_time: float,
+        outcome: str,
+    ) -> None:
+        """Abort what is still running in the engine and report each completion's stats."""
+        unfinished = [rid for rid, c in completions.items() if c.finish_reason is None]
+        if unfinished and not self.engine_core.is_dead:
+            # Never suspends (a socket send), as it must: this runs while the generator is
+            # being closed, where an await that yields to the loop is an error.
+            await self.engine_core.abort_requests(unfinished)
+        if self.on_request_finished is None:
+            return
+        now = time.monotonic()
+        for completion in completions.values():
+            stats = RequestStats(
+                index=completion.state.index,
+                finish_reason=completion.finish_reason or outcome or "abort",
+                num_prompt_tokens=len(parent.prompt_token_ids),
+                num_output_tokens=len(completion.state.token_ids),
+                arrival_time=arrival_time,
+                first_token_time=completion.first_token_time,
+                finished_time=now,
+            )
+            self.on_request_finished(stats)
+
+    async def get_stats(self) -> EngineStats:
+        """The engine core's counters plus the front end's processor-cache counters.
+
+        Raises:
+            EngineDeadError: the engine core is gone.
+        """
+        stats = await self.engine_core.get_stats()
+        mm_processor = self.input_processor.mm_processor
+        if mm_processor is not None:
+            stats.processor_cache_queries = mm_processor.cache.queries
+            stats.processor_cache_hits = mm_processor.cache.hits
+        return stats
+
+    def shutdown(self) -> None:
+        """Stop the engine core process, the preprocessing pool and the tokenizer thread;
+        in-flight requests fail with ``EngineDeadError``. Idempotent."""
+        self.engine_core.shutdown()
+        self.input_processor.shutdown()
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
+    async def _in_tokenizer_thread(self, fn: Callable[..., Any], *args: Any, **kwargs: Any):
+        loop = asyncio.get_running_loop()
+        call = functools.partial(fn, *args, **kwargs)
+        return await loop.run_in_executor(self._tokenizer_thread, call)
+
+
+async def _forward(source: asyncio.Queue, sink: asyncio.Queue) -> None:
+    """Move one child's items onto its parent's queue until its last one (n > 1)."""
+    while True:
+        item = await source.get()
+        sink.put_nowait(item)
+        if isinstance(item, BaseException) or item.finished:
+            return
+
+
+def _request_output(
+    parent: ParentRequest, deltas: list[CompletionOutput], completions: dict[str, _Completion]
+) -> RequestOutput:
+    return RequestOutput(
+        request_id=parent.request_id,
+        prompt=parent.prompt,
+        prompt_token_ids=parent.prompt_token_ids,
+        prompt_logprobs=None,
+        outputs=deltas,
+        finished=all(c.finish_reason is not None for c in completions.values()),
+        num_cached_tokens=parent.num_cached_tokens,
+    )

@@ -1,0 +1,192 @@
+"""The OpenAI-compatible API server: FastAPI routes in front of one ``AsyncLLM``.
+
+``run_server`` starts the engine (its own process), then serves with uvicorn until SIGTERM /
+Ctrl-C, or until the engine core dies: then in-flight requests fail at once (503 / an SSE
+error event), ``/health`` answers 503 for ``ENGINE_DEAD_GRACE_S``, and the server exits with
+code 1. Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /health``, ``GET /metrics``, and the web page ``web/`` at ``/`` when it exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.routing import Match, Mount
+from starlette.types import Scope
+
+from mm_serve.config import EngineArgs
+from mm_serve.engine.async_llm import AsyncLLM
+from mm_serve.entrypoints.openai.errors import engine_dead_error, install_error_handlers
+from mm_serve.entrypoints.openai.media import MediaConfig, MediaResolver
+from mm_serve.entrypoints.openai.metrics import ServerMetrics
+from mm_serve.entrypoints.openai.middleware import RequestGuard, until_disconnected
+from mm_serve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from mm_serve.entrypoints.openai.serving_chat import ServingChat
+from mm_serve.entrypoints.openai.serving_common import Admission, ModelInfo
+from mm_serve.entrypoints.openai.serving_completion import ServingCompletion
+
+logger = logging.getLogger(__name__)
+
+ENGINE_DEAD_GRACE_S = 1.0  # /health says 503 this long after the engine died, then exit
+ENGINE_WATCH_INTERVAL_S = 0.1
+GRACEFUL_SHUTDOWN_S = 5.0  # in-flight responses get this long after SIGTERM
+STATS_TIMEOUT_S = 5.0
+WEB_DIR = Path(__file__).resolve().parents[3] / "web"
+API_PATHS = ("/v1/", "/health", "/metrics")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP side of ``mm-serve serve`` (engine options are ``EngineArgs``).
+
+    ``served_model_names``: names clients use in ``model`` (empty: the model as given; the
+    first is reported in responses); ``max_request_body_bytes``: larger bodies get a 413;
+    ``max_concurrent_requests``: generation requests in flight beyond it get a 429;
+    ``web_dir``: served at ``/`` when it holds an ``index.html``.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_names: tuple[str, ...] = ()
+    media: MediaConfig = MediaConfig()
+    max_request_body_bytes: int = 64 << 20
+    max_concurrent_requests: int = 1024
+    web_dir: Path = WEB_DIR
+
+
+def build_app(
+    llm: AsyncLLM, config: ServerConfig, metrics: ServerMetrics, media: MediaResolver
+) -> FastAPI:
+    """The FastAPI app serving ``llm`` (which must outlive it)."""
+    model_name = llm.config.model.model
+    model = ModelInfo(config.served_model_names or (model_name,), model_name)
+    admission = Admission(config.max_concurrent_requests)
+    chat = ServingChat(llm, model, admission, media)
+    completion = ServingCompletion(llm, model, admission)
+    app = FastAPI(title="mm_serve", docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+        arrival_time = time.monotonic()
+        return await until_disconnected(request, chat.handle(body, arrival_time))
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request):
+        arrival_time = time.monotonic()
+        return await until_disconnected(request, completion.handle(body, arrival_time))
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        max_len = llm.max_model_len
+        cards = [ModelCard(id=name, root=model.root, max_model_len=max_len) for name in model.names]
+        return ModelList(data=cards)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 while the engine core runs; 503 once it is gone."""
+        if llm.is_dead:
+            return engine_dead_error().response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        stats = None
+        if not llm.is_dead:
+            try:
+                stats = await asyncio.wait_for(llm.get_stats(), STATS_TIMEOUT_S)
+            except Exception:  # the engine died meanwhile: the front end's metrics still count
+                logger.warning("Reading the engine's stats failed", exc_info=True)
+        return Response(metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+
+    if (config.web_dir / "index.html").is_file():
+        web = StaticFiles(directory=config.web_dir, html=True)
+        app.router.routes.append(_WebMount("/", app=web, name="web"))
+    app.add_middleware(
+        RequestGuard,
+        api_key=config.api_key,
+        max_body_bytes=config.max_request_body_bytes,
+        metrics=metrics,
+    )
+    return app
+
+
+class _WebMount(Mount):
+    """The web page at ``/``, under every path but the API's: a wrong method on an API path
+    stays a 405 and an unknown ``/v1/`` path a JSON 404."""
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        if scope["type"] == "http" and scope["path"].startswith(API_PATHS):
+            return Match.NONE, {}
+        return super().matches(scope)
+
+
+async def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
+    """Start the engine and serve until stopped; returns the process exit code: 0 after
+    SIGTERM / SIGINT, 1 when the engine core died.
+
+    Raises:
+        ValueError: an unusable checkpoint or option.
+        EngineStartupError: the engine core failed to start.
+    """
+    metrics = ServerMetrics()
+    llm = await AsyncLLM.create(engine_args, on_request_finished=metrics.observe_request)
+    media = MediaResolver(config.media)
+    try:
+        app = build_app(llm, config, metrics, media)
+        uvicorn_config = uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            lifespan="off",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            log_level="info",
+        )
+        server = uvicorn.Server(uvicorn_config)
+        stop_signals: list[int] = []
+        # uvicorn re-raises the signal that stopped it once it is done; record it instead of
+        # dying from it, so that the engine is shut down below.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, frame: stop_signals.append(signum))
+        watchdog = asyncio.ensure_future(_watch(server, llm, config))
+        try:
+            await server.serve()
+        finally:
+            watchdog.cancel()
+        engine_died = llm.is_dead
+    finally:
+        await media.aclose()
+        llm.shutdown()
+    if engine_died and not stop_signals:
+        logger.error("Exiting: the engine core died.")
+        return 1
+    return 0
+
+
+async def _watch(server: uvicorn.Server, llm: AsyncLLM, config: ServerConfig) -> None:
+    """Announce the URL once serving; stop the server when the engine core dies."""
+    while not server.started and not server.should_exit:
+        await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
+    if server.started:
+        logger.info("Serving %s at http://%s:%d", llm.config.model.model, config.host, config.port)
+    while not llm.is_dead:
+        await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
+    logger.error("The engine core died; the server stops in %.1f s.", ENGINE_DEAD_GRACE_S)
+    await asyncio.sleep(ENGINE_DEAD_GRACE_S)
+    server.should_exit = True

@@ -1,0 +1,153 @@
+"""Every failure as OpenAI-style error JSON with the right status code.
+
+Body: ``{"error": {"message", "type", "param", "code"}}``. Statuses (``type`` / ``code``):
+
+- 400 ``invalid_request_error``: a well-formed request with unacceptable values: sampling
+  values out of range (``max_tokens`` <= 0, ``temperature`` < 0, ...), a bad or undecodable
+  image, bad base64, a disallowed or failing image URL, too many or too large images, image
+  placeholder text without images, a prompt beyond the context (``context_length_exceeded``
+  when prompt + ``max_tokens`` do not fit), a request the engine refuses.
+- 401 ``authentication_error`` / ``invalid_api_key``: ``--api-key`` set, key missing/wrong.
+- 404 ``invalid_request_error`` / ``model_not_found``: an unknown model (an unknown path:
+  no code).
+- 405 ``invalid_request_error``: a known path with another method.
+- 413 ``invalid_request_error`` / ``request_too_large``: a body above
+  ``--max-request-body-bytes``.
+- 422 ``invalid_request_error`` / ``invalid_schema``: the body is not JSON, or a field has the
+  wrong type or shape (pydantic); ``param`` names the field.
+- 429 ``rate_limit_error`` / ``server_overloaded``: more generation requests in flight than
+  ``--max-concurrent-requests``; with ``Retry-After: 1``.
+- 500 ``server_error`` / ``internal_error``: a bug; the message names no internals, the
+  traceback goes to the server log.
+- 503 ``server_error`` / ``engine_dead``: the engine core is gone; the server is exiting.
+- 499 (no body): the client went away before the answer (counted in the metrics only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from mm_serve.engine.core_client import EngineDeadError, EngineRequestError
+from mm_serve.entrypoints.openai.protocol import error_body
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {401: "authentication_error", 429: "rate_limit_error"}
+
+
+class APIError(Exception):
+    """An error answered as ``ErrorResponse`` JSON with HTTP status ``status``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = headers
+
+    @property
+    def type(self) -> str:
+        """OpenAI's error ``type`` for the status."""
+        if self.status >= 500:
+            return "server_error"
+        return _TYPES.get(self.status, "invalid_request_error")
+
+    def body(self) -> dict:
+        """The ``ErrorResponse`` as a JSON-ready dict."""
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        """The HTTP response: status, ``ErrorResponse`` JSON and any headers."""
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 400: the request is well-formed but its values are not acceptable."""
+    return APIError(400, message, code=code, param=param)
+
+
+def engine_dead_error() -> APIError:
+    """The 503 of every request once the engine core is gone."""
+    return APIError(503, "The engine is not running; the server is shutting down.", "engine_dead")
+
+
+def internal_error() -> APIError:
+    """The 500 of a bug; the details stay in the server log."""
+    return APIError(
+        500, "Internal server error (the server log has the details).", "internal_error"
+    )
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """The ``APIError`` for any exception of request handling; logs unexpected ones with
+    their traceback (they become a 500 that names no internals)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return engine_dead_error()
+    if isinstance(exc, EngineRequestError) and exc.kind == "internal":
+        logger.error("The engine failed request %s: %s", exc.request_id, exc)
+        return internal_error()
+    if isinstance(exc, ValueError):
+        return bad_request(str(exc))
+    logger.error("Request failed", exc_info=(type(exc), exc, exc.__traceback__))
+    return internal_error()
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn the ``ValueError``s (and engine errors) raised inside into ``APIError``s: around
+    code whose ``ValueError``s are the request's fault (prompt and image processing,
+    sampling parameters, the engine's verdict)."""
+    try:
+        yield
+    except (ValueError, EngineDeadError) as e:
+        raise to_api_error(e) from e
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer every error raised by a route as ``ErrorResponse`` JSON."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return engine_dead_error().response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        messages = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+            for e in errors[:5]
+        )
+        param = ".".join(loc) or None
+        return APIError(422, f"Invalid request: {messages}", "invalid_schema", param).response()
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        code = "request_too_large" if exc.status_code == 413 else None
+        return APIError(exc.status_code, str(exc.detail), code, headers=exc.headers).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return to_api_error(exc).response()

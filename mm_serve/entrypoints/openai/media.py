@@ -1,0 +1,168 @@
+"""Image URLs of chat messages: which are allowed, and fetching the remote ones.
+
+- ``data:image/...;base64,...``: always allowed; decoded with the prompt (in the tokenizer
+  thread), bad base64 is a 400.
+- ``http(s)://host/...``: only when ``host`` is one of ``--allowed-media-domains`` (exact,
+  case-insensitive). Fetched with httpx (async) with a timeout and a size cap; redirects are
+  followed only within the same host.
+- ``file:///path``: only under ``--allowed-local-media-path`` (after resolving symlinks and
+  ``..``), and at most the size cap.
+
+Anything else (a bare path, another scheme) is a 400.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urljoin, urlsplit
+
+import httpx
+
+from mm_serve.entrypoints.openai.errors import bad_request
+
+MAX_REDIRECTS = 3
+
+
+@dataclass(frozen=True)
+class MediaConfig:
+    """What image URLs may point at.
+
+    ``allowed_domains``: hosts whose http(s) URLs are fetched (empty: none);
+    ``allowed_local_path``: the folder whose files ``file://`` URLs may name (None: none);
+    ``max_bytes``: the largest image fetched or read, in bytes; ``fetch_timeout_s``: the
+    limit of one fetch (connect, each read), in seconds; ``max_images``: images per request.
+    """
+
+    allowed_domains: tuple[str, ...] = ()
+    allowed_local_path: str | None = None
+    max_bytes: int = 20 << 20
+    fetch_timeout_s: float = 10.0
+    max_images: int = 16
+
+
+class MediaResolver:
+    """Replaces a request's ``image_url`` parts by what the input processor takes.
+
+    Owns an ``httpx.AsyncClient``: call ``aclose()`` when done.
+    """
+
+    def __init__(self, config: MediaConfig) -> None:
+        self.config = config
+        self._domains = {d.lower() for d in config.allowed_domains}
+        self._local_root = (
+            os.path.realpath(config.allowed_local_path) if config.allowed_local_path else None
+        )
+        timeout = httpx.Timeout(config.fetch_timeout_s)
+        self._http = httpx.AsyncClient(follow_redirects=False, timeout=timeout, trust_env=False)
+
+    async def aclose(self) -> None:
+        """Close the HTTP client's connections."""
+        await self._http.aclose()
+
+    async def resolve(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Messages with each remote or local ``image_url`` part replaced by an ``image`` part
+        holding the fetched bytes or the checked path (``data:`` URLs stay as they are).
+
+        Raises:
+            APIError: (400) more than ``max_images`` images, a disallowed URL, a failed
+                fetch, an image above ``max_bytes``.
+        """
+        parts = [
+            part
+            for message in messages
+            if isinstance(message.get("content"), list)
+            for part in message["content"]
+            if part.get("type") == "image_url"
+        ]
+        if len(parts) > self.config.max_images:
+            raise bad_request(
+                f"At most {self.config.max_images} images are allowed per request; got "
+                f"{len(parts)} (--limit-mm-per-prompt).",
+                param="messages",
+            )
+        for part in parts:
+            url = part["image_url"]["url"]
+            if not url.startswith("data:"):
+                image, uuid = await self.load(url), part.get("uuid")
+                part.clear()
+                part.update({"type": "image", "image": image, "uuid": uuid})
+        return messages
+
+    async def load(self, url: str) -> bytes | str:
+        """The image behind an http(s) URL (its bytes) or a file URL (its checked path).
+
+        Raises:
+            APIError: (400) see ``resolve``.
+        """
+        scheme = urlsplit(url).scheme.lower()
+        if scheme in ("http", "https"):
+            return await self._fetch(url)
+        if scheme == "file":
+            return self._local_path(url)
+        raise bad_request(
+            "Image URLs must be data: URLs (base64), http(s) URLs of an allowed host or file: "
+            "URLs under the allowed local folder.",
+            param="messages",
+        )
+
+    def _local_path(self, url: str) -> str:
+        if self._local_root is None:
+            raise bad_request(
+                "file: image URLs are not allowed (start the server with "
+                "--allowed-local-media-path).",
+                param="messages",
+            )
+        path = os.path.realpath(unquote(urlsplit(url).path))
+        if os.path.commonpath([path, self._local_root]) != self._local_root:
+            raise bad_request("The image file is outside the allowed folder.", param="messages")
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            raise bad_request("The image file does not exist.", param="messages") from None
+        self._check_size(size)
+        return path
+
+    async def _fetch(self, url: str) -> bytes:
+        host = (urlsplit(url).hostname or "").lower()
+        if host not in self._domains:
+            raise bad_request(
+                f"Image URLs of host {host!r} are not allowed (--allowed-media-domains).",
+                param="messages",
+            )
+        try:
+            for _ in range(MAX_REDIRECTS + 1):
+                async with self._http.stream("GET", url) as response:
+                    if not response.is_redirect:
+                        return await self._read(response)
+                    url = urljoin(url, response.headers.get("location", ""))
+                    target = urlsplit(url)
+                    if target.scheme not in ("http", "https") or target.hostname != host:
+                        raise bad_request("The image URL redirects to another host.")
+        except httpx.TimeoutException:
+            raise bad_request("Fetching the image URL timed out.", param="messages") from None
+        except httpx.HTTPError as e:
+            raise bad_request(f"Fetching the image URL failed: {e}", param="messages") from None
+        raise bad_request("The image URL redirects too many times.", param="messages")
+
+    async def _read(self, response: httpx.Response) -> bytes:
+        if response.status_code != 200:
+            raise bad_request(
+                f"Fetching the image URL failed: HTTP {response.status_code}.", param="messages"
+            )
+        length = response.headers.get("content-length")
+        if length is not None and length.isdigit():
+            self._check_size(int(length))
+        data = bytearray()
+        async for chunk in response.aiter_bytes():
+            data += chunk
+            self._check_size(len(data))
+        return bytes(data)
+
+    def _check_size(self, size: int) -> None:
+        if size > self.config.max_bytes:
+            raise bad_request(
+                f"The image is larger than the limit of {self.config.max_bytes} bytes.",
+                param="messages",
+            )

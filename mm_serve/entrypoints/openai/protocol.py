@@ -1,0 +1,232 @@
+"""The OpenAI API's request and response bodies (pydantic), with vLLM's extensions.
+
+Requests check types and shapes only (a violation is a 422); the *values* (a negative
+temperature, ``max_tokens`` of 0, a prompt beyond the context) are checked by the serving code
+and ``SamplingParams`` (a 400), as vLLM does. Unknown request fields are accepted and ignored
+with a warning in the server log.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# ---- requests ----------------------------------------------------------------------------
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ImageURL(BaseModel):
+    url: str  # data:image/...;base64,..., http(s)://... (allowed hosts), file://... (allowed root)
+    detail: str | None = None  # accepted, ignored: images are sized by the checkpoint's processor
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURLPart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+    # vLLM's extension: identifies the image in place of its content in the caches.
+    uuid: str | None = None
+
+
+ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
+
+
+class ChatMessage(BaseModel):
+    role: str  # "system", "user", "assistant", ...: what the chat template accepts
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False  # one last chunk with the usage and no choices
+
+
+class SamplingRequest(_Request):
+    """Fields shared by chat and text completions. None means "the default": the checkpoint's
+    ``generation_config.json`` where it sets one, else vLLM's (OpenAI's) default."""
+
+    model: str | None = None  # None: the served model
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    # OpenAI's end-user id, for abuse monitoring upstream: accepted for compatibility and
+    # otherwise ignored. It does not salt the prefix cache; send cache_salt for that.
+    user: str | None = None
+    # vLLM's extensions.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    # Keeps this request's KV blocks from being shared with requests of another salt.
+    cache_salt: str | None = None
+    # Logprob entries name tokens as "token_id:<id>" (exact, also for partial UTF-8 tokens).
+    return_tokens_as_token_ids: bool = False
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class CompletionRequest(SamplingRequest):
+    # One prompt or a batch: text, or token ids.
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+# ---- responses ---------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0  # image placeholder tokens included
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or string that ended it
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A text completion, or (streaming) one chunk of it: the same object."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "mm_serve"
+    root: str  # the checkpoint as given on the command line
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str  # "invalid_request_error", "authentication_error", "rate_limit_error", ...
+    param: str | None = None  # the request field at fault, when one is
+    code: str | None = None  # e.g. "model_not_found", "context_length_exceeded"
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None):
+    """The JSON-ready dict of an ``ErrorResponse``."""
+    info = ErrorInfo(message=message, type=type, param=param, code=code)
+    return ErrorResponse(error=info).model_dump()

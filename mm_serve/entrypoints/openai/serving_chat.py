@@ -1,0 +1,157 @@
+"""``POST /v1/chat/completions``: messages with text and images in, a reply (or SSE chunks)
+out."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from mm_serve.engine.async_llm import AsyncLLM
+from mm_serve.entrypoints.openai.errors import bad_request, user_errors
+from mm_serve.entrypoints.openai.media import MediaResolver
+from mm_serve.entrypoints.openai.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatLogprobs,
+    ChatResponseMessage,
+    DeltaMessage,
+)
+from mm_serve.entrypoints.openai.serving_common import (
+    Admission,
+    ModelInfo,
+    ServingBase,
+    chat_logprobs,
+    collect,
+    sse_event,
+    stream_with_errors,
+    usage_info,
+)
+from mm_serve.outputs import CompletionOutput, RequestOutput
+
+
+@dataclass
+class _Reply:
+    """What the response of one chat request needs besides the outputs."""
+
+    request_id: str
+    model: str
+    num_top_logprobs: int | None  # None: no logprobs
+    tokens_as_ids: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def logprobs(self, output: CompletionOutput) -> ChatLogprobs | None:
+        if self.num_top_logprobs is None:
+            return None
+        content = chat_logprobs(
+            output.token_ids, output.logprobs, self.num_top_logprobs, self.tokens_as_ids
+        )
+        return ChatLogprobs(content=content)
+
+
+class ServingChat(ServingBase):
+    """Chat completions: images resolved (``MediaResolver``), the chat template applied and
+    the prompt processed off the event loop, then generated (``AsyncLLM``)."""
+
+    def __init__(
+        self, llm: AsyncLLM, model: ModelInfo, admission: Admission, media: MediaResolver
+    ) -> None:
+        super().__init__(llm, model, admission)
+        self.media = media
+
+    async def create(
+        self, request: ChatCompletionRequest, arrival_time: float
+    ) -> ChatCompletionResponse | AsyncIterator[str]:
+        """The response, or (``stream``) its SSE events ending with ``data: [DONE]``.
+
+        Raises:
+            APIError: see ``errors``.
+        """
+        model = self.model_name(request.model)
+        if request.top_logprobs is not None and not request.logprobs:
+            raise bad_request("top_logprobs needs logprobs to be true.", param="top_logprobs")
+        num_top = (request.top_logprobs or 0) if request.logprobs else None
+        max_tokens = request.max_completion_tokens
+        max_tokens = request.max_tokens if max_tokens is None else max_tokens
+        params = self.sampling_params(request, max_tokens, num_top)
+        if not request.messages:
+            raise bad_request("messages must not be empty.", param="messages")
+        if request.cache_salt is not None and not request.cache_salt:
+            raise bad_request("cache_salt must not be empty.", param="cache_salt")
+        messages = [m.model_dump(exclude_none=True) for m in request.messages]
+        messages = await self.media.resolve(messages)
+        with user_errors():
+            prompt = await self.llm.apply_chat_template(messages)
+            if request.cache_salt is not None:
+                prompt["cache_salt"] = request.cache_salt
+            processed = await self.llm.process(prompt)
+        params = self.fit_to_context(params, processed)
+        reply = _Reply(
+            f"chatcmpl-{uuid.uuid4().hex}", model, num_top, request.return_tokens_as_token_ids
+        )
+        outputs = self.llm.generate(processed, params, reply.request_id, arrival_time)
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            return stream_with_errors(_stream(outputs, reply, include_usage))
+        with user_errors():
+            return _response(await collect(outputs), reply)
+
+
+def _response(output: RequestOutput, reply: _Reply) -> ChatCompletionResponse:
+    choices = [
+        ChatCompletionChoice(
+            index=c.index,
+            message=ChatResponseMessage(content=c.text),
+            logprobs=reply.logprobs(c),
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+        for c in output.outputs
+    ]
+    num_completion = sum(len(c.token_ids) for c in output.outputs)
+    usage = usage_info(len(output.prompt_token_ids), num_completion, output.num_cached_tokens)
+    return ChatCompletionResponse(
+        id=reply.request_id, created=reply.created, model=reply.model, choices=choices, usage=usage
+    )
+
+
+async def _stream(
+    outputs: AsyncIterator[RequestOutput], reply: _Reply, include_usage: bool
+) -> AsyncIterator[str]:
+    """One chunk per engine update; each choice's first delta carries the role."""
+    started: set[int] = set()
+    num_completion = 0
+    last = None
+    async with contextlib.aclosing(outputs):
+        async for last in outputs:
+            choices = []
+            for delta in last.outputs:
+                message = DeltaMessage(content=delta.text)
+                if delta.index not in started:
+                    message.role = "assistant"
+                    started.add(delta.index)
+                choices.append(
+                    ChatCompletionStreamChoice(
+                        index=delta.index,
+                        delta=message,
+                        logprobs=reply.logprobs(delta),
+                        finish_reason=delta.finish_reason,
+                        stop_reason=delta.stop_reason,
+                    )
+                )
+                num_completion += len(delta.token_ids)
+            yield sse_event(_chunk(reply, choices))
+    if include_usage and last is not None:
+        usage = usage_info(len(last.prompt_token_ids), num_completion, last.num_cached_tokens)
+        yield sse_event(_chunk(reply, [], usage))
+
+
+def _chunk(reply: _Reply, choices: list[ChatCompletionStreamChoice], usage=None):
+    return ChatCompletionChunk(
+        id=reply.request_id, created=reply.created, model=reply.model, choices=choices, usage=usage
+    )

@@ -1,0 +1,312 @@
+"""What chat and text completions share: model check, admission, sampling parameters,
+context-length fitting, logprobs in OpenAI's shapes, usage, and the SSE response."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from mm_serve.engine.async_llm import AsyncLLM
+from mm_serve.engine.processor import ProcessedPrompt
+from mm_serve.entrypoints.openai.errors import (
+    APIError,
+    bad_request,
+    engine_dead_error,
+    to_api_error,
+    user_errors,
+)
+from mm_serve.entrypoints.openai.protocol import (
+    CompletionLogprobs,
+    PromptTokensDetails,
+    SamplingRequest,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+)
+from mm_serve.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
+from mm_serve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+
+# Request fields passed to SamplingParams as they are, when set.
+_SAMPLING_FIELDS = (
+    "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+    "include_stop_str_in_output", "skip_special_tokens",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The served model: its names (the first is reported) and the checkpoint as given."""
+
+    names: tuple[str, ...]
+    root: str
+
+
+class Admission:
+    """Caps the generation requests in flight; beyond ``limit``, a 429."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_flight = 0
+
+    def enter(self) -> None:
+        """Raises APIError (429) when ``limit`` requests are in flight already."""
+        if self.in_flight >= self.limit:
+            raise APIError(
+                429,
+                f"The server has {self.in_flight} requests in flight, its limit; retry later.",
+                "server_overloaded",
+                headers={"Retry-After": "1"},
+            )
+        self.in_flight += 1
+
+    def leave(self) -> None:
+        """One request in flight less (after each ``enter`` that did not raise)."""
+        self.in_flight -= 1
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events; ``on_close`` runs once the stream is over, however it ended
+    (finished, failed, cut by the client or never started), after the iterator is closed."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()
+            finally:
+                self._on_close()
+
+
+def sse_event(data: BaseModel | dict) -> str:
+    """One server-sent event carrying ``data`` as JSON."""
+    text = data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data)
+    return f"data: {text}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class ServingBase:
+    """Shared by ``ServingChat`` and ``ServingCompletion``; ``handle`` runs one request."""
+
+    def __init__(self, llm: AsyncLLM, model: ModelInfo, admission: Admission) -> None:
+        self.llm = llm
+        self.model = model
+        self.admission = admission
+
+    async def handle(self, request: SamplingRequest, arrival_time: float):
+        """Run ``create`` within the admission limit: a response model, or an
+        ``EventStreamResponse`` when ``create`` returns a stream of SSE strings.
+
+        Raises:
+            APIError: the request's error (see ``errors``).
+        """
+        if self.llm.is_dead:
+            raise engine_dead_error()
+        self.admission.enter()
+        try:
+            result = await self.create(request, arrival_time)
+        except BaseException:
+            self.admission.leave()
+            raise
+        if isinstance(result, BaseModel):
+            self.admission.leave()
+            return result
+        return EventStreamResponse(result, on_close=self.admission.leave)
+
+    async def create(self, request: Any, arrival_time: float) -> BaseModel | AsyncIterator[str]:
+        """The response model, or the SSE strings of a streamed response (subclasses)."""
+        raise NotImplementedError
+
+    def model_name(self, requested: str | None) -> str:
+        """The name to report; raises APIError (404) for a model this server does not serve."""
+        if requested is None:
+            return self.model.names[0]
+        if requested not in self.model.names:
+            raise APIError(
+                404,
+                f"The model {requested!r} does not exist; this server serves "
+                f"{list(self.model.names)}.",
+                "model_not_found",
+                "model",
+            )
+        return requested
+
+    def sampling_params(
+        self, request: SamplingRequest, max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams:
+        """The request's ``SamplingParams``: its fields, else the checkpoint's
+        generation_config defaults, else vLLM's. ``max_tokens`` None: up to the context.
+
+        Raises:
+            APIError: (400) a value out of range, naming the field.
+        """
+        if request.model_extra:
+            logger.warning("Ignored unknown request fields: %s", sorted(request.model_extra))
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}].", param="logprobs")
+        self._check_engine_limits(request)
+        kwargs = self.llm.default_sampling_overrides()
+        for name in _SAMPLING_FIELDS:
+            value = getattr(request, name)
+            if value is not None:
+                kwargs[name] = value
+        with user_errors():
+            return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs)
+
+    def _check_engine_limits(self, request: SamplingRequest) -> None:
+        """What ``SamplingParams`` lets through but the engine cannot take: stop token ids
+        outside the vocabulary, seeds beyond 64 bits (each of the ``n`` uses ``seed + i``).
+
+        Raises:
+            APIError: (400) naming the field.
+        """
+        vocab_size = self.llm.config.model.vocab_size
+        if any(not 0 <= t < vocab_size for t in request.stop_token_ids or ()):
+            raise bad_request(
+                f"stop_token_ids must be in [0, {vocab_size}).", param="stop_token_ids"
+            )
+        seed, n = request.seed, request.n
+        if seed is not None and not -(2**63) <= seed <= 2**63 - 1 - max(n, 1):
+            raise bad_request("seed must be a signed 64-bit integer.", param="seed")
+
+    def fit_to_context(self, params: SamplingParams, prompt: ProcessedPrompt) -> SamplingParams:
+        """``params`` with ``max_tokens`` set to the room left in the context when unset.
+
+        Raises:
+            APIError: (400, ``context_length_exceeded``) prompt + ``max_tokens`` exceed
+                ``max_model_len``.
+        """
+        max_len, num_prompt = self.llm.max_model_len, len(prompt.token_ids)
+        room = max_len - num_prompt
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise bad_request(
+                f"This model's maximum context length is {max_len} tokens, but "
+                f"{num_prompt + params.max_tokens} were requested ({num_prompt} in the prompt, "
+                f"{params.max_tokens} for the completion). Shorten the prompt or lower "
+                "max_tokens.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        if params.max_tokens is not None:
+            return params
+        with user_errors():
+            return dataclasses.replace(params, max_tokens=room)
+
+
+def usage_info(num_prompt: int, num_completion: int, num_cached: int) -> UsageInfo:
+    """Usage in tokens; ``num_cached``: prompt tokens served by the prefix cache."""
+    return UsageInfo(
+        prompt_tokens=num_prompt,
+        completion_tokens=num_completion,
+        total_tokens=num_prompt + num_completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
+    )
+
+
+def _token_text(token_id: int, logprob: Logprob, as_ids: bool) -> str:
+    return f"token_id:{token_id}" if as_ids else logprob.decoded_token or ""
+
+
+def _top(step: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
+    """The ``num`` most likely tokens of one step, most likely first."""
+    ranked = [(t, lp) for t, lp in step.items() if lp.rank is not None and lp.rank <= num]
+    return sorted(ranked, key=lambda item: item[1].rank)
+
+
+def chat_logprobs(
+    token_ids: list[int], logprobs: SampleLogprobs, num_top: int, as_ids: bool
+) -> list[TokenLogprob]:
+    """OpenAI chat ``logprobs.content``: one entry per token, with its ``num_top`` best."""
+    entries = []
+    for token_id, step in zip(token_ids, logprobs, strict=True):
+        chosen = step[token_id]
+        text = _token_text(token_id, chosen, as_ids)
+        top = [
+            TopLogprob(token=(t := _token_text(i, lp, as_ids)), logprob=lp.logprob, bytes=_b(t))
+            for i, lp in _top(step, num_top)
+        ]
+        entries.append(
+            TokenLogprob(token=text, logprob=chosen.logprob, bytes=_b(text), top_logprobs=top)
+        )
+    return entries
+
+
+def _b(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def completion_logprobs(
+    token_ids: list[int], logprobs: SampleLogprobs, num_top: int, as_ids: bool, offset: int
+) -> tuple[CompletionLogprobs, int]:
+    """OpenAI completions ``logprobs``, and the text offset after the last token;
+    ``offset``: the text offset of the first token (in characters)."""
+    result = CompletionLogprobs()
+    for token_id, step in zip(token_ids, logprobs, strict=True):
+        chosen = step[token_id]
+        text = _token_text(token_id, chosen, as_ids)
+        result.tokens.append(text)
+        result.token_logprobs.append(chosen.logprob)
+        result.text_offset.append(offset)
+        offset += len(chosen.decoded_token or "")
+        top = {_token_text(i, lp, as_ids): lp.logprob for i, lp in _top(step, num_top)}
+        result.top_logprobs.append(top)
+    return result, offset
+
+
+async def stream_with_errors(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """SSE strings of ``events``, then ``data: [DONE]``; an error midway becomes one
+    ``data: {"error": ...}`` event before it (the status line was sent already)."""
+    async with contextlib.aclosing(events):
+        try:
+            async for event in events:
+                yield event
+        except Exception as e:
+            yield sse_event(to_api_error(e).body())
+    yield SSE_DONE
+
+
+async def collect(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """The whole request from the deltas of ``AsyncLLM.generate``, completions in order."""
+    merged: dict[int, CompletionOutput] = {}
+    last = None
+    async with contextlib.aclosing(outputs):
+        async for last in outputs:
+            for delta in last.outputs:
+                whole = merged.get(delta.index)
+                if whole is None:
+                    merged[delta.index] = dataclasses.replace(
+                        delta,
+                        token_ids=list(delta.token_ids),
+                        logprobs=None if delta.logprobs is None else list(delta.logprobs),
+                    )
+                    continue
+                whole.text += delta.text
+                whole.token_ids += delta.token_ids
+                if whole.logprobs is not None:
+                    whole.logprobs += delta.logprobs
+                whole.cumulative_logprob = delta.cumulative_logprob
+                whole.finish_reason, whole.stop_reason = delta.finish_reason, delta.stop_reason
+    assert last is not None, "generate() yields at least the finish of every completion"
+    return dataclasses.replace(last, outputs=[merged[i] for i in sorted(merged)])

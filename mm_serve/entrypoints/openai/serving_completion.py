@@ -1,0 +1,190 @@
+"""``POST /v1/completions``: text (or token-id) prompts in, completions (or SSE chunks) out.
+
+A batch of prompts gives ``len(prompts) * n`` choices; choice ``i * n + j`` is completion
+``j`` of prompt ``i``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from mm_serve.entrypoints.openai.errors import bad_request, user_errors
+from mm_serve.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+)
+from mm_serve.entrypoints.openai.serving_common import (
+    ServingBase,
+    collect,
+    completion_logprobs,
+    sse_event,
+    stream_with_errors,
+    usage_info,
+)
+from mm_serve.outputs import CompletionOutput, RequestOutput
+
+
+@dataclass
+class _Reply:
+    request_id: str
+    model: str
+    n: int
+    num_top_logprobs: int | None
+    tokens_as_ids: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+    # choice index -> text offset of its next token (for logprobs.text_offset)
+    offsets: dict[int, int] = field(default_factory=dict)
+
+    def choice(self, prompt_index: int, output: CompletionOutput) -> CompletionChoice:
+        index = prompt_index * self.n + output.index
+        logprobs = None
+        if self.num_top_logprobs is not None:
+            logprobs, self.offsets[index] = completion_logprobs(
+                output.token_ids,
+                output.logprobs,
+                self.num_top_logprobs,
+                self.tokens_as_ids,
+                self.offsets.get(index, 0),
+            )
+        return CompletionChoice(
+            index=index,
+            text=output.text,
+            logprobs=logprobs,
+            finish_reason=output.finish_reason,
+            stop_reason=output.stop_reason,
+        )
+
+
+class ServingCompletion(ServingBase):
+    """Text completions of one prompt or a batch (no images: use chat completions)."""
+
+    async def create(
+        self, request: CompletionRequest, arrival_time: float
+    ) -> CompletionResponse | AsyncIterator[str]:
+        """The response, or (``stream``) its SSE events ending with ``data: [DONE]``.
+
+        Raises:
+            APIError: see ``errors``.
+        """
+        model = self.model_name(request.model)
+        if request.echo:
+            raise bad_request("echo is not supported.", param="echo")
+        if request.suffix:
+            raise bad_request("suffix is not supported.", param="suffix")
+        params = self.sampling_params(request, request.max_tokens, request.logprobs)
+        processed = []
+        with user_errors():
+            for prompt in _prompts(request.prompt):
+                if request.cache_salt is not None:
+                    prompt["cache_salt"] = request.cache_salt
+                processed.append(await self.llm.process(prompt))
+        base_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = [
+            self.llm.generate(p, self.fit_to_context(params, p), f"{base_id}-{i}", arrival_time)
+            for i, p in enumerate(processed)
+        ]
+        reply = _Reply(
+            base_id, model, params.n, request.logprobs, request.return_tokens_as_token_ids
+        )
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            return stream_with_errors(_stream(streams, reply, include_usage))
+        with user_errors():
+            return _response(await _collect_all(streams), reply)
+
+
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[dict]:
+    if isinstance(prompt, str):
+        return [{"prompt": prompt}]
+    if not prompt:
+        raise bad_request("prompt must not be empty.", param="prompt")
+    if isinstance(prompt[0], int):
+        return [{"prompt_token_ids": prompt}]
+    key = "prompt" if isinstance(prompt[0], str) else "prompt_token_ids"
+    return [{key: p} for p in prompt]
+
+
+async def _collect_all(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """Every prompt's whole output; on the first error the others are cancelled."""
+    tasks = [asyncio.ensure_future(collect(s)) for s in streams]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _response(outputs: list[RequestOutput], reply: _Reply) -> CompletionResponse:
+    choices = [reply.choice(i, c) for i, output in enumerate(outputs) for c in output.outputs]
+    return CompletionResponse(
+        id=reply.request_id,
+        created=reply.created,
+        model=reply.model,
+        choices=choices,
+        usage=_usage(outputs, sum(len(c.token_ids) for o in outputs for c in o.outputs)),
+    )
+
+
+def _usage(outputs: list[RequestOutput], num_completion: int):
+    num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    return usage_info(num_prompt, num_completion, sum(o.num_cached_tokens for o in outputs))
+
+
+async def _stream(
+    streams: list[AsyncIterator[RequestOutput]], reply: _Reply, include_usage: bool
+) -> AsyncIterator[str]:
+    last: dict[int, RequestOutput] = {}
+    num_completion = 0
+    async with contextlib.aclosing(_merge(streams)) as merged:
+        async for prompt_index, output in merged:
+            last[prompt_index] = output
+            num_completion += sum(len(c.token_ids) for c in output.outputs)
+            choices = [reply.choice(prompt_index, c) for c in output.outputs]
+            chunk = CompletionResponse(
+                id=reply.request_id, created=reply.created, model=reply.model, choices=choices
+            )
+            yield sse_event(chunk)
+    if include_usage:
+        usage = _usage(list(last.values()), num_completion)
+        chunk = CompletionResponse(
+            id=reply.request_id, created=reply.created, model=reply.model, choices=[], usage=usage
+        )
+        yield sse_event(chunk)
+
+
+async def _merge(
+    streams: list[AsyncIterator[RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(stream index, item) of several streams as they come; the first error is raised and
+    the other streams are cancelled."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for item in stream:
+                    queue.put_nowait((index, item))
+            queue.put_nowait((index, None))
+        except Exception as e:
+            queue.put_nowait((index, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
