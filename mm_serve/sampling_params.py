@@ -71,6 +71,10 @@ class SamplingParams:
                 "prompt_logprobs must be non-negative",
             ),
             (all(s for s in self.stop), "stop strings must be non-empty"),
+            (
+                self.seed is None or -(2**63) <= self.seed < 2**63,
+                "seed must be a signed 64-bit integer",
+            ),
         ]
         for ok, message in checks:
             if not ok:

@@ -176,6 +176,7 @@ def test_abort_mid_generation_frees_blocks(client, llm):
 
 def test_bad_requests_fail_alone(client, llm):
     pixels = ProcessedImage(torch.zeros(16, 1176), num_tokens=4, image_grid_thw=(1, 4, 4))
+    image_token = llm.config.model.hf_config.image_token_id
     bad = [
         (Request("too-long", [1] * 600, GREEDY), "maximum length"),
         (Request("bad-token", [1, 10**6], GREEDY), "must be in"),
@@ -187,6 +188,11 @@ def test_bad_requests_fail_alone(client, llm):
                 mm_features=[MultiModalFeature("h", PlaceholderRange(2, 4), pixels)],
             ),
             "placeholder",
+        ),
+        (Request("unfilled", [1, image_token, 3], GREEDY), "no image fills"),
+        (
+            Request("bad-stop", [1, 2], SamplingParams(temperature=0.0, stop_token_ids=[10**6])),
+            "stop_token_ids",
         ),
     ]
     (good,) = make_requests(llm, ["A good one."], GREEDY, "good-")

@@ -171,6 +171,7 @@ def test_image_errors(vlm):
             "maximum length",
         ),
         ({"prompt": f"{tag}x", "multi_modal_data": {"image": [b"not an image"]}}, "image"),
+        ({"prompt": f"{tag} spelled out, no image"}, "no image fills"),
     ]
     for prompt, message in cases:
         with pytest.raises(ValueError, match=message):

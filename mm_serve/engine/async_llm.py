@@ -20,11 +20,9 @@ from typing import Any
 
 from mm_serve.config import EngineArgs
 from mm_serve.engine.core_client import AsyncEngineCoreClient
-from mm_serve.engine.mm_processor import image_token_id
 from mm_serve.engine.output_processor import ParentRequest, RequestState
 from mm_serve.engine.processor import (
     InputProcessor,
-    PendingPrompt,
     ProcessedPrompt,
     PromptType,
     load_generation_config,
@@ -183,7 +181,6 @@ class AsyncLLM:
             self.input_processor.shutdown()
             raise
         self.on_request_finished = on_request_finished
-        self._image_token_id = image_token_id(self.config.model.hf_config)
         logger.info("The engine core is running (pid %s).", self.engine_core.pid)
 
     @classmethod
@@ -236,21 +233,7 @@ class AsyncLLM:
                     # Shielded: the pool's future may be shared with other requests, and a
                     # cancelled waiter must not cancel it.
                     await asyncio.shield(asyncio.wrap_future(item))
-        return await self._in_tokenizer_thread(self._finish_prompt, pending)
-
-    def _finish_prompt(self, pending: PendingPrompt) -> ProcessedPrompt:
-        """Expand the placeholders; refuse image tokens that no image fills (the prompt's
-        text may spell the placeholder without images, and the model cannot run that)."""
-        prompt = pending.result()
-        token_id = self._image_token_id
-        if token_id is not None:
-            expected = sum(f.placeholder.length for f in prompt.mm_features)
-            if prompt.token_ids.count(token_id) != expected:
-                raise ValueError(
-                    "The prompt contains image placeholder tokens that no image fills; pass "
-                    "images as image parts, not as placeholder text."
-                )
-        return prompt
+        return await self._in_tokenizer_thread(pending.result)
 
     async def generate(
         self,

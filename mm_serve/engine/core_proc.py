@@ -28,6 +28,8 @@ import zmq
 
 from mm_serve.config import EngineArgs
 from mm_serve.engine.core import EngineCore
+from mm_serve.engine.mm_processor import image_token_id
+from mm_serve.engine.processor import check_image_tokens
 from mm_serve.engine.wire import (
     AbortRequests,
     EngineCoreOutputs,
@@ -94,6 +96,7 @@ class EngineCoreProc:
         self.stopping = threading.Event()  # tells the input thread to return
         self.engine_core: EngineCore | None = None
         self.vocab_size = 0
+        self.image_token_id: int | None = None
 
     def serve(self, engine_args: EngineArgs) -> int:
         """Start up (answering ``EngineReady`` or ``EngineFailed``), then run the busy loop
@@ -130,6 +133,7 @@ class EngineCoreProc:
         config = engine_args.create_engine_config()
         self.engine_core = EngineCore(config)
         self.vocab_size = config.model.vocab_size
+        self.image_token_id = image_token_id(config.model.hf_config)
         kv = self.engine_core.scheduler.kv_cache_manager
         ready = EngineReady(
             pid=os.getpid(),
@@ -199,12 +203,16 @@ class EngineCoreProc:
         """What the model would crash on rather than reject (the front end checks it too).
 
         Raises:
-            ValueError: token ids outside the vocabulary, or an image without pixels or
-                whose placeholder range is outside the prompt or disagrees with its size.
+            ValueError: token ids (prompt or stop) outside the vocabulary, image tokens that no
+                image fills, or an image without pixels or whose placeholder range is outside
+                the prompt or disagrees with its size.
         """
         token_ids = request.prompt_token_ids
         if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
             raise ValueError(f"Prompt token ids must be in [0, {self.vocab_size}).")
+        if any(not 0 <= t < self.vocab_size for t in request.sampling_params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}).")
+        check_image_tokens(token_ids, request.mm_features, self.image_token_id)
         for feature in request.mm_features:
             placeholder, data = feature.placeholder, feature.data
             if placeholder.offset < 0 or placeholder.end > len(token_ids):

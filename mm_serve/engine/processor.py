@@ -69,13 +69,14 @@ class PendingPrompt:
         """Wait for the images, expand their placeholders and check the final length.
 
         Raises:
-            ValueError: an image failed to preprocess, or the expanded prompt leaves no room
-                for output within ``max_model_len``.
+            ValueError: an image failed to preprocess, the expanded prompt leaves no room
+                for output within ``max_model_len``, or image tokens that no image fills.
         """
-        if self.images is None:
-            return ProcessedPrompt(self.text, self.token_ids, [], self.cache_salt)
-        token_ids, features = self.images.result()
-        check_token_ids(token_ids, self.model_config)
+        token_ids, features = self.token_ids, []
+        if self.images is not None:
+            token_ids, features = self.images.result()
+            check_token_ids(token_ids, self.model_config)
+        check_image_tokens(token_ids, features, image_token_id(self.model_config.hf_config))
         return ProcessedPrompt(self.text, token_ids, features, self.cache_salt)
 
 
@@ -93,6 +94,20 @@ def check_token_ids(token_ids: list[int], model_config: ModelConfig) -> None:
     vocab_size = model_config.vocab_size
     if min(token_ids) < 0 or max(token_ids) >= vocab_size:
         raise ValueError(f"Prompt token ids must be in [0, {vocab_size}).")
+
+
+def check_image_tokens(
+    token_ids: list[int], features: list[MultiModalFeature], image_token: int | None
+) -> None:
+    """Raises ValueError when the prompt holds image tokens that no image fills (its text may
+    spell the placeholder without passing an image; the model cannot run that)."""
+    if image_token is None:
+        return
+    if token_ids.count(image_token) != sum(f.placeholder.length for f in features):
+        raise ValueError(
+            "The prompt contains image placeholder tokens that no image fills; pass images "
+            "as image parts (or multi_modal_data), not as placeholder text."
+        )
 
 
 def load_tokenizer(path: str):
