@@ -1,32 +1,37 @@
 """The upload page in a real headless Chromium (Playwright driving the system ``chromium``).
 
-Starts the server, uploads a generated scene and a real photograph, asks a question, and checks
-that a streamed answer and its timings appear; an oversized upload must show a readable error.
-A screenshot goes to ``test-artifacts/web_page.png``.
+Starts ``mm-serve serve`` with its default model (the bundled demo VLM), uploads a generated
+scene and asks about it (the answer must be right), then a real photograph in a new
+conversation; the answers stream with their timings, and an oversized upload shows a readable
+error. A screenshot goes to ``test-artifacts/web_page.png``.
 """
 
 from __future__ import annotations
 
+import importlib
+import random
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 from PIL import Image
 from test_vlm_vs_hf import photo
 
+from mm_serve.entrypoints.cli import DEMO_MODEL
 from mm_serve.testing.server import RemoteServer
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 MAX_PIXELS = 1_000_000
+sys.path.insert(0, str(DEMO_MODEL.parent))  # the demo's scene generator (samples/ is no package)
+scenes = importlib.import_module("scenes")
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    path = build_tiny_vlm_checkpoint(tmp_path_factory.mktemp("web"), family="qwen2_vl", seed=2)
-    with RemoteServer(path, ["--max-pixels", str(MAX_PIXELS)]) as server:
+def server():
+    with RemoteServer(str(DEMO_MODEL), ["--max-pixels", str(MAX_PIXELS)]) as server:
         yield server
 
 
@@ -46,39 +51,42 @@ def save(image: Image.Image, path: Path) -> str:
     return str(path)
 
 
+def ask(page, question: str, turn: int) -> str:
+    """Type a question, press Enter, wait for the streamed answer's stats; return its text."""
+    page.fill("#question", question)
+    page.keyboard.press("Enter")
+    stats = page.locator(".message.assistant .stats").nth(turn)
+    playwright_api.expect(stats).to_contain_text("TTFT", timeout=60_000)
+    assert "tokens/s" in stats.inner_text() or "TTFT" in stats.inner_text()
+    return page.locator(".message.assistant .text").nth(turn).inner_text().strip()
+
+
 def test_upload_ask_and_stream(server, browser, tmp_path):
-    scene = Image.new("RGB", (224, 224), "white")
-    scene.paste(Image.new("RGB", (80, 80), "red"), (20, 30))
-    files = [
-        save(scene, tmp_path / "scene.png"),
-        save(photo("coffee.png"), tmp_path / "coffee.png"),
-    ]
+    rng = random.Random(11)
+    scene = scenes.generate_scene(rng)
+    qa = scenes.ask(scene, "colour", rng)
     page = browser.new_page()
     page.goto(server.url)
     page.wait_for_selector("#model-line:has-text('Model:')")
-    page.set_input_files("#file-input", files)
-    expect = playwright_api.expect
-    expect(page.locator("#previews img")).to_have_count(2)
-    page.fill("#question", "What colour is the square?")
-    page.keyboard.press("Enter")
-    answer = page.locator(".message.assistant").last
-    stats = answer.locator(".stats")
-    stats.wait_for(state="visible")
-    page.wait_for_function(
-        "document.querySelector('.message.assistant .stats').textContent.includes('TTFT')"
-    )
-    assert answer.locator(".text").inner_text().strip() not in ("", "…")
-    assert "tokens/s" in stats.inner_text() and "image from cache" in stats.inner_text()
-    # Second turn, same conversation: the images are in the history, so they come from cache.
-    page.fill("#question", "And the background?")
-    page.click("#send")
-    page.wait_for_function("document.querySelectorAll('.message.assistant .stats').length == 2")
-    page.wait_for_function(
-        "[...document.querySelectorAll('.message.assistant .stats')][1].textContent"
-        ".includes('image from cache: yes')"
-    )
+    page.set_input_files("#file-input", [save(scene.image, tmp_path / "scene.png")])
+    playwright_api.expect(page.locator("#previews img")).to_have_count(1)
+    assert ask(page, qa.question, 0) == qa.answer
+    # A new conversation with the same picture: its prompt tokens come from the cache.
+    page.click("#new-chat")
+    page.set_input_files("#file-input", [save(scene.image, tmp_path / "again.png")])
+    count = scenes.ask(scene, "count", rng)
+    assert ask(page, count.question, 0) == count.answer
+    stats = page.locator(".message.assistant .stats").nth(0)
+    assert "image from cache: yes" in stats.inner_text()
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "web_page.png"), full_page=True)
+    # A real photograph, two turns: answers stream in (the demo model knows only its scenes,
+    # so their words are not checked).
+    page.click("#new-chat")
+    page.set_input_files("#file-input", [save(photo("coffee.png"), tmp_path / "coffee.png")])
+    assert ask(page, "Describe the image.", 0) not in ("", "…")
+    assert ask(page, "What colour is it?", 1) not in ("", "…")
+    assert page.locator(".message.user img").count() == 1  # the photo, shown once
     page.close()
 
 

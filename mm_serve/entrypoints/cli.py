@@ -138,6 +138,10 @@ def server_config_from(args: argparse.Namespace):
     )
 
 
+# A small Qwen2-VL trained on generated scenes (samples/demo_vlm/): runs on any CPU, offline.
+DEMO_MODEL = Path(__file__).resolve().parents[2] / "samples" / "demo_vlm" / "model"
+
+
 def serve(args: argparse.Namespace) -> int:
     """``mm-serve serve``: returns the exit code (1: bad options, failed start, engine died)."""
     from mm_serve.engine.core_client import EngineStartupError
@@ -176,7 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mm-serve", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="Run the OpenAI-compatible API server.")
-    serve_parser.add_argument("model", help="Checkpoint folder or Hugging Face hub id.")
+    serve_parser.add_argument(
+        "model",
+        nargs="?",
+        default=str(DEMO_MODEL),
+        help="Checkpoint folder or Hugging Face hub id (default: the bundled demo VLM, "
+        "samples/demo_vlm/model).",
+    )
     add_server_args(serve_parser)
     add_engine_args(serve_parser)
     serve_parser.set_defaults(func=serve)

@@ -1,0 +1,154 @@
+"""The demo VLM's architecture, tokenizer and processor files, and batched preprocessing.
+
+The checkpoint is an ordinary Qwen2-VL one (``Qwen2VLForConditionalGeneration``), only small:
+text hidden 256, 4 layers, 4 heads (2 KV heads), intermediate 640, tied embeddings; vision
+tower width 192, 4 layers, 3 heads, patch 14, 2 x 2 merge. A 224 x 224 image is 16 x 16
+patches, i.e. 64 image tokens. The tokenizer is a byte-level BPE with Qwen2's pre-tokenizer,
+trained on the task's questions and answers, plus Qwen2-VL's special tokens and chat template
+(from ``mm_serve.testing.vlm_checkpoints``), so any text tokenizes and chat messages with
+``image_url`` parts work.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from mm_serve.testing.checkpoints import CORPUS
+from mm_serve.testing.vlm_checkpoints import (
+    QWEN_VL_CHAT_TEMPLATE,
+    QWEN_VL_SPECIALS,
+    _save_processor,
+    _token_ids,
+    _write_json,
+)
+
+PATCH, MERGE, TEMPORAL = 14, 2, 2
+MIN_PIXELS, MAX_PIXELS = 56 * 56, 224 * 224  # every input image: 4 to 64 image tokens
+# OpenAI CLIP's statistics, as Qwen2-VL's image processor.
+MEAN = (0.48145466, 0.4578275, 0.40821073)
+STD = (0.26862954, 0.26130258, 0.27577711)
+
+TEXT = dict(
+    hidden_size=256,
+    intermediate_size=640,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    # head_dim 64: 32 rotary frequencies split t:h:w = 8:12:12, as the real 16:24:24.
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]},
+)
+VISION = dict(
+    embed_dim=192,
+    depth=4,
+    num_heads=3,
+    mlp_ratio=4,
+    patch_size=PATCH,
+    spatial_merge_size=MERGE,
+    temporal_patch_size=TEMPORAL,
+)
+
+
+def build_tokenizer(corpus: list[str], vocab_size: int = 640) -> Any:
+    """A byte-level BPE over ``corpus`` (plus the general test corpus) with Qwen2's
+    pre-tokenizer and Qwen2-VL's special tokens; deterministic for a given corpus."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(corpus) + CORPUS, trainer)
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=QWEN_VL_CHAT_TEMPLATE,
+    )
+    tokenizer.add_tokens(QWEN_VL_SPECIALS, special_tokens=True)
+    return tokenizer
+
+
+def build_config(tokenizer: Any) -> Any:
+    from transformers import Qwen2VLConfig
+
+    ids = _token_ids(tokenizer)
+    text = {**TEXT, **ids.pop("text")}
+    vision = {**VISION, "hidden_size": TEXT["hidden_size"]}
+    return Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=True,
+        architectures=["Qwen2VLForConditionalGeneration"],
+        **ids,
+    )
+
+
+def build_model(tokenizer: Any, seed: int) -> Any:
+    """A freshly initialised float32 ``Qwen2VLForConditionalGeneration`` (seeded)."""
+    from transformers import GenerationConfig, Qwen2VLForConditionalGeneration
+
+    config = build_config(tokenizer)
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
+    text = config.text_config
+    model.generation_config = GenerationConfig(
+        bos_token_id=text.bos_token_id,
+        eos_token_id=text.eos_token_id,
+        pad_token_id=text.pad_token_id,
+    )
+    return model
+
+
+def save_checkpoint(model: Any, tokenizer: Any, path: str, card: dict[str, Any]) -> None:
+    """Write the HF folder: config, float32 safetensors, tokenizer + chat template, the
+    Qwen2-VL processor files (``min_pixels``/``max_pixels``) and ``training.json``."""
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+    from mm_serve._compat import ensure_torchvision_importable
+
+    ensure_torchvision_importable()
+    os.makedirs(path, exist_ok=True)
+    model.to(torch.float32).save_pretrained(path)
+    pixels = dict(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**pixels),
+        video_processor=Qwen2VLVideoProcessor(**pixels),
+        tokenizer=tokenizer,
+        chat_template=QWEN_VL_CHAT_TEMPLATE,
+    )
+    _save_processor(processor, path)
+    _write_json(os.path.join(path, "training.json"), card)
+
+
+def pixel_values(images: torch.Tensor) -> torch.Tensor:
+    """``[B, H, W, 3]`` uint8 (H, W multiples of 28) → Qwen2-VL ``pixel_values``
+    ``[B * H/14 * W/14, 3 * 2 * 14 * 14]`` float32, rows in the processor's order (each 2 x 2
+    block of patches together; a still image is its frame twice). No resize: equal to the HF
+    processor's output for images already inside ``[MIN_PIXELS, MAX_PIXELS]``."""
+    b, h, w, c = images.shape
+    mean = torch.tensor(MEAN, device=images.device).view(1, 3, 1, 1)
+    std = torch.tensor(STD, device=images.device).view(1, 3, 1, 1)
+    x = (images.permute(0, 3, 1, 2).float() / 255.0 - mean) / std  # [B, 3, H, W]
+    gh, gw = h // PATCH, w // PATCH
+    x = x.reshape(b, c, gh // MERGE, MERGE, PATCH, gw // MERGE, MERGE, PATCH)
+    x = x.permute(0, 2, 5, 3, 6, 1, 4, 7)  # [B, gh/m, gw/m, m, m, C, patch, patch]
+    x = x.unsqueeze(6).expand(-1, -1, -1, -1, -1, -1, TEMPORAL, -1, -1)
+    return x.reshape(b * gh * gw, c * TEMPORAL * PATCH * PATCH)
