@@ -117,6 +117,35 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
 
 
+MAX_CUDA_GRAPH_BATCH_SIZE = 512
+
+
+def cuda_graph_batch_sizes(
+    max_num_seqs: int, limit: int = MAX_CUDA_GRAPH_BATCH_SIZE
+) -> tuple[int, ...]:
+    """The decode batch sizes that get a CUDA graph (vLLM's ladder): 1, 2, 4, then every
+    multiple of 8, up to ``min(max_num_seqs, limit)``, which is always included so that every
+    decode batch the scheduler can form up to that size has a graph to pad to."""
+    top = min(max_num_seqs, limit)
+    if top < 1:
+        return ()
+    ladder = [1, 2, 4, *range(8, top + 1, 8)]
+    return tuple(sorted({s for s in ladder if s < top} | {top}))
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """CUDA graphs for decode-only steps.
+
+    ``enforce_eager`` turns them off; ``cuda_graph_batch_sizes`` are the captured batch sizes
+    (ascending; a decode batch is padded up to the next one, larger ones run eagerly). Graphs
+    are only ever used on a CUDA device.
+    """
+
+    enforce_eager: bool = False
+    cuda_graph_batch_sizes: tuple[int, ...] = ()
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -125,6 +154,7 @@ class EngineConfig:
     parallel: ParallelConfig
     device: torch.device
     multimodal: MultiModalConfig
+    compilation: CompilationConfig = CompilationConfig(enforce_eager=True)
 
 
 @dataclass
@@ -153,6 +183,7 @@ class EngineArgs:
     mm_preprocess_workers: int | None = None
     max_num_encoder_input_tokens: int | None = None
     encoder_cache_size: int | None = None
+    enforce_eager: bool = False  # no CUDA graphs for decode steps (always eager on CPU)
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the arguments (download, read config.json, pick dtype and lengths) once."""
@@ -195,7 +226,11 @@ class EngineArgs:
             encoder_cache_size=encoder_cache_size,
         )
         parallel = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
-        return EngineConfig(model, cache, scheduler, parallel, device, multimodal)
+        compilation = CompilationConfig(
+            enforce_eager=self.enforce_eager or device.type != "cuda",
+            cuda_graph_batch_sizes=cuda_graph_batch_sizes(self.max_num_seqs),
+        )
+        return EngineConfig(model, cache, scheduler, parallel, device, multimodal, compilation)
 
     def _multimodal_config(self, path: str, hf_config: Any) -> MultiModalConfig:
         """Image limits; for a VLM, the largest image's token count from its processor."""

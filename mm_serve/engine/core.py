@@ -23,6 +23,7 @@ class EngineCore:
         self.model_runner.load_model()
         num_kv_blocks = self.model_runner.determine_num_kv_blocks()
         self.model_runner.initialize_kv_cache(num_kv_blocks)
+        self.model_runner.capture_cuda_graphs()  # decode steps; a no-op on CPU / enforce_eager
         self.scheduler = Scheduler(config.scheduler, config.cache, num_kv_blocks)
 
     def add_request(self, request: Request) -> None:

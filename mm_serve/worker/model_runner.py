@@ -16,6 +16,7 @@ from mm_serve.attention import AttentionMetadata
 from mm_serve.config import EngineConfig
 from mm_serve.models.loader import load_model
 from mm_serve.sched.output import ModelRunnerOutput, SchedulerOutput
+from mm_serve.worker.cuda_graphs import CudaGraphRunner, is_decode_only
 from mm_serve.worker.input_batch import CachedRequestState, InputBatch
 from mm_serve.worker.kv_cache import allocate_kv_caches, determine_num_kv_blocks
 from mm_serve.worker.mm_inputs import (
@@ -65,6 +66,7 @@ class ModelRunner:
         # mm_hash -> [num_tokens, hidden] image embeddings; what enters and leaves is decided
         # by the scheduler's EncoderCacheManager.
         self.encoder_cache: dict[str, torch.Tensor] = {}
+        self.cuda_graphs: CudaGraphRunner | None = None  # set by capture_cuda_graphs()
 
     def load_model(self) -> None:
         torch.manual_seed(self.config.model.seed)
@@ -77,6 +79,24 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.config, num_blocks)
         self.model.bind_kv_cache(self.kv_caches)
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture the decode graphs (after the KV cache is bound); a no-op on CPU, with
+        ``enforce_eager``, or when the kernels are forced to the host-looping references."""
+        from mm_serve.kernels import kernel_mode
+
+        compilation = self.config.compilation
+        sizes = compilation.cuda_graph_batch_sizes
+        if compilation.enforce_eager or self.device.type != "cuda" or not sizes:
+            return
+        if kernel_mode() == "ref":
+            logger.info("No CUDA graphs: MM_SERVE_KERNELS=ref runs host-side loops.")
+            return
+        graphs = CudaGraphRunner(
+            self.model, sizes, self.max_model_len, self.block_size, self.device
+        )
+        graphs.capture()
+        self.cuda_graphs = graphs
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -103,13 +123,24 @@ class ModelRunner:
         return self._make_output(inputs.sample_rows, sampler_output, prompt_logprobs)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        """The LM over the flattened batch; image embeddings replace their placeholders."""
+        """The LM over the flattened batch; image embeddings replace their placeholders.
+        Decode-only steps replay a CUDA graph when one was captured for their size."""
+        if self._use_cuda_graph(inputs):
+            return self.cuda_graphs.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         if inputs.image_embeddings is None:
             return self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         rows, embeddings = inputs.image_embeddings
         inputs_embeds = self.model.get_input_embeddings(inputs.input_ids)
         inputs_embeds[rows] = embeddings.to(inputs_embeds.dtype)
         return self.model(None, inputs.positions, inputs.attn_metadata, inputs_embeds)
+
+    def _use_cuda_graph(self, inputs: StepInputs) -> bool:
+        if self.cuda_graphs is None or not self.cuda_graphs.can_run(inputs.attn_metadata.num_reqs):
+            return False
+        query_lens = np.diff(inputs.attn_metadata.query_start_loc_cpu)
+        return is_decode_only(
+            query_lens, inputs.image_embeddings is not None, bool(inputs.prompt_logprobs_jobs)
+        )
 
     def _new_request_state(self, new) -> CachedRequestState:
         params = new.sampling_params

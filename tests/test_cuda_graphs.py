@@ -1,0 +1,220 @@
+"""CUDA graphs for decode-only steps.
+
+On CPU: the batch-size ladder, the padding/selection logic, and the whole graph path with the
+graph replay stood in by an eager call over the same static buffers (so the buffer filling and
+the padding rows are checked against HF without a GPU). On CUDA: real graphs on equal graphs
+off (``enforce_eager``) and equal HF, for text and Qwen2-VL, with batch sizes between ladder
+steps, chunked prefill and preemption mixed in, and replays counted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_llm_vs_hf import check_against_hf, random_prompts
+from test_vlm_vs_hf import HFVisionReference, prompt_cases
+
+from mm_serve import LLM, SamplingParams
+from mm_serve.attention import AttentionMetadata
+from mm_serve.config import EngineArgs, cuda_graph_batch_sizes
+from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from mm_serve.worker.cuda_graphs import CudaGraphRunner, is_decode_only, padded_batch_size
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (CPU is always eager)"
+)
+
+# Batch sizes that fall between ladder steps (padded to 4, 8, 16) and one on a step.
+BATCH_PROMPT_LENGTHS = {
+    3: [3, 70, 5],
+    5: [8, 47, 12, 15, 16],
+    8: [17, 20, 24, 31, 33, 40, 55, 64],
+    11: [3, 70, 5, 8, 47, 12, 15, 16, 17, 20, 24],
+}
+
+
+# ---- pure Python: ladder, padding, selection ----------------------------------------------
+
+
+def test_batch_size_ladder():
+    assert cuda_graph_batch_sizes(256)[:8] == (1, 2, 4, 8, 16, 24, 32, 40)
+    assert cuda_graph_batch_sizes(256)[-1] == 256
+    assert cuda_graph_batch_sizes(1000)[-1] == 512  # capped
+    assert cuda_graph_batch_sizes(20) == (1, 2, 4, 8, 16, 20)  # the cap itself is captured
+    assert cuda_graph_batch_sizes(3) == (1, 2, 3)
+    assert cuda_graph_batch_sizes(1) == (1,)
+    sizes = cuda_graph_batch_sizes(512)
+    assert list(sizes) == sorted(set(sizes))
+
+
+def test_padded_batch_size():
+    sizes = cuda_graph_batch_sizes(64)
+    assert [padded_batch_size(n, sizes) for n in (1, 2, 3, 4, 5, 9, 17, 63, 64)] == [
+        1,
+        2,
+        4,
+        4,
+        8,
+        16,
+        24,
+        64,
+        64,
+    ]
+    assert padded_batch_size(65, sizes) is None
+
+
+def test_is_decode_only():
+    ones = np.ones(5, dtype=np.int64)
+    assert is_decode_only(ones, has_images=False, has_prompt_logprobs=False)
+    assert not is_decode_only(np.array([1, 2, 1]), has_images=False, has_prompt_logprobs=False)
+    assert not is_decode_only(ones, has_images=True, has_prompt_logprobs=False)
+    assert not is_decode_only(ones, has_images=False, has_prompt_logprobs=True)
+    assert not is_decode_only(np.array([], dtype=np.int64), False, False)
+
+
+def test_engine_args_enforce_eager(llama_path):
+    assert EngineArgs(model=llama_path).enforce_eager is False
+    config = EngineArgs(model=llama_path, max_num_seqs=40, device="cpu").create_engine_config()
+    assert config.compilation.enforce_eager  # CPU never uses graphs
+    assert config.compilation.cuda_graph_batch_sizes == (1, 2, 4, 8, 16, 24, 32, 40)
+    llm = LLM(llama_path, device="cpu")
+    assert llm.engine_core.model_runner.cuda_graphs is None
+
+
+def test_cli_has_enforce_eager_flag():
+    import argparse
+
+    from mm_serve.entrypoints.cli import add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args(["--enforce-eager"]).enforce_eager is True
+    assert parser.parse_args([]).enforce_eager is False
+
+
+class _EagerReplay:
+    """Stands in for ``torch.cuda.CUDAGraph`` on CPU: replays by calling the model eagerly on
+    the runner's static buffers (with host copies of them for the reference kernels)."""
+
+    def __init__(self, runner: CudaGraphRunner, size: int) -> None:
+        self.runner, self.size = runner, size
+
+    def replay(self) -> None:
+        r, n = self.runner, self.size
+        metadata = AttentionMetadata(
+            num_reqs=n,
+            num_tokens=n,
+            slot_mapping=r.slot_mapping[:n],
+            query_start_loc=r.query_start_loc[: n + 1],
+            seq_lens=r.seq_lens[:n],
+            block_table=r.block_table[:n],
+            max_query_len=1,
+            max_seq_len=r.max_model_len,
+            query_start_loc_cpu=list(range(n + 1)),
+            seq_lens_cpu=r.seq_lens[:n].tolist(),
+        )
+        positions = r.positions[:, :n] if r.uses_mrope else r.positions[:n]
+        r.outputs[n].copy_(r.model(r.input_ids[:n], positions, metadata))
+
+
+def _install_eager_replays(llm: LLM) -> CudaGraphRunner:
+    runner = llm.engine_core.model_runner
+    config = llm.config
+    graphs = CudaGraphRunner(
+        runner.model,
+        config.compilation.cuda_graph_batch_sizes,
+        config.model.max_model_len,
+        config.cache.block_size,
+        runner.device,
+    )
+    hidden = config.model.text_config.hidden_size
+    for size in graphs.sizes:
+        graphs.graphs[size] = _EagerReplay(graphs, size)
+        graphs.outputs[size] = torch.empty(size, hidden, dtype=config.model.dtype)
+    runner.cuda_graphs = graphs
+    return graphs
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [{}, {"max_num_batched_tokens": 20, "block_size": 4, "num_kv_blocks": 32}],
+    ids=["default", "chunked_and_preemption"],
+)
+def test_padded_replay_path_matches_hf_on_cpu(llama_path, hf_reference, engine_args):
+    llm = LLM(llama_path, device="cpu", max_num_seqs=16, **engine_args)
+    graphs = _install_eager_replays(llm)
+    vocab = llm.config.model.vocab_size
+    for batch, lengths in BATCH_PROMPT_LENGTHS.items():
+        prompts = random_prompts(vocab, lengths, seed=batch)
+        check_against_hf(llm, hf_reference(llama_path), prompts)
+    assert graphs.num_replays > 0
+    if engine_args:
+        assert llm.engine_core.scheduler.num_preemptions > 0
+
+
+def test_padded_replay_path_qwen2_vl_on_cpu(tmp_path):
+    """M-RoPE positions ``[3, B]`` through the static buffers, images mixed in (eager steps)."""
+    path = build_tiny_vlm_checkpoint(tmp_path, family="qwen2_vl", seed=3)
+    reference = HFVisionReference(path)
+    cases = prompt_cases("qwen2_vl")
+    prompts = [{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in cases]
+    llm = LLM(path, device="cpu", max_num_seqs=16, max_num_batched_tokens=8, block_size=4)
+    graphs = _install_eager_replays(llm)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+    for (text, images), output in zip(cases, outputs, strict=True):
+        assert output.outputs[0].token_ids == reference.greedy(text, images)[1]
+    assert graphs.num_replays > 0
+
+
+# ---- CUDA: real graphs --------------------------------------------------------------------
+
+
+def _greedy_tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {},
+        {"max_num_batched_tokens": 24},
+        {"max_num_batched_tokens": 20, "block_size": 4, "num_kv_blocks": 32},
+    ],
+    ids=["default", "chunked_prefill", "chunked_and_preemption"],
+)
+def test_graphs_match_eager_and_hf(model_path, hf_reference, engine_args):
+    llm = LLM(model_path, **engine_args)
+    eager = LLM(model_path, enforce_eager=True, **engine_args)
+    graphs = llm.engine_core.model_runner.cuda_graphs
+    assert graphs is not None and eager.engine_core.model_runner.cuda_graphs is None
+    vocab = llm.config.model.vocab_size
+    for batch, lengths in BATCH_PROMPT_LENGTHS.items():
+        prompts = random_prompts(vocab, lengths, seed=batch)
+        check_against_hf(llm, hf_reference(model_path), prompts)
+        assert _greedy_tokens(llm, prompts) == _greedy_tokens(eager, prompts)
+    assert graphs.num_replays > 0
+    if "num_kv_blocks" in engine_args:
+        assert llm.engine_core.scheduler.num_preemptions > 0
+
+
+@needs_cuda
+@pytest.mark.parametrize("engine_args", [{}, {"max_num_batched_tokens": 8, "block_size": 4}])
+def test_qwen2_vl_graphs_match_eager_and_hf(tmp_path, engine_args):
+    path = build_tiny_vlm_checkpoint(tmp_path, family="qwen2_vl", seed=3)
+    reference = HFVisionReference(path)
+    cases = prompt_cases("qwen2_vl")  # 5 prompts: padded to 8, then fewer as they finish
+    prompts = [{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in cases]
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    llm = LLM(path, **engine_args)
+    eager = LLM(path, enforce_eager=True, **engine_args)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    eager_outputs = eager.generate(prompts, params, use_tqdm=False)
+    for (text, images), output, eager_output in zip(cases, outputs, eager_outputs, strict=True):
+        _, ref_tokens, _ = reference.greedy(text, images)
+        assert output.outputs[0].token_ids == ref_tokens
+        assert eager_output.outputs[0].token_ids == ref_tokens
+    assert llm.engine_core.model_runner.cuda_graphs.num_replays > 0
