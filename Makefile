@@ -1,6 +1,7 @@
-# Two commands for a fresh machine (CPU-only or GPU host):
-#   make demo   set up, then generate offline with a tiny checkpoint built on the spot
+# Commands for a fresh machine (CPU-only or GPU host):
+#   make serve  set up, then serve the bundled demo VLM and its web page on 127.0.0.1:8000
 #   make test   set up, then run the test suite
+#   make demo   set up, then generate offline with a tiny checkpoint built on the spot
 PYTHON ?= python3
 VENV := .venv
 # CPU build of torch, for hosts without one (a CUDA build would pull GBs of wheels).
@@ -13,7 +14,7 @@ else
 PY := $(VENV)/bin/python
 endif
 
-.PHONY: setup demo test lint
+.PHONY: setup serve demo test lint
 
 setup: $(VENV)/.installed
 
@@ -30,6 +31,9 @@ endif
 	$(PY) -m pip install -q -e ".[test]" -c $(VENV)/constraints.txt \
 	  || $(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
+
+serve: setup
+	$(PY) -m mm_serve.entrypoints.cli serve
 
 demo: setup
 	$(PY) samples/offline_generate.py
