@@ -131,7 +131,8 @@ def server_config_from(args: argparse.Namespace):
         host=args.host,
         port=args.port,
         api_key=args.api_key,
-        served_model_names=tuple(args.served_model_name),
+        served_model_names=tuple(args.served_model_name)
+        or ((DEMO_MODEL_NAME,) if args.model == str(DEMO_MODEL) else ()),
         media=media,
         max_request_body_bytes=args.max_request_body_bytes,
         max_concurrent_requests=args.max_concurrent_requests,
@@ -140,6 +141,7 @@ def server_config_from(args: argparse.Namespace):
 
 # A small Qwen2-VL trained on generated scenes (samples/demo_vlm/): runs on any CPU, offline.
 DEMO_MODEL = Path(__file__).resolve().parents[2] / "samples" / "demo_vlm" / "model"
+DEMO_MODEL_NAME = "mm-serve-demo-vlm"
 
 
 def serve(args: argparse.Namespace) -> int:
