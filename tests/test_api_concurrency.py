@@ -16,9 +16,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_api_server import assert_group_gone, data_url, metric, photo_path, user
+from test_api_server import data_url, photo_path, user
 
-from mm_serve.testing.server import RemoteServer
+from mm_serve.testing.server import RemoteServer, assert_group_gone, metric
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 NUM_REQUESTS = 200

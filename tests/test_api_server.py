@@ -9,9 +9,7 @@ from __future__ import annotations
 import base64
 import http.server
 import io
-import os
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,7 +20,7 @@ import pytest
 from PIL import Image
 
 from mm_serve import LLM, SamplingParams
-from mm_serve.testing.server import RemoteServer, free_port
+from mm_serve.testing.server import RemoteServer, assert_group_gone, free_port, metric
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 API_KEY = "test-key"
@@ -141,27 +139,6 @@ def server(vlm_path, media_server, media_dir):
     yield remote
     assert remote.stop() == 0
     assert_group_gone(remote.proc.pid)
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of a process group."""
-    members = []
-    for entry in os.listdir("/proc"):
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(stat[2]) == pgid and stat[0] not in ("Z", "X"):
-            members.append(int(entry))
-    return members
-
-
-def assert_group_gone(pgid: int, timeout_s: float = 5.0) -> None:
-    """No process is left in the server's process group (they may take a moment to exit)."""
-    deadline = time.monotonic() + timeout_s
-    while group_members(pgid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not group_members(pgid), f"processes left behind: {group_members(pgid)}"
 
 
 @pytest.fixture(scope="module")
@@ -284,15 +261,6 @@ def test_completions_matches_offline_llm(client, llm):
         model=MODEL, prompt=prompts[0], temperature=0, max_tokens=MAX_TOKENS, stream=True
     )
     assert "".join(c.choices[0].text for c in stream if c.choices) == refs[0].outputs[0].text
-
-
-def metric(text: str, name: str) -> float:
-    """The sum of a metric's samples over all labels (0 when absent)."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and line[len(name)] in " {":
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def test_models_health_metrics(server, client):

@@ -27,13 +27,8 @@ from PIL import Image
 from mm_serve import LLM, SamplingParams
 from mm_serve.config import EngineArgs
 from mm_serve.encoders.base import ProcessedImage
-from mm_serve.engine.core_client import (
-    AsyncEngineCoreClient,
-    EngineCoreClient,
-    EngineDeadError,
-    EngineRequestError,
-    EngineStartupError,
-)
+from mm_serve.engine.core_client import AsyncEngineCoreClient, EngineCoreClient
+from mm_serve.engine.exceptions import EngineDeadError, EngineRequestError, EngineStartupError
 from mm_serve.engine.wire import (
     EngineCoreOutputs,
     EngineCoreOutputWire,

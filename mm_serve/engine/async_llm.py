@@ -25,6 +25,7 @@ from mm_serve.engine.processor import (
     InputProcessor,
     ProcessedPrompt,
     PromptType,
+    generation_config_defaults,
     load_generation_config,
     load_tokenizer,
 )
@@ -34,19 +35,6 @@ from mm_serve.sched.output import EngineCoreOutput
 from mm_serve.stats import EngineStats
 
 logger = logging.getLogger(__name__)
-
-# SamplingParams fields whose default the checkpoint's generation_config.json may set (vLLM's).
-DEFAULTS_FROM_GENERATION_CONFIG = ("temperature", "top_p", "top_k", "repetition_penalty")
-
-
-def generation_config_defaults(generation_config: Any) -> dict[str, Any]:
-    """The sampling defaults a checkpoint's ``generation_config.json`` sets (may be empty)."""
-    defaults = {}
-    for name in DEFAULTS_FROM_GENERATION_CONFIG:
-        value = getattr(generation_config, name, None)
-        if value is not None:
-            defaults[name] = value
-    return defaults
 
 
 @dataclass

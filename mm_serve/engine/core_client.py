@@ -39,6 +39,7 @@ import zmq
 
 from mm_serve.config import EngineArgs
 from mm_serve.engine.core_proc import run_engine_core
+from mm_serve.engine.exceptions import EngineDeadError, EngineRequestError, EngineStartupError
 from mm_serve.engine.wire import (
     AbortRequests,
     EngineCoreOutputs,
@@ -56,23 +57,6 @@ from mm_serve.stats import EngineStats
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_MS = 100  # the output thread's wake-up period (it notices shutdown within this)
-
-
-class EngineStartupError(RuntimeError):
-    """The engine core process failed to start; the message carries its error."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core process is gone (crashed, killed or shut down); the server must exit."""
-
-
-class EngineRequestError(ValueError):
-    """The engine refused or dropped one request (``kind``: "invalid_request" or "internal")."""
-
-    def __init__(self, request_id: str, message: str, kind: str = "invalid_request") -> None:
-        super().__init__(message)
-        self.request_id = request_id
-        self.kind = kind
 
 
 class _Sink(NamedTuple):

@@ -44,7 +44,6 @@ from mm_serve.engine.wire import (
     output_to_wire,
 )
 from mm_serve.request import Request
-from mm_serve.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -229,9 +228,7 @@ class EngineCoreProc:
                 call_id=call.call_id, call_error=f"Unknown utility method {call.method!r}."
             )
         engine_core = self.engine_core
-        # EngineCore.get_stats() is being added; until then the counters read as zero.
-        get_stats = getattr(engine_core, "get_stats", None)
-        stats = get_stats() if get_stats is not None else EngineStats()
+        stats = engine_core.get_stats()
         kv = engine_core.scheduler.kv_cache_manager
         kv_info = KVCacheInfo(kv.num_blocks, kv.num_free_blocks, kv.block_size)
         return EngineCoreOutputs(stats=stats, kv_cache=kv_info, call_id=call.call_id)

@@ -18,6 +18,7 @@ from mm_serve.engine.processor import (
     PendingPrompt,
     ProcessedPrompt,
     PromptType,
+    generation_config_defaults,
     load_generation_config,
     load_tokenizer,
 )
@@ -26,8 +27,6 @@ from mm_serve.sampling_params import SamplingParams
 from mm_serve.stats import EngineStats
 
 logger = logging.getLogger(__name__)
-
-_DEFAULTS_FROM_GENERATION_CONFIG = ("temperature", "top_p", "top_k", "repetition_penalty")
 
 
 class LLM:
@@ -79,12 +78,7 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's defaults, overridden by the checkpoint's ``generation_config.json``."""
-        overrides = {}
-        for name in _DEFAULTS_FROM_GENERATION_CONFIG:
-            value = getattr(self.generation_config, name, None)
-            if value is not None:
-                overrides[name] = value
-        return SamplingParams(**overrides)
+        return SamplingParams(**generation_config_defaults(self.generation_config))
 
     def generate(
         self,

@@ -129,6 +129,20 @@ def load_generation_config(path: str):
         return None
 
 
+# SamplingParams fields whose default the checkpoint's generation_config.json may set (vLLM's).
+DEFAULTS_FROM_GENERATION_CONFIG = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
+def generation_config_defaults(generation_config: Any) -> dict[str, Any]:
+    """The sampling defaults a checkpoint's ``generation_config.json`` sets (may be empty)."""
+    defaults = {}
+    for name in DEFAULTS_FROM_GENERATION_CONFIG:
+        value = getattr(generation_config, name, None)
+        if value is not None:
+            defaults[name] = value
+    return defaults
+
+
 class InputProcessor:
     """Tokenizes prompts, applies the chat template and builds engine requests.
 

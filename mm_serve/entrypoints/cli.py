@@ -146,7 +146,7 @@ DEMO_MODEL_NAME = "mm-serve-demo-vlm"
 
 def serve(args: argparse.Namespace) -> int:
     """``mm-serve serve``: returns the exit code (1: bad options, failed start, engine died)."""
-    from mm_serve.engine.core_client import EngineStartupError
+    from mm_serve.engine.exceptions import EngineStartupError
     from mm_serve.entrypoints.openai.api_server import run_server
 
     try:

@@ -9,8 +9,44 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
+
+
+def metric(text: str, name: str) -> float:
+    """The sum of a Prometheus metric's samples over all labels in ``/metrics`` text (0 when
+    absent)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name)] in " {":
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of a process group (read from /proc)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(stat[2]) == pgid and stat[0] not in ("Z", "X"):
+            members.append(int(entry))
+    return members
+
+
+def assert_group_gone(pgid: int, timeout_s: float = 5.0) -> None:
+    """No process is left in the server's process group (they may take a moment to exit).
+
+    Raises:
+        AssertionError: with the pids still alive after ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not group_members(pgid), f"processes left behind: {group_members(pgid)}"
 
 
 def free_port() -> int:

@@ -34,7 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from mm_serve.engine.core_client import EngineDeadError, EngineRequestError
+from mm_serve.engine.exceptions import EngineDeadError, EngineRequestError
 from mm_serve.entrypoints.openai.protocol import error_body
 
 logger = logging.getLogger(__name__)
