@@ -37,6 +37,7 @@ class ModelConfig:
     max_model_len: int
     tokenizer: str
     seed: int = 0
+    load_format: str = "auto"  # "auto": the checkpoint's safetensors; "dummy": random weights
 
     @property
     def text_config(self) -> Any:
@@ -92,6 +93,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     max_num_encoder_input_tokens: int = 0
     encoder_cache_size: int = 0
+    # Schedule step n+1 while step n runs on the device (its sampled tokens stay there).
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,8 @@ class EngineArgs:
     max_num_encoder_input_tokens: int | None = None
     encoder_cache_size: int | None = None
     enforce_eager: bool = False  # no CUDA graphs for decode steps (always eager on CPU)
+    load_format: str = "auto"
+    async_scheduling: bool | None = None  # on with CUDA (where it overlaps), off on CPU
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the arguments (download, read config.json, pick dtype and lengths) once."""
@@ -204,6 +209,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             tokenizer=resolve_model_path(self.tokenizer, self.revision) if self.tokenizer else path,
             seed=self.seed,
+            load_format=self.load_format,
         )
         cache = CacheConfig(
             block_size=self.block_size,
@@ -224,6 +230,9 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_num_encoder_input_tokens=encoder_budget,
             encoder_cache_size=encoder_cache_size,
+            async_scheduling=(
+                device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
+            ),
         )
         parallel = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
         compilation = CompilationConfig(

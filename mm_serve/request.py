@@ -66,7 +66,9 @@ class Request:
     """A request inside the engine core.
 
     There are no prefill/decode phases: the scheduler only looks at ``num_computed_tokens``
-    (tokens whose KV is in the cache) against ``num_tokens`` (prompt + output so far).
+    (tokens whose KV is in the cache, or is being written by a step in flight) against
+    ``num_tokens`` (prompt + output so far) plus ``num_output_placeholders`` (tokens a step in
+    flight will sample, whose ids the scheduler does not know yet).
     """
 
     request_id: str
@@ -80,6 +82,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list, init=False)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = field(default=0, init=False)
+    num_output_placeholders: int = field(default=0, init=False)
     num_cached_tokens: int = field(default=-1, init=False)  # prefix-cache hit at first schedule
     num_preemptions: int = field(default=0, init=False)
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
@@ -103,6 +106,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def is_finished(self) -> bool:

@@ -61,6 +61,14 @@ SCENARIOS = {
     "preemption": {"block_size": 4, "num_kv_blocks": 32},
     "chunked_and_preemption": {"max_num_batched_tokens": 20, "block_size": 4, "num_kv_blocks": 32},
     "no_prefix_caching": {"enable_prefix_caching": False, "max_num_batched_tokens": 32},
+    # The next step is scheduled before the last one's tokens are read (on by default on GPU).
+    "async_scheduling": {"async_scheduling": True},
+    "async_chunked_and_preemption": {
+        "async_scheduling": True,
+        "max_num_batched_tokens": 20,
+        "block_size": 4,
+        "num_kv_blocks": 32,
+    },
 }
 
 
@@ -106,8 +114,9 @@ def test_prompt_logprobs_match_hf(llama_path, hf_reference):
     assert_no_kv_leak(llm)
 
 
-def test_repetition_penalty_matches_hf(qwen2_path, hf_reference):
-    llm = LLM(qwen2_path)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_repetition_penalty_matches_hf(qwen2_path, hf_reference, async_scheduling):
+    llm = LLM(qwen2_path, async_scheduling=async_scheduling)
     prompts = random_prompts(llm.config.model.vocab_size, [6, 19, 30], seed=9)
     params = SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=1.8)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -109,7 +109,14 @@ def assert_no_kv_leak(llm: LLM) -> None:
     assert_engine_idle(llm.engine_core)
 
 
-@pytest.mark.parametrize("engine_args", [{}, {"max_num_batched_tokens": 8, "block_size": 4}])
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {},
+        {"max_num_batched_tokens": 8, "block_size": 4},
+        {"max_num_batched_tokens": 8, "block_size": 4, "async_scheduling": True},
+    ],
+)
 def test_vlm_greedy_matches_hf(vlm, engine_args):
     family, path, reference = vlm
     llm = LLM(path, **engine_args)

@@ -6,16 +6,22 @@ import logging
 
 from mm_serve.config import EngineConfig
 from mm_serve.request import Request, RequestStatus
-from mm_serve.sched.output import EngineCoreOutput
+from mm_serve.sched.output import EngineCoreOutput, SchedulerOutput
 from mm_serve.sched.scheduler import Scheduler
 from mm_serve.stats import EngineStats
 from mm_serve.worker.model_runner import ModelRunner
+from mm_serve.worker.step_output import PendingOutput
 
 logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    """Loads the model, sizes the KV cache, then runs ``step()`` while requests remain."""
+    """Loads the model, sizes the KV cache, then runs ``step()`` while requests remain.
+
+    With ``async_scheduling`` (on by default on CUDA) a step launches the next forward pass
+    before it reads the previous one's tokens, so scheduling and input preparation on the host
+    overlap the device's work; each ``step()`` then returns the outputs of the step before.
+    """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -25,6 +31,9 @@ class EngineCore:
         self.model_runner.initialize_kv_cache(num_kv_blocks)
         self.model_runner.capture_cuda_graphs()  # decode steps; a no-op on CPU / enforce_eager
         self.scheduler = Scheduler(config.scheduler, config.cache, num_kv_blocks)
+        self.async_scheduling = config.scheduler.async_scheduling
+        # The launched step whose output has not been read yet (async scheduling only).
+        self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -40,7 +49,16 @@ class EngineCore:
         return self.scheduler.make_stats()
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule, execute, update: one forward pass over the batch the scheduler chose."""
+        """Schedule, execute, update: one forward pass over the batch the scheduler chose.
+
+        With async scheduling the update is that of the previous step, whose tokens the
+        scheduler treated as placeholders while it scheduled this one.
+        """
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.model_runner.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        pending = self.model_runner.execute_model(scheduler_output)
+        if not self.async_scheduling:
+            return self.scheduler.update_from_output(scheduler_output, pending.get())
+        previous, self._in_flight = self._in_flight, (scheduler_output, pending)
+        if previous is None:
+            return []
+        return self.scheduler.update_from_output(previous[0], previous[1].get())

@@ -121,10 +121,6 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
-            if request in self.running:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
             request.status = status
             self._free_request(request)
 
@@ -147,9 +143,13 @@ class Scheduler:
             scheduled_encoder_inputs=step.encoder_inputs,
             free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
         )
-        # The scheduled tokens count as computed from now on: their KV is written this step.
+        # The scheduled tokens count as computed from now on: their KV is written this step. A
+        # request whose window reaches its end samples a token, unknown until the step is done.
         for req_id, num_tokens in step.num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += num_tokens
+            request = self.requests[req_id]
+            request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens == request.num_tokens_with_placeholders:
+                request.num_output_placeholders += 1
         self.finished_req_ids = set()
         return output
 
@@ -159,7 +159,13 @@ class Scheduler:
         index = 0
         while index < len(self.running) and step.token_budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, step.token_budget)
+            if self._last_token_in_flight(request):
+                index += 1
+                continue
+            num_new = min(
+                request.num_tokens_with_placeholders - request.num_computed_tokens,
+                step.token_budget,
+            )
             to_encode, num_new = self._schedule_encoder_inputs(
                 request, request.num_computed_tokens, num_new, step.encoder_budget
             )
@@ -182,12 +188,26 @@ class Scheduler:
             index += 1
         return preempted
 
+    def _last_token_in_flight(self, request: Request) -> bool:
+        """A step in flight samples the request's last token (``max_tokens`` or the model
+        length): it finishes when that step's output arrives, so it gets no more work."""
+        placeholders = request.num_output_placeholders
+        if not placeholders:
+            return False
+        max_tokens = request.sampling_params.max_tokens or self.config.max_model_len
+        return (
+            request.num_output_tokens + placeholders >= max_tokens
+            or request.num_tokens + placeholders >= self.config.max_model_len
+        )
+
     def _schedule_waiting(self, step: _Step) -> None:
         kv = self.kv_cache_manager
         while (
             self.waiting and step.token_budget > 0 and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted with a token in flight: it resumes once the token is known
             computed_blocks, num_computed = kv.get_computed_blocks(request)
             num_wanted = request.num_tokens - num_computed
             if not self.config.enable_chunked_prefill and num_wanted > step.token_budget:
@@ -276,6 +296,7 @@ class Scheduler:
             if request is None or request.is_finished:
                 continue  # aborted while the step ran
             new_token_ids = runner_output.sampled_token_ids[index]
+            request.num_output_placeholders -= len(new_token_ids)
             logprobs = runner_output.logprobs[index]
             for count, token_id in enumerate(new_token_ids, start=1):
                 request.append_output_token_ids([token_id])
@@ -287,7 +308,6 @@ class Scheduler:
             if new_token_ids or prompt_logprobs or request.is_finished:
                 outputs.append(self._make_output(request, new_token_ids, logprobs, prompt_logprobs))
             if request.is_finished:
-                self.running.remove(request)
                 self._free_request(request)
         return outputs
 
@@ -330,6 +350,12 @@ class Scheduler:
         )
 
     def _free_request(self, request: Request) -> None:
+        """Take a finished request out of its queue (running, or waiting when it was preempted
+        while its last token was in flight) and free everything it holds."""
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
         self.kv_cache_manager.free(request)
         self.encoder_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)

@@ -30,6 +30,8 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
+    # Tokens sampled by launched steps whose ids have not reached the host yet.
+    num_pending_outputs: int = 0
     # Prompt positions whose logprobs were already returned (not re-sent after preemption).
     num_prompt_logprobs_done: int = 0
     # M-RoPE (Qwen2-VL): [3, num_prompt_tokens] prompt positions, and the decode offset.
@@ -37,8 +39,28 @@ class CachedRequestState:
     mrope_delta: int = 0
 
     @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids) + self.num_pending_outputs
+
+    @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt and output tokens, pending ones included (their ids arrive later)."""
+        return len(self.prompt_token_ids) + self.num_output_tokens
+
+
+def to_device(array: np.ndarray, device: torch.device, dtype: torch.dtype | None = None):
+    """A host array as a tensor on ``device``, without blocking the host.
+
+    On CUDA the array is staged through pinned memory and copied with ``non_blocking=True``:
+    the host goes on preparing while earlier steps still run. PyTorch's caching host allocator
+    keeps the staging buffer until its copy is done, so the array may change right after.
+    """
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if dtype is not None:
+        tensor = tensor.to(dtype)
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 class InputBatch:
@@ -160,11 +182,11 @@ class InputBatch:
 
         def tensor(array: np.ndarray, off_value: float) -> torch.Tensor | None:
             values = array[rows]
-            return None if np.all(values == off_value) else torch.from_numpy(values).to(device)
+            return None if np.all(values == off_value) else to_device(values, device)
 
         no_penalties = not any(p.needs_penalties for p in params)
         return SamplingMetadata(
-            temperature=torch.from_numpy(temperature).to(device),
+            temperature=to_device(temperature, device),
             all_greedy=bool(np.all(temperature == 0.0)),
             all_random=bool(np.all(temperature != 0.0)),
             top_p=tensor(self.top_p, 1.0),
@@ -177,13 +199,13 @@ class InputBatch:
             no_penalties=no_penalties,
             presence_penalties=None
             if no_penalties
-            else torch.from_numpy(self.presence_penalty[rows]).to(device),
+            else to_device(self.presence_penalty[rows], device),
             frequency_penalties=None
             if no_penalties
-            else torch.from_numpy(self.frequency_penalty[rows]).to(device),
+            else to_device(self.frequency_penalty[rows], device),
             repetition_penalties=None
             if no_penalties
-            else torch.from_numpy(self.repetition_penalty[rows]).to(device),
+            else to_device(self.repetition_penalty[rows], device),
             prompt_token_ids=None if no_penalties else self._padded_prompts(rows, device),
             output_token_ids=[s.output_token_ids for s in states],
             banned_token_ids={
@@ -197,13 +219,13 @@ class InputBatch:
         lengths = self.num_prompt_tokens[rows]
         prompts = self.token_ids[rows, : lengths.max()].astype(np.int64)
         prompts[np.arange(prompts.shape[1]) >= lengths[:, None]] = self.vocab_size
-        return torch.from_numpy(prompts).to(device)
+        return to_device(prompts, device)
 
 
 def _banned_tokens(state: CachedRequestState) -> list[int]:
     """Stop tokens (EOS included) are forbidden until ``min_tokens`` outputs exist."""
     params = state.sampling_params
-    if len(state.output_token_ids) >= params.min_tokens:
+    if state.num_output_tokens >= params.min_tokens:
         return []
     eos = [] if params.ignore_eos or state.eos_token_id is None else [state.eos_token_id]
     return list(params.stop_token_ids) + eos

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mm_serve.worker.input_batch import CachedRequestState
+from mm_serve.worker.input_batch import CachedRequestState, to_device
 
 
 @dataclass
@@ -80,20 +80,30 @@ def gather_image_embeddings(
         raise RuntimeError(f"No encoder output for images {sorted(missing)} in this step.")
     rows = torch.cat([torch.arange(p.dst, p.dst + p.end - p.start) for p in slices])
     values = torch.cat([encoder_cache[p.mm_hash][p.start : p.end] for p in slices])
-    return rows.to(device), values
+    return to_device(rows.numpy(), device), values
 
 
 def mrope_positions(
-    states: list[CachedRequestState], positions: np.ndarray, query_start_loc: np.ndarray
+    states: list[CachedRequestState],
+    positions: np.ndarray,
+    query_start_loc: np.ndarray,
+    num_computed: np.ndarray,
 ) -> np.ndarray:
     """``[3, num_tokens]`` (t, h, w) positions: the precomputed prompt table inside the prompt,
-    ``position + mrope_delta`` on all three axes after it (Qwen2-VL's M-RoPE)."""
-    out = np.empty((3, len(positions)), dtype=np.int64)
+    ``position + mrope_delta`` on all three axes after it (Qwen2-VL's M-RoPE).
+
+    Vectorised over the batch; only rows whose window starts inside the prompt (prefill
+    chunks) are looked up in their table one by one.
+    """
+    num_scheduled = np.diff(query_start_loc)
+    delta = np.fromiter((s.mrope_delta for s in states), np.int64, len(states))
+    out = np.repeat((positions + np.repeat(delta, num_scheduled))[None], 3, axis=0)
     for row, state in enumerate(states):
+        table = state.mrope_positions
+        if num_computed[row] >= table.shape[1]:
+            continue  # decoding: past the prompt
         lo, hi = int(query_start_loc[row]), int(query_start_loc[row + 1])
         pos = positions[lo:hi]
-        table = state.mrope_positions
         in_prompt = pos < table.shape[1]
         out[:, lo:hi][:, in_prompt] = table[:, pos[in_prompt]]
-        out[:, lo:hi][:, ~in_prompt] = pos[~in_prompt] + state.mrope_delta
     return out

@@ -15,9 +15,9 @@ import torch
 from mm_serve.attention import AttentionMetadata
 from mm_serve.config import EngineConfig
 from mm_serve.models.loader import load_model
-from mm_serve.sched.output import ModelRunnerOutput, SchedulerOutput
+from mm_serve.sched.output import SchedulerOutput
 from mm_serve.worker.cuda_graphs import CudaGraphRunner, is_decode_only
-from mm_serve.worker.input_batch import CachedRequestState, InputBatch
+from mm_serve.worker.input_batch import CachedRequestState, InputBatch, to_device
 from mm_serve.worker.kv_cache import allocate_kv_caches, determine_num_kv_blocks
 from mm_serve.worker.mm_inputs import (
     encode_images,
@@ -27,6 +27,7 @@ from mm_serve.worker.mm_inputs import (
 )
 from mm_serve.worker.prompt_logprobs import PromptLogprobsJob, compute_prompt_logprobs
 from mm_serve.worker.sampler import Sampler
+from mm_serve.worker.step_output import PendingOutput, SampledTokens
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,9 @@ class ModelRunner:
         # by the scheduler's EncoderCacheManager.
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self.cuda_graphs: CudaGraphRunner | None = None  # set by capture_cuda_graphs()
+        # The last launched step's sampled tokens (on the device) and its output in flight.
+        self.last_sampled: SampledTokens | None = None
+        self.last_output: PendingOutput | None = None
 
     def load_model(self) -> None:
         torch.manual_seed(self.config.model.seed)
@@ -101,12 +105,17 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        """Launch one step. Its output comes back as a ``PendingOutput``: the device work is
+        queued, and ``get()`` waits for it. Tokens the previous step sampled may still be on
+        their way to the host; this step's inputs take them from the device."""
         for mm_hash in scheduler_output.free_encoder_mm_hashes:
             self.encoder_cache.pop(mm_hash, None)
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput([], [], [], {})
+            return PendingOutput([])
+        if self.last_output is not None and self._needs_output_ids():
+            self.last_output.get()  # penalties count the output ids: wait for the last ones
         encode_images(
             self.model, self.requests, scheduler_output.scheduled_encoder_inputs, self.encoder_cache
         )
@@ -120,7 +129,11 @@ class ModelRunner:
         prompt_logprobs = compute_prompt_logprobs(
             self.model, hidden_states, inputs.prompt_logprobs_jobs
         )
-        return self._make_output(inputs.sample_rows, sampler_output, prompt_logprobs)
+        return self._launch_output(inputs.sample_rows, sampler_output, prompt_logprobs)
+
+    def _needs_output_ids(self) -> bool:
+        batch = self.input_batch
+        return any(s.sampling_params.needs_penalties for s in batch.states[: batch.num_reqs])
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """The LM over the flattened batch; image embeddings replace their placeholders.
@@ -219,20 +232,19 @@ class ModelRunner:
         )
         seq_lens = num_computed + num_scheduled
         query_start_loc = np.concatenate([[0], cu_num_tokens])
-        # A request produces a token once every known token is computed (prompt done).
+        # A request samples once all its tokens are computed (prompt done); ``num_tokens``
+        # counts the tokens sampled by steps still in flight.
         sample_rows = np.nonzero(seq_lens == batch.num_tokens[:num_reqs])[0]
 
-        to_device = lambda a, dtype: torch.from_numpy(np.ascontiguousarray(a)).to(  # noqa: E731
-            device=self.device, dtype=dtype
-        )
+        device = self.device
         max_blocks = int(batch.num_blocks[:num_reqs].max())
         attn_metadata = AttentionMetadata(
             num_reqs=num_reqs,
             num_tokens=total,
-            slot_mapping=to_device(slot_mapping, torch.int64),
-            query_start_loc=to_device(query_start_loc, torch.int32),
-            seq_lens=to_device(seq_lens, torch.int32),
-            block_table=to_device(batch.block_table[:num_reqs, :max_blocks], torch.int32),
+            slot_mapping=to_device(slot_mapping, device, torch.int64),
+            query_start_loc=to_device(query_start_loc, device, torch.int32),
+            seq_lens=to_device(seq_lens, device, torch.int32),
+            block_table=to_device(batch.block_table[:num_reqs, :max_blocks], device, torch.int32),
             max_query_len=int(num_scheduled.max()),
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=query_start_loc.tolist(),
@@ -240,18 +252,20 @@ class ModelRunner:
         )
         states = batch.states[:num_reqs]
         if getattr(self.model, "uses_mrope", False):
-            positions = mrope_positions(states, positions, query_start_loc)
+            positions = mrope_positions(states, positions, query_start_loc, num_computed)
         slices = scheduled_slices(states, num_computed, query_start_loc)
         image_embeddings = None
         if slices:
             image_embeddings = gather_image_embeddings(self.encoder_cache, slices, self.device)
+        input_ids = to_device(input_ids, device, torch.int64)
+        self._fill_in_flight_tokens(input_ids, num_computed, num_scheduled, query_start_loc)
         return StepInputs(
-            input_ids=to_device(input_ids, torch.int64),
-            positions=to_device(positions, torch.int64),
+            input_ids=input_ids,
+            positions=to_device(positions, device, torch.int64),
             image_embeddings=image_embeddings,
             attn_metadata=attn_metadata,
             sample_rows=sample_rows,
-            logits_indices=to_device(cu_num_tokens[sample_rows] - 1, torch.int64),
+            logits_indices=to_device(cu_num_tokens[sample_rows] - 1, device, torch.int64),
             prompt_logprobs_jobs=self._prompt_logprobs_jobs(num_computed, query_start_loc),
         )
 
@@ -285,31 +299,68 @@ class ModelRunner:
             state.num_prompt_logprobs_done = end
         return jobs
 
-    def _make_output(self, sample_rows, sampler_output, prompt_logprobs) -> ModelRunnerOutput:
-        """Append sampled tokens to the batch and convert the results to python lists."""
+    def _fill_in_flight_tokens(
+        self,
+        input_ids: torch.Tensor,
+        num_computed: np.ndarray,
+        num_scheduled: np.ndarray,
+        query_start_loc: np.ndarray,
+    ) -> None:
+        """Copy the previous step's sampled tokens into ``input_ids`` ``[num_tokens]`` (device
+        to device) where this step's windows cover them: the host may not know them yet."""
+        sampled = self.last_sampled
+        if sampled is None:
+            return
+        index = self.input_batch.req_id_to_index
+        rows = np.array([index.get(r, -1) for r in sampled.req_ids], dtype=np.int64)
+        src = np.nonzero(rows >= 0)[0]
+        rows = rows[src]
+        offset = sampled.positions[src] - num_computed[rows]
+        inside = (offset >= 0) & (offset < num_scheduled[rows])
+        if not inside.any():
+            return
+        dst = query_start_loc[rows[inside]] + offset[inside]
+        src = to_device(src[inside], self.device)
+        input_ids[to_device(dst, self.device)] = sampled.token_ids[src]
+
+    def _launch_output(self, sample_rows, sampler_output, prompt_logprobs) -> PendingOutput:
+        """Count the sampled tokens in the batch now (their ids arrive with the output) and
+        start their copy to the host."""
         batch = self.input_batch
-        num_reqs = batch.num_reqs
-        sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
-        logprobs: list = [None] * num_reqs
+        req_ids = list(batch.req_ids[: batch.num_reqs])
         if sampler_output is None:
-            return ModelRunnerOutput(
-                list(batch.req_ids[:num_reqs]), sampled_token_ids, logprobs, prompt_logprobs
-            )
-        tokens = sampler_output.sampled_token_ids.tolist()
-        lp = sampler_output.logprobs
-        lp_lists = (lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()) if lp else None
-        for i, row in enumerate(sample_rows.tolist()):
-            state = batch.states[row]
-            sampled_token_ids[row] = [tokens[i]]
-            state.output_token_ids.append(tokens[i])
-            batch.append_token(row, tokens[i])
-            k = state.sampling_params.logprobs
-            if k is not None and lp_lists is not None:
-                ids, values, ranks = lp_lists
-                logprobs[row] = (ids[i][: k + 1], values[i][: k + 1], ranks[i])
-        return ModelRunnerOutput(
-            req_ids=list(batch.req_ids[:num_reqs]),
-            sampled_token_ids=sampled_token_ids,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            self.last_sampled = None
+            return PendingOutput(req_ids, prompt_logprobs=prompt_logprobs)
+        rows = sample_rows.tolist()
+        states = [batch.states[row] for row in rows]
+        for state in states:
+            state.num_pending_outputs += 1
+        sampled = SampledTokens(
+            token_ids=sampler_output.sampled_token_ids,
+            rows=rows,
+            req_ids=[req_ids[row] for row in rows],
+            positions=batch.num_tokens[sample_rows].astype(np.int64),
+            num_logprobs=[state.sampling_params.logprobs for state in states],
         )
+        batch.num_tokens[sample_rows] += 1
+        self.last_sampled = sampled
+        self.last_output = PendingOutput(
+            req_ids, sampled, sampler_output.logprobs, prompt_logprobs, self._record_tokens
+        )
+        return self.last_output
+
+    def _record_tokens(self, sampled: SampledTokens, tokens: list[int]) -> None:
+        """The sampled ids have reached the host: write them into the request states and the
+        batch rows (wherever the requests are now; finished ones are gone)."""
+        batch = self.input_batch
+        for req_id, position, token in zip(
+            sampled.req_ids, sampled.positions.tolist(), tokens, strict=True
+        ):
+            state = self.requests.get(req_id)
+            if state is None:
+                continue
+            state.output_token_ids.append(token)
+            state.num_pending_outputs -= 1
+            row = batch.req_id_to_index.get(req_id)
+            if row is not None:
+                batch.token_ids[row, position] = token

@@ -1,0 +1,109 @@
+"""A step's sampled tokens on their way to the host, so that the next step can launch first.
+
+With async scheduling (vLLM V1's ``async_scheduling``) the engine core launches step ``n + 1``
+before it reads step ``n``'s tokens: the host schedules and prepares the next step while the
+device runs this one. Two things make that work:
+
+- ``SampledTokens``: the token ids stay on the device, and the next step's ``input_ids`` take
+  them from there (the host does not know them yet);
+- ``PendingOutput``: the ids (and logprobs) are copied to pinned host memory without blocking,
+  behind an event; ``get()`` waits for that event only, then hands the tokens to the runner's
+  bookkeeping and returns the step's ``ModelRunnerOutput``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mm_serve.sched.output import ModelRunnerOutput
+from mm_serve.worker.sampling_metadata import LogprobsTensors
+
+
+@dataclass
+class SampledTokens:
+    """The tokens one step sampled, still on the device.
+
+    ``token_ids[i]`` belongs to batch row ``rows[i]`` (request ``req_ids[i]``) and sits at
+    position ``positions[i]`` of that request; ``num_logprobs[i]`` is what it asked for.
+    """
+
+    token_ids: torch.Tensor  # [num_sampled] int64, on the device
+    rows: list[int]
+    req_ids: list[str]
+    positions: np.ndarray  # [num_sampled] int64
+    num_logprobs: list[int | None]
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """Start a non-blocking copy of ``tensor`` into pinned host memory (a no-op on CPU)."""
+    if tensor.device.type != "cuda":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
+class PendingOutput:
+    """One step's ``ModelRunnerOutput``, on its way to the host.
+
+    Args:
+        req_ids: the step's batch, in row order.
+        sampled: the tokens it sampled, or None when every request was mid-prompt.
+        logprobs: top-k logprobs of the sampled rows (device tensors), or None.
+        prompt_logprobs: this step's prompt logprobs (already on the host).
+        on_tokens: called once with ``(sampled, token ids as a list)`` when they arrive; the
+            runner records them in its request states.
+    """
+
+    def __init__(
+        self,
+        req_ids: list[str],
+        sampled: SampledTokens | None = None,
+        logprobs: LogprobsTensors | None = None,
+        prompt_logprobs: dict | None = None,
+        on_tokens: Callable[[SampledTokens, list[int]], None] | None = None,
+    ) -> None:
+        self.req_ids = req_ids
+        self.sampled = sampled
+        self.prompt_logprobs = prompt_logprobs or {}
+        self.on_tokens = on_tokens
+        self._output: ModelRunnerOutput | None = None
+        self._host: list[torch.Tensor] = []
+        self._event = None
+        if sampled is not None:
+            device_tensors = [sampled.token_ids]
+            if logprobs is not None:
+                device_tensors += [logprobs.token_ids, logprobs.logprobs, logprobs.ranks]
+            self._host = [_to_host(t) for t in device_tensors]
+            if sampled.token_ids.device.type == "cuda":
+                self._event = torch.cuda.Event()
+                self._event.record()
+
+    def get(self) -> ModelRunnerOutput:
+        """Wait for this step's tokens (only this step's), record them once, return them."""
+        if self._output is None:
+            self._output = self._build()
+        return self._output
+
+    def _build(self) -> ModelRunnerOutput:
+        num_reqs = len(self.req_ids)
+        sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
+        logprobs: list = [None] * num_reqs
+        sampled = self.sampled
+        if sampled is not None:
+            if self._event is not None:
+                self._event.synchronize()
+            tokens = self._host[0].tolist()
+            lp_lists = [t.tolist() for t in self._host[1:]]
+            for i, (row, token) in enumerate(zip(sampled.rows, tokens, strict=True)):
+                sampled_token_ids[row] = [token]
+                k = sampled.num_logprobs[i]
+                if k is not None and lp_lists:
+                    ids, values, ranks = lp_lists
+                    logprobs[row] = (ids[i][: k + 1], values[i][: k + 1], ranks[i])
+            if self.on_tokens is not None:
+                self.on_tokens(sampled, tokens)
+        return ModelRunnerOutput(self.req_ids, sampled_token_ids, logprobs, self.prompt_logprobs)
