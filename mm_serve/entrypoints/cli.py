@@ -3,6 +3,7 @@
 ``mm-serve serve MODEL [flags]`` runs the OpenAI-compatible server; its engine flags are made
 from the fields of ``EngineArgs`` (``--max-model-len``, ``--no-enable-prefix-caching``, ...).
 ``mm-serve chat IMAGE "question"`` asks a running server about an image from the terminal.
+``mm-serve bench {latency,throughput,serve}`` runs a benchmark (``mm_serve/benchmarks/``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
+import importlib
 import json
 import logging
 import sys
@@ -44,6 +47,9 @@ _ENGINE_ARG_HELP = {
     "max_num_encoder_input_tokens": "Image embedding tokens encoded per step; the token "
     "budget when unset.",
     "encoder_cache_size": "Encoder cache size in embedding tokens; the token budget when unset.",
+    "enforce_eager": "No CUDA graphs: run every step eagerly.",
+    "load_format": "auto (the checkpoint's weights) or dummy (random weights, for benchmarks).",
+    "async_scheduling": "Schedule the next step while the GPU runs this one (default: on GPU).",
 }
 
 
@@ -177,8 +183,37 @@ def chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``mm-serve`` parser with its ``serve`` and ``chat`` subcommands."""
+# bench subcommand (a module of mm_serve.benchmarks) -> help. Each module has
+# add_cli_args(parser) and main(args) -> dict; only the chosen one is imported, so that the
+# offline benchmarks never import the web stack (`bench serve` needs httpx only).
+BENCH_COMMANDS = {
+    "latency": "Latency of one batch through the offline engine, and the decode step.",
+    "throughput": "Offline throughput of many requests, against HF transformers.",
+    "serve": "Load-test a running OpenAI-compatible server (TTFT, TPOT, ITL).",
+}
+
+
+def _bench(module: types.ModuleType, args: argparse.Namespace) -> int:
+    module.main(args)  # prints its table, writes --output-json
+    return 0
+
+
+def add_bench_parser(commands, argv: list[str]) -> None:
+    """``bench`` and its subcommands; the flags of the one named in ``argv`` only."""
+    bench = commands.add_parser("bench", help="Run a benchmark.")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    chosen = argv[1] if len(argv) > 1 and argv[0] == "bench" else None
+    for name, help_text in BENCH_COMMANDS.items():
+        sub = kinds.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            module = importlib.import_module(f"mm_serve.benchmarks.{name}")
+            module.add_cli_args(sub)
+            sub.set_defaults(func=functools.partial(_bench, module))
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``mm-serve`` parser with its ``serve``, ``chat`` and ``bench`` subcommands (the
+    flags of ``bench X`` are added only when ``argv``, default ``sys.argv[1:]``, names X)."""
     parser = argparse.ArgumentParser(prog="mm-serve", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="Run the OpenAI-compatible API server.")
@@ -199,13 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
     chat_parser.add_argument("--api-key", help="The server's API key, if it needs one.")
     chat_parser.add_argument("--max-tokens", type=int, default=256)
     chat_parser.set_defaults(func=chat)
+    add_bench_parser(commands, sys.argv[1:] if argv is None else argv)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``mm-serve``; returns the exit code."""
-    args = build_parser().parse_args(argv)
-    level = logging.INFO if args.command == "serve" else logging.WARNING
+    args = build_parser(argv).parse_args(argv)
+    level = logging.INFO if args.command in ("serve", "bench") else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)
 

@@ -1,8 +1,10 @@
 """Find a checkpoint (local folder or Hugging Face Hub id) and load it into a model.
 
 The model is built on the ``meta`` device in the model dtype (no memory, no init), then
-materialised on the target device with ``to_empty`` and filled in place from the safetensors
-shards, one tensor at a time.
+materialised on the target device with ``to_empty`` and filled in place: from the safetensors
+shards, one tensor at a time (``load_format="auto"``), or with seeded random values drawn on
+the device (``load_format="dummy"``, vLLM's name: benchmarks of real architectures from their
+``config.json`` alone, no weight files needed).
 """
 
 from __future__ import annotations
@@ -110,20 +112,30 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Module:
-    """Build the checkpoint's model on ``device`` in ``model_config.dtype`` and load its weights.
+LOAD_FORMATS = ("auto", "dummy")
+DUMMY_STD = 0.02  # std of random matrices, the usual ``initializer_range``
 
-    Raises ``ModelLoadError`` listing every parameter no checkpoint tensor filled, and
-    ``ValueError`` for an unsupported architecture or a tensor of the wrong shape.
+
+def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Module:
+    """Build the checkpoint's model on ``device`` in ``model_config.dtype`` and fill its weights
+    as ``model_config.load_format`` says ("auto": the safetensors; "dummy": random).
+
+    Raises ``ValueError`` for an unknown load format, an unsupported architecture or a tensor
+    of the wrong shape, and ``ModelLoadError`` listing every parameter no checkpoint tensor
+    filled.
     """
+    if model_config.load_format not in LOAD_FORMATS:
+        raise ValueError(
+            f"Unknown load_format {model_config.load_format!r}; choose from "
+            f"{', '.join(LOAD_FORMATS)} (dummy: random weights, no weight files read)."
+        )
     model_cls = get_model_class(model_config.hf_config)
+    if model_config.load_format == "dummy":
+        model = build_empty_model(model_cls, model_config, device)
+        initialize_dummy_weights(model, model_config.seed)
+        return model.eval()
     files = safetensors_files(model_config.path)
-    with _default_dtype(model_config.dtype), torch.device("meta"):
-        model = model_cls(model_config.hf_config)
-    model.to_empty(device=device)
-    for module in model.modules():  # non-persistent buffers (rotary tables) are garbage now
-        if hasattr(module, "rebuild_buffers"):
-            module.rebuild_buffers()
+    model = build_empty_model(model_cls, model_config, device)
     with torch.no_grad():
         loaded = model.load_weights(iterate_weights(files))
     missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
@@ -133,3 +145,45 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modu
             f"checkpoint {model_config.path!r}: {', '.join(missing)}"
         )
     return model.eval()
+
+
+def build_empty_model(
+    model_cls: type[nn.Module], model_config: ModelConfig, device: torch.device | str
+) -> nn.Module:
+    """``model_cls`` built on ``meta`` and materialised on ``device`` in the model dtype, its
+    parameters uninitialised, tied embeddings re-tied and rotary tables recomputed."""
+    with _default_dtype(model_config.dtype), torch.device("meta"):
+        model = model_cls(model_config.hf_config)
+    model.to_empty(device=device)
+    if getattr(model, "tie_word_embeddings", False):  # to_empty gives each module its tensor
+        model.lm_head.weight = model.model.embed_tokens.weight
+    for module in model.modules():  # non-persistent buffers (rotary tables) are garbage now
+        if hasattr(module, "rebuild_buffers"):
+            module.rebuild_buffers()
+    return model
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, nn.LayerNorm) or "Norm" in type(module).__name__
+
+
+@torch.no_grad()
+def initialize_dummy_weights(model: nn.Module, seed: int = 0, std: float = DUMMY_STD) -> None:
+    """Fill every parameter in place, on its own device: norm weights 1, biases 0, everything
+    else N(0, ``std``) from a generator seeded with ``seed`` (same seed, same weights on one
+    device type). A tied parameter is filled once."""
+    generators: dict[torch.device, torch.Generator] = {}
+    seen: set[int] = set()
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            if name == "bias":
+                param.zero_()
+            elif _is_norm(module):
+                param.fill_(1.0)
+            else:
+                if param.device not in generators:
+                    generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+                param.normal_(0.0, std, generator=generators[param.device])

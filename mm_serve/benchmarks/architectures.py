@@ -1,0 +1,175 @@
+"""Checkpoint folders of real architectures without weights, for ``load_format="dummy"``.
+
+``write_architecture(name, folder)`` writes what the engine and HF transformers need to build a
+model and preprocess its inputs: ``config.json`` with the published ``config.json`` values of
+the model (sizes, vocab, RoPE), ``preprocessor_config.json`` with its published image
+processor values, ``generation_config.json`` (token ids only: the benchmarks pass their own
+sampling parameters) and a tokenizer. No ``*.safetensors``: load it with
+``load_format="dummy"`` (random weights), or build the HF model from its config.
+
+The tokenizer is the small byte-level BPE of ``mm_serve.testing`` with Qwen2-VL's special
+tokens and chat template: a real vocabulary cannot be shipped offline. So the special token
+ids in ``config.json`` are the small tokenizer's (they must agree with what it encodes), while
+``vocab_size`` stays the published one: the embedding and LM head have their real sizes, and a
+random model samples ids the tokenizer does not know (they decode to nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+# Qwen2-VL-2B-Instruct / -7B-Instruct config.json (Hugging Face Hub), minus the token ids.
+_QWEN2_VL_COMMON: dict[str, Any] = {
+    "architectures": ["Qwen2VLForConditionalGeneration"],
+    "model_type": "qwen2_vl",
+    "attention_dropout": 0.0,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 28,
+    "num_hidden_layers": 28,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "sliding_window": 32768,
+    "use_sliding_window": False,
+    "use_cache": True,
+    "torch_dtype": "bfloat16",
+}
+_QWEN2_VL_VISION: dict[str, Any] = {
+    "depth": 32,
+    "embed_dim": 1280,
+    "mlp_ratio": 4,
+    "num_heads": 16,
+    "in_chans": 3,
+    "patch_size": 14,
+    "spatial_patch_size": 14,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+}
+
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "qwen2-vl-2b": {
+        **_QWEN2_VL_COMMON,
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "vision_config": {**_QWEN2_VL_VISION, "hidden_size": 1536},
+    },
+    "qwen2-vl-7b": {
+        **_QWEN2_VL_COMMON,
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+        "vision_config": {**_QWEN2_VL_VISION, "hidden_size": 3584},
+    },
+    # The 2B's shape at toy size for CPU tests: 2 layers, GQA, M-RoPE 2:3:3, tied, the real
+    # vocab (ids beyond the tokenizer get sampled), float32, the real image processor.
+    "tiny-qwen2-vl": {
+        **_QWEN2_VL_COMMON,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "max_window_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+        "vision_config": {
+            **_QWEN2_VL_VISION,
+            "depth": 2,
+            "embed_dim": 32,
+            "mlp_ratio": 2,
+            "num_heads": 2,
+            "hidden_size": 64,
+        },
+    },
+}
+
+# Qwen2-VL's preprocessor_config.json: 14-pixel patches, 2x2 merge (28x28 pixels per image
+# token), images resized into [min_pixels, max_pixels], CLIP normalisation.
+QWEN2_VL_PREPROCESSOR: dict[str, Any] = {
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "processor_class": "Qwen2VLProcessor",
+    "do_resize": True,
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "do_convert_rgb": True,
+    "min_pixels": 3136,
+    "max_pixels": 12845056,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+}
+
+
+def architecture_names() -> list[str]:
+    return sorted(ARCHITECTURES)
+
+
+def _qwen2_vl_tokenizer() -> Any:
+    """The tests' byte-level BPE with Qwen2's and Qwen2-VL's special tokens and chat template."""
+    from mm_serve.testing.checkpoints import build_tokenizer
+    from mm_serve.testing.vlm_checkpoints import QWEN_VL_CHAT_TEMPLATE, QWEN_VL_SPECIALS
+
+    tokenizer = build_tokenizer("qwen2")
+    tokenizer.add_tokens(QWEN_VL_SPECIALS, special_tokens=True)
+    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
+    return tokenizer
+
+
+def _token_ids(tokenizer: Any) -> dict[str, Any]:
+    """The special token ids of ``config.json``, as the tokenizer encodes them."""
+    ids = tokenizer.convert_tokens_to_ids
+    return {
+        "bos_token_id": ids("<|endoftext|>"),
+        "eos_token_id": ids("<|im_end|>"),
+        "vision_start_token_id": ids("<|vision_start|>"),
+        "vision_end_token_id": ids("<|vision_end|>"),
+        "image_token_id": ids("<|image_pad|>"),
+        "video_token_id": ids("<|video_pad|>"),
+    }
+
+
+def write_architecture(name: str, folder: str | os.PathLike) -> str:
+    """Write the weightless checkpoint folder of architecture ``name`` (one of
+    ``architecture_names()``) into ``folder`` (created if needed); returns its path.
+
+    Raises ``ValueError`` for an unknown name.
+    """
+    if name not in ARCHITECTURES:
+        raise ValueError(f"Unknown architecture {name!r}; choose from {architecture_names()}.")
+    os.makedirs(folder, exist_ok=True)
+    tokenizer = _qwen2_vl_tokenizer()
+    ids = _token_ids(tokenizer)
+    pad = ids["bos_token_id"]
+    _write_json(folder, "config.json", {**ARCHITECTURES[name], **ids})
+    _write_json(folder, "preprocessor_config.json", QWEN2_VL_PREPROCESSOR)
+    generation = {
+        "bos_token_id": pad,
+        "pad_token_id": pad,
+        "eos_token_id": [ids["eos_token_id"], pad],
+    }
+    _write_json(folder, "generation_config.json", generation)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def _write_json(folder: str | os.PathLike, file: str, value: dict[str, Any]) -> None:
+    with open(os.path.join(folder, file), "w") as f:
+        json.dump(value, f, indent=2)
+        f.write("\n")

@@ -1,0 +1,138 @@
+"""What ``bench latency`` and ``bench throughput`` share: the model flags (a real checkpoint or
+an architecture with random weights), the engine flags, prompts and result files.
+
+Imports no web stack (fastapi, zmq): the offline benchmarks run on a bare GPU image.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import logging
+import os
+import platform
+from typing import Any
+
+import torch
+
+from mm_serve.benchmarks.architectures import architecture_names, write_architecture
+from mm_serve.benchmarks.datasets import BenchRequest
+from mm_serve.config import EngineArgs
+
+logger = logging.getLogger(__name__)
+
+# The image placeholder a raw prompt carries per image, by config.json model_type.
+IMAGE_PLACEHOLDERS = {
+    "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "llava": "<image>\n",
+}
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """``--model FOLDER`` or ``--model-arch NAME``, the workload's seed, and every engine flag
+    of ``mm-serve serve`` (``--max-num-seqs``, ``--enforce-eager``, ``--no-async-scheduling``,
+    ...; ``--seed`` seeds the engine and the synthetic requests alike)."""
+    from mm_serve.entrypoints.cli import add_engine_args
+
+    group = parser.add_argument_group("model")
+    group.add_argument(
+        "--model",
+        help="A checkpoint folder or hub id, loaded with --load-format (default auto: its "
+        "weights). When unset, --model-arch is used.",
+    )
+    group.add_argument(
+        "--model-arch",
+        default="qwen2-vl-2b",
+        choices=architecture_names(),
+        help="A real architecture from its published config.json, with random weights "
+        "(load_format=dummy) and a small stand-in tokenizer (default: %(default)s).",
+    )
+    add_engine_args(parser)
+
+
+def add_image_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("images")
+    group.add_argument(
+        "--image-size",
+        type=int,
+        nargs=2,
+        default=[448, 448],
+        metavar=("WIDTH", "HEIGHT"),
+        help="Noise image size in pixels (default: 448 448, 256 image tokens on Qwen2-VL).",
+    )
+    group.add_argument("--num-images", type=int, default=1, help="Images per request.")
+
+
+def model_folder(args: argparse.Namespace, workdir: str) -> tuple[str, str]:
+    """``(folder, load_format)``: ``--model`` as given, or ``--model-arch`` written into
+    ``workdir`` with ``load_format="dummy"``."""
+    if args.model:
+        return args.model, args.load_format
+    folder = write_architecture(args.model_arch, os.path.join(workdir, args.model_arch))
+    return folder, "dummy"
+
+
+def engine_kwargs(args: argparse.Namespace, load_format: str, **overrides: Any) -> dict[str, Any]:
+    """The ``LLM(...)`` keyword arguments of the parsed engine flags (all ``EngineArgs`` fields
+    but ``model``), with ``load_format`` and ``overrides`` applied."""
+    names = [f.name for f in dataclasses.fields(EngineArgs) if f.name != "model"]
+    kwargs = {name: getattr(args, name) for name in names}
+    kwargs["load_format"] = load_format
+    kwargs.update(overrides)
+    return kwargs
+
+
+def prompt_texts(requests: list[BenchRequest], model_type: str) -> list[str]:
+    """One raw prompt per request: its random words, then one placeholder per image.
+
+    No chat template: its fixed system prompt would be a prefix shared by every request, and
+    a throughput workload must get no prefix-cache hits. Starting with random words, prompts
+    differ from their first tokens.
+    """
+    if any(r.images for r in requests) and model_type not in IMAGE_PLACEHOLDERS:
+        raise ValueError(f"No image placeholder known for model type {model_type!r}.")
+    placeholder = IMAGE_PLACEHOLDERS.get(model_type, "")
+    return [r.prompt + placeholder * len(r.images) for r in requests]
+
+
+def llm_prompts(requests: list[BenchRequest], texts: list[str]) -> list[dict[str, Any]]:
+    """The prompts as ``LLM.generate`` takes them (PIL images in ``multi_modal_data``)."""
+    return [
+        {"prompt": text, "multi_modal_data": {"image": list(r.images)}} if r.images else text
+        for r, text in zip(requests, texts, strict=True)
+    ]
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def free_device_memory() -> None:
+    """Collect garbage and give cached CUDA blocks back, so the next model sees the memory."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        held = torch.cuda.memory_allocated()
+        if held > 1 << 30:
+            logger.warning("%.1f GiB of CUDA memory still allocated after freeing", held / 2**30)
+
+
+def write_json(path: str | None, result: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+        logger.info("Wrote %s", path)
+
+
+def shutdown(llm: Any) -> None:
+    """Stop an ``LLM``'s workers and drop its device memory (call ``del`` on it after)."""
+    llm.shutdown()
+    llm.engine_core = None
+    free_device_memory()

@@ -1,0 +1,227 @@
+"""Offline throughput, like ``vllm bench throughput``: all requests at once through ``LLM``.
+
+The workload is ``--num-prompts`` synthetic requests (``datasets.random_image_dataset``):
+``--input-len`` random words, then ``--num-images`` noise images of ``--image-size``, each
+forced to exactly ``--output-len`` tokens (greedy, ignore EOS). Prompts are raw text (words,
+then the image placeholders; no chat template), so they differ from their first token and the
+prefix cache gets no hits: the script checks that it got none.
+
+The clock starts after the engine is built (weights, KV cache, CUDA graphs) and one warm-up
+call on other requests; it covers ``LLM.generate`` on all requests, image preprocessing
+included. Unless ``--no-hf``, HF transformers ``generate`` runs first in the same process on
+the same requests at ``--hf-batch-sizes`` and is freed before our engine starts.
+``--compare-prefix-caching`` runs the workload again with prefix caching off.
+
+    python -m mm_serve.benchmarks.throughput --model-arch qwen2-vl-2b --num-prompts 256 \\
+        --compare-prefix-caching --output-json throughput.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from mm_serve.benchmarks import common
+from mm_serve.benchmarks.datasets import BenchRequest, random_image_dataset
+
+logger = logging.getLogger(__name__)
+
+NUM_WARMUP_REQUESTS = 4
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``mm-serve bench throughput``."""
+    common.add_model_args(parser)
+    group = parser.add_argument_group("workload")
+    group.add_argument("--num-prompts", type=int, default=256)
+    group.add_argument("--input-len", type=int, default=50, help="Random words per prompt.")
+    group.add_argument("--output-len", type=int, default=128, help="Output tokens per request.")
+    common.add_image_args(parser)
+    group = parser.add_argument_group("comparisons and output")
+    group.add_argument(
+        "--hf-batch-sizes",
+        type=int,
+        nargs="+",
+        default=[16, 32, 64, 128],
+        help="Batch sizes of the HF transformers baseline (default: %(default)s).",
+    )
+    group.add_argument(
+        "--hf-num-batches", type=int, default=1, help="Batches timed per HF batch size."
+    )
+    group.add_argument("--no-hf", action="store_true", help="Skip the HF baseline.")
+    group.add_argument(
+        "--compare-prefix-caching",
+        action="store_true",
+        help="Also run the engine with prefix caching off and report on/off.",
+    )
+    group.add_argument("--output-json", help="Write the full results here.")
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise RuntimeError(f"bench throughput: {message}")
+
+
+def run_engine(
+    folder: str,
+    engine_kwargs: dict[str, Any],
+    requests: list[BenchRequest],
+    texts: list[str],
+    warmup: list[BenchRequest],
+    warmup_texts: list[str],
+) -> dict[str, Any]:
+    """Build an ``LLM``, warm it up, time ``generate`` on all requests; frees it after.
+
+    Returns requests/s, output and total tok/s, token counts and the prefix-cache counters of
+    the timed call. Raises ``RuntimeError`` if a request did not give exactly its
+    ``output_len`` tokens or the prefix cache hit.
+    """
+    from mm_serve import LLM, SamplingParams
+
+    output_len = requests[0].output_len
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm = LLM(folder, **engine_kwargs)
+    try:
+        llm.generate(common.llm_prompts(warmup, warmup_texts), params, use_tqdm=False)
+        before = llm.get_stats()
+        prompts = common.llm_prompts(requests, texts)
+        _sync()
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        _sync()
+        elapsed = time.perf_counter() - start
+        after = llm.get_stats()
+    finally:
+        common.shutdown(llm)
+        del llm
+        common.free_device_memory()
+    lengths = [len(o.outputs[0].token_ids) for o in outputs]
+    _check(all(n == output_len for n in lengths), f"output lengths {set(lengths)} != {output_len}")
+    hits = after.prefix_cache_hits - before.prefix_cache_hits
+    _check(hits == 0, f"{hits} prefix-cache hit tokens; the workload must have none")
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    output_tokens = sum(lengths)
+    return {
+        "enable_prefix_caching": engine_kwargs["enable_prefix_caching"],
+        "elapsed_s": elapsed,
+        "num_requests": len(outputs),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "requests_per_s": len(outputs) / elapsed,
+        "output_tokens_per_s": output_tokens / elapsed,
+        "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
+        "prefix_cache_queries": after.prefix_cache_queries - before.prefix_cache_queries,
+        "prefix_cache_hits": hits,
+        "num_preemptions": after.num_preemptions - before.num_preemptions,
+    }
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark; returns the results (also written to ``--output-json``)."""
+    from mm_serve.config import EngineArgs
+
+    size = tuple(args.image_size)
+    dataset = random_image_dataset(
+        args.num_prompts + NUM_WARMUP_REQUESTS, args.input_len, args.output_len, size,
+        args.num_images, args.seed,
+    )  # fmt: skip
+    requests, warmup = dataset[NUM_WARMUP_REQUESTS:], dataset[:NUM_WARMUP_REQUESTS]
+    with tempfile.TemporaryDirectory(prefix="mm-serve-bench-") as workdir:
+        folder, load_format = common.model_folder(args, workdir)
+        kwargs = common.engine_kwargs(args, load_format)
+        # Resolved as the engine will (dtype, device, folder), without loading weights.
+        config = EngineArgs(model=folder, **kwargs).create_engine_config()
+        folder, model_type = config.model.path, config.model.hf_config.model_type
+        texts = common.prompt_texts(requests, model_type)
+        warmup_texts = common.prompt_texts(warmup, model_type)
+        result: dict[str, Any] = {
+            "model": args.model or args.model_arch,
+            "load_format": load_format,
+            "device": common.device_name(config.device),
+            "dtype": str(config.model.dtype).removeprefix("torch."),
+            "workload": {
+                "num_prompts": args.num_prompts,
+                "input_len_words": args.input_len,
+                "output_len": args.output_len,
+                "image_size": list(size),
+                "num_images": args.num_images,
+                "seed": args.seed,
+            },
+            "engine_args": kwargs,
+            "hf": None,
+        }
+        if not args.no_hf:
+            result["hf"] = _run_hf(args, folder, requests, texts, config)
+        result["mm_serve"] = run_engine(folder, kwargs, requests, texts, warmup, warmup_texts)
+        if args.compare_prefix_caching:
+            off = common.engine_kwargs(args, load_format, enable_prefix_caching=False)
+            result["mm_serve_prefix_caching_off"] = run_engine(
+                folder, off, requests, texts, warmup, warmup_texts
+            )
+    _add_ratios(result)
+    print_summary(result)
+    common.write_json(args.output_json, result)
+    return result
+
+
+def _run_hf(args, folder, requests, texts, config) -> dict[str, Any]:
+    """The HF baseline on the same requests (see ``hf_baseline``), in the engine's dtype."""
+    from mm_serve.benchmarks.hf_baseline import run_hf_baseline
+
+    return run_hf_baseline(
+        folder, requests, texts, args.hf_batch_sizes, args.output_len,
+        dtype=config.model.dtype, device=config.device, seed=args.seed,
+        num_batches=args.hf_num_batches,
+    )  # fmt: skip
+
+
+def _add_ratios(result: dict[str, Any]) -> None:
+    ours = result["mm_serve"]["output_tokens_per_s"]
+    off = result.get("mm_serve_prefix_caching_off")
+    if off:
+        result["prefix_caching_on_over_off"] = ours / off["output_tokens_per_s"]
+    best = (result["hf"] or {}).get("best")
+    if best:
+        result["mm_serve_over_hf_best"] = ours / best["output_tokens_per_s"]
+
+
+def print_summary(result: dict[str, Any]) -> None:
+    """The short table, last on stdout."""
+    w = result["workload"]
+    print(f"\n{result['model']} ({result['load_format']} weights, {result['dtype']}) on "
+          f"{result['device']}: {w['num_prompts']} requests, {w['input_len_words']} words + "
+          f"{w['num_images']} x {w['image_size'][0]}x{w['image_size'][1]} image(s) -> "
+          f"{w['output_len']} tokens")  # fmt: skip
+    print(f"{'run':<28} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>12} {'prompt tok':>11}")
+    runs = (("mm_serve", "mm_serve"), ("mm_serve_prefix_caching_off", "  prefix caching off"))
+    for key, label in runs:
+        r = result.get(key)
+        if r:
+            print(f"{label:<28} {r['requests_per_s']:>8.2f} {r['output_tokens_per_s']:>10.1f} "
+                  f"{r['total_tokens_per_s']:>12.1f} {r['prompt_tokens']:>11}")  # fmt: skip
+    for row in (result["hf"] or {}).get("batches", []):
+        label = f"HF generate, batch {row['batch_size']}"
+        figure = row["error"][:40] if row["error"] else f"{row['output_tokens_per_s']:>10.1f}"
+        print(f"{label:<28} {'':>8} {figure:>10}")
+    if "prefix_caching_on_over_off" in result:
+        print(f"prefix caching on / off: {result['prefix_caching_on_over_off']:.3f}x")
+    if "mm_serve_over_hf_best" in result:
+        best = result["hf"]["best"]["batch_size"]
+        print(f"mm_serve / HF best (batch {best}): {result['mm_serve_over_hf_best']:.2f}x")
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_cli_args(parser)
+    main(parser.parse_args())

@@ -1,0 +1,188 @@
+"""The offline benchmarks: ``load_format="dummy"``, the architecture folders, and
+``mm-serve bench throughput`` / ``bench latency`` run as subprocesses on the tiny architecture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoConfig
+
+from mm_serve.benchmarks.architectures import write_architecture
+from mm_serve.benchmarks.datasets import random_image
+from mm_serve.benchmarks.latency import weight_bytes
+from mm_serve.config import EngineArgs
+from mm_serve.models.loader import load_model
+
+# The web stack: the offline benchmarks run on a GPU image that has none of it.
+WEB_MODULES = ("fastapi", "starlette", "uvicorn", "zmq", "msgspec")
+
+
+@pytest.fixture(scope="module")
+def tiny_arch(tmp_path_factory) -> str:
+    return write_architecture("tiny-qwen2-vl", tmp_path_factory.mktemp("tiny-arch"))
+
+
+def _model_config(path: str, **kwargs):
+    args = EngineArgs(model=path, device="cpu", load_format="dummy", **kwargs)
+    return args.create_engine_config().model
+
+
+@pytest.mark.parametrize(
+    "name, text, vision, tied",
+    [
+        ("qwen2-vl-2b", (1536, 8960, 28, 12, 2, 151936), (32, 1280, 16, 1536), True),
+        ("qwen2-vl-7b", (3584, 18944, 28, 28, 4, 152064), (32, 1280, 16, 3584), False),
+    ],
+)
+def test_architecture_has_the_published_config(tmp_path, name, text, vision, tied) -> None:
+    from mm_serve.encoders.processors import get_image_processor
+
+    folder = write_architecture(name, tmp_path)
+    assert not [f for f in os.listdir(folder) if f.endswith((".safetensors", ".bin"))]
+    config = AutoConfig.from_pretrained(folder)
+    t, v = config.text_config, config.vision_config
+    shape = (t.hidden_size, t.intermediate_size, t.num_hidden_layers)
+    assert shape + (t.num_attention_heads, t.num_key_value_heads, t.vocab_size) == text
+    assert (v.depth, v.embed_dim, v.num_heads, v.hidden_size) == vision
+    assert config.tie_word_embeddings is tied
+    assert t.rope_parameters["mrope_section"] == [16, 24, 24]
+    assert t.dtype == torch.bfloat16
+    with open(os.path.join(folder, "tokenizer.json")) as f:
+        ids = {token["content"]: token["id"] for token in json.load(f)["added_tokens"]}
+    assert config.image_token_id == ids["<|image_pad|>"]
+    assert config.vision_start_token_id == ids["<|vision_start|>"]
+    assert t.eos_token_id == ids["<|im_end|>"]
+    processor = get_image_processor(folder, config)
+    assert processor.preprocess(random_image(_rng(), 448, 448)).num_tokens == 256
+
+
+def _rng():
+    import numpy as np
+
+    return np.random.default_rng(0)
+
+
+def test_unknown_architecture_and_load_format(tmp_path, tiny_arch) -> None:
+    with pytest.raises(ValueError, match="Unknown architecture"):
+        write_architecture("qwen2-vl-3b", tmp_path)
+    config = dataclasses.replace(_model_config(tiny_arch), load_format="npcache")
+    with pytest.raises(ValueError, match="Unknown load_format 'npcache'"):
+        load_model(config, "cpu")
+
+
+def test_dummy_weights_are_seeded_random_and_tied(tiny_arch) -> None:
+    model = load_model(_model_config(tiny_arch), "cpu")
+    again = load_model(_model_config(tiny_arch), "cpu")
+    other_seed = load_model(_model_config(tiny_arch, seed=1), "cpu")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.shape == (151936, 64)
+    for name, param in model.named_parameters():
+        assert torch.equal(param, again.get_parameter(name)), name
+        if name.endswith(".bias"):
+            assert not param.any(), name
+        elif "norm" in name or ".ln_q." in name:
+            assert torch.all(param == 1), name
+        else:
+            assert 0.015 < param.float().std() < 0.025, name
+            assert not torch.equal(param, other_seed.get_parameter(name)), name
+    rotary = model.model.layers[0].self_attn.rotary_emb.cos_sin_cache
+    assert torch.isfinite(rotary).all() and rotary[:, 0].abs().sum() > 0
+    # Tied: the whole model counts the matrix once, the LM-only bytes count it as the head.
+    vision = sum(p.numel() * 4 for n, p in model.named_parameters() if n.startswith("visual."))
+    assert weight_bytes(model) - weight_bytes(model, lm_only=True) == vision
+
+
+def test_dummy_model_generates_with_images(tiny_arch) -> None:
+    """No weight files: built from config.json alone; a 448x448 image is 256 placeholder
+    tokens; outputs have the forced length."""
+    from mm_serve import LLM, SamplingParams
+
+    llm = LLM(tiny_arch, load_format="dummy", device="cpu", max_model_len=1024)
+    try:
+        image = Image.new("RGB", (448, 448), (200, 30, 90))
+        prompt = "look at this <|vision_start|><|image_pad|><|vision_end|>"
+        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+        prompts = [{"prompt": prompt, "multi_modal_data": {"image": [image]}}, "just words"]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    image_token_id = llm.config.model.hf_config.image_token_id
+    assert outputs[0].prompt_token_ids.count(image_token_id) == 256
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [5, 5]
+
+
+def test_detokenizer_skips_ids_the_small_tokenizer_lacks(tiny_arch) -> None:
+    """A random model samples ids up to the published vocab; the stand-in tokenizer has ~400."""
+    from mm_serve.engine.detokenizer import IncrementalDetokenizer
+    from mm_serve.engine.processor import load_tokenizer
+    from mm_serve.sampling_params import SamplingParams
+
+    tokenizer = load_tokenizer(tiny_arch)
+    detokenizer = IncrementalDetokenizer(tokenizer, [1, 2, 3], SamplingParams())
+    assert detokenizer.update([151935, 100000]) is None
+    assert detokenizer.text == ""
+    detokenizer.update(tokenizer.encode("the"))
+    assert detokenizer.text == "the"
+
+
+def _run_bench(args: list[str], tmp_path) -> tuple[dict, str]:
+    """``python -X importtime -m mm_serve.entrypoints.cli bench ...``; returns the JSON and
+    the modules the process (and its preprocessing workers) imported."""
+    out = tmp_path / "result.json"
+    command = [sys.executable, "-X", "importtime", "-m", "mm_serve.entrypoints.cli", "bench"]
+    common = ["--model-arch", "tiny-qwen2-vl", "--device", "cpu", "--max-model-len", "512"]
+    proc = subprocess.run(
+        [*command, *args, *common, "--output-json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    modules = set(re.findall(r"^import time:.*\|\s*(\S+)$", proc.stderr, re.MULTILINE))
+    assert "mm_serve.engine.llm" in modules  # the parse found the imports
+    assert not {m.split(".")[0] for m in modules} & set(WEB_MODULES)
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_bench_throughput_cli(tmp_path) -> None:
+    args = ["throughput", "--num-prompts", "5", "--input-len", "8", "--output-len", "4"]
+    args += ["--image-size", "56", "56", "--hf-batch-sizes", "2", "--compare-prefix-caching"]
+    result, stdout = _run_bench(args, tmp_path)
+    assert "mm_serve / HF best (batch 2)" in stdout
+    for key in ("mm_serve", "mm_serve_prefix_caching_off"):
+        run = result[key]
+        assert run["num_requests"] == 5 and run["output_tokens"] == 5 * 4
+        assert run["prompt_tokens"] > 5 * (8 + 4)  # words, then 4 image tokens + 2 markers
+        assert run["requests_per_s"] > 0 and run["output_tokens_per_s"] > 0
+        assert run["total_tokens_per_s"] > run["output_tokens_per_s"]
+        assert run["prefix_cache_hits"] == 0
+    assert result["mm_serve"]["prefix_cache_queries"] == result["mm_serve"]["prompt_tokens"]
+    assert result["mm_serve_prefix_caching_off"]["enable_prefix_caching"] is False
+    (hf,) = result["hf"]["batches"]
+    assert hf["batch_size"] == 2 and hf["output_tokens"] == 2 * 4 and hf["error"] is None
+    assert result["hf"]["best"]["output_tokens_per_s"] > 0
+    assert result["mm_serve_over_hf_best"] > 0 and result["prefix_caching_on_over_off"] > 0
+    assert result["load_format"] == "dummy" and result["dtype"] == "float32"
+
+
+def test_bench_latency_cli(tmp_path) -> None:
+    args = ["latency", "--batch-size", "2", "--input-len", "8", "--output-len", "6"]
+    args += ["--image-size", "56", "56", "--num-iters", "2", "--num-iters-warmup", "1"]
+    result, stdout = _run_bench(args, tmp_path)
+    assert "decode step:" in stdout and "floors: skipped" in stdout
+    for key in ("latency", "latency_output_len_1"):
+        stats = result[key]
+        assert len(stats["latencies_s"]) == 2
+        assert 0 < min(stats["latencies_s"]) <= stats["median_s"] <= stats["p99_s"]
+    assert result["decode_step_ms"] is not None
+    assert result["all_weight_bytes"] > result["lm_weight_bytes"] > 0
+    assert result["floor_lm_weights_ms"] is None  # no copy bandwidth on CPU
