@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU measurements behind BENCHMARKS.md, one stage per argument, each writing its log and
+# JSON into $OUT (default ./bench-out). Run from the repository root on a CUDA machine:
+#   bash mm_serve/benchmarks/run_gpu.sh tests latency throughput serve kernels
+# tests:      the CUDA tests (kernels vs references, CUDA graphs, outputs vs HF, async scheduling)
+# latency:    bench latency, Qwen2-VL-2B, batch 1, async scheduling on and off, eager
+# throughput: bench throughput, Qwen2-VL-2B, 256 requests, HF baseline, prefix caching on/off
+# serve:      mm-serve serve (Qwen2-VL-2B, random weights) driven by bench serve
+# kernels:    the Triton kernel benchmark
+set -uo pipefail
+OUT=${OUT:-bench-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+$PY -m pip install -q --no-build-isolation --no-deps -e . >/dev/null 2>&1 || true
+bench() { $PY -m mm_serve.entrypoints.cli bench "$@"; }
+
+for stage in "$@"; do
+  echo "=== $stage ($(date +%T))"
+  case $stage in
+    tests)
+      $PY -m pytest -q -x tests/test_kernels_triton.py tests/test_cuda_graphs.py \
+        tests/test_async_scheduling.py tests/test_llm_vs_hf.py tests/test_vlm_vs_hf.py \
+        2>&1 | tee "$OUT/tests.log" | tail -5 ;;
+    latency)
+      for mode in "" "--no-async-scheduling" "--enforce-eager"; do
+        name=latency${mode//-/_}
+        bench latency --model-arch qwen2-vl-2b --batch-size 1 --input-len 50 --output-len 128 \
+          --num-iters 10 --num-iters-warmup 3 $mode --output-json "$OUT/$name.json" \
+          2>&1 | tee "$OUT/$name.log" | tail -14
+      done ;;
+    throughput)
+      bench throughput --model-arch qwen2-vl-2b --num-prompts 256 --input-len 50 \
+        --output-len 128 --image-size 448 448 --hf-batch-sizes 16 32 64 128 \
+        --compare-prefix-caching --output-json "$OUT/throughput.json" \
+        2>&1 | tee "$OUT/throughput.log" | tail -25 ;;
+    serve)
+      folder=$(mktemp -d)
+      $PY -c "from mm_serve.benchmarks.architectures import write_architecture as w; \
+        w('qwen2-vl-2b', '$folder')"
+      $PY -m mm_serve.entrypoints.cli serve "$folder" --load-format dummy --port 8123 \
+        >"$OUT/server.log" 2>&1 &
+      server=$!
+      for _ in $(seq 120); do curl -sf localhost:8123/health >/dev/null && break; sleep 1; done
+      bench serve --port 8123 --num-prompts 256 --request-rate 16 --input-len 50 \
+        --output-len 128 --image-size 448 448 --ignore-eos --num-warmups 4 \
+        --output-json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" | tail -40
+      kill $server; wait $server ;;
+    kernels)
+      $PY -m mm_serve.benchmarks.kernels 2>&1 | tee "$OUT/kernels.log" | tail -20 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done

@@ -1,0 +1,164 @@
+"""Where a decode step's time goes: host phases against the device's time.
+
+Builds ``--model-arch`` with random weights, starts ``--batch-size`` text requests, lets them
+reach the decode phase, then times ``--steps`` engine steps phase by phase on the host
+(schedule, launch = ``execute_model``, wait = ``PendingOutput.get``, update) in the async
+order, and the device time of one decode CUDA graph replay plus logits and sampling alone.
+With async scheduling a step costs about max(host, device); without, their sum.
+
+    python -m mm_serve.benchmarks.step_profile --model-arch qwen2-vl-2b --batch-size 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+
+from mm_serve import LLM
+from mm_serve.benchmarks.architectures import ARCHITECTURES, write_architecture
+from mm_serve.request import Request
+from mm_serve.sampling_params import SamplingParams
+
+
+def host_phases(core, steps: int) -> dict[str, float]:
+    """Median ms of each host phase over ``steps`` async-ordered steps (and the whole step)."""
+    names = ("schedule", "launch", "wait", "update", "step")
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    previous = None
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        scheduler_output = core.scheduler.schedule()
+        t1 = time.perf_counter()
+        pending = core.model_runner.execute_model(scheduler_output)
+        t2 = time.perf_counter()
+        if previous is not None:
+            output = previous[1].get()
+            t3 = time.perf_counter()
+            core.scheduler.update_from_output(previous[0], output)
+        else:
+            t3 = t2
+        t4 = time.perf_counter()
+        previous = (scheduler_output, pending)
+        for name, value in zip(names, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0), strict=True):
+            samples[name].append(value * 1e3)
+    core.scheduler.update_from_output(previous[0], previous[1].get())
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def device_time(core, batch_size: int, repeats: int = 50) -> float:
+    """Median ms of one decode graph replay + logits + greedy argmax, timed by CUDA events."""
+    runner = core.model_runner
+    graphs = runner.cuda_graphs
+    size = min(s for s in graphs.sizes if s >= batch_size)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graphs.graphs[size].replay()
+        runner.model.compute_logits(graphs.outputs[size][:batch_size]).argmax(dim=-1)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[5:])
+
+
+def kernel_table(core, batch_size: int, rows: int = 25) -> str:
+    """The device kernels of one eager decode forward (the graph's inputs) + logits, by time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = core.model_runner.cuda_graphs
+    size = min(s for s in graphs.sizes if s >= batch_size)
+    model = core.model_runner.model
+    with torch.inference_mode():
+        for _ in range(3):
+            model.compute_logits(graphs._call(size))
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model.compute_logits(graphs._call(size))
+            torch.cuda.synchronize()
+    return prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70
+    )
+
+
+def throughput_breakdown(llm, num_prompts: int) -> str:
+    """Run ``num_prompts`` 448x448 image requests (128 tokens out) through ``llm.generate`` and
+    sum the engine steps' wall time by kind: steps that encode images, other steps with
+    prompt tokens, decode-only steps; the rest of the wall time is outside ``step()``."""
+    from mm_serve.benchmarks import common
+    from mm_serve.benchmarks.datasets import random_image_dataset
+
+    core = llm.engine_core
+    schedule, step = core.scheduler.schedule, core.step
+    kinds: dict[str, list[float]] = {"encode": [], "prefill": [], "decode": []}
+    last = {}
+
+    def timed_schedule():
+        output = schedule()
+        tokens = output.total_num_scheduled_tokens
+        last["kind"] = (
+            "encode"
+            if output.scheduled_encoder_inputs
+            else ("decode" if tokens == len(output.num_scheduled_tokens) else "prefill")
+        )
+        return output
+
+    def timed_step():
+        start = time.perf_counter()
+        outputs = step()
+        kinds[last["kind"]].append(time.perf_counter() - start)
+        return outputs
+
+    core.scheduler.schedule, core.step = timed_schedule, timed_step
+    requests = random_image_dataset(num_prompts, 50, 128, (448, 448), seed=1)
+    texts = common.prompt_texts(requests, llm.config.model.hf_config.model_type)
+    params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate(common.llm_prompts(requests, texts), params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    lines = [f"{num_prompts} requests in {wall:.3f} s"]
+    for kind, times in kinds.items():
+        lines.append(f"  {kind:8s} steps {len(times):4d}  {sum(times):.3f} s")
+    lines.append(f"  outside step(): {wall - sum(sum(t) for t in kinds.values()):.3f} s")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-arch", choices=sorted(ARCHITECTURES), default="qwen2-vl-2b")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--prompt-len", type=int, default=306)
+    parser.add_argument("--kernels", action="store_true", help="Print the kernel table.")
+    parser.add_argument(
+        "--throughput", type=int, default=0, help="Also break down N image requests' run."
+    )
+    args = parser.parse_args()
+    folder = write_architecture(args.model_arch, tempfile.mkdtemp())
+    llm = LLM(folder, load_format="dummy", max_model_len=4096)
+    core = llm.engine_core
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 64, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    for i in range(args.batch_size):
+        ids = torch.randint(0, 150000, (args.prompt_len,), generator=gen).tolist()
+        core.add_request(Request(f"p{i}", ids, params))
+    for _ in range(16):  # prefill, then a few decode steps
+        core.step()
+    phases = host_phases(core, args.steps)
+    gpu_ms = device_time(core, args.batch_size)
+    print(f"{args.model_arch}, batch {args.batch_size}, {torch.cuda.get_device_name()}")
+    print("host ms per step: " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
+    print(f"device ms per decode step (graph replay + logits + argmax): {gpu_ms:.3f}")
+    if args.kernels:
+        print(kernel_table(core, args.batch_size))
+    if args.throughput:
+        print(throughput_breakdown(llm, 16))  # warm-up
+        print(throughput_breakdown(llm, args.throughput))
+
+
+if __name__ == "__main__":
+    main()
