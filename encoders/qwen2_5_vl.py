@@ -24,9 +24,10 @@ from mm_serve.encoders.qwen2_vl import (
     PatchMerger,
     VisionAttention,
     check_grid,
-    cu_seqlens_from_grid,
+    frame_bounds,
     rope_theta,
     rotary_cos_sin,
+    varlen_segments,
 )
 from mm_serve.models.layers.layernorm import RMSNorm
 
@@ -84,9 +85,9 @@ class Qwen2_5_VisionBlock(nn.Module):
         self.mlp = Qwen2_5_VisionMLP(dim, vision_config.intermediate_size, vision_config.hidden_act)
 
     def forward(
-        self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, segments: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
+        x = x + self.attn(self.norm1(x), segments, cos, sin)
         return x + self.mlp(self.norm2(x))
 
 
@@ -130,8 +131,8 @@ class Qwen2_5_VisionTransformer(nn.Module):
 
         x, cos, sin = to_window_order(x), to_window_order(cos), to_window_order(sin)
         # Windows never cross a frame, so per-frame boundaries stay valid after the permutation.
-        cu_full = cu_seqlens_from_grid(grids, device)
-        cu_window = torch.tensor(cu_window, device=device, dtype=torch.int32)
+        full = varlen_segments(frame_bounds(grids), device)
+        windows = varlen_segments(cu_window, device)
         for i, block in enumerate(self.blocks):
-            x = block(x, cu_full if i in self.fullatt_block_indexes else cu_window, cos, sin)
+            x = block(x, full if i in self.fullatt_block_indexes else windows, cos, sin)
         return self.merger(x)[torch.argsort(index)]

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from mm_serve.kernels.dispatch import use_kernels
 from mm_serve.models.layers.layernorm import RMSNorm
 
 
@@ -46,11 +47,28 @@ def check_grid(pixel_values: torch.Tensor, grid_thw: torch.Tensor, merge: int) -
     return grids
 
 
-def cu_seqlens_from_grid(grids: list[list[int]], device: torch.device) -> torch.Tensor:
-    """``[num_frames + 1]`` int32 boundaries: every frame of every image attends only to itself
+def frame_bounds(grids: list[list[int]]) -> list[int]:
+    """``num_frames + 1`` row boundaries: every frame of every image attends only to itself
     (HF's convention: ``t`` segments of ``h * w`` patches per image)."""
-    lengths = [h * w for t, h, w in grids for _ in range(t)]
-    return F.pad(torch.tensor(lengths, device=device).cumsum(0), (1, 0)).to(torch.int32)
+    bounds = [0]
+    for t, h, w in grids:
+        for _ in range(t):
+            bounds.append(bounds[-1] + h * w)
+    return bounds
+
+
+def varlen_segments(bounds: list[int], device: torch.device) -> list[torch.Tensor]:
+    """The segments ``[bounds[i], bounds[i + 1])`` grouped by length: one
+    ``[num_segments, length]`` row-index tensor per distinct length, built once per forward
+    so that the attention layers need no host round trip."""
+    by_length: dict[int, list[int]] = {}
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        if end > start:
+            by_length.setdefault(end - start, []).append(start)
+    return [
+        (torch.tensor(starts)[:, None] + torch.arange(length)).to(device)
+        for length, starts in by_length.items()
+    ]
 
 
 def rotary_cos_sin(
@@ -86,26 +104,33 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
 
 
+def rotate_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rotary`` on ``q`` and ``k`` ``[N, num_heads, head_dim]``; on CUDA one Triton
+    kernel does both, with the same float32 arithmetic (the tables' halves are equal)."""
+    if not use_kernels(q, k, cos):
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    from mm_serve.kernels.triton_rotary import apply_rotary_triton
+
+    head_dim = cos.shape[-1]
+    table = torch.cat([cos[:, : head_dim // 2], sin[:, : head_dim // 2]], dim=-1)
+    positions = torch.arange(q.shape[0], device=q.device)
+    return apply_rotary_triton(positions, q, k, table, head_dim, round_products=False)
+
+
 def varlen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[torch.Tensor]
 ) -> torch.Tensor:
-    """Bidirectional attention restricted to segments ``[cu_seqlens[i], cu_seqlens[i + 1])``.
+    """Bidirectional attention restricted to segments (``varlen_segments``).
 
     ``q, k, v: [N, num_heads, head_dim]`` -> ``[N, num_heads, head_dim]``; scale
-    ``head_dim ** -0.5``. Reference path (CPU and until a GPU varlen kernel replaces it):
-    segments of equal length are gathered into one batched SDPA call, so the many equal windows
-    of Qwen2.5-VL cost one call per distinct length rather than one per window, and no
-    ``N x N`` block-diagonal mask is ever built.
+    ``head_dim ** -0.5``. Segments of equal length are gathered into one batched SDPA call (one
+    call per distinct length, e.g. per image size or Qwen2.5-VL window size), so no image is
+    padded to another's length and no ``N x N`` block-diagonal mask is ever built.
     """
-    bounds = cu_seqlens.tolist()
-    by_length: dict[int, list[int]] = {}
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        if end > start:
-            by_length.setdefault(end - start, []).append(start)
     out = torch.empty_like(q)
-    for length, starts in by_length.items():
-        # [num_segments, length] row indices of every segment of this length.
-        idx = torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)
+    for idx in segments:  # [num_segments, length] row indices
         qs, ks, vs = (t[idx].transpose(1, 2) for t in (q, k, v))  # [B, heads, length, head_dim]
         out[idx] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
     return out
@@ -130,7 +155,7 @@ class PatchEmbed(nn.Module):
 
 
 class VisionAttention(nn.Module):
-    """Fused-qkv self-attention with 2-D rotary, restricted by ``cu_seqlens``: ``[N, dim]``."""
+    """Fused-qkv self-attention with 2-D rotary, restricted to ``segments``: ``[N, dim]``."""
 
     def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
@@ -139,12 +164,12 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
 
     def forward(
-        self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, segments: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)  # [N, heads, head_dim]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.proj(varlen_attention(q, k, v, cu_seqlens).reshape(n, -1))
+        q, k = rotate_qk(q, k, cos, sin)
+        return self.proj(varlen_attention(q, k, v, segments).reshape(n, -1))
 
 
 class PatchMerger(nn.Module):
@@ -194,9 +219,9 @@ class Qwen2VisionBlock(nn.Module):
         self.mlp = VisionMlp(dim, hidden, vision_config.hidden_act)
 
     def forward(
-        self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, segments: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
+        x = x + self.attn(self.norm1(x), segments, cos, sin)
         return x + self.mlp(self.norm2(x))
 
 
@@ -227,7 +252,7 @@ class Qwen2VisionTransformer(nn.Module):
         cos, sin = rotary_cos_sin(
             grids, self.spatial_merge_size, self.head_dim, self.rope_theta, x.device
         )
-        cu_seqlens = cu_seqlens_from_grid(grids, x.device)
+        segments = varlen_segments(frame_bounds(grids), x.device)
         for block in self.blocks:
-            x = block(x, cu_seqlens, cos, sin)
+            x = block(x, segments, cos, sin)
         return self.merger(x)

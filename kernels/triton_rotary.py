@@ -84,12 +84,16 @@ def apply_rotary_triton(
     head_dim: int,
     mrope_section: list[int] | None = None,  # [t, h, w] frequencies, summing to head_dim // 2
     out: tuple[torch.Tensor, torch.Tensor] | None = None,  # (query, key) shapes, written
+    round_products: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``query`` and ``key`` by their positions; returns new tensors of their shapes.
 
     Contract of ``apply_rotary_ref`` (``positions [T]``) and, with ``mrope_section`` and
     ``positions [3, T]``, of ``apply_mrotary_ref``. ``query`` and ``key`` share one dtype and
     may be strided views (e.g. slices of a fused QKV output) with a contiguous last dim.
+    ``round_products`` (default: for fp16/bf16 inputs) rounds the table and every product to
+    the input dtype, as the references' torch ops do; False computes in float32 and rounds
+    only the result (HF's vision rotary, ``apply_rotary_pos_emb_vision``).
     Raises ``ValueError`` for an mrope_section that does not sum to ``head_dim // 2``.
     """
     num_tokens = query.shape[0]
@@ -116,7 +120,7 @@ def apply_rotary_triton(
         Q_HEADS_PAD=triton.next_power_of_2(q.shape[1]),
         K_HEADS_PAD=triton.next_power_of_2(k.shape[1]),
         MROPE=mrope, SECTION_0=sections[0], SECTION_01=sections[0] + sections[1],
-        ROUND=query.dtype != torch.float32,
+        ROUND=query.dtype != torch.float32 if round_products is None else round_products,
         num_warps=4 if q.shape[1] * half >= 1024 else 1,
         enable_fp_fusion=False,  # an FMA would skip the reference's rounding of each product
     )  # fmt: skip

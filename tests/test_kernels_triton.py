@@ -281,6 +281,26 @@ def test_rotary_and_mrope(head_dim, section, dtype) -> None:
     _check_rotary(outs, refs)
 
 
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_vision_rotary_in_float32(dtype) -> None:
+    """``round_products=False``: float32 arithmetic, only the result rounded (HF's vision
+    rotary, as ``encoders.qwen2_vl.apply_rotary`` computes it)."""
+    from mm_serve.encoders.qwen2_vl import apply_rotary, rotary_cos_sin
+
+    gen = torch.Generator().manual_seed(1)
+    grids, head_dim, heads = [[1, 4, 6], [2, 2, 2]], 80, 3
+    cos, sin = rotary_cos_sin(grids, 2, head_dim, 10000.0, torch.device("cpu"))
+    qkv = torch.randn(cos.shape[0], 3, heads, head_dim, generator=gen).to(dtype)
+    q, k, _ = qkv.to(DEVICE).unbind(1)  # strided views, as in the tower
+    cos, sin = cos.to(DEVICE), sin.to(DEVICE)
+    table = torch.cat([cos[:, : head_dim // 2], sin[:, : head_dim // 2]], dim=-1)
+    positions = torch.arange(q.shape[0], device=DEVICE)
+    outs = (_nan_like(q), _nan_like(k))
+    _rotary.apply_rotary_triton(positions, q, k, table, head_dim, out=outs, round_products=False)
+    _check_rotary(outs, (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)))
+
+
 # ---------------------------------------------------------------- dispatch, flash_attn
 
 

@@ -32,7 +32,7 @@ for stage in "$@"; do
     throughput)
       bench throughput --model-arch qwen2-vl-2b --num-prompts 256 --input-len 50 \
         --output-len 128 --image-size 448 448 --hf-batch-sizes 16 32 64 128 \
-        --compare-prefix-caching --output-json "$OUT/throughput.json" \
+        --compare-prefix-caching --repeats 2 --output-json "$OUT/throughput.json" \
         2>&1 | tee "$OUT/throughput.log" | tail -25 ;;
     serve)
       folder=$(mktemp -d)
@@ -41,7 +41,12 @@ for stage in "$@"; do
       $PY -m mm_serve.entrypoints.cli serve "$folder" --load-format dummy --port 8123 \
         >"$OUT/server.log" 2>&1 &
       server=$!
-      for _ in $(seq 120); do curl -sf localhost:8123/health >/dev/null && break; sleep 1; done
+      $PY -c "import time, httpx
+for _ in range(300):
+    try:
+        if httpx.get('http://127.0.0.1:8123/health').status_code == 200: break
+    except httpx.HTTPError: pass
+    time.sleep(1)" 
       bench serve --port 8123 --num-prompts 256 --request-rate 16 --input-len 50 \
         --output-len 128 --image-size 448 448 --ignore-eos --num-warmups 4 \
         --output-json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" | tail -40

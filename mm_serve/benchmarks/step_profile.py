@@ -127,6 +127,31 @@ def throughput_breakdown(llm, num_prompts: int) -> str:
     return "\n".join(lines)
 
 
+def encode_step_table(llm, num_images: int = 32, rows: int = 30) -> str:
+    """Device kernels and host ops of ``num_images`` 448x448 image prompts prefilled at once
+    (vision encoder and prompt prefill), by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from mm_serve.benchmarks import common
+    from mm_serve.benchmarks.datasets import random_image_dataset
+
+    requests = random_image_dataset(num_images, 50, 1, (448, 448), seed=2)
+    texts = common.prompt_texts(requests, llm.config.model.hf_config.model_type)
+    prompts = common.llm_prompts(requests, texts)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    pending = [llm.input_processor.process(p) for p in prompts]
+    for p in pending:  # images preprocessed before the profile
+        p.result()
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    by_device = averages.table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60)
+    by_host = averages.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60)
+    return by_device + "\n" + by_host
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-arch", choices=sorted(ARCHITECTURES), default="qwen2-vl-2b")
@@ -134,6 +159,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--prompt-len", type=int, default=306)
     parser.add_argument("--kernels", action="store_true", help="Print the kernel table.")
+    parser.add_argument("--encode", action="store_true", help="Profile an image prefill.")
     parser.add_argument(
         "--throughput", type=int, default=0, help="Also break down N image requests' run."
     )
@@ -155,6 +181,8 @@ def main() -> None:
     print(f"device ms per decode step (graph replay + logits + argmax): {gpu_ms:.3f}")
     if args.kernels:
         print(kernel_table(core, args.batch_size))
+    if args.encode:
+        print(encode_step_table(llm))
     if args.throughput:
         print(throughput_breakdown(llm, 16))  # warm-up
         print(throughput_breakdown(llm, args.throughput))
