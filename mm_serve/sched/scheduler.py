@@ -12,6 +12,12 @@ encoded this step unless its embeddings are cached or its range is already cover
 (or prefix-cached) KV. Encoding spends the step's encoder budget and encoder-cache space; an image
 that does not fit ends the request's chunk just before it, so the encoder work of a long
 multi-image prompt spreads over several steps while other requests keep decoding.
+
+Async scheduling (vLLM V1's): step n+1 is scheduled before step n's tokens are known. A request
+whose window reaches its end gets an output placeholder, counted as a token to compute next
+step; ``update_from_output`` replaces it with the real token and applies the stop conditions.
+A request whose last allowed token is in flight gets no more work, and one preempted with a
+token in flight waits until that token is known.
 """
 
 from __future__ import annotations
