@@ -8,8 +8,6 @@ encoder and prefix caches get no hits (the 0%-hit workload) unless a test reuses
 
 from __future__ import annotations
 
-import base64
-import io
 import random
 from dataclasses import dataclass
 
@@ -66,22 +64,12 @@ def random_image_dataset(
     ]
 
 
-def image_data_url(image: Image.Image, image_format: str = "PNG") -> str:
-    """The image as a ``data:`` URL (PNG by default: lossless, so its content hash is stable)."""
-    buffer = io.BytesIO()
-    image.save(buffer, format=image_format)
-    encoded = base64.b64encode(buffer.getvalue()).decode("ascii")
-    return f"data:image/{image_format.lower()};base64,{encoded}"
-
-
 def openai_messages(request: BenchRequest) -> list[dict]:
-    """The request as OpenAI chat messages (images as data URLs, before the text)."""
-    parts: list[dict] = [
-        {"type": "image_url", "image_url": {"url": image_data_url(image)}}
-        for image in request.images
-    ]
-    parts.append({"type": "text", "text": request.prompt})
-    return [{"role": "user", "content": parts}]
+    """The request as OpenAI chat messages: images as PNG data URLs (lossless, so their content
+    hash is stable), then the text; built by the client SDK."""
+    from mm_serve.client.images import user_message
+
+    return [user_message(request.prompt, request.images)]
 
 
 def llm_messages(request: BenchRequest) -> list[dict]:

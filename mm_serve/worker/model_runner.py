@@ -309,8 +309,8 @@ class ModelRunner:
         """Copy the previous step's sampled tokens into ``input_ids`` ``[num_tokens]`` (device
         to device) where this step's windows cover them: the host may not know them yet."""
         sampled = self.last_sampled
-        if sampled is None:
-            return
+        if sampled is None or self.last_output.done:
+            return  # the host already wrote them into the batch (always so without async)
         index = self.input_batch.req_id_to_index
         rows = np.array([index.get(r, -1) for r in sampled.req_ids], dtype=np.int64)
         src = np.nonzero(rows >= 0)[0]

@@ -82,6 +82,11 @@ class PendingOutput:
                 self._event = torch.cuda.Event()
                 self._event.record()
 
+    @property
+    def done(self) -> bool:
+        """True once ``get()`` has run: the tokens are in the runner's host-side state."""
+        return self._output is not None
+
     def get(self) -> ModelRunnerOutput:
         """Wait for this step's tokens (only this step's), record them once, return them."""
         if self._output is None:

@@ -1,0 +1,142 @@
+"""Kernel dispatch: Triton on CUDA, the references on CPU or in ``ref`` mode, FlashAttention's
+paged varlen call when importable, and a whole tiny LM forward on CUDA against the CPU path.
+
+The inputs come from the kernel tests' builders (``test_kernels_triton``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+
+import pytest
+import torch
+from test_kernels_triton import (
+    DTYPES,
+    MIXED,
+    MIXED_GPU,
+    ON_GPU,
+    _attn,
+    _metadata,
+    _paged_batch,
+    _rel_err,
+    _shuffled_tables,
+)
+
+from mm_serve.attention import AttentionMetadata
+from mm_serve.kernels import paged_attention_ref, silu_and_mul_ref
+
+
+def _fake_flash_attn_varlen(
+    q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+    causal, block_table,
+):  # fmt: skip
+    """FlashAttention-2's documented semantics of the paged varlen call, in torch."""
+    from mm_serve.kernels.attention import causal_attention_ref, gather_kv_ref
+
+    assert causal and k_cache.shape[1] % 256 == 0
+    out = torch.empty_like(q)
+    for i in range(cu_seqlens_q.numel() - 1):
+        (qs, qe), (ks, ke) = cu_seqlens_q[i : i + 2].tolist(), cu_seqlens_k[i : i + 2].tolist()
+        assert qe - qs <= max_seqlen_q and ke - ks <= max_seqlen_k
+        kv = torch.stack((k_cache, v_cache))
+        key, value = gather_kv_ref(kv, block_table[i], ke - ks)
+        out[qs:qe] = causal_attention_ref(q[qs:qe], key, value, softmax_scale)
+    return out
+
+
+def test_flash_attn_wrapper_passes_cumulative_key_lengths(monkeypatch) -> None:
+    from mm_serve.kernels import flash_attention
+
+    fake = types.ModuleType("flash_attn")
+    fake.flash_attn_varlen_func = _fake_flash_attn_varlen
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    flash_attention.flash_attn_varlen.cache_clear()
+    try:
+        query, kv_cache, metadata = _paged_batch(
+            [(300, 1), (0, 5), (511, 3)], 8, 2, 64, 256, DTYPES[-1], seed=5
+        )
+        assert flash_attention.flash_attn_unusable_reason(query, kv_cache) is None
+        out = flash_attention.paged_attention_flash(query, kv_cache, metadata, 0.125)
+        torch.testing.assert_close(out, paged_attention_ref(query, kv_cache, metadata, 0.125))
+        assert "256" in flash_attention.flash_attn_unusable_reason(query, kv_cache[:, :, :16])
+    finally:
+        flash_attention.flash_attn_varlen.cache_clear()
+
+
+def test_cpu_dispatch_runs_the_references(monkeypatch) -> None:
+    from mm_serve import kernels
+
+    monkeypatch.setenv("MM_SERVE_KERNELS", "triton")  # no effect on CPU tensors
+    cpu = torch.device("cpu")
+    query, kv_cache, metadata = _paged_batch(MIXED, 8, 2, 16, 4, torch.float32, seed=1)
+    query, kv_cache = query.to(cpu), kv_cache.to(cpu)
+    fields = vars(metadata).items()
+    metadata = AttentionMetadata(**{k: v.cpu() if torch.is_tensor(v) else v for k, v in fields})
+    assert torch.equal(
+        kernels.paged_attention(query, kv_cache, metadata, 0.3),
+        paged_attention_ref(query, kv_cache, metadata, 0.3),
+    )
+    x = torch.randn(4, 32)
+    assert torch.equal(kernels.silu_and_mul(x), silu_and_mul_ref(x))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_cuda_dispatch_uses_triton_and_honours_ref_mode(monkeypatch, caplog) -> None:
+    from mm_serve import kernels
+    from mm_serve.kernels import dispatch
+
+    query, kv_cache, metadata = _paged_batch(MIXED_GPU, 28, 4, 128, 16, torch.bfloat16, seed=2)
+    dispatch._logged.clear()
+    with caplog.at_level(logging.INFO, logger="mm_serve.kernels.dispatch"):
+        out = kernels.paged_attention(query, kv_cache, metadata, 0.1)
+        kernels.paged_attention(query, kv_cache, metadata, 0.1)
+    assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
+    assert "Triton" in caplog.records[0].getMessage()
+    ref = paged_attention_ref(query, kv_cache, metadata, 0.1)
+    assert _rel_err(out, ref) <= 1e-2
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the Triton kernel ran in ref mode")
+
+    monkeypatch.setenv("MM_SERVE_KERNELS", "ref")
+    monkeypatch.setattr(_attn, "paged_attention_triton", boom)
+    assert torch.equal(kernels.paged_attention(query, kv_cache, metadata, 0.1), ref)
+    monkeypatch.setenv("MM_SERVE_KERNELS", "bogus")
+    with pytest.raises(ValueError, match="MM_SERVE_KERNELS"):
+        kernels.paged_attention(query, kv_cache, metadata, 0.1)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiny_model_on_cuda_matches_cpu(tmp_path, dtype) -> None:
+    """The whole LM forward (Triton norm, rotary, cache write, attention, SiLU) on CUDA against
+    the same checkpoint on the CPU path: a prefill step, then decodes beside a chunk."""
+    from mm_serve.config import EngineArgs
+    from mm_serve.models.loader import load_model
+    from mm_serve.testing.checkpoints import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(tmp_path / "llama", "llama", seed=0, head_dim=32)
+    steps = [[(0, 12), (0, 1), (0, 30)], [(12, 1), (1, 7), (30, 1)]]
+    block_size = 16
+    tables, num_blocks = _shuffled_tables([13, 8, 31], block_size, seed=4)
+    logits = {}
+    for device in ("cpu", "cuda"):
+        config = EngineArgs(model=path, dtype=dtype, device=device).create_engine_config().model
+        model = load_model(config, device)
+        shape = (2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        nan = torch.full(shape, float("nan"), dtype=config.dtype, device=device)
+        model.bind_kv_cache([nan.clone() for _ in range(config.num_layers)])
+        gen = torch.Generator().manual_seed(0)
+        logits[device] = []
+        for reqs in steps:
+            metadata = _metadata(reqs, tables, block_size, device)
+            ids = torch.randint(0, config.vocab_size, (metadata.num_tokens,), generator=gen)
+            positions = torch.cat([torch.arange(c, c + n) for c, n in reqs])
+            with torch.inference_mode():
+                hidden = model(ids.to(device), positions.to(device), metadata)
+                logits[device].append(model.compute_logits(hidden).float().cpu())
+    tol = 1e-3 if dtype == "float32" else 3e-2
+    for cuda, cpu in zip(logits["cuda"], logits["cpu"], strict=True):
+        assert _rel_err(cuda, cpu) <= tol
