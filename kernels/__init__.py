@@ -16,11 +16,14 @@ from mm_serve.kernels.dispatch import (
     apply_mrotary,
     apply_rotary,
     kernel_mode,
+    linear,
     paged_attention,
     reshape_and_cache,
     rms_norm,
     silu_and_mul,
+    silu_and_mul_linear,
 )
+from mm_serve.kernels.linear import linear_ref, silu_and_mul_linear_ref
 from mm_serve.kernels.norm import rms_norm_ref
 from mm_serve.kernels.rotary import apply_mrotary_ref, apply_rotary_ref
 
@@ -30,6 +33,8 @@ __all__ = [
     "apply_rotary",
     "apply_rotary_ref",
     "kernel_mode",
+    "linear",
+    "linear_ref",
     "paged_attention",
     "paged_attention_ref",
     "reshape_and_cache",
@@ -37,5 +42,7 @@ __all__ = [
     "rms_norm",
     "rms_norm_ref",
     "silu_and_mul",
+    "silu_and_mul_linear",
+    "silu_and_mul_linear_ref",
     "silu_and_mul_ref",
 ]

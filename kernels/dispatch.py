@@ -17,6 +17,7 @@ import torch
 from mm_serve.attention import AttentionMetadata
 from mm_serve.kernels.activation import silu_and_mul_ref
 from mm_serve.kernels.attention import paged_attention_ref, reshape_and_cache_ref
+from mm_serve.kernels.linear import linear_ref
 from mm_serve.kernels.norm import rms_norm_ref
 from mm_serve.kernels.rotary import apply_mrotary_ref, apply_rotary_ref
 
@@ -109,6 +110,41 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
         return silu_and_mul_triton(x)
     return silu_and_mul_ref(x)
+
+
+def _gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """One fp16/bf16 token on CUDA with a weight of its dtype (rows contiguous)."""
+    same = weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
+    one_token = x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.float16, torch.bfloat16)
+    return one_token and same and weight.stride(-1) == 1 and use_kernels(x, weight)
+
+
+def linear(
+    x: torch.Tensor,  # [..., K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """``x @ weight.T + bias``: the Triton GEMV for one fp16/bf16 token on CUDA (faster than
+    cuBLAS there, see ``mm_serve.benchmarks.gemv``), else ``linear_ref`` (cuBLAS on CUDA)."""
+    if _gemv_fits(x, weight, bias):
+        from mm_serve.kernels.triton_linear import gemv_triton
+
+        return gemv_triton(x, weight, bias)
+    return linear_ref(x, weight, bias)
+
+
+def silu_and_mul_linear(
+    x: torch.Tensor,  # [..., 2 * K]: gate | up
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """``linear(silu_and_mul(x), weight, bias)``; one GEMV kernel with the activation fused
+    for one token (see ``linear``)."""
+    if _gemv_fits(x, weight, bias):
+        from mm_serve.kernels.triton_linear import gemv_triton
+
+        return gemv_triton(x, weight, bias, gated=True)
+    return linear_ref(silu_and_mul(x), weight, bias)
 
 
 def apply_rotary(

@@ -6,11 +6,21 @@ import torch
 import triton
 import triton.language as tl
 
+from mm_serve.kernels.pdl import pdl_enter, pdl_options
+
 
 @triton.jit
 def _silu_and_mul_kernel(
-    out_ptr, x_ptr, d, stride_x_row, stride_o_row, ROUND: tl.constexpr, BLOCK: tl.constexpr
+    out_ptr,
+    x_ptr,
+    d,
+    stride_x_row,
+    stride_o_row,
+    ROUND: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < d
@@ -53,5 +63,6 @@ def silu_and_mul_triton(
         ROUND=x.dtype != torch.float32,
         BLOCK=block,
         num_warps=4 if block >= 512 else 1,
+        **pdl_options(x.device),
     )
     return out

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from mm_serve.attention import AttentionMetadata
+from mm_serve.kernels.pdl import pdl_enter, pdl_options
 
 LOG2E = 1.4426950408889634
 MAX_SEGMENTS = 32
@@ -142,7 +143,9 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
@@ -223,8 +226,10 @@ def _merge_segments_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     SEGMENTS_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """``out = sum_s w_s * out_s / sum_s w_s`` with ``w_s = l_s * 2^(m_s - max_s m_s)``."""
+    pdl_enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SEGMENTS_PAD)
@@ -378,6 +383,7 @@ def _launch(query, kv_cache, metadata, scale, out, group, cfg) -> None:
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 2),
+        **pdl_options(query.device),
     )
     if num_segments > 1:
         _merge_segments_kernel[(num_tokens, num_heads)](
@@ -392,4 +398,5 @@ def _launch(query, kv_cache, metadata, scale, out, group, cfg) -> None:
             HEAD_DIM_PAD=head_dim_pad,
             NUM_SEGMENTS=num_segments,
             SEGMENTS_PAD=max(2, triton.next_power_of_2(num_segments)),
+            **pdl_options(query.device),
         )

@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mm_serve.kernels.pdl import pdl_enter, pdl_options
+
 
 @triton.jit
 def _reshape_and_cache_kernel(
@@ -25,7 +27,9 @@ def _reshape_and_cache_kernel(
     HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:  # padding token: nothing to write
@@ -78,4 +82,5 @@ def reshape_and_cache_triton(
         HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        **pdl_options(key.device),
     )

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mm_serve.kernels.pdl import pdl_enter, pdl_options
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -26,7 +28,9 @@ def _rms_norm_kernel(
     stride_ro,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -88,5 +92,6 @@ def rms_norm_triton(
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=min(16, max(1, block // 512)),
+            **pdl_options(x.device),
         )
     return out if residual is None else (out, residual_out)

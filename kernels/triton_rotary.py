@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mm_serve.kernels.pdl import pdl_enter, pdl_options
+
 
 @triton.jit
 def _rotate_heads(
@@ -44,8 +46,9 @@ def _rotary_kernel(
     stride_qo_tok, stride_ko_tok, num_heads, num_kv_heads,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
     K_HEADS_PAD: tl.constexpr, MROPE: tl.constexpr, SECTION_0: tl.constexpr,
-    SECTION_01: tl.constexpr, ROUND: tl.constexpr,
+    SECTION_01: tl.constexpr, ROUND: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_i = tl.arange(0, HALF_PAD)
     i_ok = offs_i < HALF
@@ -123,5 +126,6 @@ def apply_rotary_triton(
         ROUND=query.dtype != torch.float32 if round_products is None else round_products,
         num_warps=4 if q.shape[1] * half >= 1024 else 1,
         enable_fp_fusion=False,  # an FMA would skip the reference's rounding of each product
+        **pdl_options(query.device),
     )  # fmt: skip
     return out

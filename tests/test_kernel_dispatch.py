@@ -109,16 +109,44 @@ def test_cuda_dispatch_uses_triton_and_honours_ref_mode(monkeypatch, caplog) -> 
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_cuda_linear_uses_the_gemv_for_one_half_precision_token(monkeypatch) -> None:
+    from mm_serve import kernels
+    from mm_serve.kernels import triton_linear
+
+    calls = []
+    gemv = triton_linear.gemv_triton
+    monkeypatch.setattr(
+        triton_linear, "gemv_triton", lambda *a, **k: calls.append(1) or gemv(*a, **k)
+    )
+    weight = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
+    for rows, dtype, used in [
+        (1, torch.bfloat16, 1),
+        (2, torch.bfloat16, 0),
+        (1, torch.float32, 0),
+    ]:
+        x = torch.randn(rows, 256, device="cuda", dtype=dtype)
+        calls.clear()
+        out = kernels.silu_and_mul_linear(x, weight.to(dtype))
+        ref = kernels.silu_and_mul_linear_ref(x, weight.to(dtype))
+        assert len(calls) == used and _rel_err(out, ref) <= 1e-2
+    monkeypatch.setenv("MM_SERVE_KERNELS", "ref")
+    calls.clear()
+    kernels.linear(torch.randn(1, 128, device="cuda", dtype=torch.bfloat16), weight)
+    assert not calls
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_tiny_model_on_cuda_matches_cpu(tmp_path, dtype) -> None:
     """The whole LM forward (Triton norm, rotary, cache write, attention, SiLU) on CUDA against
-    the same checkpoint on the CPU path: a prefill step, then decodes beside a chunk."""
+    the same checkpoint on the CPU path: a prefill step, then decodes beside a chunk, then one
+    token alone (the GEMV linears in bf16)."""
     from mm_serve.config import EngineArgs
     from mm_serve.models.loader import load_model
     from mm_serve.testing.checkpoints import build_tiny_checkpoint
 
     path = build_tiny_checkpoint(tmp_path / "llama", "llama", seed=0, head_dim=32)
-    steps = [[(0, 12), (0, 1), (0, 30)], [(12, 1), (1, 7), (30, 1)]]
+    steps = [[(0, 12), (0, 1), (0, 30)], [(12, 1), (1, 7), (30, 1)], [(13, 1)]]
     block_size = 16
     tables, num_blocks = _shuffled_tables([13, 8, 31], block_size, seed=4)
     logits = {}

@@ -28,14 +28,17 @@ from mm_serve.attention import AttentionMetadata  # noqa: E402
 from mm_serve.kernels import (  # noqa: E402
     apply_mrotary_ref,
     apply_rotary_ref,
+    linear_ref,
     paged_attention_ref,
     reshape_and_cache_ref,
     rms_norm_ref,
+    silu_and_mul_linear_ref,
     silu_and_mul_ref,
 )
 from mm_serve.kernels import triton_activation as _act  # noqa: E402
 from mm_serve.kernels import triton_attention as _attn  # noqa: E402
 from mm_serve.kernels import triton_cache as _cache  # noqa: E402
+from mm_serve.kernels import triton_linear as _linear  # noqa: E402
 from mm_serve.kernels import triton_norm as _norm  # noqa: E402
 from mm_serve.kernels import triton_rotary as _rotary  # noqa: E402
 
@@ -237,6 +240,31 @@ def test_silu_and_mul(d, dtype) -> None:
     out = torch.full((*x.shape[:-1], d), float("nan"), dtype=dtype, device=DEVICE)
     _act.silu_and_mul_triton(x, out=out)
     assert _rel_err(out, silu_and_mul_ref(x)) <= TOLERANCE[dtype]
+
+
+# (out_features, in_features, bias): Qwen2-VL-2B's qkv, o, gate_up and down; odd sizes.
+GEMV_SHAPES_GPU = [(2048, 1536, True), (1536, 1536, False), (17920, 1536, False),
+                   (1536, 8960, False), (1000, 300, True)]  # fmt: skip
+GEMV_SHAPES = [(37, 100, True), (16, 64, False), (12, 5000, False)]
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("shape", GEMV_SHAPES_GPU if ON_GPU else GEMV_SHAPES)
+@pytest.mark.parametrize("config", [None, {"BLOCK_N": 8, "BLOCK_K": 32}])
+def test_gemv(shape, gated, config, dtype) -> None:
+    """One token through a linear layer (with the gated activation fused): the default launch
+    config and a small-tile one whose loop over K runs many times."""
+    out_features, in_features, bias = shape
+    gen = torch.Generator().manual_seed(out_features + in_features)
+    x = _randn(1, in_features * (2 if gated else 1), dtype=dtype, gen=gen)
+    weight = _randn(out_features, in_features, dtype=dtype, gen=gen) / in_features**0.5
+    b = _randn(out_features, dtype=dtype, gen=gen) if bias else None
+    out = torch.full((1, out_features), float("nan"), dtype=dtype, device=DEVICE)
+    _linear.gemv_triton(x, weight, b, gated, out=out, config=config)
+    ref = (silu_and_mul_linear_ref if gated else linear_ref)(x, weight, b)
+    assert _rel_err(out, ref) <= TOLERANCE[dtype]
 
 
 # ---------------------------------------------------------------- rotary, mrope

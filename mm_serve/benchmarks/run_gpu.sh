@@ -3,10 +3,12 @@
 # JSON into $OUT (default ./bench-out). Run from the repository root on a CUDA machine:
 #   bash mm_serve/benchmarks/run_gpu.sh tests latency throughput serve kernels
 # tests:      the CUDA tests (kernels vs references, CUDA graphs, outputs vs HF, async scheduling)
-# latency:    bench latency, Qwen2-VL-2B, batch 1, async scheduling on and off, eager
+# latency:    bench latency, Qwen2-VL-2B, batch 1: default, without PDL, without async
+#             scheduling, eager
 # throughput: bench throughput, Qwen2-VL-2B, 256 requests, HF baseline, prefix caching on/off
 # serve:      mm-serve serve (Qwen2-VL-2B, random weights) driven by bench serve
 # kernels:    the Triton kernel benchmark
+# gemv:       the batch-1 linear layers, Triton GEMV against cuBLAS, PDL off and on
 set -uo pipefail
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
@@ -20,13 +22,15 @@ for stage in "$@"; do
   case $stage in
     tests)
       $PY -m pytest -q -x tests/test_kernels_triton.py tests/test_cuda_graphs.py \
-        tests/test_async_scheduling.py tests/test_llm_vs_hf.py tests/test_vlm_vs_hf.py \
+        tests/test_kernel_dispatch.py tests/test_async_scheduling.py tests/test_llm_vs_hf.py \
+        tests/test_vlm_vs_hf.py \
         2>&1 | tee "$OUT/tests.log" | tail -5 ;;
     latency)
-      for mode in "" "--no-async-scheduling" "--enforce-eager"; do
+      for mode in "" "no-pdl" "--no-async-scheduling" "--enforce-eager"; do
         name=latency${mode//-/_}
-        bench latency --model-arch qwen2-vl-2b --batch-size 1 --input-len 50 --output-len 128 \
-          --num-iters 10 --num-iters-warmup 3 $mode --output-json "$OUT/$name.json" \
+        pdl=1; [ "$mode" = no-pdl ] && { pdl=0; mode=""; }
+        MM_SERVE_PDL=$pdl bench latency --model-arch qwen2-vl-2b --batch-size 1 --input-len 50 \
+          --output-len 128 --num-iters 10 --num-iters-warmup 3 $mode --output-json "$OUT/$name.json" \
           2>&1 | tee "$OUT/$name.log" | tail -14
       done ;;
     throughput)
@@ -53,6 +57,8 @@ for _ in range(300):
       kill $server; wait $server ;;
     kernels)
       $PY -m mm_serve.benchmarks.kernels 2>&1 | tee "$OUT/kernels.log" | tail -20 ;;
+    gemv)
+      $PY -m mm_serve.benchmarks.gemv --out "$OUT" 2>&1 | tee "$OUT/gemv.log" | tail -24 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from mm_serve.attention import AttentionMetadata
-from mm_serve.models.layers.activation import SiluAndMul
 from mm_serve.models.layers.attention import Attention
 from mm_serve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from mm_serve.models.layers.layernorm import RMSNorm
@@ -85,10 +84,9 @@ class LlamaMLP(nn.Module):
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter] * 2, bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias)
-        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x), gated=True)  # silu(gate) * up, fused
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -11,10 +11,10 @@ features and sum the partial outputs with an all-reduce.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mm_serve.distributed import get_tp_rank, get_tp_size, tp_all_reduce
+from mm_serve.kernels import linear, silu_and_mul_linear
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -50,7 +50,7 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -143,6 +143,8 @@ class RowParallelLinear(LinearBase):
         size = param.shape[1]
         copy_weight(param.data, loaded_weight.narrow(1, self.tp_rank * size, size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tp_all_reduce(F.linear(x, self.weight))
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """``gated``: ``x = [gate | up]`` and the input is ``silu(gate) * up`` (the gated MLP's
+        activation, fused into the GEMV for one token)."""
+        y = tp_all_reduce((silu_and_mul_linear if gated else linear)(x, self.weight))
         return y if self.bias is None else y + self.bias

@@ -1,0 +1,51 @@
+"""Programmatic dependent launch (PDL) for the Triton kernels, on Hopper and newer GPUs.
+
+A decode step is a chain of short kernels, each waiting for the one before it; between two of
+them the GPU would sit idle while the next grid launches and ramps up. With PDL (CUDA
+programming guide, "Programmatic Dependent Launch and Synchronization"; PTX
+``griddepcontrol``) a kernel launched with ``launch_pdl=True`` may start while its predecessor
+in the stream still runs. Every kernel here calls :func:`pdl_enter` before its first read of
+an activation and its first write: ``griddepcontrol.wait`` blocks until the predecessor has
+finished and its writes are visible, then ``launch_dependents`` lets the successor start
+launching. Work before that call may only read what no kernel writes (the weights), which is
+how the GEMV prefetches its first weight tile. The edges are kept in CUDA graphs.
+
+``MM_SERVE_PDL=0`` turns it off; it is off on GPUs before Hopper and in the interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+PDL_ENV = "MM_SERVE_PDL"
+
+
+@triton.jit
+def pdl_enter(USE_PDL: tl.constexpr):
+    """Wait for the previous kernel (finished, writes visible), then let the next one launch."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@functools.lru_cache(maxsize=8)
+def _device_supports_pdl(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_options(device: torch.device) -> dict[str, bool]:
+    """Launch options for a kernel taking ``USE_PDL``: ``USE_PDL`` and, when on,
+    ``launch_pdl``. On for CUDA devices of compute capability 9.0+ unless ``MM_SERVE_PDL=0``
+    or ``TRITON_INTERPRET=1``."""
+    on = (
+        device.type == "cuda"
+        and os.environ.get(PDL_ENV, "1") != "0"
+        and os.environ.get("TRITON_INTERPRET", "0") != "1"
+        and _device_supports_pdl(device)
+    )
+    return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
