@@ -20,10 +20,11 @@ from mm_serve.kernels.dispatch import (
     paged_attention,
     reshape_and_cache,
     rms_norm,
+    rms_norm_linear,
     silu_and_mul,
     silu_and_mul_linear,
 )
-from mm_serve.kernels.linear import linear_ref, silu_and_mul_linear_ref
+from mm_serve.kernels.linear import linear_ref, rms_norm_linear_ref, silu_and_mul_linear_ref
 from mm_serve.kernels.norm import rms_norm_ref
 from mm_serve.kernels.rotary import apply_mrotary_ref, apply_rotary_ref
 
@@ -40,6 +41,8 @@ __all__ = [
     "reshape_and_cache",
     "reshape_and_cache_ref",
     "rms_norm",
+    "rms_norm_linear",
+    "rms_norm_linear_ref",
     "rms_norm_ref",
     "silu_and_mul",
     "silu_and_mul_linear",

@@ -147,6 +147,29 @@ def silu_and_mul_linear(
     return linear_ref(silu_and_mul(x), weight, bias)
 
 
+def rms_norm_linear(
+    x: torch.Tensor,  # [T, K]
+    residual: torch.Tensor | None,  # [T, K]
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm linear: ``(linear(rms_norm(h)), h)`` with ``h = x + residual`` (``x`` when
+    ``residual`` is None). One GEMV kernel with the norm fused for one token (see ``linear``),
+    else ``rms_norm`` then ``linear``."""
+    same = norm_weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype)
+    if same and _gemv_fits(x, weight, bias):
+        from mm_serve.kernels.triton_linear import MAX_NORM_FEATURES, rms_norm_gemv_triton
+
+        if x.shape[-1] <= MAX_NORM_FEATURES:
+            return rms_norm_gemv_triton(x, residual, norm_weight, eps, weight, bias)
+    if residual is None:
+        return linear(rms_norm(x, norm_weight, eps), weight, bias), x
+    normed, residual = rms_norm(x, norm_weight, eps, residual)
+    return linear(normed, weight, bias), residual
+
+
 def apply_rotary(
     positions: torch.Tensor,  # [num_tokens]
     query: torch.Tensor,  # [num_tokens, num_heads * head_dim] or [..., num_heads, head_dim]

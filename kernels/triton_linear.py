@@ -12,6 +12,9 @@ waiting on the previous kernel (weights are never written; see :mod:`mm_serve.ke
 ``GATED`` fuses the MLP activation in front of ``down_proj``: ``x = [gate | up]`` of width
 ``2 K`` and the product uses ``silu(gate) * up``, computed and rounded as
 ``silu_and_mul_triton`` does, so the result equals the unfused pair up to summation order.
+``NORM`` fuses the RMSNorm (and residual add) in front of ``qkv_proj`` and ``gate_up_proj``:
+every program normalises the whole input row itself (a few KiB from L2), which costs less
+than a separate norm kernel between two weight reads.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import triton
 import triton.language as tl
 
 from mm_serve.kernels.pdl import pdl_enter, pdl_options
+
+MAX_NORM_FEATURES = 8192  # a program of the fused RMSNorm holds a whole row
 
 
 @triton.jit
@@ -36,16 +41,42 @@ def _load_x(x_ptr, offs_k, K, GATED: tl.constexpr, OUT_DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _load_normed_x(
+    x_ptr, res_ptr, res_out_ptr, norm_w_ptr, eps, offs_k, K,
+    HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """RMSNorm of the whole row ``x (+ residual)`` in float32, rounded as ``rms_norm_triton``
+    does; program 0 stores ``x + residual``. ``offs_k`` must cover the row."""
+    k_ok = offs_k < K
+    x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + offs_k, mask=k_ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(OUT_DTYPE)
+        if tl.program_id(0) == 0:
+            tl.store(res_out_ptr + offs_k, x, mask=k_ok)
+    h = x.to(tl.float32)
+    normed = (h * tl.rsqrt(tl.sum(h * h, 0) / K + eps)).to(OUT_DTYPE).to(tl.float32)
+    w = tl.load(norm_w_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+    return (w * normed).to(OUT_DTYPE).to(tl.float32)
+
+
+@triton.jit
 def _gemv_kernel(
     y_ptr,  # [N]
     x_ptr,  # [K] ([2K] when GATED)
     w_ptr,  # [N, K], rows strided, K contiguous
     b_ptr,  # [N] or unused
+    res_ptr,  # [K] residual (NORM and HAS_RESIDUAL) or unused
+    res_out_ptr,  # [K] x + residual, written (NORM and HAS_RESIDUAL) or unused
+    norm_w_ptr,  # [K] RMSNorm weight (NORM) or unused
+    eps,
     N,
     K,
     stride_wn,
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -58,7 +89,13 @@ def _gemv_kernel(
     w = tl.load(w_rows + offs_k[None, :], mask=n_ok & (offs_k[None, :] < K), other=0.0)
     pdl_enter(USE_PDL)
     dtype = y_ptr.dtype.element_ty
-    acc = _load_x(x_ptr, offs_k, K, GATED, dtype)[None, :] * w.to(tl.float32)
+    if NORM:  # BLOCK_K covers the row: the loop below does not run
+        x = _load_normed_x(
+            x_ptr, res_ptr, res_out_ptr, norm_w_ptr, eps, offs_k, K, HAS_RESIDUAL, dtype
+        )
+    else:
+        x = _load_x(x_ptr, offs_k, K, GATED, dtype)
+    acc = x[None, :] * w.to(tl.float32)
     for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):
         offs = k0 + offs_k
         w = tl.load(w_rows + offs[None, :], mask=n_ok & (offs[None, :] < K), other=0.0)
@@ -69,11 +106,17 @@ def _gemv_kernel(
     tl.store(y_ptr + offs_n, out.to(dtype), mask=offs_n < N)
 
 
-def gemv_config(out_features: int, in_features: int) -> dict[str, int]:
+def gemv_config(out_features: int, in_features: int, norm: bool = False) -> dict[str, int]:
     """Launch config (``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages``) for a weight
     ``[N, K]``, from the sweep of ``mm_serve.benchmarks.gemv`` (H200, Qwen2-VL-2B, with PDL):
     rows up to 2048 long are loaded whole before the wait on the previous kernel; longer
-    rows (``down_proj``) and many rows (``gate_up_proj``) stream through a pipelined loop."""
+    rows (``down_proj``) and many rows (``gate_up_proj``) stream through a pipelined loop.
+    With the RMSNorm fused in, a program holds a whole row (up to ``MAX_NORM_FEATURES``)."""
+    if norm:
+        block_k = triton.next_power_of_2(in_features)
+        wide = block_k > 2048
+        return {"BLOCK_N": 2 if wide else 4, "BLOCK_K": block_k, "num_warps": 8 if wide else 4,
+                "num_stages": 1}  # fmt: skip
     if in_features > 4096:
         return {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 3}
     if out_features > 4096:
@@ -95,28 +138,67 @@ def gemv_triton(
 
     fp16, bf16 or fp32 (float32 accumulation); the weight's last dim must be contiguous.
     ``config`` overrides :func:`gemv_config` (for benchmarks). Returns ``out`` (allocated
-    when None). Raises ``ValueError`` for more
-    than one row, mismatched shapes or a strided weight row.
+    when None). Raises ``ValueError`` for more than one row, mismatched shapes or a strided
+    weight row.
     """
-    out_features, in_features = weight.shape
-    if x.shape != (1, in_features * (2 if gated else 1)) or weight.stride(-1) != 1:
+    _check(x, weight, 2 if gated else 1)
+    return _launch(x, weight, bias, out, config, GATED=gated)
+
+
+def rms_norm_gemv_triton(
+    x: torch.Tensor,  # [1, K]
+    residual: torch.Tensor | None,  # [1, K]
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm linear for one token: ``(linear(rms_norm(h)), h)`` with ``h = x + residual``
+    (``x`` without one); ``rms_norm_triton`` then ``gemv_triton`` in one kernel.
+
+    All tensors share ``x``'s dtype; ``K <= MAX_NORM_FEATURES``. Raises ``ValueError`` as
+    ``gemv_triton`` does, or for a row longer than that.
+    """
+    _check(x, weight, 1)
+    if x.shape[1] > MAX_NORM_FEATURES:
+        raise ValueError(f"rms_norm_gemv_triton: rows up to {MAX_NORM_FEATURES}, got {x.shape}.")
+    res_out = x if residual is None else torch.empty_like(x)
+    res = x if residual is None else residual.contiguous()
+    y = _launch(x, weight, bias, None, None, NORM=True, HAS_RESIDUAL=residual is not None,
+                residual=res, residual_out=res_out, norm_weight=norm_weight, eps=eps)  # fmt: skip
+    return y, res_out
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, width: int) -> None:
+    if x.shape != (1, weight.shape[1] * width) or weight.stride(-1) != 1:
         raise ValueError(
-            f"gemv_triton: x {tuple(x.shape)} (one row) does not fit weight "
-            f"{tuple(weight.shape)} (gated={gated}), or the weight's rows are strided."
+            f"gemv: x {tuple(x.shape)} (one row) does not fit weight {tuple(weight.shape)}, "
+            "or the weight's rows are strided."
         )
+
+
+def _launch(x, weight, bias, out, config, residual=None, residual_out=None, norm_weight=None,
+            eps=0.0, GATED=False, NORM=False, HAS_RESIDUAL=False) -> torch.Tensor:  # fmt: skip
+    out_features, in_features = weight.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.empty(1, out_features, dtype=x.dtype, device=x.device) if out is None else out
-    cfg = gemv_config(out_features, in_features) | (config or {})
+    cfg = gemv_config(out_features, in_features, NORM) | (config or {})
     _gemv_kernel[(triton.cdiv(out_features, cfg["BLOCK_N"]),)](
         y,
         x,
         weight,
         bias if bias is not None else y,
+        residual if residual is not None else y,
+        residual_out if residual_out is not None else y,
+        norm_weight if norm_weight is not None else y,
+        eps,
         out_features,
         in_features,
         weight.stride(0),
         HAS_BIAS=bias is not None,
-        GATED=gated,
+        GATED=GATED,
+        NORM=NORM,
+        HAS_RESIDUAL=HAS_RESIDUAL,
         BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"],
         NUM_STAGES=cfg["num_stages"],

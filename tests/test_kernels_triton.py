@@ -31,6 +31,7 @@ from mm_serve.kernels import (  # noqa: E402
     linear_ref,
     paged_attention_ref,
     reshape_and_cache_ref,
+    rms_norm_linear_ref,
     rms_norm_ref,
     silu_and_mul_linear_ref,
     silu_and_mul_ref,
@@ -265,6 +266,24 @@ def test_gemv(shape, gated, config, dtype) -> None:
     _linear.gemv_triton(x, weight, b, gated, out=out, config=config)
     ref = (silu_and_mul_linear_ref if gated else linear_ref)(x, weight, b)
     assert _rel_err(out, ref) <= TOLERANCE[dtype]
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("shape", GEMV_SHAPES_GPU[:3] if ON_GPU else GEMV_SHAPES[:2])
+def test_rms_norm_gemv(shape, with_residual, dtype) -> None:
+    """One token through RMSNorm (+ residual add) and a linear layer in one kernel."""
+    out_features, in_features, bias = shape
+    gen = torch.Generator().manual_seed(out_features)
+    x, residual, norm_weight = (_randn(1, in_features, dtype=dtype, gen=gen) for _ in range(3))
+    residual = residual if with_residual else None
+    weight = _randn(out_features, in_features, dtype=dtype, gen=gen) / in_features**0.5
+    b = _randn(out_features, dtype=dtype, gen=gen) if bias else None
+    out, h = _linear.rms_norm_gemv_triton(x, residual, norm_weight, 1e-6, weight, b)
+    ref_out, ref_h = rms_norm_linear_ref(x, residual, norm_weight, 1e-6, weight, b)
+    assert _rel_err(out, ref_out) <= TOLERANCE[dtype]
+    assert torch.equal(h, ref_h)
 
 
 # ---------------------------------------------------------------- rotary, mrope

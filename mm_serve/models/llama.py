@@ -17,7 +17,7 @@ from torch import nn
 from mm_serve.attention import AttentionMetadata
 from mm_serve.models.layers.attention import Attention
 from mm_serve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from mm_serve.models.layers.layernorm import RMSNorm
+from mm_serve.models.layers.layernorm import RMSNorm, rms_norm_then_linear
 from mm_serve.models.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -67,15 +67,18 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,  # [T]
-        hidden_states: torch.Tensor,  # [T, hidden]
+        qkv: torch.Tensor,  # [T, (heads + 2 kv_heads) * head_dim], from qkv_proj
         attn_metadata: AttentionMetadata | None,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden_states).split(self.split_sizes, dim=-1)
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, attn_metadata))
 
 
 class LlamaMLP(nn.Module):
+    """The gated MLP's projections: ``down_proj(silu(gate) * up)`` with ``[gate | up]`` from
+    ``gate_up_proj``; the decoder layer calls them (the norm before is fused into the first)."""
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         if config.hidden_act != "silu":
@@ -84,9 +87,6 @@ class LlamaMLP(nn.Module):
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter] * 2, bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x), gated=True)  # silu(gate) * up, fused
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -104,15 +104,17 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         attn_metadata: AttentionMetadata | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(mlp_out, residual)``; the caller adds them (fused into the next norm)."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, attn_metadata)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        """Returns ``(mlp_out, residual)``; the caller adds them (fused into the next norm).
+        Each norm is fused into the projection after it (one kernel for one token)."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = rms_norm_then_linear(
+            self.input_layernorm, attn.qkv_proj, hidden_states, residual
+        )
+        hidden_states = attn(positions, qkv, attn_metadata)
+        gate_up, residual = rms_norm_then_linear(
+            self.post_attention_layernorm, mlp.gate_up_proj, hidden_states, residual
+        )
+        return mlp.down_proj(gate_up, gated=True), residual
 
 
 class LlamaModel(nn.Module):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mm_serve.kernels import rms_norm
+from mm_serve.kernels import rms_norm, rms_norm_linear
 
 
 class RMSNorm(nn.Module):
@@ -21,3 +21,11 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return rms_norm(x, self.weight, self.eps, residual)
+
+
+def rms_norm_then_linear(
+    norm: RMSNorm, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(norm(x + residual)), x + residual)`` (``x`` alone when ``residual`` is None)
+    for a column-parallel ``linear`` (no all-reduce): one kernel for one token."""
+    return rms_norm_linear(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
