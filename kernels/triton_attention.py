@@ -145,7 +145,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
+    # The metadata comes from host copies, never from a kernel: read it before the PDL wait.
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
@@ -155,6 +155,8 @@ def _paged_attention_kernel(
     local_block = q_block - (q_start // BLOCK_Q + req)
     if local_block * BLOCK_Q >= query_len:
         return
+    seq_len = tl.load(seq_lens_ptr + req)
+    pdl_enter(USE_PDL)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -166,7 +168,6 @@ def _paged_attention_kernel(
     q_offs = q_rows[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :]
     q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    seq_len = tl.load(seq_lens_ptr + req)
     context_len = seq_len - query_len  # tokens cached before this step's chunk
     q_abs = context_len + q_pos  # absolute position of each row: sees keys 0..q_abs
     last_row = tl.minimum(local_block * BLOCK_Q + BLOCK_Q, query_len) - 1

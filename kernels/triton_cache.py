@@ -29,11 +29,11 @@ def _reshape_and_cache_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)  # from a host copy: before the wait
     if slot < 0:  # padding token: nothing to write
         return
+    pdl_enter(USE_PDL)
     offs_h = tl.arange(0, HEADS_PAD)[:, None]
     offs_d = tl.arange(0, HEAD_DIM_PAD)[None, :]
     mask = (offs_h < NUM_KV_HEADS) & (offs_d < HEAD_DIM)

@@ -42,11 +42,12 @@ def _load_x(x_ptr, offs_k, K, GATED: tl.constexpr, OUT_DTYPE: tl.constexpr):
 
 @triton.jit
 def _load_normed_x(
-    x_ptr, res_ptr, res_out_ptr, norm_w_ptr, eps, offs_k, K,
+    x_ptr, res_ptr, res_out_ptr, norm_w, eps, offs_k, K,
     HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
 ):  # fmt: skip
     """RMSNorm of the whole row ``x (+ residual)`` in float32, rounded as ``rms_norm_triton``
-    does; program 0 stores ``x + residual``. ``offs_k`` must cover the row."""
+    does; program 0 stores ``x + residual``. ``offs_k`` must cover the row; ``norm_w`` is
+    the norm weight at ``offs_k`` in float32."""
     k_ok = offs_k < K
     x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0)
     if HAS_RESIDUAL:
@@ -56,8 +57,7 @@ def _load_normed_x(
             tl.store(res_out_ptr + offs_k, x, mask=k_ok)
     h = x.to(tl.float32)
     normed = (h * tl.rsqrt(tl.sum(h * h, 0) / K + eps)).to(OUT_DTYPE).to(tl.float32)
-    w = tl.load(norm_w_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-    return (w * normed).to(OUT_DTYPE).to(tl.float32)
+    return (norm_w * normed).to(OUT_DTYPE).to(tl.float32)
 
 
 @triton.jit
@@ -87,13 +87,13 @@ def _gemv_kernel(
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
     offs_k = tl.arange(0, BLOCK_K)
     w = tl.load(w_rows + offs_k[None, :], mask=n_ok & (offs_k[None, :] < K), other=0.0)
-    pdl_enter(USE_PDL)
     dtype = y_ptr.dtype.element_ty
     if NORM:  # BLOCK_K covers the row: the loop below does not run
-        x = _load_normed_x(
-            x_ptr, res_ptr, res_out_ptr, norm_w_ptr, eps, offs_k, K, HAS_RESIDUAL, dtype
-        )
+        norm_w = tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        pdl_enter(USE_PDL)
+        x = _load_normed_x(x_ptr, res_ptr, res_out_ptr, norm_w, eps, offs_k, K, HAS_RESIDUAL, dtype)
     else:
+        pdl_enter(USE_PDL)
         x = _load_x(x_ptr, offs_k, K, GATED, dtype)
     acc = x[None, :] * w.to(tl.float32)
     for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):

@@ -48,7 +48,6 @@ def _rotary_kernel(
     K_HEADS_PAD: tl.constexpr, MROPE: tl.constexpr, SECTION_0: tl.constexpr,
     SECTION_01: tl.constexpr, ROUND: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_i = tl.arange(0, HALF_PAD)
     i_ok = offs_i < HALF
@@ -64,6 +63,7 @@ def _rotary_kernel(
         dtype = q_out_ptr.dtype.element_ty
         cos, sin = cos.to(dtype).to(tl.float32), sin.to(dtype).to(tl.float32)
     cos, sin = cos[None, :], sin[None, :]
+    pdl_enter(USE_PDL)  # positions come from host copies: q and k are the first kernel outputs
     _rotate_heads(
         q_out_ptr, q_ptr, token, stride_q_tok, stride_q_head, stride_qo_tok, num_heads, cos, sin,
         HALF, Q_HEADS_PAD, HALF_PAD, ROUND,
