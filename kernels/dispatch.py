@@ -176,13 +176,11 @@ def apply_rotary(
     key: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim] or [..., num_kv_heads, head_dim]
     cos_sin_cache: torch.Tensor,  # [max_position, head_dim]
     head_dim: int,
+    kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """NeoX-style RoPE; see ``apply_rotary_ref``."""
-    if query.dtype == key.dtype and use_kernels(query, key, cos_sin_cache):
-        from mm_serve.kernels.triton_rotary import apply_rotary_triton
-
-        return apply_rotary_triton(positions, query, key, cos_sin_cache, head_dim)
-    return apply_rotary_ref(positions, query, key, cos_sin_cache, head_dim)
+    """NeoX-style RoPE; see ``apply_rotary_ref``. ``kv_write = (value, kv_cache,
+    slot_mapping)`` then writes the rotated key and the value to the cache (one kernel)."""
+    return apply_mrotary(positions, query, key, cos_sin_cache, head_dim, None, kv_write)
 
 
 def apply_mrotary(
@@ -191,15 +189,27 @@ def apply_mrotary(
     key: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim] or [..., num_kv_heads, head_dim]
     cos_sin_cache: torch.Tensor,  # [max_position, head_dim]
     head_dim: int,
-    mrope_section: list[int],
+    mrope_section: list[int] | None,
+    kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen2-VL multimodal RoPE; see ``apply_mrotary_ref``."""
-    if positions.ndim == 1:
-        return apply_rotary(positions, query, key, cos_sin_cache, head_dim)
-    if query.dtype == key.dtype and use_kernels(query, key, cos_sin_cache):
+    """Qwen2-VL multimodal RoPE (plain RoPE for ``[T]`` positions or no ``mrope_section``);
+    see ``apply_mrotary_ref``, and ``apply_rotary`` for ``kv_write``."""
+    section = mrope_section if positions.ndim == 2 else None
+    extra = () if kv_write is None else (kv_write[0], kv_write[1])
+    same = all(t.dtype == query.dtype for t in (key, *extra))
+    fused = kv_write is None or kv_write[1].is_contiguous()
+    if same and fused and use_kernels(query, key, cos_sin_cache, *extra):
         from mm_serve.kernels.triton_rotary import apply_rotary_triton
 
         return apply_rotary_triton(
-            positions, query, key, cos_sin_cache, head_dim, mrope_section=mrope_section
+            positions, query, key, cos_sin_cache, head_dim, section, kv_write=kv_write
         )
-    return apply_mrotary_ref(positions, query, key, cos_sin_cache, head_dim, mrope_section)
+    if section is None:
+        query, key = apply_rotary_ref(positions, query, key, cos_sin_cache, head_dim)
+    else:
+        query, key = apply_mrotary_ref(positions, query, key, cos_sin_cache, head_dim, section)
+    if kv_write is not None:
+        value, kv_cache, slot_mapping = kv_write
+        head_shape = (key.shape[0], -1, head_dim)
+        reshape_and_cache(key.view(head_shape), value.reshape(head_shape), kv_cache, slot_mapping)
+    return query, key

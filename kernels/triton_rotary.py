@@ -19,9 +19,12 @@ from mm_serve.kernels.pdl import pdl_enter, pdl_options
 @triton.jit
 def _rotate_heads(
     out_ptr, x_ptr, token, stride_x_tok, stride_x_head, stride_o_tok, num_heads, cos, sin,
+    cache_ptr, slot, stride_c_slot,
     HALF: tl.constexpr, HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr, ROUND: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,
 ):  # fmt: skip
-    """``out = x * cos + rotate_half(x) * sin`` for all heads of one token."""
+    """``out = x * cos + rotate_half(x) * sin`` for all heads of one token; with
+    ``WRITE_CACHE`` also into the cache slot ``slot`` (none when it is negative)."""
     offs_h = tl.arange(0, HEADS_PAD)[:, None]
     offs_i = tl.arange(0, HALF_PAD)[None, :]
     mask = (offs_h < num_heads) & (offs_i < HALF)
@@ -35,8 +38,20 @@ def _rotate_heads(
         a1, b1 = a1.to(dtype).to(tl.float32), b1.to(dtype).to(tl.float32)
         a2, b2 = a2.to(dtype).to(tl.float32), b2.to(dtype).to(tl.float32)
     dst = out_ptr + token * stride_o_tok + offs_h * (2 * HALF) + offs_i
-    tl.store(dst, (a1 - b1).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, (a2 + b2).to(out_ptr.dtype.element_ty), mask=mask)
+    y1, y2 = (a1 - b1).to(out_ptr.dtype.element_ty), (a2 + b2).to(out_ptr.dtype.element_ty)
+    tl.store(dst, y1, mask=mask)
+    tl.store(dst + HALF, y2, mask=mask)
+    if WRITE_CACHE:
+        _store_slot(cache_ptr, slot, stride_c_slot, y1, y2, offs_h, offs_i, mask, HALF)
+
+
+@triton.jit
+def _store_slot(cache_ptr, slot, stride_c_slot, x1, x2, offs_h, offs_i, mask, HALF: tl.constexpr):
+    """Both halves of every KV head of one token into cache slot ``slot`` (skipped if < 0)."""
+    if slot >= 0:
+        dst = cache_ptr + slot * stride_c_slot + offs_h * (2 * HALF) + offs_i
+        tl.store(dst, x1.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, x2.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -44,9 +59,11 @@ def _rotary_kernel(
     q_out_ptr, k_out_ptr, q_ptr, k_ptr, positions_ptr, cos_sin_ptr,
     stride_pos_axis, stride_cs, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
     stride_qo_tok, stride_ko_tok, num_heads, num_kv_heads,
+    v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_v_tok, stride_v_head, stride_c_slot,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
     K_HEADS_PAD: tl.constexpr, MROPE: tl.constexpr, SECTION_0: tl.constexpr,
-    SECTION_01: tl.constexpr, ROUND: tl.constexpr, USE_PDL: tl.constexpr,
+    SECTION_01: tl.constexpr, ROUND: tl.constexpr, WRITE_CACHE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     offs_i = tl.arange(0, HALF_PAD)
@@ -63,15 +80,25 @@ def _rotary_kernel(
         dtype = q_out_ptr.dtype.element_ty
         cos, sin = cos.to(dtype).to(tl.float32), sin.to(dtype).to(tl.float32)
     cos, sin = cos[None, :], sin[None, :]
-    pdl_enter(USE_PDL)  # positions come from host copies: q and k are the first kernel outputs
+    slot = -1
+    if WRITE_CACHE:
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    pdl_enter(USE_PDL)  # positions and slots come from host copies; q, k, v from a kernel
     _rotate_heads(
         q_out_ptr, q_ptr, token, stride_q_tok, stride_q_head, stride_qo_tok, num_heads, cos, sin,
-        HALF, Q_HEADS_PAD, HALF_PAD, ROUND,
+        q_out_ptr, slot, 0, HALF, Q_HEADS_PAD, HALF_PAD, ROUND, False,
     )  # fmt: skip
     _rotate_heads(
         k_out_ptr, k_ptr, token, stride_k_tok, stride_k_head, stride_ko_tok, num_kv_heads, cos,
-        sin, HALF, K_HEADS_PAD, HALF_PAD, ROUND,
+        sin, k_cache_ptr, slot, stride_c_slot, HALF, K_HEADS_PAD, HALF_PAD, ROUND, WRITE_CACHE,
     )  # fmt: skip
+    if WRITE_CACHE:  # V unrotated
+        offs_h = tl.arange(0, K_HEADS_PAD)[:, None]
+        mask = (offs_h < num_kv_heads) & i_ok[None, :]
+        src = v_ptr + token * stride_v_tok + offs_h * stride_v_head + offs_i[None, :]
+        v1 = tl.load(src, mask=mask, other=0.0)
+        v2 = tl.load(src + HALF, mask=mask, other=0.0)
+        _store_slot(v_cache_ptr, slot, stride_c_slot, v1, v2, offs_h, offs_i[None, :], mask, HALF)
 
 
 def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -88,6 +115,7 @@ def apply_rotary_triton(
     mrope_section: list[int] | None = None,  # [t, h, w] frequencies, summing to head_dim // 2
     out: tuple[torch.Tensor, torch.Tensor] | None = None,  # (query, key) shapes, written
     round_products: bool | None = None,
+    kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``query`` and ``key`` by their positions; returns new tensors of their shapes.
 
@@ -97,7 +125,12 @@ def apply_rotary_triton(
     ``round_products`` (default: for fp16/bf16 inputs) rounds the table and every product to
     the input dtype, as the references' torch ops do; False computes in float32 and rounds
     only the result (HF's vision rotary, ``apply_rotary_pos_emb_vision``).
-    Raises ``ValueError`` for an mrope_section that does not sum to ``head_dim // 2``.
+    ``kv_write = (value, kv_cache, slot_mapping)`` also writes the rotated key and ``value``
+    (``[T, num_kv_heads(*head_dim)]``) into the contiguous ``kv_cache`` ``[2, num_blocks,
+    block_size, num_kv_heads, head_dim]`` at ``slot_mapping`` (``[T]`` int64; negative slots
+    skipped): ``reshape_and_cache`` fused in, one kernel for RoPE and the KV write.
+    Raises ``ValueError`` for an mrope_section that does not sum to ``head_dim // 2`` or a
+    strided ``kv_cache``.
     """
     num_tokens = query.shape[0]
     q, k = _heads(query, head_dim), _heads(key, head_dim)
@@ -114,16 +147,23 @@ def apply_rotary_triton(
     if num_tokens == 0:
         return out
     half = head_dim // 2
+    v, kv_cache, slot_mapping = kv_write if kv_write is not None else (k, k[None], positions)
+    if kv_write is not None and not kv_cache.is_contiguous():
+        raise ValueError("apply_rotary_triton: kv_write needs a contiguous kv_cache.")
+    v = _heads(v, head_dim)
     _rotary_kernel[(num_tokens,)](
         q_out, k_out, q, k, positions, cos_sin_cache,
         positions.stride(0) if mrope else 0, cos_sin_cache.stride(0),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), k_out.stride(0),
         q.shape[1], k.shape[1],
+        v, kv_cache[0], kv_cache[-1], slot_mapping, v.stride(0), v.stride(1),
+        k.shape[1] * head_dim,
         HALF=half, HALF_PAD=triton.next_power_of_2(half),
         Q_HEADS_PAD=triton.next_power_of_2(q.shape[1]),
         K_HEADS_PAD=triton.next_power_of_2(k.shape[1]),
         MROPE=mrope, SECTION_0=sections[0], SECTION_01=sections[0] + sections[1],
         ROUND=query.dtype != torch.float32 if round_products is None else round_products,
+        WRITE_CACHE=kv_write is not None,
         num_warps=4 if q.shape[1] * half >= 1024 else 1,
         enable_fp_fusion=False,  # an FMA would skip the reference's rounding of each product
         **pdl_options(query.device),

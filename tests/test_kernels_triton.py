@@ -328,6 +328,35 @@ def test_rotary_and_mrope(head_dim, section, dtype) -> None:
 
 @kernel_test
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mrope", [False, True])
+def test_rotary_with_kv_cache_write(mrope, dtype) -> None:
+    """RoPE with ``reshape_and_cache`` fused in: the same q/k as without, and the cache as
+    ``reshape_and_cache_ref`` writes it (slot -1 skipped, other slots left as they were)."""
+    head_dim, section = (128, [16, 24, 24]) if ON_GPU else (16, [2, 3, 3])
+    positions, query, key, cache = _rotary_inputs(head_dim, dtype, seed=7)
+    positions = positions if mrope else positions[0]
+    section = section if mrope else None
+    num_tokens, num_kv_heads = key.shape[:2]  # key: [T, H_kv, d]
+    gen = torch.Generator().manual_seed(8)
+    value = _randn(num_tokens, num_kv_heads * head_dim, dtype=dtype, gen=gen)
+    slots = torch.randperm(2 * num_tokens, generator=gen)[:num_tokens].to(DEVICE)
+    slots[0] = -1
+    kv_cache = torch.full((2, 2 * num_tokens, 1, num_kv_heads, head_dim), float("nan"),
+                          dtype=dtype, device=DEVICE)  # fmt: skip
+    ref_cache = kv_cache.clone()
+    q, k = _rotary.apply_rotary_triton(
+        positions, query, key, cache, head_dim, section, kv_write=(value, kv_cache, slots)
+    )
+    ref_q, ref_k = _rotary.apply_rotary_triton(positions, query, key, cache, head_dim, section)
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+    heads = (num_tokens, num_kv_heads, head_dim)
+    reshape_and_cache_ref(ref_k.view(heads), value.view(heads), ref_cache, slots)
+    assert torch.equal(kv_cache.nan_to_num(), ref_cache.nan_to_num())
+    assert kv_cache.isnan().sum() == ref_cache.isnan().sum()
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_vision_rotary_in_float32(dtype) -> None:
     """``round_products=False``: float32 arithmetic, only the result rounded (HF's vision
     rotary, as ``encoders.qwen2_vl.apply_rotary`` computes it)."""

@@ -4,7 +4,7 @@
 #   bash mm_serve/benchmarks/run_gpu.sh tests latency throughput serve kernels
 # tests:      the CUDA tests (kernels vs references, CUDA graphs, outputs vs HF, async scheduling)
 # latency:    bench latency, Qwen2-VL-2B, batch 1: default, without PDL, without async
-#             scheduling, eager
+#             scheduling, eager; then step_profile (the engine loop's step, kernel table)
 # throughput: bench throughput, Qwen2-VL-2B, 256 requests, HF baseline, prefix caching on/off
 # serve:      mm-serve serve (Qwen2-VL-2B, random weights) driven by bench serve
 # kernels:    the Triton kernel benchmark
@@ -32,11 +32,13 @@ for stage in "$@"; do
         MM_SERVE_PDL=$pdl bench latency --model-arch qwen2-vl-2b --batch-size 1 --input-len 50 \
           --output-len 128 --num-iters 10 --num-iters-warmup 3 $mode --output-json "$OUT/$name.json" \
           2>&1 | tee "$OUT/$name.log" | tail -14
-      done ;;
+      done
+      $PY -m mm_serve.benchmarks.step_profile --batch-size 1 --kernels 2>&1 \
+        | tee "$OUT/step_profile.log" | head -24 ;;
     throughput)
       bench throughput --model-arch qwen2-vl-2b --num-prompts 256 --input-len 50 \
-        --output-len 128 --image-size 448 448 --hf-batch-sizes 16 32 64 128 \
-        --compare-prefix-caching --repeats 2 --output-json "$OUT/throughput.json" \
+        --output-len 128 --image-size 448 448 --hf-batch-sizes 16 32 64 128 256 \
+        --compare-prefix-caching --repeats 3 --output-json "$OUT/throughput.json" \
         2>&1 | tee "$OUT/throughput.log" | tail -25 ;;
     serve)
       folder=$(mktemp -d)

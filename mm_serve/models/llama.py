@@ -59,9 +59,12 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = RowParallelLinear(total_heads * head_dim, config.hidden_size, bias=o_bias)
         self.split_sizes = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]
-        self.rotary_emb = rotary_emb  # one module shared by all layers
         self.attn = Attention(
-            self.qkv_proj.num_heads, head_dim, head_dim**-0.5, self.qkv_proj.num_kv_heads
+            self.qkv_proj.num_heads,
+            head_dim,
+            head_dim**-0.5,
+            self.qkv_proj.num_kv_heads,
+            rotary_emb,  # one module shared by all layers
         )
 
     def forward(
@@ -71,8 +74,7 @@ class LlamaAttention(nn.Module):
         attn_metadata: AttentionMetadata | None,
     ) -> torch.Tensor:
         q, k, v = qkv.split(self.split_sizes, dim=-1)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, attn_metadata))
+        return self.o_proj(self.attn(positions, q, k, v, attn_metadata))
 
 
 class LlamaMLP(nn.Module):

@@ -1,4 +1,4 @@
-"""The attention op of one layer: KV-cache write, then paged attention over the batch."""
+"""The attention op of one layer: RoPE and the KV-cache write, then paged attention."""
 
 from __future__ import annotations
 
@@ -18,8 +18,16 @@ class Attention(nn.Module):
     attribute, not a buffer: it is not part of the weights and must survive ``to_empty``.
     """
 
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_heads: int,
+        rotary_emb: nn.Module | None = None,
+    ) -> None:
         super().__init__()
+        self.rotary_emb = rotary_emb  # RotaryEmbedding, may be shared by all layers
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
@@ -28,6 +36,7 @@ class Attention(nn.Module):
 
     def forward(
         self,
+        positions: torch.Tensor | None,  # [num_tokens] or [3, num_tokens] (M-RoPE)
         q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
@@ -35,19 +44,26 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Returns ``[num_tokens, num_heads * head_dim]``.
 
-        With metadata and a bound cache: writes this step's K/V to ``slot_mapping``, then each
-        request attends to its ``seq_lens[i]`` cached tokens. Without either (profiling, or a
-        plain run): causal attention within each request's new tokens only (no cached prefix);
-        no metadata means the whole batch is one sequence.
+        q and k are rotated by ``positions`` first (when the layer has a ``rotary_emb``).
+        With metadata and a bound cache: writes this step's K/V to ``slot_mapping`` (in the
+        same kernel as the rotation), then each request attends to its ``seq_lens[i]`` cached
+        tokens. Without either (profiling, or a plain run): causal attention within each
+        request's new tokens only (no cached prefix); no metadata means one sequence.
         """
+        cached = attn_metadata is not None and self.kv_cache.numel() > 0
+        kv_write = (v, self.kv_cache, attn_metadata.slot_mapping) if cached else None
+        if self.rotary_emb is not None:
+            q, k = self.rotary_emb(positions, q, k, kv_write)
+        elif cached:
+            heads = (-1, self.num_kv_heads, self.head_dim)
+            reshape_and_cache(k.reshape(heads), v.reshape(heads), *kv_write[1:])
         q = q.reshape(-1, self.num_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if attn_metadata is None or self.kv_cache.numel() == 0:
-            out = self._forward_no_cache(q, k, v, attn_metadata)
-        else:
-            reshape_and_cache(k, v, self.kv_cache, attn_metadata.slot_mapping)
+        if cached:
             out = paged_attention(q, self.kv_cache, attn_metadata, self.scale)
+        else:
+            k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+            v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+            out = self._forward_no_cache(q, k, v, attn_metadata)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
     def _forward_no_cache(

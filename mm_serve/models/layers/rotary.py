@@ -63,9 +63,15 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin_cache = self._compute_cache(torch.device("cpu")).to(self.cos_sin_cache.device)
 
     def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return apply_rotary(positions, query, key, self.cos_sin_cache, self.head_dim)
+        """``kv_write = (value, kv_cache, slot_mapping)``: also write the rotated key and the
+        value to the cache (see ``apply_rotary``)."""
+        return apply_rotary(positions, query, key, self.cos_sin_cache, self.head_dim, kv_write)
 
 
 class LinearScalingRotaryEmbedding(RotaryEmbedding):
@@ -152,10 +158,14 @@ class MRotaryEmbedding(RotaryEmbedding):
         super().__init__(head_dim, max_position, base)
 
     def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return apply_mrotary(
-            positions, query, key, self.cos_sin_cache, self.head_dim, self.mrope_section
+            positions, query, key, self.cos_sin_cache, self.head_dim, self.mrope_section, kv_write
         )
 
 
