@@ -152,11 +152,13 @@ def rms_norm_gemv_triton(
     eps: float,
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
+    config: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A pre-norm linear for one token: ``(linear(rms_norm(h)), h)`` with ``h = x + residual``
     (``x`` without one); ``rms_norm_triton`` then ``gemv_triton`` in one kernel.
 
-    All tensors share ``x``'s dtype; ``K <= MAX_NORM_FEATURES``. Raises ``ValueError`` as
+    All tensors share ``x``'s dtype; ``K <= MAX_NORM_FEATURES``; ``config`` as in
+    ``gemv_triton`` (``BLOCK_K`` must cover the row). Raises ``ValueError`` as
     ``gemv_triton`` does, or for a row longer than that.
     """
     _check(x, weight, 1)
@@ -164,7 +166,7 @@ def rms_norm_gemv_triton(
         raise ValueError(f"rms_norm_gemv_triton: rows up to {MAX_NORM_FEATURES}, got {x.shape}.")
     res_out = x if residual is None else torch.empty_like(x)
     res = x if residual is None else residual.contiguous()
-    y = _launch(x, weight, bias, None, None, NORM=True, HAS_RESIDUAL=residual is not None,
+    y = _launch(x, weight, bias, None, config, NORM=True, HAS_RESIDUAL=residual is not None,
                 residual=res, residual_out=res_out, norm_weight=norm_weight, eps=eps)  # fmt: skip
     return y, res_out
 

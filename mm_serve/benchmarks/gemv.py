@@ -8,7 +8,8 @@ step and all the others in between, so every call here uses a different copy of 
 L2-resident loop. The calls of one case are captured in a CUDA graph and the graph is replayed;
 the figure is the mean per call in microseconds, with the weight bytes over that time in TB/s.
 ``--sweep`` times a grid of launch configs and prints the best three per shape. Each case
-runs with programmatic dependent launch off and on (``MM_SERVE_PDL``).
+runs with programmatic dependent launch off and on (``MM_SERVE_PDL``); qkv and gate_up also
+with the RMSNorm fused in front (PDL on), against the norm kernel followed by cuBLAS.
 A script, not a test: each case is checked against ``F.linear`` once before timing.
 """
 
@@ -107,6 +108,41 @@ def run_case(shape, configs: list[dict | None], pdl: bool) -> list[dict]:
     return rows
 
 
+def run_norm_case(shape, configs: list[dict | None]) -> list[dict]:
+    """The RMSNorm (with the residual add) fused in front of ``shape``'s GEMV, PDL on,
+    against cuBLAS after the Triton RMSNorm kernel."""
+    from mm_serve.kernels.triton_linear import rms_norm_gemv_triton
+    from mm_serve.kernels.triton_norm import rms_norm_triton
+
+    name, n, k, bias, _ = shape
+    weights, b, x, weight_bytes = make_case(n, k, bias, False)
+    residual, norm_weight = torch.randn_like(x), torch.rand(k, device="cuda", dtype=x.dtype)
+    os.environ[PDL_ENV] = "1"
+
+    def unfused(i):
+        return F.linear(rms_norm_triton(x, norm_weight, 1e-6, residual)[0], weights[i], b)
+
+    rows = [{"layer": f"norm+{name}", "impl": "norm+cuBLAS", "config": None, "pdl": True,
+             "us": time_calls(unfused, len(weights))}]  # fmt: skip
+    for cfg in configs:
+
+        def call(i, c=cfg):
+            return rms_norm_gemv_triton(x, residual, norm_weight, 1e-6, weights[i], b, c)
+
+        rows.append({"layer": f"norm+{name}", "impl": "triton", "config": cfg, "pdl": True,
+                     "us": time_calls(call, len(weights))})  # fmt: skip
+    for row in rows:
+        row["tb_s"] = weight_bytes / (row["us"] * 1e-6) / 1e12
+    return rows
+
+
+def norm_sweep_configs(in_features: int) -> list[dict]:
+    block_k = 1 << (in_features - 1).bit_length()
+    grid = itertools.product((1, 2, 4, 8, 16), (4, 8))
+    return [{"BLOCK_N": bn, "BLOCK_K": block_k, "num_warps": w, "num_stages": 1}
+            for bn, w in grid if bn * block_k // (32 * w) <= 128]  # fmt: skip
+
+
 def sweep_configs() -> list[dict]:
     grid = itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (4, 8), (1, 3))
     return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": s}
@@ -131,6 +167,11 @@ def main() -> None:
     print(torch.cuda.get_device_name(), args.arch)
     rows = []
     for shape in layer_shapes(args.arch):
+        if shape[0] in ("qkv_proj", "gate_up_proj"):  # the projections after a norm
+            configs = norm_sweep_configs(shape[2]) if args.sweep else [None]
+            found = run_norm_case(shape, configs)
+            print_rows([found[0], *sorted(found[1:], key=lambda r: r["us"])[:3]])
+            rows += found
         for pdl in (False, True):
             found = run_case(shape, sweep_configs() if args.sweep else [None], pdl)
             print_rows([found[0], *sorted(found[1:], key=lambda r: r["us"])[:3]])
