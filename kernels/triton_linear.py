@@ -13,8 +13,9 @@ waiting on the previous kernel (weights are never written; see :mod:`mm_serve.ke
 ``2 K`` and the product uses ``silu(gate) * up``, computed and rounded as
 ``silu_and_mul_triton`` does, so the result equals the unfused pair up to summation order.
 ``NORM`` fuses the RMSNorm (and residual add) in front of ``qkv_proj`` and ``gate_up_proj``:
-every program normalises the whole input row itself (a few KiB from L2), which costs less
-than a separate norm kernel between two weight reads.
+every program reads the whole input row once for its RMS (a few KiB from L2), then
+normalises each tile as it loads it, which costs less than a separate norm kernel between
+two weight reads.
 """
 
 from __future__ import annotations
@@ -25,39 +26,51 @@ import triton.language as tl
 
 from mm_serve.kernels.pdl import pdl_enter, pdl_options
 
-MAX_NORM_FEATURES = 8192  # a program of the fused RMSNorm holds a whole row
+MAX_NORM_FEATURES = 8192  # every program of the fused RMSNorm reads the whole row
 
 
 @triton.jit
-def _load_x(x_ptr, offs_k, K, GATED: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """``x[offs_k]`` in float32; with ``GATED``, ``silu(gate) * up`` rounded as the unfused."""
-    k_ok = offs_k < K
-    x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-    if GATED:  # x holds the gate; the up half starts K elements later
-        up = tl.load(x_ptr + K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        act = (x / (1.0 + tl.exp(-x))).to(OUT_DTYPE).to(tl.float32)
-        x = (act * up).to(OUT_DTYPE).to(tl.float32)
-    return x
-
-
-@triton.jit
-def _load_normed_x(
-    x_ptr, res_ptr, res_out_ptr, norm_w, eps, offs_k, K,
-    HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
+def _load_x(
+    x_ptr, res_ptr, norm_w_ptr, rstd, offs_k, K,
+    GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
 ):  # fmt: skip
-    """RMSNorm of the whole row ``x (+ residual)`` in float32, rounded as ``rms_norm_triton``
-    does; program 0 stores ``x + residual``. ``offs_k`` must cover the row; ``norm_w`` is
-    the norm weight at ``offs_k`` in float32."""
+    """The GEMV input at ``offs_k`` in float32, rounded as the unfused kernels round it:
+    ``x``; with ``GATED``, ``silu(gate) * up``; with ``NORM``, ``w * (h * rstd)`` for
+    ``h = x + residual`` (``rms_norm_triton``)."""
     k_ok = offs_k < K
     x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0)
+    if GATED:  # x holds the gate; the up half starts K elements later
+        gate = x.to(tl.float32)
+        up = tl.load(x_ptr + K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(OUT_DTYPE).to(tl.float32)
+        x = (act * up).to(OUT_DTYPE)
+    if NORM:
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + offs_k, mask=k_ok, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(OUT_DTYPE)
+        normed = (x.to(tl.float32) * rstd).to(OUT_DTYPE).to(tl.float32)
+        w = tl.load(norm_w_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        x = (w * normed).to(OUT_DTYPE)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_rstd(
+    x_ptr, res_ptr, res_out_ptr, eps, K,
+    HAS_RESIDUAL: tl.constexpr, ROW: tl.constexpr, OUT_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """``1 / rms(h)`` of the row ``h = x + residual`` (rounded to the dtype first); program 0
+    stores ``h``. ``ROW`` covers the row (a few KiB from L2, read by every program)."""
+    offs = tl.arange(0, ROW)
+    k_ok = offs < K
+    h = tl.load(x_ptr + offs, mask=k_ok, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + offs_k, mask=k_ok, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(OUT_DTYPE)
+        r = tl.load(res_ptr + offs, mask=k_ok, other=0.0)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(OUT_DTYPE)
         if tl.program_id(0) == 0:
-            tl.store(res_out_ptr + offs_k, x, mask=k_ok)
-    h = x.to(tl.float32)
-    normed = (h * tl.rsqrt(tl.sum(h * h, 0) / K + eps)).to(OUT_DTYPE).to(tl.float32)
-    return (norm_w * normed).to(OUT_DTYPE).to(tl.float32)
+            tl.store(res_out_ptr + offs, h, mask=k_ok)
+    h = h.to(tl.float32)
+    return tl.rsqrt(tl.sum(h * h, 0) / K + eps)
 
 
 @triton.jit
@@ -77,6 +90,7 @@ def _gemv_kernel(
     GATED: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    ROW: tl.constexpr,  # next power of 2 >= K (NORM)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -87,36 +101,29 @@ def _gemv_kernel(
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
     offs_k = tl.arange(0, BLOCK_K)
     w = tl.load(w_rows + offs_k[None, :], mask=n_ok & (offs_k[None, :] < K), other=0.0)
+    pdl_enter(USE_PDL)
     dtype = y_ptr.dtype.element_ty
-    if NORM:  # BLOCK_K covers the row: the loop below does not run
-        norm_w = tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        pdl_enter(USE_PDL)
-        x = _load_normed_x(x_ptr, res_ptr, res_out_ptr, norm_w, eps, offs_k, K, HAS_RESIDUAL, dtype)
-    else:
-        pdl_enter(USE_PDL)
-        x = _load_x(x_ptr, offs_k, K, GATED, dtype)
+    rstd = 0.0
+    if NORM:
+        rstd = _rms_norm_rstd(x_ptr, res_ptr, res_out_ptr, eps, K, HAS_RESIDUAL, ROW, dtype)
+    x = _load_x(x_ptr, res_ptr, norm_w_ptr, rstd, offs_k, K, GATED, NORM, HAS_RESIDUAL, dtype)
     acc = x[None, :] * w.to(tl.float32)
     for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):
         offs = k0 + offs_k
         w = tl.load(w_rows + offs[None, :], mask=n_ok & (offs[None, :] < K), other=0.0)
-        acc += _load_x(x_ptr, offs, K, GATED, dtype)[None, :] * w.to(tl.float32)
+        x = _load_x(x_ptr, res_ptr, norm_w_ptr, rstd, offs, K, GATED, NORM, HAS_RESIDUAL, dtype)
+        acc += x[None, :] * w.to(tl.float32)
     out = tl.sum(acc, axis=1)  # [BLOCK_N]
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_n, out.to(dtype), mask=offs_n < N)
 
 
-def gemv_config(out_features: int, in_features: int, norm: bool = False) -> dict[str, int]:
+def gemv_config(out_features: int, in_features: int) -> dict[str, int]:
     """Launch config (``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages``) for a weight
     ``[N, K]``, from the sweep of ``mm_serve.benchmarks.gemv`` (H200, Qwen2-VL-2B, with PDL):
     rows up to 2048 long are loaded whole before the wait on the previous kernel; longer
-    rows (``down_proj``) and many rows (``gate_up_proj``) stream through a pipelined loop.
-    With the RMSNorm fused in, a program holds a whole row (up to ``MAX_NORM_FEATURES``)."""
-    if norm:
-        block_k = triton.next_power_of_2(in_features)
-        wide = block_k > 2048
-        return {"BLOCK_N": 2 if wide else 4, "BLOCK_K": block_k, "num_warps": 8 if wide else 4,
-                "num_stages": 1}  # fmt: skip
+    rows (``down_proj``) and many rows (``gate_up_proj``) stream through a pipelined loop."""
     if in_features > 4096:
         return {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 3}
     if out_features > 4096:
@@ -158,7 +165,7 @@ def rms_norm_gemv_triton(
     (``x`` without one); ``rms_norm_triton`` then ``gemv_triton`` in one kernel.
 
     All tensors share ``x``'s dtype; ``K <= MAX_NORM_FEATURES``; ``config`` as in
-    ``gemv_triton`` (``BLOCK_K`` must cover the row). Raises ``ValueError`` as
+    ``gemv_triton``. Raises ``ValueError`` as
     ``gemv_triton`` does, or for a row longer than that.
     """
     _check(x, weight, 1)
@@ -184,7 +191,7 @@ def _launch(x, weight, bias, out, config, residual=None, residual_out=None, norm
     out_features, in_features = weight.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.empty(1, out_features, dtype=x.dtype, device=x.device) if out is None else out
-    cfg = gemv_config(out_features, in_features, NORM) | (config or {})
+    cfg = gemv_config(out_features, in_features) | (config or {})
     _gemv_kernel[(triton.cdiv(out_features, cfg["BLOCK_N"]),)](
         y,
         x,
@@ -201,6 +208,7 @@ def _launch(x, weight, bias, out, config, residual=None, residual_out=None, norm
         GATED=GATED,
         NORM=NORM,
         HAS_RESIDUAL=HAS_RESIDUAL,
+        ROW=triton.next_power_of_2(in_features),
         BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"],
         NUM_STAGES=cfg["num_stages"],

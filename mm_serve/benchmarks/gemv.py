@@ -136,13 +136,6 @@ def run_norm_case(shape, configs: list[dict | None]) -> list[dict]:
     return rows
 
 
-def norm_sweep_configs(in_features: int) -> list[dict]:
-    block_k = 1 << (in_features - 1).bit_length()
-    grid = itertools.product((1, 2, 4, 8, 16), (4, 8))
-    return [{"BLOCK_N": bn, "BLOCK_K": block_k, "num_warps": w, "num_stages": 1}
-            for bn, w in grid if bn * block_k // (32 * w) <= 128]  # fmt: skip
-
-
 def sweep_configs() -> list[dict]:
     grid = itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (4, 8), (1, 3))
     return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": s}
@@ -168,8 +161,7 @@ def main() -> None:
     rows = []
     for shape in layer_shapes(args.arch):
         if shape[0] in ("qkv_proj", "gate_up_proj"):  # the projections after a norm
-            configs = norm_sweep_configs(shape[2]) if args.sweep else [None]
-            found = run_norm_case(shape, configs)
+            found = run_norm_case(shape, sweep_configs() if args.sweep else [None])
             print_rows([found[0], *sorted(found[1:], key=lambda r: r["us"])[:3]])
             rows += found
         for pdl in (False, True):
