@@ -388,16 +388,8 @@ def _launch(query, kv_cache, metadata, scale, out, group, cfg) -> None:
     )
     if num_segments > 1:
         _merge_segments_kernel[(num_tokens, num_heads)](
-            out,
-            seg_out,
-            seg_max,
-            seg_sum,
-            num_heads,
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad,
-            NUM_SEGMENTS=num_segments,
+            out, seg_out, seg_max, seg_sum, num_heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SEGMENTS=num_segments,
             SEGMENTS_PAD=max(2, triton.next_power_of_2(num_segments)),
             **pdl_options(query.device),
-        )
+        )  # fmt: skip
