@@ -94,7 +94,7 @@ def test_dummy_weights_are_seeded_random_and_tied(tiny_arch) -> None:
         else:
             assert 0.015 < param.float().std() < 0.025, name
             assert not torch.equal(param, other_seed.get_parameter(name)), name
-    rotary = model.model.layers[0].self_attn.rotary_emb.cos_sin_cache
+    rotary = model.model.layers[0].self_attn.attn.rotary_emb.cos_sin_cache
     assert torch.isfinite(rotary).all() and rotary[:, 0].abs().sum() > 0
     # Tied: the whole model counts the matrix once, the LM-only bytes count it as the head.
     vision = sum(p.numel() * 4 for n, p in model.named_parameters() if n.startswith("visual."))
