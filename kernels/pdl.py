@@ -7,8 +7,9 @@ programming guide, "Programmatic Dependent Launch and Synchronization"; PTX
 in the stream still runs. Every kernel here calls :func:`pdl_enter` before its first read of
 an activation and its first write: ``griddepcontrol.wait`` blocks until the predecessor has
 finished and its writes are visible, then ``launch_dependents`` lets the successor start
-launching. Work before that call may only read what no kernel writes (the weights), which is
-how the GEMV prefetches its first weight tile. The edges are kept in CUDA graphs.
+launching. Work before that call may only read what no kernel writes: the weights (the GEMV
+prefetches its first weight tile) and the step inputs that only host copies fill (attention
+metadata, positions, slot mapping). The edges are kept in CUDA graphs.
 
 ``MM_SERVE_PDL=0`` turns it off; it is off on GPUs before Hopper and in the interpreter.
 """
