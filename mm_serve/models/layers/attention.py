@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mm_serve.attention import AttentionMetadata
-from mm_serve.kernels import paged_attention, reshape_and_cache
+from mm_serve.kernels import paged_attention
 
 
 class Attention(nn.Module):
@@ -24,7 +24,7 @@ class Attention(nn.Module):
         head_dim: int,
         scale: float,
         num_kv_heads: int,
-        rotary_emb: nn.Module | None = None,
+        rotary_emb: nn.Module,
     ) -> None:
         super().__init__()
         self.rotary_emb = rotary_emb  # RotaryEmbedding, may be shared by all layers
@@ -36,7 +36,7 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor | None,  # [num_tokens] or [3, num_tokens] (M-RoPE)
+        positions: torch.Tensor,  # [num_tokens] or [3, num_tokens] (M-RoPE)
         q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
@@ -44,7 +44,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Returns ``[num_tokens, num_heads * head_dim]``.
 
-        q and k are rotated by ``positions`` first (when the layer has a ``rotary_emb``).
+        q and k are rotated by ``positions`` first.
         With metadata and a bound cache: writes this step's K/V to ``slot_mapping`` (in the
         same kernel as the rotation), then each request attends to its ``seq_lens[i]`` cached
         tokens. Without either (profiling, or a plain run): causal attention within each
@@ -52,11 +52,7 @@ class Attention(nn.Module):
         """
         cached = attn_metadata is not None and self.kv_cache.numel() > 0
         kv_write = (v, self.kv_cache, attn_metadata.slot_mapping) if cached else None
-        if self.rotary_emb is not None:
-            q, k = self.rotary_emb(positions, q, k, kv_write)
-        elif cached:
-            heads = (-1, self.num_kv_heads, self.head_dim)
-            reshape_and_cache(k.reshape(heads), v.reshape(heads), *kv_write[1:])
+        q, k = self.rotary_emb(positions, q, k, kv_write)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         if cached:
             out = paged_attention(q, self.kv_cache, attn_metadata, self.scale)
