@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ class ModelConfig:
     tokenizer: str
     seed: int = 0
     load_format: str = "auto"  # "auto": the checkpoint's safetensors; "dummy": random weights
+    chat_template: str | None = None  # Jinja text overriding the tokenizer's template
 
     @property
     def text_config(self) -> Any:
@@ -121,6 +123,7 @@ class ParallelConfig:
 
 
 MAX_CUDA_GRAPH_BATCH_SIZE = 512
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # EngineArgs.max_num_batched_tokens when unset
 
 
 def cuda_graph_batch_sizes(
@@ -189,6 +192,7 @@ class EngineArgs:
     enforce_eager: bool = False  # no CUDA graphs for decode steps (always eager on CPU)
     load_format: str = "auto"
     async_scheduling: bool | None = None  # on with CUDA (where it overlaps), off on CPU
+    chat_template: str | None = None  # a Jinja file or the template text (vLLM's flag)
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the arguments (download, read config.json, pick dtype and lengths) once."""
@@ -210,6 +214,7 @@ class EngineArgs:
             tokenizer=resolve_model_path(self.tokenizer, self.revision) if self.tokenizer else path,
             seed=self.seed,
             load_format=self.load_format,
+            chat_template=load_chat_template(self.chat_template),
         )
         cache = CacheConfig(
             block_size=self.block_size,
@@ -281,13 +286,39 @@ class EngineArgs:
         return tuple(budgets)
 
     def _resolve_batched_tokens(self, max_model_len: int) -> int:
-        tokens = self.max_num_batched_tokens or 8192
+        tokens = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         if not self.enable_chunked_prefill and tokens < max_model_len:
             # Without chunking a whole prompt must fit in one step.
             tokens = max_model_len
         if tokens < 1:
             raise ValueError("max_num_batched_tokens must be at least 1.")
         return tokens
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """A chat template given as a file path or as the Jinja text itself (vLLM's
+    ``--chat-template``) -> the Jinja text; None stays None.
+
+    Raises:
+        ValueError: ``value`` is neither a readable file nor Jinja text (it has no ``{``), or
+            the Jinja text does not parse.
+    """
+    if value is None:
+        return None
+    if "{" not in value:  # Jinja text always has a {{ or a {%: this names a file
+        try:
+            value = Path(value).expanduser().read_text()
+        except OSError as e:
+            raise ValueError(
+                f"chat_template {value!r} is neither Jinja text nor a readable file ({e.strerror})."
+            ) from e
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(value)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat_template is not a valid Jinja template: {e}") from e
+    return value
 
 
 def _resolve_device(device: str) -> torch.device:

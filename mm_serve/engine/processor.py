@@ -234,7 +234,8 @@ class InputProcessor:
         continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> dict[str, Any]:
-        """Render a conversation with the checkpoint's chat template into a prompt dict.
+        """Render a conversation with ``chat_template`` (else the engine's ``chat_template``
+        option, else the checkpoint's) into a prompt dict.
 
         Image parts (``image_url`` with a data/file URL or path, or ``image``) become the
         template's image placeholder and the prompt's ``multi_modal_data``; their ``uuid`` keys
@@ -244,7 +245,7 @@ class InputProcessor:
         messages, images, uuids = split_chat_images(messages)
         text = self.tokenizer.apply_chat_template(
             messages,
-            chat_template=chat_template,
+            chat_template=chat_template or self.model_config.chat_template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tokenize=False,
