@@ -86,12 +86,12 @@ def _tokenizer(family: str) -> Any:
     return tokenizer
 
 
-def _token_ids(tokenizer: Any) -> dict[str, Any]:
+def _token_ids(tokenizer: Any, vocab_size: int) -> dict[str, Any]:
     ids = tokenizer.convert_tokens_to_ids
     pad = tokenizer.pad_token_id
     eos = [tokenizer.eos_token_id] + ([pad] if pad != tokenizer.eos_token_id else [])
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else pad
-    common = {"vocab_size": len(tokenizer), "bos_token_id": bos, "eos_token_id": eos}
+    common = {"vocab_size": vocab_size, "bos_token_id": bos, "eos_token_id": eos}
     common["pad_token_id"] = pad
     if LLAVA_IMAGE_TOKEN in tokenizer.get_vocab():
         return {"text": common, "image_token_id": ids(LLAVA_IMAGE_TOKEN)}
@@ -104,8 +104,8 @@ def _token_ids(tokenizer: Any) -> dict[str, Any]:
     }
 
 
-def _build_config(family: str, tokenizer: Any) -> Any:
-    ids = _token_ids(tokenizer)
+def _build_config(family: str, tokenizer: Any, vocab_size: int) -> Any:
+    ids = _token_ids(tokenizer, vocab_size)
     text = {**_TEXT, **ids.pop("text")}
     if family == "llava":
         return _llava_config(text, ids)
@@ -196,6 +196,11 @@ def _processor_class(family: str) -> type:
     return Qwen2VLProcessor if family == "qwen2_vl" else Qwen2_5_VLProcessor
 
 
+def tokenizer_size(family: str) -> int:
+    """``len(tokenizer)`` of ``family``'s checkpoint tokenizer (its ids are ``0..size-1``)."""
+    return len(_tokenizer(family))
+
+
 def _model_class(family: str) -> type:
     import transformers
 
@@ -207,13 +212,23 @@ def _model_class(family: str) -> type:
     return getattr(transformers, name)
 
 
-def build_tiny_vlm_checkpoint(path: str | os.PathLike, family: str, seed: int = 0) -> str:
+def build_tiny_vlm_checkpoint(
+    path: str | os.PathLike, family: str, seed: int = 0, *, vocab_size: int | None = None
+) -> str:
     """Write a tiny ``family`` ("qwen2_vl", "qwen2_5_vl" or "llava") checkpoint to ``path``.
 
     Text: hidden 64, 2 layers, 4 heads, 2 KV heads, intermediate 128 (Qwen: mrope sections
     2:3:3, tied embeddings). Vision: 2-3 layers of width 32, patch 14, merge 2; Qwen images
     are resized into ``[QWEN_MIN_PIXELS, QWEN_MAX_PIXELS]`` (4 to 64 image tokens), LLaVA's to
     56 x 56 (16 image tokens). Float32 weights; same arguments, same bytes. Returns ``path``.
+
+    ``vocab_size`` (default: the tokenizer's length) sets the embedding and LM-head rows; more
+    rows than the tokenizer has, as real checkpoints do (Qwen2-VL: 151936 rows, 151657 tokens),
+    make a model that can emit ids the tokenizer lacks. ``tokenizer_size(family)`` gives
+    the tokenizer's length.
+
+    Raises:
+        ValueError: an unknown family, or ``vocab_size`` below the tokenizer's length.
     """
     from transformers import GenerationConfig
 
@@ -221,7 +236,11 @@ def build_tiny_vlm_checkpoint(path: str | os.PathLike, family: str, seed: int = 
         raise ValueError(f"Unknown family {family!r}; choose from {FAMILIES}.")
     os.makedirs(path, exist_ok=True)
     tokenizer = _tokenizer(family)
-    config = _build_config(family, tokenizer)
+    if vocab_size is None:
+        vocab_size = len(tokenizer)
+    elif vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size {vocab_size} is below the tokenizer's {len(tokenizer)}.")
+    config = _build_config(family, tokenizer, vocab_size)
     torch.manual_seed(seed)
     model = _model_class(family)(config).to(torch.float32).eval()
     if family == "llava":
