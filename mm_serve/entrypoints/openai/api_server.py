@@ -57,7 +57,8 @@ class ServerConfig:
     ``served_model_names``: names clients use in ``model`` (empty: the model as given; the
     first is reported in responses); ``max_request_body_bytes``: larger bodies get a 413;
     ``max_concurrent_requests``: generation requests in flight beyond it get a 429;
-    ``web_dir``: served at ``/`` when it holds an ``index.html``.
+    ``web_dir``: served at ``/`` when it holds an ``index.html``; ``log_level``: uvicorn's
+    (debug, info, warning, error).
     """
 
     host: str = "127.0.0.1"
@@ -68,6 +69,7 @@ class ServerConfig:
     max_request_body_bytes: int = 64 << 20
     max_concurrent_requests: int = 1024
     web_dir: Path = WEB_DIR
+    log_level: str = "info"
 
 
 def build_app(
@@ -156,7 +158,7 @@ async def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
             port=config.port,
             lifespan="off",
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-            log_level="info",
+            log_level=config.log_level,
         )
         server = uvicorn.Server(uvicorn_config)
         stop_signals: list[int] = []
