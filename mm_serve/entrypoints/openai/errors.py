@@ -2,7 +2,10 @@
 
 Body: ``{"error": {"message", "type", "param", "code"}}``. Statuses (``type`` / ``code``):
 
-- 400 ``invalid_request_error``: a well-formed request with unacceptable values: sampling
+- 400 ``invalid_request_error``: the body is not JSON (``invalid_json``); a field has the wrong
+  type or is missing (``invalid_type`` / ``missing_required_parameter``, with ``param`` naming
+  it as OpenAI does: ``messages[0].content[0].image_url.url``); ``stream_options`` without
+  ``stream``; a well-formed request with unacceptable values: sampling
   values out of range (``max_tokens`` <= 0, ``temperature`` < 0, ...), a bad or undecodable
   image, bad base64, a disallowed or failing image URL, too many or too large images, image
   placeholder text without images, a prompt beyond the context (``context_length_exceeded``
@@ -13,8 +16,6 @@ Body: ``{"error": {"message", "type", "param", "code"}}``. Statuses (``type`` / 
 - 405 ``invalid_request_error``: a known path with another method.
 - 413 ``invalid_request_error`` / ``request_too_large``: a body above
   ``--max-request-body-bytes``.
-- 422 ``invalid_request_error`` / ``invalid_schema``: the body is not JSON, or a field has the
-  wrong type or shape (pydantic); ``param`` names the field.
 - 429 ``rate_limit_error`` / ``server_overloaded``: more generation requests in flight than
   ``--max-concurrent-requests``; with ``Retry-After: 1``.
 - 500 ``server_error`` / ``internal_error``: a bug; the message names no internals, the
@@ -27,7 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -120,6 +122,52 @@ def user_errors() -> Iterator[None]:
         raise to_api_error(e) from e
 
 
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
+    """The 400 of a body that is not JSON or does not match the schema, from pydantic's
+    ``errors()``: the message lists up to five problems, ``param`` names the first field."""
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return bad_request("The request body is not valid JSON.", code="invalid_json")
+    problems = [(_param(e.get("loc", ())), e.get("type"), e.get("msg")) for e in errors]
+    # A union (content: a string or a list of parts) fails once per member: a member that got
+    # further into the input (messages[0].content[0].image_url) says more than one that did
+    # not (messages[0].content is no string).
+    params = [p for p, _, _ in problems if p]
+    problems = [p for p in problems if not any(_inside(other, p[0]) for other in params)]
+    param, kind, _ = problems[0] if problems else (None, None, None)
+    listed = "; ".join(
+        f"{p}: {message}" if p else "the body must be a JSON object"
+        for p, _, message in problems[:5]
+    )
+    code = "missing_required_parameter" if kind == "missing" else "invalid_type"
+    return bad_request(f"Invalid request: {listed}", param=param, code=code)
+
+
+def _param(loc: Sequence[str | int]) -> str | None:
+    """A pydantic error location as OpenAI names a field (``messages[0].content``): the body
+    prefix, union member labels (``str``, ``list[...]``) and tagged-union tags dropped."""
+    name, after_tagged_union, skip_tag = "", False, False
+    for part in loc:
+        if isinstance(part, int):
+            name += f"[{part}]"
+            skip_tag, after_tagged_union = after_tagged_union, False
+        elif skip_tag:  # the tag of a tagged-union member ("image_url"), not a field
+            skip_tag = False
+        elif "[" in part or part in _MEMBER_LABELS:
+            after_tagged_union = "tagged-union[" in part
+        elif part != "body" or name:
+            name += f".{part}" if name else part
+    return name or None
+
+
+def _inside(param: str, outer: str | None) -> bool:
+    """``param`` names a field inside ``outer`` (``a[0].b`` is inside ``a``)."""
+    return outer is not None and param.startswith(outer) and param[len(outer) :][:1] in ".["
+
+
+# pydantic's labels of plain union members in error locations.
+_MEMBER_LABELS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Answer every error raised by a route as ``ErrorResponse`` JSON."""
 
@@ -133,15 +181,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        messages = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-            for e in errors[:5]
-        )
-        param = ".".join(loc) or None
-        return APIError(422, f"Invalid request: {messages}", "invalid_schema", param).response()
+        return validation_error(exc.errors()).response()
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:

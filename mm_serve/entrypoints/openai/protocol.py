@@ -1,9 +1,9 @@
 """The OpenAI API's request and response bodies (pydantic), with vLLM's extensions.
 
-Requests check types and shapes only (a violation is a 422); the *values* (a negative
-temperature, ``max_tokens`` of 0, a prompt beyond the context) are checked by the serving code
-and ``SamplingParams`` (a 400), as vLLM does. Unknown request fields are accepted and ignored
-with a warning in the server log.
+Requests check types and shapes only; the *values* (a negative temperature, ``max_tokens`` of
+0, a prompt beyond the context) are checked by the serving code and ``SamplingParams``, as vLLM
+does. Either violation is a 400 naming the field, as OpenAI answers. Unknown request fields
+are accepted and ignored with a warning in the server log.
 """
 
 from __future__ import annotations
@@ -11,7 +11,13 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
 
 # ---- requests ----------------------------------------------------------------------------
 
@@ -47,7 +53,8 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False  # one last chunk with the usage and no choices
+    # One last chunk with the usage and no choices; null means false (OpenAI's reading).
+    include_usage: bool | None = False
 
 
 class SamplingRequest(_Request):
@@ -104,6 +111,9 @@ class CompletionRequest(SamplingRequest):
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # mm_serve's extension: prompt images not encoded for this request (their embeddings were
+    # in the encoder cache, or their whole placeholder range in the prefix cache).
+    cached_images: int = 0
 
 
 class UsageInfo(BaseModel):
@@ -154,8 +164,16 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
+    """What one chunk adds to a choice's message; fields it does not set are left out of the
+    JSON (``role`` only in a choice's first chunk, ``content`` absent from a bare finish), as
+    OpenAI sends it: clients tell a token chunk by ``content`` without ``role``."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict:
+        return {key: value for key, value in handler(self).items() if value is not None}
 
 
 class ChatCompletionStreamChoice(BaseModel):

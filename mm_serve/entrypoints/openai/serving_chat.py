@@ -28,7 +28,9 @@ from mm_serve.entrypoints.openai.serving_common import (
     ServingBase,
     chat_logprobs,
     collect,
+    per_token,
     sse_event,
+    stream_usage,
     stream_with_errors,
     usage_info,
 )
@@ -73,6 +75,7 @@ class ServingChat(ServingBase):
             APIError: see ``errors``.
         """
         model = self.model_name(request.model)
+        include_usage = stream_usage(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true.", param="top_logprobs")
         num_top = (request.top_logprobs or 0) if request.logprobs else None
@@ -96,7 +99,6 @@ class ServingChat(ServingBase):
         )
         outputs = self.llm.generate(processed, params, reply.request_id, arrival_time)
         if request.stream:
-            include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return stream_with_errors(_stream(outputs, reply, include_usage))
         with user_errors():
             return _response(await collect(outputs), reply)
@@ -114,7 +116,12 @@ def _response(output: RequestOutput, reply: _Reply) -> ChatCompletionResponse:
         for c in output.outputs
     ]
     num_completion = sum(len(c.token_ids) for c in output.outputs)
-    usage = usage_info(len(output.prompt_token_ids), num_completion, output.num_cached_tokens)
+    usage = usage_info(
+        len(output.prompt_token_ids),
+        num_completion,
+        output.num_cached_tokens,
+        output.num_cached_images,
+    )
     return ChatCompletionResponse(
         id=reply.request_id, created=reply.created, model=reply.model, choices=choices, usage=usage
     )
@@ -123,32 +130,39 @@ def _response(output: RequestOutput, reply: _Reply) -> ChatCompletionResponse:
 async def _stream(
     outputs: AsyncIterator[RequestOutput], reply: _Reply, include_usage: bool
 ) -> AsyncIterator[str]:
-    """One chunk per engine update; each choice's first delta carries the role."""
+    """One chunk per choice and token, as OpenAI streams: a choice's first chunk is its role
+    alone (``{"role": "assistant", "content": ""}``), then each token's chunk has ``content``
+    (empty for a token without text of its own) and no role; the last token's chunk has the
+    finish reason."""
     started: set[int] = set()
     num_completion = 0
     last = None
     async with contextlib.aclosing(outputs):
         async for last in outputs:
-            choices = []
             for delta in last.outputs:
-                message = DeltaMessage(content=delta.text)
                 if delta.index not in started:
-                    message.role = "assistant"
                     started.add(delta.index)
-                choices.append(
-                    ChatCompletionStreamChoice(
-                        index=delta.index,
-                        delta=message,
-                        logprobs=reply.logprobs(delta),
-                        finish_reason=delta.finish_reason,
-                        stop_reason=delta.stop_reason,
-                    )
-                )
+                    role = DeltaMessage(role="assistant", content="")
+                    choice = ChatCompletionStreamChoice(index=delta.index, delta=role)
+                    yield sse_event(_chunk(reply, [choice]))
+                for piece in per_token(delta):
+                    yield sse_event(_chunk(reply, [_stream_choice(piece, reply)]))
                 num_completion += len(delta.token_ids)
-            yield sse_event(_chunk(reply, choices))
     if include_usage and last is not None:
         usage = usage_info(len(last.prompt_token_ids), num_completion, last.num_cached_tokens)
         yield sse_event(_chunk(reply, [], usage))
+
+
+def _stream_choice(piece: CompletionOutput, reply: _Reply) -> ChatCompletionStreamChoice:
+    # A finish without a token of its own carries no content: clients would count a token.
+    has_content = bool(piece.token_ids or piece.text)
+    return ChatCompletionStreamChoice(
+        index=piece.index,
+        delta=DeltaMessage(content=piece.text) if has_content else DeltaMessage(),
+        logprobs=reply.logprobs(piece),
+        finish_reason=piece.finish_reason,
+        stop_reason=piece.stop_reason,
+    )
 
 
 def _chunk(reply: _Reply, choices: list[ChatCompletionStreamChoice], usage=None):

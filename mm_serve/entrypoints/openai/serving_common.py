@@ -215,13 +215,58 @@ class ServingBase:
             return dataclasses.replace(params, max_tokens=room)
 
 
-def usage_info(num_prompt: int, num_completion: int, num_cached: int) -> UsageInfo:
-    """Usage in tokens; ``num_cached``: prompt tokens served by the prefix cache."""
+def stream_usage(request: SamplingRequest) -> bool:
+    """Whether a stream ends with a usage chunk (``stream_options.include_usage``; null is
+    false).
+
+    Raises:
+        APIError: (400) ``stream_options`` in a request that does not stream.
+    """
+    if request.stream_options is not None and not request.stream:
+        raise bad_request(
+            "stream_options can only be set when stream is true.", param="stream_options"
+        )
+    return bool(request.stream_options and request.stream_options.include_usage)
+
+
+def per_token(delta: CompletionOutput) -> list[CompletionOutput]:
+    """A completion's delta as one delta per token, in order, each with its logprobs, so that
+    a stream sends a chunk per token as OpenAI clients count them (vLLM's ``bench serve``
+    among them), also for tokens without text.
+
+    The delta's text and finish reason ride on its last token: the text is released as a
+    whole (a character may span tokens; text that may begin a stop string waits) and it
+    ends with that token. A delta without tokens is returned as it is.
+    """
+    if len(delta.token_ids) <= 1:
+        return [delta]
+    pieces = []
+    for i, token_id in enumerate(delta.token_ids):
+        last = i == len(delta.token_ids) - 1
+        pieces.append(
+            dataclasses.replace(
+                delta,
+                text=delta.text if last else "",
+                token_ids=[token_id],
+                logprobs=None if delta.logprobs is None else delta.logprobs[i : i + 1],
+                finish_reason=delta.finish_reason if last else None,
+                stop_reason=delta.stop_reason if last else None,
+            )
+        )
+    return pieces
+
+
+def usage_info(
+    num_prompt: int, num_completion: int, num_cached: int, num_cached_images: int = 0
+) -> UsageInfo:
+    """Usage in tokens; ``num_cached``: prompt tokens served by the prefix cache;
+    ``num_cached_images``: prompt images not encoded for the request."""
+    details = PromptTokensDetails(cached_tokens=num_cached, cached_images=num_cached_images)
     return UsageInfo(
         prompt_tokens=num_prompt,
         completion_tokens=num_completion,
         total_tokens=num_prompt + num_completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
+        prompt_tokens_details=details,
     )
 
 

@@ -23,7 +23,9 @@ from mm_serve.entrypoints.openai.serving_common import (
     ServingBase,
     collect,
     completion_logprobs,
+    per_token,
     sse_event,
+    stream_usage,
     stream_with_errors,
     usage_info,
 )
@@ -73,6 +75,7 @@ class ServingCompletion(ServingBase):
             APIError: see ``errors``.
         """
         model = self.model_name(request.model)
+        include_usage = stream_usage(request)
         if request.echo:
             raise bad_request("echo is not supported.", param="echo")
         if request.suffix:
@@ -93,7 +96,6 @@ class ServingCompletion(ServingBase):
             base_id, model, params.n, request.logprobs, request.return_tokens_as_token_ids
         )
         if request.stream:
-            include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return stream_with_errors(_stream(streams, reply, include_usage))
         with user_errors():
             return _response(await _collect_all(streams), reply)
@@ -139,23 +141,25 @@ def _usage(outputs: list[RequestOutput], num_completion: int):
 async def _stream(
     streams: list[AsyncIterator[RequestOutput]], reply: _Reply, include_usage: bool
 ) -> AsyncIterator[str]:
+    """One chunk per choice and token (text empty for a token without text of its own), in
+    the order the prompts' outputs arrive; the last token's chunk has the finish reason."""
     last: dict[int, RequestOutput] = {}
     num_completion = 0
     async with contextlib.aclosing(_merge(streams)) as merged:
         async for prompt_index, output in merged:
             last[prompt_index] = output
-            num_completion += sum(len(c.token_ids) for c in output.outputs)
-            choices = [reply.choice(prompt_index, c) for c in output.outputs]
-            chunk = CompletionResponse(
-                id=reply.request_id, created=reply.created, model=reply.model, choices=choices
-            )
-            yield sse_event(chunk)
+            for delta in output.outputs:
+                num_completion += len(delta.token_ids)
+                for piece in per_token(delta):
+                    yield sse_event(_chunk(reply, [reply.choice(prompt_index, piece)]))
     if include_usage:
-        usage = _usage(list(last.values()), num_completion)
-        chunk = CompletionResponse(
-            id=reply.request_id, created=reply.created, model=reply.model, choices=[], usage=usage
-        )
-        yield sse_event(chunk)
+        yield sse_event(_chunk(reply, [], _usage(list(last.values()), num_completion)))
+
+
+def _chunk(reply: _Reply, choices: list[CompletionChoice], usage=None) -> CompletionResponse:
+    return CompletionResponse(
+        id=reply.request_id, created=reply.created, model=reply.model, choices=choices, usage=usage
+    )
 
 
 async def _merge(
