@@ -116,12 +116,7 @@ def _response(output: RequestOutput, reply: _Reply) -> ChatCompletionResponse:
         for c in output.outputs
     ]
     num_completion = sum(len(c.token_ids) for c in output.outputs)
-    usage = usage_info(
-        len(output.prompt_token_ids),
-        num_completion,
-        output.num_cached_tokens,
-        output.num_cached_images,
-    )
+    usage = usage_info(len(output.prompt_token_ids), num_completion, output.num_cached_tokens)
     return ChatCompletionResponse(
         id=reply.request_id, created=reply.created, model=reply.model, choices=choices, usage=usage
     )
