@@ -46,4 +46,7 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # Prompt images whose embeddings were not computed for it: found in the encoder cache, or
+    # their whole placeholder range in the prefix cache.
+    num_cached_images: int = 0

@@ -84,6 +84,10 @@ class Request:
     num_computed_tokens: int = field(default=0, init=False)
     num_output_placeholders: int = field(default=0, init=False)
     num_cached_tokens: int = field(default=-1, init=False)  # prefix-cache hit at first schedule
+    # Images whose embeddings this request did not compute (encoder-cache hit, or KV from the
+    # prefix cache), set once its whole prompt is first scheduled; -1 until then.
+    num_cached_images: int = field(default=-1, init=False)
+    encoded_mm_hashes: set[str] = field(default_factory=set, init=False)  # images it encoded
     num_preemptions: int = field(default=0, init=False)
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
     stop_reason: int | str | None = field(default=None, init=False)
@@ -114,6 +118,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)
+
+    def count_cached_images(self) -> None:
+        """Set ``num_cached_images`` once the whole prompt is scheduled: by then each image was
+        either encoded for this request or not needed (cached embeddings or prefix-cached KV)."""
+        if self.num_cached_images < 0 and self.num_computed_tokens >= self.num_prompt_tokens:
+            encoded = self.encoded_mm_hashes
+            self.num_cached_images = sum(f.mm_hash not in encoded for f in self.mm_features)
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)

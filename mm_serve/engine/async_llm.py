@@ -291,7 +291,7 @@ class AsyncLLM:
             completion = completions[item.request_id]
             if completion.finish_reason is not None:
                 continue  # ended by a stop string; the engine's last outputs are moot
-            parent.num_cached_tokens = max(parent.num_cached_tokens, item.num_cached_tokens)
+            parent.record_cache_hits(completion.state.index, item)
             if completion.update(item, now):
                 to_abort.append(item.request_id)
         if to_abort:
@@ -371,4 +371,5 @@ def _request_output(
         outputs=deltas,
         finished=all(c.finish_reason is not None for c in completions.values()),
         num_cached_tokens=parent.num_cached_tokens,
+        num_cached_images=parent.num_cached_images,
     )

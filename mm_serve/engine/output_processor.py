@@ -21,6 +21,14 @@ class ParentRequest:
     completions: dict[int, CompletionOutput] = field(default_factory=dict)
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
+    num_cached_images: int = 0
+
+    def record_cache_hits(self, index: int, output: EngineCoreOutput) -> None:
+        """Cached prompt tokens: the most any child got. Cached images: those of the first child,
+        as its siblings (added after it) may reuse the embeddings it computes."""
+        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        if index == 0:
+            self.num_cached_images = max(self.num_cached_images, output.num_cached_images)
 
 
 class RequestState:
@@ -115,7 +123,7 @@ class OutputProcessor:
             if finish_reason is None:
                 continue
             del self.states[output.request_id]
-            parent.num_cached_tokens = max(parent.num_cached_tokens, output.num_cached_tokens)
+            parent.record_cache_hits(state.index, output)
             parent.completions[state.index] = state.completion(finish_reason, stop_reason)
             if len(parent.completions) == parent.num_children:
                 finished.append(_request_output(parent))
@@ -135,4 +143,5 @@ def _request_output(parent: ParentRequest) -> RequestOutput:
         outputs=[parent.completions[i] for i in sorted(parent.completions)],
         finished=True,
         num_cached_tokens=parent.num_cached_tokens,
+        num_cached_images=parent.num_cached_images,
     )

@@ -112,6 +112,7 @@ class EngineCoreOutputWire(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    num_cached_images: int = 0
 
 
 class RequestError(msgspec.Struct):
@@ -272,6 +273,7 @@ def output_to_wire(output: EngineCoreOutput) -> EngineCoreOutputWire:
         output.finish_reason,
         output.stop_reason,
         output.num_cached_tokens,
+        output.num_cached_images,
     )
 
 
@@ -284,6 +286,7 @@ def output_from_wire(wire: EngineCoreOutputWire) -> EngineCoreOutput:
         finish_reason=wire.finish_reason,
         stop_reason=wire.stop_reason,
         num_cached_tokens=wire.num_cached_tokens,
+        num_cached_images=wire.num_cached_images,
     )
 
 

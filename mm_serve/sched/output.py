@@ -100,6 +100,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    num_cached_images: int = 0  # see Request.num_cached_images
 
     @property
     def finished(self) -> bool:

@@ -156,6 +156,7 @@ class Scheduler:
             request.num_computed_tokens += num_tokens
             if request.num_computed_tokens == request.num_tokens_with_placeholders:
                 request.num_output_placeholders += 1
+            request.count_cached_images()
         self.finished_req_ids = set()
         return output
 
@@ -277,6 +278,7 @@ class Scheduler:
             step.encoder_inputs[request.request_id] = to_encode
             for input_id in to_encode:
                 self.encoder_cache_manager.allocate(request, input_id)
+                request.encoded_mm_hashes.add(request.mm_features[input_id].mm_hash)
                 step.encoder_budget -= request.mm_features[input_id].placeholder.length
 
     def _preempt(self, request: Request) -> None:
@@ -353,6 +355,7 @@ class Scheduler:
             finish_reason=RequestStatus.finish_reason(request.status),
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_cached_images=max(request.num_cached_images, 0),
         )
 
     def _free_request(self, request: Request) -> None:

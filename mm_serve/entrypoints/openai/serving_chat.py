@@ -116,7 +116,12 @@ def _response(output: RequestOutput, reply: _Reply) -> ChatCompletionResponse:
         for c in output.outputs
     ]
     num_completion = sum(len(c.token_ids) for c in output.outputs)
-    usage = usage_info(len(output.prompt_token_ids), num_completion, output.num_cached_tokens)
+    usage = usage_info(
+        len(output.prompt_token_ids),
+        num_completion,
+        output.num_cached_tokens,
+        output.num_cached_images,
+    )
     return ChatCompletionResponse(
         id=reply.request_id, created=reply.created, model=reply.model, choices=choices, usage=usage
     )
@@ -144,7 +149,12 @@ async def _stream(
                     yield sse_event(_chunk(reply, [_stream_choice(piece, reply)]))
                 num_completion += len(delta.token_ids)
     if include_usage and last is not None:
-        usage = usage_info(len(last.prompt_token_ids), num_completion, last.num_cached_tokens)
+        usage = usage_info(
+            len(last.prompt_token_ids),
+            num_completion,
+            last.num_cached_tokens,
+            last.num_cached_images,
+        )
         yield sse_event(_chunk(reply, [], usage))
 
 
