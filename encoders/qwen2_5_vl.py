@@ -22,6 +22,7 @@ from transformers.activations import ACT2FN
 from mm_serve.encoders.qwen2_vl import (
     PatchEmbed,
     PatchMerger,
+    Segments,
     VisionAttention,
     check_grid,
     frame_bounds,
@@ -85,7 +86,7 @@ class Qwen2_5_VisionBlock(nn.Module):
         self.mlp = Qwen2_5_VisionMLP(dim, vision_config.intermediate_size, vision_config.hidden_act)
 
     def forward(
-        self, x: torch.Tensor, segments: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, segments: Segments, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), segments, cos, sin)
         return x + self.mlp(self.norm2(x))
@@ -131,8 +132,8 @@ class Qwen2_5_VisionTransformer(nn.Module):
 
         x, cos, sin = to_window_order(x), to_window_order(cos), to_window_order(sin)
         # Windows never cross a frame, so per-frame boundaries stay valid after the permutation.
-        full = varlen_segments(frame_bounds(grids), device)
-        windows = varlen_segments(cu_window, device)
+        full = varlen_segments(frame_bounds(grids), device, x.dtype)
+        windows = varlen_segments(cu_window, device, x.dtype)
         for i, block in enumerate(self.blocks):
             x = block(x, full if i in self.fullatt_block_indexes else windows, cos, sin)
         return self.merger(x)[torch.argsort(index)]

@@ -17,12 +17,14 @@ The pieces shared with Qwen2.5-VL (patch embedding, rotary, varlen attention, me
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from mm_serve.kernels.dispatch import use_kernels
+from mm_serve.kernels.dispatch import kernel_mode, quick_gelu, use_kernels
 from mm_serve.models.layers.layernorm import RMSNorm
 
 
@@ -57,18 +59,51 @@ def frame_bounds(grids: list[list[int]]) -> list[int]:
     return bounds
 
 
-def varlen_segments(bounds: list[int], device: torch.device) -> list[torch.Tensor]:
-    """The segments ``[bounds[i], bounds[i + 1])`` grouped by length: one
-    ``[num_segments, length]`` row-index tensor per distinct length, built once per forward
-    so that the attention layers need no host round trip."""
+@dataclass(frozen=True)
+class Segments:
+    """Attention segments of one tower forward: rows ``[cu_seqlens[i], cu_seqlens[i + 1])``
+    attend only to each other. Built once per forward (``varlen_segments``), so that the
+    attention layers need no host round trip.
+
+    ``cu_seqlens``: ``[num_segments + 1]`` int32 on the device; ``max_len``: the longest
+    segment; ``groups``: for the SDPA path, one ``[num_segments, length]`` row-index tensor per
+    distinct length (None where FlashAttention's varlen kernel runs instead).
+    """
+
+    cu_seqlens: torch.Tensor
+    max_len: int
+    groups: list[torch.Tensor] | None
+
+
+def _flash_varlen():
+    """``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 over packed sequences), or
+    None where this torch lacks it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def varlen_segments(bounds: list[int], device: torch.device, dtype: torch.dtype) -> Segments:
+    """The segments ``[bounds[i], bounds[i + 1])`` (empty ones dropped) for ``varlen_attention``
+    on ``device`` with ``dtype`` activations. FlashAttention's varlen kernel takes them on CUDA
+    in half precision; elsewhere they are grouped by length for batched SDPA calls."""
+    bounds = [b for i, b in enumerate(bounds) if i == 0 or b != bounds[i - 1]]
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32).to(device, non_blocking=True)
+    max_len = max(lengths, default=0)
+    flash = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+    if flash and _flash_varlen() is not None and kernel_mode() != "ref":
+        return Segments(cu_seqlens, max_len, None)
     by_length: dict[int, list[int]] = {}
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        if end > start:
-            by_length.setdefault(end - start, []).append(start)
-    return [
+    for start, length in zip(bounds[:-1], lengths, strict=True):
+        by_length.setdefault(length, []).append(start)
+    groups = [
         (torch.tensor(starts)[:, None] + torch.arange(length)).to(device)
         for length, starts in by_length.items()
     ]
+    return Segments(cu_seqlens, max_len, groups)
 
 
 def rotary_cos_sin(
@@ -120,17 +155,21 @@ def rotate_qk(
 
 
 def varlen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[torch.Tensor]
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments
 ) -> torch.Tensor:
     """Bidirectional attention restricted to segments (``varlen_segments``).
 
     ``q, k, v: [N, num_heads, head_dim]`` -> ``[N, num_heads, head_dim]``; scale
-    ``head_dim ** -0.5``. Segments of equal length are gathered into one batched SDPA call (one
-    call per distinct length, e.g. per image size or Qwen2.5-VL window size), so no image is
-    padded to another's length and no ``N x N`` block-diagonal mask is ever built.
+    ``head_dim ** -0.5``. On CUDA FlashAttention's varlen kernel takes the packed rows as they
+    are. Elsewhere segments of equal length are gathered into one batched SDPA call (one call
+    per distinct length, e.g. per image size or Qwen2.5-VL window size), so no image is padded
+    to another's length and no ``N x N`` block-diagonal mask is ever built.
     """
+    if segments.groups is None:
+        cu, n = segments.cu_seqlens, segments.max_len
+        return _flash_varlen()(q, k, v, cu, cu, n, n)
     out = torch.empty_like(q)
-    for idx in segments:  # [num_segments, length] row indices
+    for idx in segments.groups:  # [num_segments, length] row indices
         qs, ks, vs = (t[idx].transpose(1, 2) for t in (q, k, v))  # [B, heads, length, head_dim]
         out[idx] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
     return out
@@ -164,7 +203,7 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
 
     def forward(
-        self, x: torch.Tensor, segments: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, segments: Segments, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)  # [N, heads, head_dim]
@@ -199,7 +238,8 @@ class VisionMlp(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, hidden_act: str) -> None:
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden_dim)
-        self.act = ACT2FN[hidden_act]
+        # QuickGELU (Qwen2-VL's) in one Triton pass on CUDA; others as transformers has them.
+        self.act = quick_gelu if hidden_act == "quick_gelu" else ACT2FN[hidden_act]
         self.fc2 = nn.Linear(hidden_dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -219,7 +259,7 @@ class Qwen2VisionBlock(nn.Module):
         self.mlp = VisionMlp(dim, hidden, vision_config.hidden_act)
 
     def forward(
-        self, x: torch.Tensor, segments: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, segments: Segments, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), segments, cos, sin)
         return x + self.mlp(self.norm2(x))
@@ -252,7 +292,7 @@ class Qwen2VisionTransformer(nn.Module):
         cos, sin = rotary_cos_sin(
             grids, self.spatial_merge_size, self.head_dim, self.rope_theta, x.device
         )
-        segments = varlen_segments(frame_bounds(grids), x.device)
+        segments = varlen_segments(frame_bounds(grids), x.device, x.dtype)
         for block in self.blocks:
             x = block(x, segments, cos, sin)
         return self.merger(x)

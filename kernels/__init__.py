@@ -10,7 +10,7 @@ everywhere. A kernel keeps its reference's signature and return convention (e.g.
 
 from __future__ import annotations
 
-from mm_serve.kernels.activation import silu_and_mul_ref
+from mm_serve.kernels.activation import quick_gelu_ref, silu_and_mul_ref
 from mm_serve.kernels.attention import paged_attention_ref, reshape_and_cache_ref
 from mm_serve.kernels.dispatch import (
     apply_mrotary,
@@ -47,5 +47,6 @@ __all__ = [
     "silu_and_mul",
     "silu_and_mul_linear",
     "silu_and_mul_linear_ref",
+    "quick_gelu_ref",
     "silu_and_mul_ref",
 ]

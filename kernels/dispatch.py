@@ -15,7 +15,7 @@ import os
 import torch
 
 from mm_serve.attention import AttentionMetadata
-from mm_serve.kernels.activation import silu_and_mul_ref
+from mm_serve.kernels.activation import quick_gelu_ref, silu_and_mul_ref
 from mm_serve.kernels.attention import paged_attention_ref, reshape_and_cache_ref
 from mm_serve.kernels.linear import linear_ref
 from mm_serve.kernels.norm import rms_norm_ref
@@ -131,6 +131,15 @@ def linear(
 
         return gemv_triton(x, weight, bias)
     return linear_ref(x, weight, bias)
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """Same shape as ``x``; see ``quick_gelu_ref``."""
+    if use_kernels(x):
+        from mm_serve.kernels.triton_activation import quick_gelu_triton
+
+        return quick_gelu_triton(x)
+    return quick_gelu_ref(x)
 
 
 def silu_and_mul_linear(

@@ -30,6 +30,7 @@ from mm_serve.kernels import (  # noqa: E402
     apply_rotary_ref,
     linear_ref,
     paged_attention_ref,
+    quick_gelu_ref,
     reshape_and_cache_ref,
     rms_norm_linear_ref,
     rms_norm_ref,
@@ -241,6 +242,16 @@ def test_silu_and_mul(d, dtype) -> None:
     out = torch.full((*x.shape[:-1], d), float("nan"), dtype=dtype, device=DEVICE)
     _act.silu_and_mul_triton(x, out=out)
     assert _rel_err(out, silu_and_mul_ref(x)) <= TOLERANCE[dtype]
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quick_gelu(dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = _randn(67, 5120 if ON_GPU else 129, dtype=dtype, gen=gen) * 3
+    out = _act.quick_gelu_triton(x)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert _rel_err(out, quick_gelu_ref(x)) <= TOLERANCE[dtype]
 
 
 # (out_features, in_features, bias): Qwen2-VL-2B's qkv, o, gate_up and down; odd sizes.
