@@ -34,7 +34,8 @@ class ProcessedImage:
 
 
 class ImageProcessor:
-    """Base of each family's processor, built from ``preprocessor_config.json`` values.
+    """Base of each family's processor, built from the checkpoint's image processor settings
+    (``processors.read_image_processor_config``).
 
     Raises (from ``preprocess``):
         ValueError: for an image the family cannot take (e.g. above ``max_pixels`` when the

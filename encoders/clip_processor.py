@@ -92,7 +92,7 @@ class CLIPImageProcessor(ImageProcessor):
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], num_tokens: int) -> CLIPImageProcessor:
-        """From a ``preprocessor_config.json`` dict (``size``/``crop_size`` as dicts or ints)."""
+        """From image processor settings (``size``/``crop_size`` as dicts or ints)."""
         return cls(
             num_tokens=num_tokens,
             size=_size_dict(config.get("size", 224), square=False),

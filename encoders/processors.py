@@ -1,4 +1,19 @@
-"""Pick and build a checkpoint's image processor from its folder and HF config."""
+"""A checkpoint's HF processor files: its image processor and its chat template.
+
+transformers has written two layouts, and ``AutoProcessor.from_pretrained`` reads both:
+
+- transformers 5 (``ProcessorMixin.save_pretrained``): ``processor_config.json`` holds the
+  processor's own kwargs with the image (and video) processor settings nested under
+  ``"image_processor"``; the chat template is ``chat_template.jinja``; no
+  ``preprocessor_config.json``.
+- The hub's older layout: ``preprocessor_config.json`` holds the image processor settings
+  (``processor_config.json``, if any, only the processor's own kwargs, e.g. LLaVA's
+  ``patch_size``); the chat template is in ``chat_template.json`` and/or inside
+  ``tokenizer_config.json``.
+
+We resolve them in transformers' order (``ImageProcessingMixin.get_image_processor_dict`` and
+``ProcessorMixin.get_processor_dict``).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +25,10 @@ from mm_serve.encoders.base import ImageProcessor
 from mm_serve.encoders.clip_processor import CLIPImageProcessor
 from mm_serve.encoders.qwen2_vl_processor import Qwen2VLImageProcessor
 
+PROCESSOR_CONFIG = "processor_config.json"
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
+CHAT_TEMPLATE_JSON = "chat_template.json"  # the older processor layout's template file
+CHAT_TEMPLATE_JINJA = "chat_template.jinja"
 QWEN2_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 LLAVA_TYPES = ("llava",)
 SUPPORTED_MODEL_TYPES = QWEN2_VL_TYPES + LLAVA_TYPES
@@ -23,23 +41,77 @@ def _get(config: Any, key: str, default: Any = None) -> Any:
     return getattr(config, key, default)
 
 
-def read_preprocessor_config(model_path: str | Path) -> dict[str, Any]:
-    """The parsed ``preprocessor_config.json`` of a checkpoint folder.
+def _read_json_object(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``; None when there is no such file.
 
     Raises:
-        FileNotFoundError: the folder has no ``preprocessor_config.json``.
-        ValueError: the file is not a JSON object.
+        ValueError: the file is not valid JSON or not an object.
     """
-    path = Path(model_path) / PREPROCESSOR_CONFIG
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: a VLM checkpoint needs its image processor.")
+        return None
     try:
-        config = json.loads(path.read_text())
+        value = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}.")
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}.")
+    return value
+
+
+def read_image_processor_config(model_path: str | Path) -> dict[str, Any]:
+    """The image processor settings of a checkpoint folder, as transformers finds them: the
+    ``"image_processor"`` object nested in ``processor_config.json`` (transformers 5), else
+    ``preprocessor_config.json`` (the hub's older layout).
+
+    Raises:
+        FileNotFoundError: neither file holds image processor settings.
+        ValueError: one of the files is not a JSON object, or the nested settings are not.
+    """
+    folder = Path(model_path)
+    processor_config = _read_json_object(folder / PROCESSOR_CONFIG) or {}
+    nested = processor_config.get("image_processor")
+    if nested is not None:
+        if not isinstance(nested, dict):
+            raise ValueError(f"{folder / PROCESSOR_CONFIG}: 'image_processor' must be an object.")
+        return nested
+    config = _read_json_object(folder / PREPROCESSOR_CONFIG)
+    if config is None:
+        raise FileNotFoundError(
+            f"No image processor settings in {folder}: a VLM checkpoint needs "
+            f"{PROCESSOR_CONFIG} with an 'image_processor' entry (transformers 5) or "
+            f"{PREPROCESSOR_CONFIG} (older checkpoints)."
+        )
     return config
+
+
+def read_chat_template(model_path: str | Path) -> str | None:
+    """The chat template of a checkpoint's processor, as ``AutoProcessor.from_pretrained``
+    reads it: ``processor_config.json``'s ``"chat_template"``, else ``chat_template.json``'s,
+    else ``chat_template.jinja``. Of a set of named templates, the ``"default"`` one.
+
+    Returns None when the folder has none of them; the tokenizer's own template (from
+    ``tokenizer_config.json``) then applies, as vLLM does.
+
+    Raises:
+        ValueError: a file is not valid JSON, or its template is neither text nor a set of
+            named templates with a "default".
+    """
+    folder = Path(model_path)
+    for file in (PROCESSOR_CONFIG, CHAT_TEMPLATE_JSON):
+        template = (_read_json_object(folder / file) or {}).get("chat_template")
+        if template is not None:
+            return _default_template(template, folder / file)
+    jinja = folder / CHAT_TEMPLATE_JINJA
+    return jinja.read_text(encoding="utf-8") if jinja.is_file() else None
+
+
+def _default_template(template: Any, source: Path) -> str:
+    """A template as a processor file stores it: text, or ``{name: text}`` with a default."""
+    if isinstance(template, dict):
+        template = template.get("default")
+    if not isinstance(template, str):
+        raise ValueError(f"{source}: 'chat_template' must be text or have a 'default' template.")
+    return template
 
 
 def llava_num_image_tokens(hf_config: Any) -> int:
@@ -68,8 +140,9 @@ def get_image_processor(
     ``CLIPImageProcessor`` (fixed resolution: ``max_pixels`` does not apply).
 
     Raises:
-        ValueError: an unsupported model type, or a bad ``preprocessor_config.json``.
-        FileNotFoundError: no ``preprocessor_config.json`` in the folder.
+        ValueError: an unsupported model type, or bad image processor settings.
+        FileNotFoundError: no image processor settings in the folder (see
+            ``read_image_processor_config``).
     """
     model_type = _get(hf_config, "model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -79,7 +152,7 @@ def get_image_processor(
         )
     if max_pixels is not None and max_pixels <= 0:
         raise ValueError(f"max_pixels must be positive, got {max_pixels}.")
-    config = read_preprocessor_config(model_path)
+    config = read_image_processor_config(model_path)
     if model_type in QWEN2_VL_TYPES:
         return Qwen2VLImageProcessor.from_config(config, max_pixels=max_pixels)
     return CLIPImageProcessor.from_config(config, num_tokens=llava_num_image_tokens(hf_config))

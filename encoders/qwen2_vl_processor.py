@@ -92,7 +92,7 @@ def patchify(
 class Qwen2VLImageProcessor(ImageProcessor):
     """Resize (smart_resize, bicubic) → rescale → normalise → patchify; one image at a time.
 
-    Build it with ``from_config(preprocessor_config_dict)``. ``preprocess`` returns
+    Build it with ``from_config(image_processor_settings)``. ``preprocess`` returns
     ``pixel_values`` ``[grid_h * grid_w, 3 * temporal_patch_size * patch_size**2]`` float32,
     ``image_grid_thw = (1, grid_h, grid_w)`` and ``num_tokens = grid_h * grid_w //
     merge_size**2``.
@@ -129,7 +129,7 @@ class Qwen2VLImageProcessor(ImageProcessor):
     def from_config(
         cls, config: Mapping[str, Any], max_pixels: int | None = None
     ) -> Qwen2VLImageProcessor:
-        """From a ``preprocessor_config.json`` dict.
+        """From image processor settings (``processors.read_image_processor_config``).
 
         Pixel bounds come, as in HF, from top-level ``min_pixels``/``max_pixels`` when present,
         else from ``size.shortest_edge``/``size.longest_edge`` (despite the names: areas in

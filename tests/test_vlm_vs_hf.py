@@ -1,7 +1,9 @@
 """VLMs through the engine against HF transformers on the same folder and the same images.
 
 Batches mix text-only prompts, one image, three images of different sizes and an image in the
-middle of the prompt; a small token budget splits images across chunks.
+middle of the prompt; a small token budget splits images across chunks. Checkpoints are laid
+out as the installed transformers saves them; the chat test also runs on the hub's older
+layout (``preprocessor_config.json``, ``chat_template.json``).
 """
 
 from __future__ import annotations
@@ -65,6 +67,14 @@ def prompt_cases(family: str) -> list[tuple[str, list[Image.Image]]]:
 def vlm(request, tmp_path_factory):
     family = request.param
     path = build_tiny_vlm_checkpoint(tmp_path_factory.mktemp(family), family=family, seed=3)
+    return family, path, HFVisionReference(path)
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "llava"])
+def legacy_vlm(request, tmp_path_factory):
+    family = request.param
+    folder = tmp_path_factory.mktemp(f"{family}_legacy")
+    path = build_tiny_vlm_checkpoint(folder, family=family, seed=3, layout="legacy")
     return family, path, HFVisionReference(path)
 
 
@@ -138,7 +148,16 @@ def test_vlm_greedy_matches_hf(vlm, engine_args):
 
 
 def test_chat_with_image_parts(vlm):
-    family, path, reference = vlm
+    assert_chat_matches_hf(*vlm)
+
+
+def test_chat_hub_legacy_layout(legacy_vlm):
+    assert_chat_matches_hf(*legacy_vlm)
+
+
+def assert_chat_matches_hf(family: str, path: str, reference: HFVisionReference) -> None:
+    """One chat turn with an image part: same prompt tokens (chat template, placeholders) and
+    greedy tokens as HF's processor and model on the same folder."""
     llm = LLM(path)
     buffer = io.BytesIO()
     photo("rocket.jpg").save(buffer, format="JPEG")

@@ -111,11 +111,23 @@ def check_image_tokens(
 
 
 def load_tokenizer(path: str):
+    """The fast tokenizer of the folder ``path``, with the chat template ``AutoProcessor``
+    would use (``processor_config.json``, ``chat_template.json``, then ``chat_template.jinja``;
+    see ``read_chat_template``), else its own (from ``tokenizer_config.json``).
+
+    Raises:
+        ValueError: the tokenizer has no fast version, or a processor file is malformed.
+    """
     from transformers import AutoTokenizer
+
+    from mm_serve.encoders.processors import read_chat_template
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"The tokenizer at {path} has no fast (Rust) version; one is required.")
+    chat_template = read_chat_template(path)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     return tokenizer
 
 

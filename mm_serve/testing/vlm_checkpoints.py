@@ -4,13 +4,21 @@
 builder's byte-level BPE tokenizer plus the family's image tokens, a chat template that
 renders image parts as the family's placeholder, ``config.json`` (tiny text and vision
 configs), the HF processor files (small image sizes, so few image tokens) and float32
-safetensors. ``AutoProcessor.from_pretrained`` and the HF model load from it.
+safetensors, every file written by transformers' own ``save_pretrained``.
+``AutoProcessor.from_pretrained`` and the HF model load from it.
+
+Two layouts (``LAYOUTS``), as ``AutoProcessor`` reads both: "transformers" is what the installed
+transformers writes (5.x: the image processor settings nested in ``processor_config.json``,
+``chat_template.jinja``, no ``preprocessor_config.json``); "legacy" is the hub's older layout
+(``preprocessor_config.json``, the chat template in ``chat_template.json``), made by
+``to_legacy_layout``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -86,11 +94,13 @@ def _tokenizer(family: str) -> Any:
     return tokenizer
 
 
-def _token_ids(tokenizer: Any, vocab_size: int) -> dict[str, Any]:
+def _token_ids(tokenizer: Any, vocab_size: int | None = None) -> dict[str, Any]:
+    """config.json's special token ids and ``vocab_size`` (default: the tokenizer's length)."""
     ids = tokenizer.convert_tokens_to_ids
     pad = tokenizer.pad_token_id
     eos = [tokenizer.eos_token_id] + ([pad] if pad != tokenizer.eos_token_id else [])
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else pad
+    vocab_size = len(tokenizer) if vocab_size is None else vocab_size
     common = {"vocab_size": vocab_size, "bos_token_id": bos, "eos_token_id": eos}
     common["pad_token_id"] = pad
     if LLAVA_IMAGE_TOKEN in tokenizer.get_vocab():
@@ -212,8 +222,16 @@ def _model_class(family: str) -> type:
     return getattr(transformers, name)
 
 
+LAYOUTS = ("transformers", "legacy")
+
+
 def build_tiny_vlm_checkpoint(
-    path: str | os.PathLike, family: str, seed: int = 0, *, vocab_size: int | None = None
+    path: str | os.PathLike,
+    family: str,
+    seed: int = 0,
+    *,
+    vocab_size: int | None = None,
+    layout: str = "transformers",
 ) -> str:
     """Write a tiny ``family`` ("qwen2_vl", "qwen2_5_vl" or "llava") checkpoint to ``path``.
 
@@ -225,16 +243,17 @@ def build_tiny_vlm_checkpoint(
     ``vocab_size`` (default: the tokenizer's length) sets the embedding and LM-head rows; more
     rows than the tokenizer has, as real checkpoints do (Qwen2-VL: 151936 rows, 151657 tokens),
     make a model that can emit ids the tokenizer lacks. ``tokenizer_size(family)`` gives
-    the tokenizer's length.
+    the tokenizer's length. ``layout`` is one of ``LAYOUTS`` (see the module docstring).
 
     Raises:
-        ValueError: an unknown family, or ``vocab_size`` below the tokenizer's length.
+        ValueError: an unknown family or layout, or ``vocab_size`` below the tokenizer's length.
     """
     from transformers import GenerationConfig
 
     if family not in FAMILIES:
         raise ValueError(f"Unknown family {family!r}; choose from {FAMILIES}.")
-    os.makedirs(path, exist_ok=True)
+    if layout not in LAYOUTS:
+        raise ValueError(f"Unknown layout {layout!r}; choose from {LAYOUTS}.")
     tokenizer = _tokenizer(family)
     if vocab_size is None:
         vocab_size = len(tokenizer)
@@ -252,8 +271,12 @@ def build_tiny_vlm_checkpoint(
         eos_token_id=text.eos_token_id,
         pad_token_id=text.pad_token_id,
     )
+    os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
-    _save_processor(_build_processor(family, tokenizer), path)
+    processor = _build_processor(family, tokenizer)
+    processor.save_pretrained(path)
+    if layout == "legacy":
+        to_legacy_layout(path, processor)
     return str(path)
 
 
@@ -265,31 +288,46 @@ def _shrink_projector(projector: torch.nn.Module) -> None:
         linear.weight.normal_(0.0, 0.05)
 
 
-def _save_processor(processor: Any, path: str | os.PathLike) -> None:
-    """Save as the real checkpoints are laid out: the image processor's own
-    ``preprocessor_config.json`` (Qwen: with ``min_pixels``/``max_pixels``), the tokenizer and
-    chat template, and ``processor_config.json`` only for the processor's own kwargs (LLaVA)."""
-    processor.save_pretrained(path)
-    processor.image_processor.save_pretrained(path)
-    with open(os.path.join(path, "processor_config.json")) as f:
-        own = {k: v for k, v in json.load(f).items() if not k.endswith("_processor")}
-    os.remove(os.path.join(path, "processor_config.json"))
+def to_legacy_layout(path: str | os.PathLike, processor: Any) -> None:
+    """Turn the folder ``processor.save_pretrained`` wrote (transformers 5) into the hub's
+    older layout, as Qwen2-VL-2B-Instruct and llava-1.5-7b-hf were published:
+
+    - ``preprocessor_config.json``, written by the image processor's own ``save_pretrained``
+      (Qwen's with top-level ``min_pixels``/``max_pixels`` instead of ``size``, as the Qwen
+      hub files have), tagged with the ``processor_class``;
+    - ``processor_config.json`` keeps only the processor's own kwargs, and is removed when it
+      has none (Qwen; LLaVA keeps ``patch_size``, ``vision_feature_select_strategy``, ...);
+    - the chat template moves from ``chat_template.jinja`` to ``chat_template.json``
+      (transformers 4.4x's processor file), so only the processor, not the tokenizer, has it.
+    """
+    folder = Path(path)
+    own = {
+        k: v
+        for k, v in _read_json(folder / "processor_config.json").items()
+        if not k.endswith("_processor")
+    }
+    (folder / "processor_config.json").unlink()
     if set(own) - {"processor_class"}:
-        _write_json(os.path.join(path, "processor_config.json"), own)
-    image_config_path = os.path.join(path, "preprocessor_config.json")
-    with open(image_config_path) as f:
-        image_config = json.load(f)
+        _write_json(folder / "processor_config.json", own)
+    processor.image_processor.save_pretrained(folder)
+    image_config = _read_json(folder / "preprocessor_config.json")
     image_config["processor_class"] = own["processor_class"]
-    if "longest_edge" in image_config["size"]:  # Qwen: min/max pixels, not a size
-        size = image_config.pop("size")
-        image_config["min_pixels"], image_config["max_pixels"] = (
-            size["shortest_edge"],
-            size["longest_edge"],
-        )
-    _write_json(image_config_path, image_config)
+    size = image_config.get("size", {})
+    if "longest_edge" in size:  # Qwen: an area range, not a size
+        del image_config["size"]
+        image_config["min_pixels"] = size["shortest_edge"]
+        image_config["max_pixels"] = size["longest_edge"]
+    _write_json(folder / "preprocessor_config.json", image_config)
+    template = folder / "chat_template.jinja"
+    _write_json(folder / "chat_template.json", {"chat_template": template.read_text()})
+    template.unlink()
 
 
-def _write_json(path: str, value: dict) -> None:
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def _write_json(path: str | os.PathLike, value: dict) -> None:
     with open(path, "w") as f:
         json.dump(value, f, indent=2, sort_keys=True)
         f.write("\n")
