@@ -161,7 +161,7 @@ def _param(loc: Sequence[str | int]) -> str | None:
 
 def _inside(param: str, outer: str | None) -> bool:
     """``param`` names a field inside ``outer`` (``a[0].b`` is inside ``a``)."""
-    return outer is not None and param.startswith(outer) and param[len(outer) :][:1] in ".["
+    return outer is not None and param.startswith(outer) and param[len(outer) :][:1] in (".", "[")
 
 
 # pydantic's labels of plain union members in error locations.
