@@ -1,8 +1,11 @@
 """Our image processors against transformers' default ones (AutoImageProcessor): same pixels.
 
-Processor configs are written by HF's own classes (``save_pretrained``) or by hand in the
-legacy layout of released checkpoints; images are real photographs shipped inside
-matplotlib / scikit-image plus generated edge cases in every PIL mode.
+Processor configs are written by HF's own classes (``save_pretrained``: the image processor's
+own ``preprocessor_config.json``, or a whole processor's ``processor_config.json`` with the
+settings nested, as transformers 5 saves checkpoints), or by hand where released checkpoints
+hold values transformers no longer writes (top-level ``min_pixels``, int sizes); images are
+real photographs shipped inside matplotlib / scikit-image plus generated edge cases in every
+PIL mode.
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ from mm_serve.encoders.clip_processor import CLIPImageProcessor  # noqa: E402
 from mm_serve.encoders.image_io import load_image, to_rgb  # noqa: E402
 from mm_serve.encoders.processors import get_image_processor  # noqa: E402
 from mm_serve.encoders.qwen2_vl_processor import Qwen2VLImageProcessor, smart_resize  # noqa: E402
+from mm_serve.testing.vlm_checkpoints import (  # noqa: E402
+    LAYOUTS,
+    QWEN_MAX_PIXELS,
+    build_tiny_vlm_checkpoint,
+)
 
 ATOL = 1e-5
 MIN_PIXELS, MAX_PIXELS = 28 * 28 * 4, 28 * 28 * 64
@@ -279,6 +287,37 @@ def test_clip_matches_hf(images, clip_dir, clip_legacy_dir):
         assert_same_clip(legacy, hf_legacy, images[name])
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_checkpoint_layouts_match_hf(images, tmp_path, family, layout):
+    """A checkpoint as transformers 5 saves it (settings inside processor_config.json) and in
+    the hub's older layout (preprocessor_config.json): the same pixels as HF from the folder."""
+    from transformers import AutoConfig
+
+    path = build_tiny_vlm_checkpoint(tmp_path, family, layout=layout)
+    assert (tmp_path / "preprocessor_config.json").is_file() == (layout == "legacy")
+    ours = get_image_processor(path, AutoConfig.from_pretrained(path))
+    hf = hf_processor(Path(path))
+    for name in ("grace_hopper", "RGBA_27x29", "RGB_1000x40"):
+        if family == "llava":
+            assert_same_clip(ours, hf, images[name])
+        else:
+            assert ours.max_pixels == QWEN_MAX_PIXELS
+            assert_same_qwen(ours, hf, images[name])
+
+
+def test_nested_settings_take_precedence(images, tmp_path):
+    """With both files present, transformers reads processor_config.json's nested settings."""
+    from transformers import AutoConfig
+    from transformers import Qwen2VLImageProcessor as HFQwen2VLImageProcessor
+
+    path = build_tiny_vlm_checkpoint(tmp_path, "qwen2_vl")
+    HFQwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=28 * 28 * 8).save_pretrained(path)
+    ours = get_image_processor(path, AutoConfig.from_pretrained(path))
+    assert ours.max_pixels == QWEN_MAX_PIXELS
+    assert_same_qwen(ours, hf_processor(tmp_path), images["astronaut"])
+
+
 def test_to_rgb_matches_hf(images):
     from transformers.image_transforms import convert_to_rgb
 
@@ -351,7 +390,10 @@ def test_get_image_processor_dispatch(qwen_dir, tmp_path):
     assert isinstance(get_image_processor(str(qwen_dir), Qwen2VLConfig()), Qwen2VLImageProcessor)
     with pytest.raises(ValueError, match="qwen2_vl, qwen2_5_vl, llava"):
         get_image_processor(str(qwen_dir), SimpleNamespace(model_type="llama"))
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="processor_config.json.*preprocessor_config"):
+        get_image_processor(str(tmp_path), SimpleNamespace(model_type="qwen2_vl"))
+    (tmp_path / "processor_config.json").write_text('{"image_processor": [1, 2]}')
+    with pytest.raises(ValueError, match="'image_processor' must be an object"):
         get_image_processor(str(tmp_path), SimpleNamespace(model_type="qwen2_vl"))
 
 
