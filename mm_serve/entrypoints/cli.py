@@ -1,8 +1,9 @@
 """The ``mm-serve`` command.
 
-``mm-serve serve MODEL [flags]`` runs the OpenAI-compatible server; its engine flags are made
-from the fields of ``EngineArgs`` (``--max-model-len``, ``--no-enable-prefix-caching``, ...).
-``mm-serve chat IMAGE "question"`` asks a running server about an image from the terminal.
+``mm-serve serve [MODEL] [flags]`` runs the OpenAI-compatible server. Its engine flags are made
+from the fields of ``EngineArgs`` (``--max-model-len``, ``--no-enable-prefix-caching``, ...) and
+its server flags from ``ServerConfig``, defaults included, so that ``--help`` shows the real ones.
+``mm-serve chat [IMAGE] QUESTION`` asks a running server a question, about an image or not.
 ``mm-serve bench {latency,throughput,serve}`` runs a benchmark (``mm_serve/benchmarks/``).
 """
 
@@ -11,30 +12,67 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import decimal
 import functools
 import importlib
 import json
 import logging
+import re
 import sys
 import types
 import typing
 from pathlib import Path
+from typing import Any
 
-from mm_serve.config import EngineArgs
+from mm_serve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
 
 logger = logging.getLogger(__name__)
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+# Units of byte-size flags: SI (powers of 1000) and IEC (powers of 1024). A bare "G" is
+# refused: it means 10**9 to some tools and 2**30 to others.
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_BYTE_UNITS |= {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_byte_size(text: str) -> int:
+    """``"512MiB"`` -> 536870912, ``"1.5GB"`` -> 1500000000, ``"4096"`` -> 4096 (bytes; a
+    fraction of a byte is dropped).
+
+    Raises:
+        argparse.ArgumentTypeError: not a non-negative number, bare or with one of the units
+            B, kB, MB, GB, TB, KiB, MiB, GiB, TiB (in any case).
+    """
+    match = re.fullmatch(r"\s*(\d+\.?\d*|\.\d+)\s*([a-z]*)\s*", text, re.IGNORECASE)
+    unit = match and _BYTE_UNITS.get(match[2].lower())
+    if not unit:
+        raise argparse.ArgumentTypeError(
+            f"invalid byte size {text!r}: give bytes or a number with a unit, e.g. 512MiB, "
+            "2GiB, 1.5GB (KiB, MiB, GiB, TiB: powers of 1024; kB, MB, GB, TB: of 1000)"
+        )
+    return int(decimal.Decimal(match[1]) * unit)
+
+
+def format_byte_size(size: int) -> str:
+    """``2 << 30`` -> ``"2GiB"``: the largest binary unit that divides ``size``, else bytes."""
+    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size and size % factor == 0:
+            return f"{size // factor}{unit}"
+    return str(size)
+
+
 _ENGINE_ARG_HELP = {
-    "tokenizer": "Tokenizer folder or hub id; the model's when unset.",
+    "tokenizer": "Tokenizer folder or hub id.",
     "revision": "Hub revision (branch, tag or commit) of the model.",
     "dtype": "Weight and activation dtype: auto (the checkpoint's), float32, float16, bfloat16.",
     "seed": "Global random seed.",
-    "max_model_len": "Prompt + output length limit in tokens; config.json's when unset.",
+    "max_model_len": "Prompt + output length limit in tokens.",
     "block_size": "Tokens per KV-cache block.",
     "enable_prefix_caching": "Reuse the KV blocks of identical prompt prefixes.",
     "gpu_memory_utilization": "Fraction of GPU memory for weights, activations and KV cache.",
-    "cpu_kv_cache_bytes": "KV-cache size on CPU, in bytes.",
-    "num_kv_blocks": "KV-cache size in blocks; found by profiling when unset.",
+    "cpu_kv_cache_bytes": "KV-cache size on CPU, in bytes or with a unit (512MiB, 2GiB).",
+    "num_kv_blocks": "KV-cache size in blocks.",
     "max_num_batched_tokens": "Token budget of one engine step; longer prompts are chunked.",
     "max_num_seqs": "Most requests in one engine step.",
     "enable_chunked_prefill": "Split long prompts over several steps.",
@@ -43,39 +81,71 @@ _ENGINE_ARG_HELP = {
     "max_pixels": "Largest input image accepted, in pixels (width x height); larger: 400.",
     "processor_max_pixels": "Override of the image processor's resize target, in pixels.",
     "mm_processor_cache_gb": "Processor cache size (preprocessed images) in GiB; 0: off.",
-    "mm_preprocess_workers": "Image preprocessing processes; half the cores (1..8) when unset.",
-    "max_num_encoder_input_tokens": "Image embedding tokens encoded per step; the token "
-    "budget when unset.",
-    "encoder_cache_size": "Encoder cache size in embedding tokens; the token budget when unset.",
+    "mm_preprocess_workers": "Image preprocessing processes.",
+    "max_num_encoder_input_tokens": "Image embedding tokens encoded per step.",
+    "encoder_cache_size": "Encoder cache size in image embedding tokens.",
     "enforce_eager": "No CUDA graphs: run every step eagerly.",
     "load_format": "auto (the checkpoint's weights) or dummy (random weights, for benchmarks).",
-    "async_scheduling": "Schedule the next step while the GPU runs this one (default: on GPU).",
+    "async_scheduling": "Schedule the next step while the GPU runs this one.",
+    "chat_template": "Chat template for chat requests: a Jinja file, or the template text.",
+}
+# What an EngineArgs field whose default is None resolves to, shown as its default.
+_UNSET_DEFAULTS = {
+    "tokenizer": "the model's",
+    "revision": "the hub's main branch",
+    "max_model_len": "the checkpoint's max_position_embeddings",
+    "num_kv_blocks": "what the KV-cache budget holds",
+    "max_num_batched_tokens": str(DEFAULT_MAX_NUM_BATCHED_TOKENS),
+    "processor_max_pixels": "the checkpoint's",
+    "mm_preprocess_workers": "half the CPU cores, 1 to 8",
+    "max_num_encoder_input_tokens": "max(token budget, largest image)",
+    "encoder_cache_size": "max(token budget, largest image)",
+    "async_scheduling": "on with CUDA, off on CPU",
+    "chat_template": "the checkpoint's",
 }
 
 
-def _scalar_type(hint: typing.Any) -> type:
+def _scalar_type(hint: Any) -> type:
     """``int | None`` -> int, ``str`` -> str."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         (hint,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
     return hint
 
 
+def _add_flag(
+    group: Any, flag: str, help_text: str, default: Any = None, shown: str | None = None, **kwargs
+) -> None:
+    """``group.add_argument(flag, ...)`` with ``(default: ...)`` at the end of its help, once
+    (Python 3.10's ``BooleanOptionalAction`` appends one itself): ``shown``, else ``default``
+    (none shown when both are None). A ``--*-bytes`` flag takes units (``parse_byte_size``)."""
+    if flag.endswith("-bytes"):
+        kwargs["type"] = parse_byte_size
+        shown = shown or format_byte_size(default)
+    if shown is None and default is not None:
+        shown = str(default)
+    action = group.add_argument(flag, default=default, help=help_text, **kwargs)
+    if shown is not None and "(default:" not in action.help:
+        action.help += f" (default: {shown.replace('%', '%%')})"
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per ``EngineArgs`` field but ``model`` (bools: ``--x`` / ``--no-x``)."""
+    """One flag per ``EngineArgs`` field but ``model`` (bools: ``--x`` / ``--no-x``), showing
+    the field's default, or for a field whose default is None what None resolves to."""
     group = parser.add_argument_group("engine")
     hints = typing.get_type_hints(EngineArgs)
     for field in dataclasses.fields(EngineArgs):
         if field.name == "model":
             continue
         kind = _scalar_type(hints[field.name])
-        help_text = _ENGINE_ARG_HELP.get(field.name, f"EngineArgs.{field.name}.")
-        help_text += " (default: %(default)s)"
-        flag = "--" + field.name.replace("_", "-")
         if kind is bool:
-            action = argparse.BooleanOptionalAction
-            group.add_argument(flag, action=action, default=field.default, help=help_text)
+            kwargs: dict[str, Any] = {"action": argparse.BooleanOptionalAction}
         else:
-            group.add_argument(flag, type=kind, default=field.default, help=help_text)
+            kwargs = {"type": kind}
+        if field.default is None:
+            kwargs["shown"] = _UNSET_DEFAULTS.get(field.name, "unset")
+        help_text = _ENGINE_ARG_HELP.get(field.name, f"EngineArgs.{field.name}.")
+        flag = "--" + field.name.replace("_", "-")
+        _add_flag(group, flag, help_text, field.default, **kwargs)
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
@@ -98,27 +168,71 @@ def _images_limit(text: str) -> int:
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """The HTTP flags of ``serve`` (``ServerConfig``, ``MediaConfig``)."""
-    group = parser.add_argument_group("server")
-    add = group.add_argument
-    add("--host", default="127.0.0.1", help="Address to listen on (default: %(default)s).")
-    add("--port", type=int, default=8000, help="Port to listen on (default: %(default)s).")
-    add("--api-key", help="Require 'Authorization: Bearer <key>' on /v1/* (401 without).")
-    add("--served-model-name", nargs="+", default=[], help="Model names clients may use "
-        "(default: the model as given); the first is reported in responses.")  # fmt: skip
-    add("--allowed-media-domains", nargs="+", default=[], help="Hosts whose http(s) image "
-        "URLs are fetched (default: none).")  # fmt: skip
-    add("--allowed-local-media-path", help="Folder whose files file:// image URLs may name.")
-    add("--limit-mm-per-prompt", type=_images_limit, default=16, help="Most images per "
-        "request, as N or '{\"image\": N}' (default: %(default)s); more: 400.")  # fmt: skip
-    add("--max-request-body-bytes", type=int, default=64 << 20, help="Larger request bodies "
-        "get a 413 (default: %(default)s).")  # fmt: skip
-    add("--max-media-bytes", type=int, default=20 << 20, help="Largest image fetched from a "
-        "URL or read from a file, in bytes (default: %(default)s).")  # fmt: skip
-    add("--media-fetch-timeout", type=float, default=10.0, help="Time limit of an image URL "
-        "fetch, in seconds (default: %(default)s).")  # fmt: skip
-    add("--max-concurrent-requests", type=int, default=1024, help="Generation requests in "
-        "flight beyond this get a 429 (default: %(default)s).")  # fmt: skip
+    """The HTTP flags of ``serve``, with the defaults of ``ServerConfig`` and ``MediaConfig``
+    (imports the web stack)."""
+    from mm_serve.entrypoints.openai.api_server import ServerConfig
+    from mm_serve.entrypoints.openai.media import MediaConfig
+
+    server, media = ServerConfig(), MediaConfig()
+    add = functools.partial(_add_flag, parser.add_argument_group("server"))
+    add("--host", "Address to listen on.", server.host)
+    add("--port", "Port to listen on.", server.port, type=int)
+    add("--api-key", "Require 'Authorization: Bearer <key>' on /v1/* (401 without).")
+    names = list(server.served_model_names)
+    add(
+        "--served-model-name",
+        "Model names clients may use; the first is reported in responses.",
+        names,
+        "the model as given",
+        nargs="+",
+    )
+    domains = list(media.allowed_domains)
+    add(
+        "--allowed-media-domains",
+        "Hosts whose http(s) image URLs are fetched.",
+        domains,
+        "none",
+        nargs="+",
+    )
+    add(
+        "--allowed-local-media-path",
+        "Folder whose files file:// image URLs may name.",
+        shown="none",
+    )
+    add(
+        "--limit-mm-per-prompt",
+        "Most images per request, as N or '{\"image\": N}'; more: 400.",
+        media.max_images,
+        type=_images_limit,
+    )
+    add(
+        "--max-request-body-bytes",
+        "Larger request bodies get a 413 (bytes, or 64MiB, ...).",
+        server.max_request_body_bytes,
+    )
+    add(
+        "--max-media-bytes",
+        "Largest image fetched from a URL or read from a file (bytes, or 20MiB, ...).",
+        media.max_bytes,
+    )
+    add(
+        "--media-fetch-timeout",
+        "Time limit of an image URL fetch, in seconds.",
+        media.fetch_timeout_s,
+        type=float,
+    )
+    add(
+        "--max-concurrent-requests",
+        "Generation requests in flight beyond this get a 429.",
+        server.max_concurrent_requests,
+        type=int,
+    )
+    add(
+        "--log-level",
+        "Level of mm_serve's and uvicorn's loggers.",
+        server.log_level,
+        choices=LOG_LEVELS,
+    )
 
 
 def server_config_from(args: argparse.Namespace):
@@ -142,6 +256,7 @@ def server_config_from(args: argparse.Namespace):
         media=media,
         max_request_body_bytes=args.max_request_body_bytes,
         max_concurrent_requests=args.max_concurrent_requests,
+        log_level=args.log_level,
     )
 
 
@@ -167,11 +282,14 @@ def chat(args: argparse.Namespace) -> int:
     from mm_serve.client import Client
 
     client = Client(base_url=args.url, api_key=args.api_key)
-    image = args.image if "://" in args.image else Path(args.image)
+    images = []
+    if args.image is not None:
+        images.append(args.image if "://" in args.image else Path(args.image))
     try:
-        chunks = client.chat(
-            text=args.question, images=[image], stream=True, max_tokens=args.max_tokens
-        )
+        params = {"max_tokens": args.max_tokens}
+        if args.temperature is not None:
+            params["temperature"] = args.temperature
+        chunks = client.chat(text=args.question, images=images, stream=True, **params)
         for chunk in chunks:
             if chunk.choices and chunk.choices[0].delta.content:
                 sys.stdout.write(chunk.choices[0].delta.content)
@@ -211,11 +329,8 @@ def add_bench_parser(commands, argv: list[str]) -> None:
             sub.set_defaults(func=functools.partial(_bench, module))
 
 
-def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """The ``mm-serve`` parser with its ``serve``, ``chat`` and ``bench`` subcommands (the
-    flags of ``bench X`` are added only when ``argv``, default ``sys.argv[1:]``, names X)."""
-    parser = argparse.ArgumentParser(prog="mm-serve", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+def add_serve_parser(commands, argv: list[str]) -> None:
+    """``serve``; its flags only when ``argv`` names it (they import the web stack)."""
     serve_parser = commands.add_parser("serve", help="Run the OpenAI-compatible API server.")
     serve_parser.add_argument(
         "model",
@@ -224,25 +339,56 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         help="Checkpoint folder or Hugging Face hub id (default: the bundled demo VLM, "
         "samples/demo_vlm/model).",
     )
-    add_server_args(serve_parser)
-    add_engine_args(serve_parser)
+    if argv[:1] == ["serve"]:
+        add_server_args(serve_parser)
+        add_engine_args(serve_parser)
     serve_parser.set_defaults(func=serve)
-    chat_parser = commands.add_parser("chat", help="Ask a running server about an image.")
-    chat_parser.add_argument("image", help="Image file or URL.")
+
+
+def add_chat_parser(commands) -> None:
+    """``chat [IMAGE] QUESTION``: one argument is the question, two are image and question."""
+    chat_parser = commands.add_parser("chat", help="Ask a running server (about an image).")
+    chat_parser.add_argument("image", nargs="?", help="Image file or URL (optional).")
     chat_parser.add_argument("question")
-    chat_parser.add_argument("--url", default="http://127.0.0.1:8000", help="Server URL.")
-    chat_parser.add_argument("--api-key", help="The server's API key, if it needs one.")
-    chat_parser.add_argument("--max-tokens", type=int, default=256)
+    add = functools.partial(_add_flag, chat_parser)
+    add("--url", "Server URL.", "http://127.0.0.1:8000")
+    add("--api-key", "The server's API key, if it needs one.")
+    add("--max-tokens", "Most tokens in the answer.", 256, type=int)
+    add("--temperature", "Sampling temperature; 0: greedy.", shown="the server's", type=float)
     chat_parser.set_defaults(func=chat)
-    add_bench_parser(commands, sys.argv[1:] if argv is None else argv)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``mm-serve`` parser with its ``serve``, ``chat`` and ``bench`` subcommands (the
+    flags of ``serve`` and of ``bench X`` are added only when ``argv``, default
+    ``sys.argv[1:]``, names them)."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog="mm-serve", description="Serve vision-language models; ask a server; benchmark."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(commands, argv)
+    add_chat_parser(commands)
+    add_bench_parser(commands, argv)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``mm-serve``; returns the exit code."""
-    args = build_parser(argv).parse_args(argv)
-    level = logging.INFO if args.command in ("serve", "bench") else logging.WARNING
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if args.command == "chat" and args.image is None and Path(args.question).is_file():
+        parser.error(
+            f"{args.question!r} is a file: ask a question too (mm-serve chat IMAGE QUESTION)."
+        )
+    level = getattr(args, "log_level", "info" if args.command == "bench" else "warning")
+    level = logging.getLevelName(level.upper())
+    # Other libraries' loggers stay at WARNING (or above): --log-level debug is about ours.
+    logging.basicConfig(
+        level=max(level, logging.WARNING),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("mm_serve").setLevel(level)
     return args.func(args)
 
 
