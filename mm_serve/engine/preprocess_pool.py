@@ -4,16 +4,18 @@ Decoding a JPEG and resizing it take milliseconds to tens of milliseconds of CPU
 hold the GIL for much of it, so the front end hands them to a pool of processes (DESIGN.md,
 "Process layout") and keeps tokenizing, scheduling and detokenizing meanwhile. Workers are
 forked from a forkserver that has already imported torch, torchvision and the processors, so
-they start fast without inheriting the front end's threads or memory (no plain ``fork``).
+they start fast without inheriting the front end's threads or memory (no plain ``fork``), and
+they never run the user's main script (``mp_context``): a script needs no ``__main__`` guard.
 
-Each worker builds the checkpoint's image processor once. Results come back as numpy arrays
-(pickled through the pool's pipe: no torch shared memory or file descriptors) and become
-torch tensors in the caller (``PreprocessResult.to_processed_image``).
+Each worker builds the checkpoint's image processor once and warms it on a small image.
+Results come back as numpy arrays (pickled through the pool's pipe: no torch shared memory or
+file descriptors) and become torch tensors in the caller (``PreprocessResult.to_processed_image``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import io
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -26,11 +28,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
 from mm_serve.config import ModelConfig, MultiModalConfig
 from mm_serve.encoders.base import ImageProcessor, ProcessedImage
 from mm_serve.encoders.image_io import load_image
 from mm_serve.encoders.processors import get_image_processor
+from mm_serve.engine.mp_context import no_main_context
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +79,16 @@ def preprocess_image(source: Any, processor: ImageProcessor, max_pixels: int) ->
     return processor.preprocess(load_image(source, max_pixels))
 
 
+def warm_up_image(size: int = 224) -> bytes:
+    """A ``size`` x ``size`` PNG (a colour gradient): what start-up pushes through the pipeline
+    so that the first user image finds every code path loaded."""
+    ramp = np.linspace(0, 255, size, dtype=np.uint8)
+    pixels = np.stack(np.broadcast_arrays(ramp[None, :], ramp[:, None], ramp[::-1, None]), -1)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
 def _init_worker(model_path: str, hf_config: dict[str, Any], processor_max_pixels, max_pixels):
     global _processor, _max_pixels
     _exit_with_owner()
@@ -82,6 +96,8 @@ def _init_worker(model_path: str, hf_config: dict[str, Any], processor_max_pixel
     torch.set_num_threads(1)
     _processor = get_image_processor(model_path, hf_config, max_pixels=processor_max_pixels)
     _max_pixels = max_pixels
+    # Pillow's plugins and the first resize load lazily: pay that now, not on a user's image.
+    preprocess_image(warm_up_image(), _processor, _max_pixels)
 
 
 def _exit_with_owner() -> None:
@@ -102,6 +118,10 @@ def _exit_with_owner() -> None:
     threading.Thread(target=watch, name="owner-watch", daemon=True).start()
 
 
+def _worker_ready() -> int:
+    return os.getpid()
+
+
 def _run_job(source: Any) -> PreprocessResult:
     assert _processor is not None, "worker not initialised"
     item = preprocess_image(source, _processor, _max_pixels)
@@ -112,10 +132,10 @@ def _run_job(source: Any) -> PreprocessResult:
 class PreprocessPool:
     """``mm_config.mm_preprocess_workers`` processes that preprocess images for one model.
 
-    The processes start with the first ``submit`` (a text-only model never starts them) and
-    stop on ``shutdown()``, when the pool is garbage-collected, or at interpreter exit; the
-    kernel kills them if the owner dies. As with any non-fork process pool, workers import the
-    main module again: a script must guard its entry point with ``if __name__ == "__main__":``.
+    The processes start with ``start()``, or else with the first ``submit`` (a text-only model
+    never starts them), and stop on ``shutdown()``, when the pool is garbage-collected, or at
+    interpreter exit; the kernel kills them if the owner dies. They never import the owner's
+    main module, so a script needs no ``if __name__ == "__main__":`` guard.
 
     Raises (from ``submit``'s future):
         ValueError: the image is undecodable, missing, or above ``mm_config.max_pixels``;
@@ -153,6 +173,23 @@ class PreprocessPool:
                 self._stop_executor(wait=False)
                 return self._get_executor().submit(_run_job, source)
 
+    def start(self) -> list[concurrent.futures.Future[int]]:
+        """Start every worker now, rather than with the first images; returns at once.
+
+        Each worker builds its processor and preprocesses ``warm_up_image()`` before it takes
+        a job. Returns one future per worker, done (with a worker's pid) once it is warm; its
+        ``result()`` raises ``BrokenProcessPool`` when a worker failed to start. Images
+        submitted meanwhile queue behind the warm-up.
+
+        Raises:
+            RuntimeError: the pool was shut down.
+        """
+        logger.info("Starting %d preprocessing workers", self.num_workers)
+        with self._lock:
+            executor = self._get_executor()
+            # Each submit to an executor without an idle worker starts one more process.
+            return [executor.submit(_worker_ready) for _ in range(self.num_workers)]
+
     def worker_pids(self) -> list[int]:
         """The pids of the worker processes running now (none before the first submit)."""
         with self._lock:
@@ -171,7 +208,7 @@ class PreprocessPool:
         if self._closed:
             raise RuntimeError("The preprocessing pool has been shut down.")
         if self._executor is None:
-            context = multiprocessing.get_context("forkserver")
+            context = no_main_context("forkserver")
             context.set_forkserver_preload(_FORKSERVER_PRELOAD)
             executor = concurrent.futures.ProcessPoolExecutor(
                 self.num_workers,
