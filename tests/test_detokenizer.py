@@ -36,3 +36,19 @@ def test_stop_string_inside_multibyte_text():
         if stop:
             break
     assert stop == "東京" and detokenizer.text == "Grüße aus Zürich 🚀 — "
+
+
+def test_tokens_without_text_leave_the_text_intact():
+    """An id beyond the tokenizer (real checkpoints have more embedding rows than tokens) and
+    a skipped special token add no text, and the text around them decodes as without them."""
+    tokenizer = build_tokenizer("qwen2")
+    unknown, special = len(tokenizer) + 7, tokenizer.eos_token_id
+    words = tokenizer(" hello world").input_ids
+    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer("x").input_ids, SamplingParams())
+    pieces = []
+    for token_id in [words[0], unknown, special, *words[1:], unknown]:
+        before = detokenizer.text
+        assert detokenizer.update([token_id]) is None
+        pieces.append(detokenizer.text[len(before) :])
+    assert detokenizer.text == " hello world"
+    assert pieces[1] == pieces[2] == pieces[-1] == ""
