@@ -24,13 +24,20 @@ class ProcessedImage:
 
     ``pixel_values`` is family-specific:
       - Qwen2-VL / Qwen2.5-VL: ``[grid_t * grid_h * grid_w, C * temporal_patch * patch * patch]``
-        float32 patches (HF's flattened layout), with ``image_grid_thw = (t, h, w)`` in patches.
+        patches (HF's flattened layout), with ``image_grid_thw = (t, h, w)`` in patches.
       - CLIP / LLaVA: ``[3, H, W]`` float32, resized, cropped and normalised.
+
+    Float32 pixels are final. uint8 pixels (``preprocess(..., defer_normalization=True)``) are
+    resized but not yet normalised: the consumer computes ``(x - pixel_mean[c]) / pixel_std[c]``
+    per channel ``c`` in float32 on the device, the same operations as on the CPU, so that a
+    quarter of the bytes cross processes and the host-to-device copy.
     """
 
     pixel_values: torch.Tensor
     num_tokens: int  # placeholder tokens in the prompt = rows of the image's embeddings
     image_grid_thw: tuple[int, int, int] | None = None
+    pixel_mean: tuple[float, ...] = ()  # per channel, in 0..255 pixel units (uint8 pixels only)
+    pixel_std: tuple[float, ...] = ()
 
 
 class ImageProcessor:
@@ -42,7 +49,8 @@ class ImageProcessor:
             processor was told to reject rather than resize, or a zero-sized image).
     """
 
-    def preprocess(self, image: Image.Image) -> ProcessedImage:
+    def preprocess(self, image: Image.Image, defer_normalization: bool = False) -> ProcessedImage:
+        """``defer_normalization``: return uint8 pixels where the family supports it."""
         raise NotImplementedError
 
     @property

@@ -116,8 +116,9 @@ class CLIPImageProcessor(ImageProcessor):
             return shortest_edge_size(height, width, self.size["shortest_edge"])
         return self.size["height"], self.size["width"]
 
-    def preprocess(self, image: Image.Image) -> ProcessedImage:
-        """PIL image (any mode) → ``[3, crop_h, crop_w]`` float32 (``[3, H, W]`` uncropped).
+    def preprocess(self, image: Image.Image, defer_normalization: bool = False) -> ProcessedImage:
+        """PIL image (any mode) → ``[3, crop_h, crop_w]`` float32 (``[3, H, W]`` uncropped);
+        always normalised (``defer_normalization`` is not supported here).
 
         Raises:
             ValueError: zero-sized image.

@@ -200,6 +200,17 @@ class Normalization:
             image_std=_floats(config.get("image_std", OPENAI_CLIP_STD)),
         )
 
+    def folded(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+        """``(mean, std)`` such that ``(x - mean) / std`` in float32 is exactly ``self(x)``
+        (the rescale folded in, as ``__call__`` does), or None when ``do_normalize`` is off."""
+        if not self.do_normalize:
+            return None
+        mean, std = torch.tensor(self.image_mean), torch.tensor(self.image_std)
+        if self.do_rescale:
+            mean = mean * (1.0 / self.rescale_factor)
+            std = std * (1.0 / self.rescale_factor)
+        return tuple(mean.tolist()), tuple(std.tolist())
+
     def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
         """``[C, H, W]`` (any dtype) → ``[C, H, W]`` float32."""
         pixels = pixels.to(torch.float32)

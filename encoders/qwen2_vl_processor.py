@@ -10,7 +10,7 @@ image tokens. Pixels equal those of transformers' default ``Qwen2VLImageProcesso
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -87,6 +87,19 @@ def patchify(
     blocks = blocks.permute(1, 4, 2, 5, 0, 3, 6)
     frames = blocks.unsqueeze(5).expand(-1, -1, -1, -1, -1, temporal_patch_size, -1, -1)
     return frames.reshape(grid_h * grid_w, channels * temporal_patch_size * patch_size**2)
+
+
+def normalize_patches(
+    patches: torch.Tensor, pixel_mean: Sequence[float], pixel_std: Sequence[float]
+) -> torch.Tensor:
+    """uint8 patches ``[N, C * K]`` (channel-major rows, as ``patchify`` makes) → float32
+    ``(x - mean[c]) / std[c]``, on ``patches``' device, bit-identical to normalising the image
+    first (the same float32 operations; patchify only moves pixels)."""
+    channels = len(pixel_mean)
+    x = patches.view(patches.shape[0], channels, -1).to(torch.float32)
+    mean = torch.tensor(pixel_mean, dtype=torch.float32).to(x.device, non_blocking=True)
+    std = torch.tensor(pixel_std, dtype=torch.float32).to(x.device, non_blocking=True)
+    return ((x - mean.view(1, -1, 1)) / std.view(1, -1, 1)).view(patches.shape)
 
 
 class Qwen2VLImageProcessor(ImageProcessor):
@@ -191,8 +204,11 @@ class Qwen2VLImageProcessor(ImageProcessor):
             (self.min_pixels + 16 * f * root_min + f * f) // f**2,
         )
 
-    def preprocess(self, image: Image.Image) -> ProcessedImage:
+    def preprocess(self, image: Image.Image, defer_normalization: bool = False) -> ProcessedImage:
         """PIL image (any mode) → patches; see the class docstring for shapes.
+
+        With ``defer_normalization`` (and a normalising config) the patches stay uint8 and
+        carry the folded mean and std; ``normalize_patches`` finishes them on the device.
 
         Raises:
             ValueError: zero-sized image, aspect ratio above 200, or (with ``do_resize`` off)
@@ -207,12 +223,15 @@ class Qwen2VLImageProcessor(ImageProcessor):
             )
         if self.do_resize:
             pixels = resize(pixels, height, width, self.resample)
-        patches = patchify(
-            self.normalization(pixels), self.patch_size, self.temporal_patch_size, self.merge_size
-        )
+        mean_std = self.normalization.folded() if defer_normalization else None
+        if mean_std is None:
+            pixels = self.normalization(pixels)
+        patches = patchify(pixels, self.patch_size, self.temporal_patch_size, self.merge_size)
         grid_h, grid_w = height // self.patch_size, width // self.patch_size
         return ProcessedImage(
             pixel_values=patches,
             num_tokens=grid_h * grid_w // self.merge_size**2,
             image_grid_thw=(1, grid_h, grid_w),
+            pixel_mean=mean_std[0] if mean_std else (),
+            pixel_std=mean_std[1] if mean_std else (),
         )

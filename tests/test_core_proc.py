@@ -221,6 +221,9 @@ def test_wire_is_msgpack_and_raw_frames(llm):
     assert body["type"] == "add" and body["request_id"] == "wire-0"
     assert body["sampling_params"]["logprobs"] == 2
     assert len(frames) == 3 and [f["frame"] for f in body["mm_features"]] == [1, 2]
+    # The pool's Qwen2-VL patches travel as uint8 with the normalisation left to the engine.
+    assert request.mm_features[0].data.pixel_values.dtype == torch.uint8
+    assert len(body["mm_features"][0]["pixel_mean"]) == 3
     sent = [f.data.pixel_values for f in request.mm_features]
     assert frames[1] == sent[0].numpy().tobytes()  # raw tensor bytes, not in the body
     decoded = InputCodec().decode(frames)
@@ -228,6 +231,8 @@ def test_wire_is_msgpack_and_raw_frames(llm):
         assert feature.data.pixel_values.dtype == original.data.pixel_values.dtype
         assert torch.equal(feature.data.pixel_values, original.data.pixel_values)
         assert feature.data.image_grid_thw == original.data.image_grid_thw
+        assert feature.data.pixel_mean == original.data.pixel_mean
+        assert feature.data.pixel_std == original.data.pixel_std
         assert feature.placeholder == original.placeholder
     assert decoded.sampling_params == request.sampling_params
     assert decoded.prompt_token_ids == request.prompt_token_ids

@@ -95,8 +95,9 @@ def test_pool_matches_in_process_preprocessing(config, tmp_path):
             result = future.result()
             assert result.pid != os.getpid()
             item = result.to_processed_image()
-            expected = processor.preprocess(load_image(source))
+            expected = processor.preprocess(load_image(source), defer_normalization=True)
             assert torch.equal(item.pixel_values, expected.pixel_values)
+            assert (item.pixel_mean, item.pixel_std) == (expected.pixel_mean, expected.pixel_std)
             assert item.num_tokens == expected.num_tokens
             assert item.image_grid_thw == expected.image_grid_thw
         pids = pool.worker_pids()

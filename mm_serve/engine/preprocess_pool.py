@@ -51,24 +51,29 @@ _max_pixels: int = 0
 class PreprocessResult:
     """One preprocessed image as it crosses the process boundary.
 
-    ``pixel_values`` is ``ProcessedImage.pixel_values`` as a numpy array (float32, shape per
-    family: see ``ProcessedImage``); ``pid`` is the worker process that made it.
+    ``pixel_values`` is ``ProcessedImage.pixel_values`` as a numpy array (uint8 where the
+    family defers normalisation to the device, else float32; shape per family: see
+    ``ProcessedImage``); ``pid`` is the worker process that made it.
     """
 
     pixel_values: np.ndarray
     num_tokens: int
     image_grid_thw: tuple[int, int, int] | None
     pid: int
+    pixel_mean: tuple[float, ...] = ()
+    pixel_std: tuple[float, ...] = ()
 
     def to_processed_image(self) -> ProcessedImage:
         """The torch form, sharing the array's memory (no copy)."""
+        pixels = torch.from_numpy(self.pixel_values)
         return ProcessedImage(
-            torch.from_numpy(self.pixel_values), self.num_tokens, self.image_grid_thw
+            pixels, self.num_tokens, self.image_grid_thw, self.pixel_mean, self.pixel_std
         )
 
 
 def preprocess_image(source: Any, processor: ImageProcessor, max_pixels: int) -> ProcessedImage:
-    """Decode (EXIF-rotated), check the size limit, convert, resize, normalise, patchify.
+    """Decode (EXIF-rotated), check the size limit, convert, resize, patchify; normalising is
+    left to the device where the family allows it (uint8 pixels, see ``ProcessedImage``).
 
     ``source``: encoded bytes, a file path or a PIL image (see ``load_image``).
 
@@ -76,7 +81,7 @@ def preprocess_image(source: Any, processor: ImageProcessor, max_pixels: int) ->
         ValueError: undecodable data, a missing file, more than ``max_pixels`` input pixels,
             or an image the processor rejects.
     """
-    return processor.preprocess(load_image(source, max_pixels))
+    return processor.preprocess(load_image(source, max_pixels), defer_normalization=True)
 
 
 def warm_up_image(size: int = 224) -> bytes:
@@ -126,7 +131,9 @@ def _run_job(source: Any) -> PreprocessResult:
     assert _processor is not None, "worker not initialised"
     item = preprocess_image(source, _processor, _max_pixels)
     pixels = item.pixel_values.numpy()
-    return PreprocessResult(pixels, item.num_tokens, item.image_grid_thw, os.getpid())
+    return PreprocessResult(
+        pixels, item.num_tokens, item.image_grid_thw, os.getpid(), item.pixel_mean, item.pixel_std
+    )
 
 
 class PreprocessPool:

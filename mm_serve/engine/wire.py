@@ -70,6 +70,8 @@ class MultiModalFeatureWire(msgspec.Struct, omit_defaults=True):
     dtype: str = ""  # torch dtype name of the pixel tensor, e.g. "float32"
     shape: tuple[int, ...] = ()
     frame: int = -1
+    pixel_mean: tuple[float, ...] = ()  # uint8 pixels: the normalisation left to the engine
+    pixel_std: tuple[float, ...] = ()
 
 
 class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
@@ -218,6 +220,7 @@ def request_to_wire(request: Request) -> tuple[AddRequest, list[memoryview]]:
             wire.image_grid_thw = tuple(data.image_grid_thw) if data.image_grid_thw else None
             wire.dtype = str(pixels.dtype).removeprefix("torch.")
             wire.shape = tuple(pixels.shape)
+            wire.pixel_mean, wire.pixel_std = tuple(data.pixel_mean), tuple(data.pixel_std)
             wire.frame = len(buffers) + 1
             buffers.append(tensor_to_buffer(pixels))
         features.append(wire)
@@ -260,7 +263,9 @@ def _feature_from_wire(wire: MultiModalFeatureWire, frames: Sequence[Buffer]) ->
         if not 1 <= wire.frame < len(frames):
             raise ValueError(f"Image {wire.mm_hash!r} refers to missing frame {wire.frame}.")
         pixels = tensor_from_buffer(frames[wire.frame], wire.dtype, wire.shape)
-        data = ProcessedImage(pixels, wire.num_tokens, wire.image_grid_thw)
+        data = ProcessedImage(
+            pixels, wire.num_tokens, wire.image_grid_thw, wire.pixel_mean, wire.pixel_std
+        )
     return MultiModalFeature(wire.mm_hash, PlaceholderRange(wire.offset, wire.length), data)
 
 

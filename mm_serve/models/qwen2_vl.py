@@ -25,6 +25,7 @@ from torch import nn
 from mm_serve.encoders.base import ProcessedImage
 from mm_serve.encoders.qwen2_5_vl import Qwen2_5_VisionTransformer
 from mm_serve.encoders.qwen2_vl import Qwen2VisionTransformer
+from mm_serve.encoders.qwen2_vl_processor import normalize_patches
 from mm_serve.models.llama import LlamaForCausalLM
 
 # Checkpoint name prefix -> ours, tried in order (first match wins).
@@ -71,6 +72,25 @@ def tie_embeddings_like(model: LlamaForCausalLM, hf_config: Any) -> None:
         model.lm_head.weight = model.model.embed_tokens.weight
 
 
+def pixels_on_device(images: list[ProcessedImage], device: torch.device) -> torch.Tensor:
+    """The images' patches concatenated on ``device``, float32 ``[sum of rows, C * K]``.
+
+    uint8 patches (see ``ProcessedImage``) are gathered into one pinned host buffer, copied
+    without blocking and normalised on the device; float32 ones are copied as they are.
+    """
+    pixels = [image.pixel_values for image in images]
+    if any(p.dtype != torch.uint8 for p in pixels):  # final pixels, or a mix: one at a time
+        if len(images) > 1:
+            return torch.cat([pixels_on_device([image], device) for image in images])
+        return pixels[0].to(device=device, dtype=torch.float32)
+    pinned = device.type == "cuda"
+    rows = sum(p.shape[0] for p in pixels)
+    host = torch.empty((rows, pixels[0].shape[1]), dtype=torch.uint8, pin_memory=pinned)
+    torch.cat(pixels, out=host)
+    host = host.to(device, non_blocking=pinned)
+    return normalize_patches(host, images[0].pixel_mean, images[0].pixel_std)
+
+
 class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
     """Qwen2-VL: ``visual`` (``Qwen2VisionTransformer``) + the Qwen2 LM with M-RoPE.
 
@@ -101,8 +121,7 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
         if not images:
             return []
         weight = self.visual.patch_embed.proj.weight
-        pixel_values = torch.cat([image.pixel_values for image in images])
-        pixel_values = pixel_values.to(device=weight.device, dtype=weight.dtype)
+        pixel_values = pixels_on_device(images, weight.device).to(weight.dtype)
         grids = [tuple(image.image_grid_thw) for image in images]
         grid_thw = torch.tensor(grids, dtype=torch.long, device=weight.device)
         embeddings = self.visual(pixel_values, grid_thw)  # [sum of tokens, hidden]
