@@ -1,8 +1,11 @@
 # Commands for a fresh machine (CPU-only or GPU host):
 #   make serve  set up, then serve the bundled demo VLM and its web page on 127.0.0.1:8000
+#               (make serve MODEL=/path/to/checkpoint ARGS="--port 8001 --max-model-len 4096")
 #   make test   set up, then run the test suite
 #   make demo   set up, then generate offline with a tiny checkpoint built on the spot
 PYTHON ?= python3
+MODEL ?=
+ARGS ?=
 VENV := .venv
 # CPU build of torch, for hosts without one (a CUDA build would pull GBs of wheels).
 TORCH_VERSION ?= 2.13.0
@@ -22,18 +25,20 @@ $(VENV)/.installed: pyproject.toml
 ifeq ($(HOST_HAS_TORCH),yes)
 	mkdir -p $(VENV)
 else
+	@echo "== Creating $(VENV) and installing torch $(TORCH_VERSION) (CPU build; about 30 s)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
 endif
 	# Pin the torch now present so no dependency upgrades it.
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/constraints.txt
+	@echo "== Installing mm_serve and its dependencies (about a minute on a fresh machine)"
 	# An offline host that already has every dependency takes the fallback.
 	$(PY) -m pip install -q -e ".[test]" -c $(VENV)/constraints.txt \
 	  || $(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
 serve: setup
-	$(PY) -m mm_serve.entrypoints.cli serve
+	$(PY) -m mm_serve.entrypoints.cli serve $(MODEL) $(ARGS)
 
 demo: setup
 	$(PY) samples/offline_generate.py

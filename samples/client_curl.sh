@@ -5,10 +5,13 @@
 #
 # Defaults: matplotlib's photo of Grace Hopper, "What is in this picture?" and
 # http://127.0.0.1:8000. Set MM_SERVE_API_KEY when the server runs with --api-key.
-# Needs curl and python3 (to find the default photo and to JSON-escape the question).
+# Needs curl, and a Python with matplotlib for the default photo: $PYTHON, else the project's
+# .venv/bin/python (made by `make`), else python3.
 set -euo pipefail
 
-PYTHON=${PYTHON:-python3}
+venv_python="$(dirname "$0")/../.venv/bin/python"
+[[ -x "$venv_python" ]] || venv_python=python3
+PYTHON=${PYTHON:-$venv_python}
 IMAGE=${1:-$("$PYTHON" -c 'import matplotlib, os; print(os.path.join(matplotlib.get_data_path(), "sample_data", "grace_hopper.jpg"))')}
 QUESTION=${2:-"What is in this picture?"}
 BASE_URL=${3:-http://127.0.0.1:8000}

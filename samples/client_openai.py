@@ -1,9 +1,9 @@
 """Ask a question about an image through the official ``openai`` package.
 
-    python samples/client_openai.py [IMAGE] [QUESTION] [--base-url URL] [--api-key KEY]
+    .venv/bin/python samples/client_openai.py [IMAGE] [QUESTION] [--base-url URL] [--api-key KEY]
 
 Defaults: matplotlib's photo of Grace Hopper, "What is in this picture?", a server at
-http://127.0.0.1:8000 (start one with ``mm-serve serve``). The image is sent inline as a base64
+http://127.0.0.1:8000 (start one with ``make serve``). The image is sent inline as a base64
 ``data:`` URL; the answer streams to stdout, then the token usage.
 """
 

@@ -1,9 +1,9 @@
 """Ask a question about an image through mm_serve's own SDK, streaming the answer.
 
-    python samples/client_sdk.py [IMAGE] [QUESTION] [--base-url URL] [--api-key KEY]
+    .venv/bin/python samples/client_sdk.py [IMAGE] [QUESTION] [--base-url URL] [--api-key KEY]
 
 Defaults: matplotlib's photo of Grace Hopper, "What is in this picture?", a server at
-http://127.0.0.1:8000 (start one with ``mm-serve serve``). ``images=`` takes paths, bytes, PIL
+http://127.0.0.1:8000 (start one with ``make serve``). ``images=`` takes paths, bytes, PIL
 images or URLs; the SDK encodes them.
 """
 

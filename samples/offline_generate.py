@@ -1,11 +1,12 @@
 """Offline generation with the LLM API.
 
-Without arguments it builds a tiny random-weight Llama checkpoint in a temporary folder (no
-download needed) and generates from it, so the output is gibberish but the whole engine runs:
-loading, paged KV cache, chunked prefill, prefix caching, sampling, detokenization.
+Without arguments it builds a tiny random-weight Qwen2 checkpoint in a temporary folder (no
+download needed; removed at the end) and generates from it, so the output is gibberish but the
+whole engine runs: loading, paged KV cache, chunked prefill, prefix caching, sampling,
+detokenization. Run it with the project's environment (``make`` creates ``.venv``):
 
-    python samples/offline_generate.py                 # tiny checkpoint built on the spot
-    python samples/offline_generate.py /path/to/model  # any supported HF checkpoint
+    .venv/bin/python samples/offline_generate.py                 # or: make demo
+    .venv/bin/python samples/offline_generate.py /path/to/model  # any supported HF checkpoint
 """
 
 from __future__ import annotations
@@ -20,10 +21,16 @@ from mm_serve.testing.checkpoints import build_tiny_checkpoint
 
 def main() -> None:
     if len(sys.argv) > 1:
-        model = sys.argv[1]
-    else:
-        model = build_tiny_checkpoint(tempfile.mkdtemp(prefix="mm_serve_tiny_"), family="qwen2")
+        generate(sys.argv[1])
+        return
+    with tempfile.TemporaryDirectory(prefix="mm_serve_tiny_") as folder:
+        model = build_tiny_checkpoint(folder, family="qwen2")
         print(f"Built a tiny random-weight checkpoint in {model}")
+        generate(model)
+
+
+def generate(model: str) -> None:
+    """Sample four prompts, then one greedy chat turn, and print them."""
     llm = LLM(model)
     prompts = [
         "The capital of France is",
@@ -45,6 +52,7 @@ def main() -> None:
         use_tqdm=False,
     )
     print(f"chat -> {reply.outputs[0].text!r}")
+    llm.shutdown()
 
 
 if __name__ == "__main__":
