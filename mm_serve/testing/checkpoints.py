@@ -3,13 +3,14 @@
 ``build_tiny_checkpoint`` writes a folder that looks like a real Llama-3 or Qwen2 checkpoint:
 a byte-level BPE tokenizer trained here on ``CORPUS`` with the family's special tokens and
 chat template, ``config.json``, ``generation_config.json`` and safetensors weights (optionally
-sharded with an index). Weights are the HF model's own init with a large ``initializer_range``
-so that logits are peaked and greedy decoding has no near-ties between implementations.
+sharded with an index), all written by transformers' ``save_pretrained``. Weights are the HF
+model's own init with a large ``initializer_range`` so that logits are peaked and greedy
+decoding has no near-ties between implementations.
 """
 
 from __future__ import annotations
 
-import json
+import glob
 import os
 from typing import Any
 
@@ -179,26 +180,25 @@ def _perturb_norms_and_biases(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(0.2 * torch.randn(param.shape, generator=gen))
 
 
-def _shard(path: str, num_shards: int) -> None:
-    """Split ``model.safetensors`` into ``num_shards`` files plus the HF index json."""
-    from safetensors.torch import load_file, save_file
+def _save_sharded(model: Any, path: str | os.PathLike, num_shards: int) -> None:
+    """``model.save_pretrained`` into exactly ``num_shards`` safetensors files plus its index.
 
-    single = os.path.join(path, "model.safetensors")
-    tensors = load_file(single)
-    os.remove(single)
-    names = sorted(tensors)
-    if num_shards > len(names):
-        raise ValueError(f"Cannot split {len(names)} tensors into {num_shards} shards.")
-    weight_map, total = {}, 0
-    for i in range(num_shards):
-        file = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
-        part = {n: tensors[n] for n in names[i::num_shards]}
-        save_file(part, os.path.join(path, file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(part, file))
-        total += sum(t.numel() * t.element_size() for t in part.values())
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump(index, f, indent=2)
+    transformers shards by a byte limit, not a count: search the limit (the count only falls
+    as the limit grows) and save with it. Raises ``ValueError`` when no limit gives the count.
+    """
+
+    def save(max_shard_size: int) -> int:
+        for stale in glob.glob(os.path.join(path, "model*.safetensors*")):  # a previous try's
+            os.remove(stale)
+        model.save_pretrained(path, max_shard_size=max_shard_size)
+        return len(glob.glob(os.path.join(path, "*.safetensors")))
+
+    low, high = 1, sum(p.numel() * p.element_size() for p in model.parameters())
+    while low < high:  # the largest limit that still gives at least num_shards files
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if save(middle) >= num_shards else (low, middle - 1)
+    if save(low) != num_shards:
+        raise ValueError(f"transformers cannot split this model into {num_shards} shards.")
 
 
 def build_tiny_checkpoint(
@@ -235,8 +235,9 @@ def build_tiny_checkpoint(
         eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
     )
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
     if num_shards > 1:
-        _shard(path, num_shards)
+        _save_sharded(model, path, num_shards)
+    else:
+        model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
     return str(path)
