@@ -31,6 +31,7 @@ from mm_serve.encoders.qwen2_vl import (
     varlen_segments,
 )
 from mm_serve.models.layers.layernorm import RMSNorm
+from mm_serve.transfer import host_to_device
 
 
 def window_index(
@@ -125,7 +126,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
         device = x.device
         cos, sin = rotary_cos_sin(grids, merge, self.head_dim, self.rope_theta, device)
         index, cu_window = window_index(grids, merge, self.window_size, self.patch_size)
-        index = index.to(device)
+        index = host_to_device(index, device)
 
         def to_window_order(t: torch.Tensor) -> torch.Tensor:  # [N, d], whole merge windows
             return t.view(-1, merge * merge, t.shape[-1])[index].flatten(0, 1)

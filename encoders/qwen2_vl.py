@@ -26,6 +26,7 @@ from transformers.activations import ACT2FN
 
 from mm_serve.kernels.dispatch import kernel_mode, quick_gelu, use_kernels
 from mm_serve.models.layers.layernorm import RMSNorm
+from mm_serve.transfer import host_to_device
 
 
 def rope_theta(vision_config) -> float:
@@ -91,7 +92,7 @@ def varlen_segments(bounds: list[int], device: torch.device, dtype: torch.dtype)
     in half precision; elsewhere they are grouped by length for batched SDPA calls."""
     bounds = [b for i, b in enumerate(bounds) if i == 0 or b != bounds[i - 1]]
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
-    cu_seqlens = torch.tensor(bounds, dtype=torch.int32).to(device, non_blocking=True)
+    cu_seqlens = host_to_device(torch.tensor(bounds, dtype=torch.int32), device)
     max_len = max(lengths, default=0)
     flash = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
     if flash and _flash_varlen() is not None and kernel_mode() != "ref":
@@ -100,7 +101,7 @@ def varlen_segments(bounds: list[int], device: torch.device, dtype: torch.dtype)
     for start, length in zip(bounds[:-1], lengths, strict=True):
         by_length.setdefault(length, []).append(start)
     groups = [
-        (torch.tensor(starts)[:, None] + torch.arange(length)).to(device)
+        host_to_device(torch.tensor(starts)[:, None] + torch.arange(length), device)
         for length, starts in by_length.items()
     ]
     return Segments(cu_seqlens, max_len, groups)
@@ -122,7 +123,7 @@ def rotary_cos_sin(
         # [h, w] -> [h/m, m, w/m, m] -> [h/m, w/m, m, m]: each merge window contiguous.
         ys, xs = (p.reshape(h // merge, merge, w // merge, merge).transpose(1, 2) for p in (ys, xs))
         positions.append(torch.stack([ys.flatten(), xs.flatten()], dim=-1).repeat(t, 1))
-    pos = torch.cat(positions).to(device=device, dtype=torch.float32)  # [N, 2]
+    pos = host_to_device(torch.cat(positions).float(), device)  # [N, 2]
     half = head_dim // 2
     inv_freq = 1.0 / theta ** (torch.arange(0, half, 2, device=device, dtype=torch.float32) / half)
     freqs = (pos[:, :, None] * inv_freq).flatten(1)  # [N, 2 * head_dim // 4]: y | x

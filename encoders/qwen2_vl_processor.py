@@ -18,6 +18,7 @@ from PIL import Image
 
 from mm_serve.encoders.base import ImageProcessor, ProcessedImage
 from mm_serve.encoders.image_io import Normalization, pil_to_tensor, resize
+from mm_serve.transfer import host_to_device
 
 DEFAULT_MIN_PIXELS = 56 * 56
 DEFAULT_MAX_PIXELS = 28 * 28 * 1280
@@ -97,8 +98,8 @@ def normalize_patches(
     first (the same float32 operations; patchify only moves pixels)."""
     channels = len(pixel_mean)
     x = patches.view(patches.shape[0], channels, -1).to(torch.float32)
-    mean = torch.tensor(pixel_mean, dtype=torch.float32).to(x.device, non_blocking=True)
-    std = torch.tensor(pixel_std, dtype=torch.float32).to(x.device, non_blocking=True)
+    mean = host_to_device(torch.tensor(pixel_mean, dtype=torch.float32), x.device)
+    std = host_to_device(torch.tensor(pixel_std, dtype=torch.float32), x.device)
     return ((x - mean.view(1, -1, 1)) / std.view(1, -1, 1)).view(patches.shape)
 
 

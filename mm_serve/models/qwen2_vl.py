@@ -123,7 +123,7 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
         weight = self.visual.patch_embed.proj.weight
         pixel_values = pixels_on_device(images, weight.device).to(weight.dtype)
         grids = [tuple(image.image_grid_thw) for image in images]
-        grid_thw = torch.tensor(grids, dtype=torch.long, device=weight.device)
+        grid_thw = torch.tensor(grids, dtype=torch.long)  # stays on the host: read as a list
         embeddings = self.visual(pixel_values, grid_thw)  # [sum of tokens, hidden]
         sizes = [t * h * w // self.spatial_merge_size**2 for t, h, w in grids]
         return list(embeddings.split(sizes))

@@ -14,6 +14,7 @@ import torch
 
 from mm_serve.request import MultiModalFeature
 from mm_serve.sampling_params import SamplingParams
+from mm_serve.transfer import host_to_device
 from mm_serve.worker.sampling_metadata import SamplingMetadata
 
 
@@ -58,9 +59,7 @@ def to_device(array: np.ndarray, device: torch.device, dtype: torch.dtype | None
     tensor = torch.from_numpy(np.ascontiguousarray(array))
     if dtype is not None:
         tensor = tensor.to(dtype)
-    if device.type != "cuda":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
+    return host_to_device(tensor, device)
 
 
 class InputBatch:
