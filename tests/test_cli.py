@@ -250,7 +250,7 @@ def test_chat_command_against_a_server(server, image) -> None:
 
 
 def test_chat_command_reports_an_unreachable_server() -> None:
-    proc = run_chat(f"http://127.0.0.1:{free_port()}", "Hello")
+    proc = run_chat(f"http://127.0.0.1:{free_port()}", "Hello? " * 50)  # no file name: too long
     assert proc.returncode == 1
     assert proc.stderr.startswith("\nmm-serve chat: ")
 

@@ -17,6 +17,7 @@ import functools
 import importlib
 import json
 import logging
+import os
 import re
 import sys
 import types
@@ -71,7 +72,8 @@ _ENGINE_ARG_HELP = {
     "block_size": "Tokens per KV-cache block.",
     "enable_prefix_caching": "Reuse the KV blocks of identical prompt prefixes.",
     "gpu_memory_utilization": "Fraction of GPU memory for weights, activations and KV cache.",
-    "cpu_kv_cache_bytes": "KV-cache size on CPU, in bytes or with a unit (512MiB, 2GiB).",
+    "cpu_kv_cache_bytes": "KV-cache budget on CPU (the pool holds at most max_num_seqs x "
+    "max_model_len tokens), in bytes or with a unit (512MiB, 2GiB).",
     "num_kv_blocks": "KV-cache size in blocks.",
     "max_num_batched_tokens": "Token budget of one engine step; longer prompts are chunked.",
     "max_num_seqs": "Most requests in one engine step.",
@@ -178,27 +180,21 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add("--host", "Address to listen on.", server.host)
     add("--port", "Port to listen on.", server.port, type=int)
     add("--api-key", "Require 'Authorization: Bearer <key>' on /v1/* (401 without).")
-    names = list(server.served_model_names)
     add(
         "--served-model-name",
         "Model names clients may use; the first is reported in responses.",
-        names,
-        "the model as given",
+        list(server.served_model_names),
+        shown="the model as given",
         nargs="+",
     )
-    domains = list(media.allowed_domains)
     add(
         "--allowed-media-domains",
         "Hosts whose http(s) image URLs are fetched.",
-        domains,
-        "none",
+        list(media.allowed_domains),
+        shown="none",
         nargs="+",
     )
-    add(
-        "--allowed-local-media-path",
-        "Folder whose files file:// image URLs may name.",
-        shown="none",
-    )
+    add("--allowed-local-media-path", "Folder whose files file:// URLs may name.", shown="none")
     add(
         "--limit-mm-per-prompt",
         "Most images per request, as N or '{\"image\": N}'; more: 400.",
@@ -377,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``mm-serve``; returns the exit code."""
     parser = build_parser(argv)
     args = parser.parse_args(argv)
-    if args.command == "chat" and args.image is None and Path(args.question).is_file():
+    if args.command == "chat" and args.image is None and os.path.isfile(args.question):
         parser.error(
             f"{args.question!r} is a file: ask a question too (mm-serve chat IMAGE QUESTION)."
         )
