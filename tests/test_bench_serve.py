@@ -140,12 +140,18 @@ def _send(response: httpx.Response | Exception) -> RequestResult:
 
 
 def test_stream_timings_and_usage():
-    chunk = json.dumps({"choices": [{"index": 0, "delta": {"content": "a"}}]})
+    def delta(**fields) -> str:
+        return json.dumps({"choices": [{"index": 0, "delta": fields}]})
+
+    role, chunk, empty = delta(role="assistant", content=""), delta(content="a"), delta(content="")
     usage = json.dumps({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 4}})
-    result = _send(httpx.Response(200, content=_sse(chunk, chunk, chunk, usage, "[DONE]")))
+    events = _sse(role, chunk, empty, chunk, usage, "[DONE]")
+    result = _send(httpx.Response(200, content=events))
     assert result.success and result.error == ""
     assert (result.prompt_tokens, result.output_tokens) == (7, 4)
-    assert len(result.itl_s) == 2  # 3 content chunks; the usage chunk has no choices
+    # vLLM's rule: 3 token chunks ("a", "" without a role, "a"); neither the role chunk nor
+    # the usage chunk is one.
+    assert len(result.itl_s) == 2
     assert 0 <= result.ttft_s <= result.e2e_s
 
 

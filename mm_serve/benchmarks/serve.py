@@ -127,14 +127,23 @@ def _finish(result: RequestResult, start: float, chunk_times: list[float], end: 
     result.success = True
 
 
+def is_token_chunk(event: dict) -> bool:
+    """True for a streamed chat chunk that carries a token (see ``send_request``)."""
+    choices = event.get("choices") or [{}]
+    delta = choices[0].get("delta") or {}
+    content = delta.get("content")
+    return bool(content) or (content == "" and "role" not in delta)
+
+
 async def send_request(
     client: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str]
 ) -> RequestResult:
     """POST one streamed chat request and time its chunks; never raises for a failed request
     (HTTP error, connection error, error event, cut stream): ``error`` says what happened.
 
-    A content chunk is any chunk with choices: each carries the tokens of one engine step,
-    even when they decode to no text yet (a partial UTF-8 character).
+    A token chunk is counted by vLLM's ``bench serve`` rule: its delta has non-empty
+    ``content``, or ``content == ""`` and no ``role`` (a token without text of its own; the
+    role chunk that opens a choice is not a token).
     """
     result = RequestResult()
     chunk_times: list[float] = []
@@ -158,7 +167,7 @@ async def send_request(
                 if "error" in event:
                     result.error = f"Error event: {error_message(data)}"
                     return result
-                if event.get("choices"):
+                if is_token_chunk(event):
                     chunk_times.append(now)
                 if usage := event.get("usage"):
                     result.prompt_tokens = usage.get("prompt_tokens") or 0
