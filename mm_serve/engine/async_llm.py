@@ -14,6 +14,7 @@ import concurrent.futures
 import functools
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ from mm_serve.engine.processor import (
     load_generation_config,
     load_tokenizer,
 )
+from mm_serve.engine.warm_up import WARM_UP_PARAMS, warm_up_prompt
 from mm_serve.outputs import CompletionOutput, RequestOutput
 from mm_serve.sampling_params import SamplingParams
 from mm_serve.sched.output import EngineCoreOutput
@@ -162,7 +164,10 @@ class AsyncLLM:
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="mm_serve-tokenizer"
         )
+        mm_processor = self.input_processor.mm_processor
         try:
+            # The preprocessing workers start (and warm up) while the engine core loads.
+            self._workers_ready = mm_processor.pool.start() if mm_processor else []
             self.engine_core = AsyncEngineCoreClient(engine_args)
         except BaseException:
             self._tokenizer_thread.shutdown(wait=False)
@@ -175,6 +180,35 @@ class AsyncLLM:
     async def create(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
         """Build an ``AsyncLLM`` in a worker thread, keeping the running loop free."""
         return await asyncio.to_thread(cls, engine_args, **kwargs)
+
+    async def warm_up(self) -> None:
+        """Send one request through every stage: chat template, tokenizer, a preprocessing
+        worker (once all are warm), the vision encoder, a prefill and a decode step,
+        detokenization (``warm_up.warm_up_prompt``). Then reset the engine core
+        (``EngineCore.reset``), so the first user's request runs as fast as the next and finds
+        no trace of it: no prefix- or encoder-cache entry, no count in the engine's stats, no
+        call of ``on_request_finished``. The processor cache keeps the warm-up image, under
+        a fresh uuid no user image matches, and counts its lookup (one miss).
+
+        Raises:
+            BrokenProcessPool: a preprocessing worker failed to start.
+            ValueError, EngineRequestError: the checkpoint cannot serve the request.
+            EngineDeadError: the engine core is gone.
+        """
+        logger.info("Warming up: one request through the whole path")
+        start = time.perf_counter()
+        await asyncio.gather(*(asyncio.wrap_future(f) for f in self._workers_ready))
+        prompt = await self._in_tokenizer_thread(warm_up_prompt, self.input_processor)
+        processed = await self.process(prompt)
+        callback, self.on_request_finished = self.on_request_finished, None
+        try:
+            request_id = f"warm-up-{uuid.uuid4().hex}"
+            async for _ in self.generate(processed, WARM_UP_PARAMS, request_id):
+                pass
+        finally:
+            self.on_request_finished = callback
+        await self.engine_core.reset()
+        logger.info("Warmed up in %.1f s", time.perf_counter() - start)
 
     @property
     def is_dead(self) -> bool:

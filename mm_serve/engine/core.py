@@ -27,10 +27,10 @@ class EngineCore:
         self.config = config
         self.model_runner = ModelRunner(config)
         self.model_runner.load_model()
-        num_kv_blocks = self.model_runner.determine_num_kv_blocks()
-        self.model_runner.initialize_kv_cache(num_kv_blocks)
+        self.num_kv_blocks = self.model_runner.determine_num_kv_blocks()
+        self.model_runner.initialize_kv_cache(self.num_kv_blocks)
         self.model_runner.capture_cuda_graphs()  # decode steps; a no-op on CPU / enforce_eager
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_kv_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks)
         self.async_scheduling = config.scheduler.async_scheduling
         # The launched step whose output has not been read yet (async scheduling only).
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
@@ -62,3 +62,22 @@ class EngineCore:
         if previous is None:
             return []
         return self.scheduler.update_from_output(previous[0], previous[1].get())
+
+    def reset(self) -> None:
+        """Forget what finished requests left behind, as after start-up: the prefix cache's
+        block hashes, the encoder cache's entries and the scheduler's counters (after the
+        start-up warm-up request, so that nothing a user sends hits it or is counted with it).
+
+        Raises:
+            RuntimeError: requests are still unfinished.
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError("Cannot reset the engine core while requests are unfinished.")
+        if self._in_flight is not None:  # the last launched step (async scheduling)
+            scheduler_output, pending = self._in_flight
+            self._in_flight = None
+            self.scheduler.update_from_output(scheduler_output, pending.get())
+        # An empty step hands the runner the finished requests, whose states it then drops.
+        self.model_runner.execute_model(self.scheduler.schedule())
+        self.model_runner.encoder_cache.clear()
+        self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.num_kv_blocks)

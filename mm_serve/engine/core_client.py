@@ -22,7 +22,6 @@ import concurrent.futures
 import contextlib
 import itertools
 import logging
-import multiprocessing
 import os
 import queue
 import shutil
@@ -40,6 +39,7 @@ import zmq
 from mm_serve.config import EngineArgs
 from mm_serve.engine.core_proc import run_engine_core
 from mm_serve.engine.exceptions import EngineDeadError, EngineRequestError, EngineStartupError
+from mm_serve.engine.mp_context import no_main_context
 from mm_serve.engine.wire import (
     AbortRequests,
     EngineCoreOutputs,
@@ -81,9 +81,15 @@ class _EngineCoreClientBase:
         self._ctx = zmq.Context()
         self._input = self._bind(zmq.PUSH, self.ipc_paths[0])
         self._output = self._bind(zmq.PULL, self.ipc_paths[1])
-        self._proc = multiprocessing.get_context("spawn").Process(
+        # Spawned without re-running the user's main script (no __main__ guard needed).
+        self._proc = no_main_context("spawn").Process(
             target=run_engine_core,
-            args=(engine_args, *(f"ipc://{p}" for p in self.ipc_paths), os.getpid()),
+            args=(
+                engine_args,
+                *(f"ipc://{p}" for p in self.ipc_paths),
+                os.getpid(),
+                _log_setup(),
+            ),
             name="mm_serve-engine-core",
         )
         thread = threading.Thread(
@@ -290,6 +296,16 @@ class _EngineCoreClientBase:
                 future.set_exception(EngineDeadError(str(error)))
 
 
+def _log_setup() -> tuple[str, int, int] | None:
+    """(format, root level, ``mm_serve`` level) of this process's logging, for the engine
+    core to log alike; None when logging is not configured here (a script stays quiet)."""
+    root = logging.getLogger()
+    if not root.handlers:
+        return None
+    fmt = getattr(root.handlers[0].formatter, "_fmt", None) or logging.BASIC_FORMAT
+    return fmt, root.level, logging.getLogger("mm_serve").getEffectiveLevel()
+
+
 def _deliver(deliveries: list[tuple[_Sink, Any]]) -> None:
     """Put each item on its queue: directly for a sync queue, else one wake-up per loop."""
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = defaultdict(list)
@@ -365,6 +381,11 @@ class EngineCoreClient(_EngineCoreClientBase):
         """KV pool size and free blocks, after all earlier inputs (e.g. an abort) took effect."""
         return self._call("get_stats").result(timeout_s).kv_cache
 
+    def reset(self, timeout_s: float | None = 30.0) -> None:
+        """``EngineCore.reset`` once all earlier inputs took effect. Raises RuntimeError while
+        requests are unfinished."""
+        self._call("reset").result(timeout_s)
+
 
 class AsyncEngineCoreClient(_EngineCoreClientBase):
     """The API server's client: coroutine calls, a per-request ``asyncio.Queue``.
@@ -394,3 +415,8 @@ class AsyncEngineCoreClient(_EngineCoreClientBase):
     async def get_kv_cache_info(self) -> KVCacheInfo:
         """KV pool size and free blocks, after all earlier inputs (e.g. an abort) took effect."""
         return (await asyncio.wrap_future(self._call("get_stats"))).kv_cache
+
+    async def reset(self) -> None:
+        """``EngineCore.reset`` once all earlier inputs took effect. Raises RuntimeError while
+        requests are unfinished."""
+        await asyncio.wrap_future(self._call("reset"))

@@ -21,6 +21,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -52,14 +53,24 @@ _SHUTDOWN = object()  # input/output queue marker: stop the loop / the output th
 
 
 def run_engine_core(
-    engine_args: EngineArgs, input_address: str, output_address: str, parent_pid: int
+    engine_args: EngineArgs,
+    input_address: str,
+    output_address: str,
+    parent_pid: int,
+    log_setup: tuple[str, int, int] | None = None,
 ) -> None:
     """Entry point of the engine core process (started with the "spawn" method).
 
     Connects to the front end's sockets, builds the engine and answers ``EngineReady`` (or
     ``EngineFailed`` with the traceback, then exits with code 1), then serves until the
     parent dies. A fatal error in the loop is reported as ``EngineFailed`` before exiting 1.
+    ``log_setup``: (format, root level, ``mm_serve`` level) of the front end's logging, to
+    log as it does (None: the front end configured none, and this process stays as quiet).
     """
+    if log_setup is not None:
+        fmt, root_level, level = log_setup
+        logging.basicConfig(level=root_level, format=fmt)
+        logging.getLogger("mm_serve").setLevel(level)
     # Ctrl-C in a terminal reaches the whole process group; the front end decides to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # SIGTERM (the front end's shutdown) unwinds the main thread, so that exit handlers run.
@@ -129,6 +140,7 @@ class EngineCoreProc:
         return exit_code
 
     def _start_engine(self, engine_args: EngineArgs) -> None:
+        start = time.perf_counter()
         config = engine_args.create_engine_config()
         self.engine_core = EngineCore(config)
         self.vocab_size = config.model.vocab_size
@@ -142,6 +154,7 @@ class EngineCoreProc:
             num_kv_blocks=kv.num_blocks,
             block_size=config.cache.block_size,
         )
+        logger.info("The engine core started in %.1f s", time.perf_counter() - start)
         self.output_queue.put(ready)
 
     def run_busy_loop(self) -> None:
@@ -223,11 +236,18 @@ class EngineCoreProc:
                 )
 
     def _call_utility(self, call: UtilityRequest) -> EngineCoreOutputs:
+        """``get_stats`` (the counters and the KV pool) or ``reset`` (``EngineCore.reset``)."""
+        engine_core = self.engine_core
+        if call.method == "reset":
+            try:
+                engine_core.reset()
+            except RuntimeError as e:
+                return EngineCoreOutputs(call_id=call.call_id, call_error=str(e))
+            return EngineCoreOutputs(call_id=call.call_id)
         if call.method != "get_stats":
             return EngineCoreOutputs(
                 call_id=call.call_id, call_error=f"Unknown utility method {call.method!r}."
             )
-        engine_core = self.engine_core
         stats = engine_core.get_stats()
         kv = engine_core.scheduler.kv_cache_manager
         kv_info = KVCacheInfo(kv.num_blocks, kv.num_free_blocks, kv.block_size)

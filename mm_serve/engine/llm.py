@@ -32,10 +32,10 @@ logger = logging.getLogger(__name__)
 class LLM:
     """An engine core run in-process over a batch of prompts.
 
-    Images are preprocessed by a pool of worker processes (started with the first image) while
-    the engine works on earlier prompts. Call ``shutdown()`` when done, or let the object be
-    garbage-collected: either stops the pool. Scripts that pass images must guard their entry
-    point with ``if __name__ == "__main__":`` (the workers import the main module).
+    For a VLM, a pool of worker processes preprocesses the images while the engine works on
+    earlier prompts; it starts while the model loads. Call ``shutdown()`` when done, or let
+    the object be garbage-collected: either stops the pool. The workers never run the
+    caller's main script, so a script needs no ``if __name__ == "__main__":`` guard.
 
     Args:
         model: a checkpoint folder or a Hugging Face hub id.
@@ -55,6 +55,8 @@ class LLM:
         )
         # Holds the input processor, not self: stops the pool when this LLM is collected.
         self._finalizer = weakref.finalize(self, self.input_processor.shutdown)
+        if self.input_processor.mm_processor is not None:
+            self.input_processor.mm_processor.pool.start()  # workers warm up while loading
         self.engine_core = EngineCore(self.config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import math
+import mmap
+import os
 
 import torch
 
@@ -30,11 +33,11 @@ def encoder_cache_bytes(config: EngineConfig) -> int:
 def determine_num_kv_blocks(config: EngineConfig, model: torch.nn.Module) -> int:
     """The KV pool size in blocks.
 
-    ``cache.num_kv_blocks`` wins when set. Otherwise on CPU the pool takes
-    ``cache.cpu_kv_cache_bytes``; on CUDA, ``gpu_memory_utilization`` of the device memory minus
-    what the process already holds (weights) and the encoder cache's reserve. Either way it is
-    capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens can use, so a tiny
-    model does not get millions of blocks.
+    ``cache.num_kv_blocks`` wins when set. Otherwise the pool holds what ``max_num_seqs``
+    sequences of ``max_model_len`` tokens can use at most (so a small model gets no more than
+    it can ever fill), within a budget: on CPU ``cache.cpu_kv_cache_bytes``, and never more
+    than half the memory available now; on CUDA ``gpu_memory_utilization`` of the device
+    memory minus what the process already holds (weights) and the encoder cache's reserve.
 
     Raises:
         ValueError: if not even one sequence of ``max_model_len`` tokens fits.
@@ -48,23 +51,57 @@ def determine_num_kv_blocks(config: EngineConfig, model: torch.nn.Module) -> int
         budget = total * cache.gpu_memory_utilization - (total - free)
         budget -= encoder_cache_bytes(config)
     else:
-        budget = cache.cpu_kv_cache_bytes
-    num_blocks = int(budget // kv_block_bytes(config))
-    num_blocks = min(num_blocks, blocks_per_seq * config.scheduler.max_num_seqs)
+        budget = min(cache.cpu_kv_cache_bytes, available_memory_bytes() // 2)
+    block_bytes = kv_block_bytes(config)
+    num_blocks = min(int(budget // block_bytes), blocks_per_seq * config.scheduler.max_num_seqs)
     if num_blocks < blocks_per_seq:
         raise ValueError(
             f"The KV cache fits {num_blocks} blocks, fewer than one sequence of max_model_len="
             f"{config.model.max_model_len} needs ({blocks_per_seq}); lower max_model_len or "
             "give the cache more memory."
         )
-    logger.info("KV cache: %d blocks of %d tokens", num_blocks, cache.block_size)
+    logger.info(
+        "KV cache: %d blocks of %d tokens (%d tokens, %.0f MiB)",
+        num_blocks,
+        cache.block_size,
+        num_blocks * cache.block_size,
+        num_blocks * block_bytes / 2**20,
+    )
     return num_blocks
 
 
+def available_memory_bytes() -> int:
+    """Memory the system can give without swapping (``MemAvailable``; free pages elsewhere)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def allocate_kv_caches(config: EngineConfig, num_blocks: int) -> list[torch.Tensor]:
-    """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer."""
+    """One zeroed ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer.
+
+    On CPU the memory is an anonymous mapping, which the kernel hands out zeroed one page at
+    a time as blocks are first written: the process's resident memory grows with the blocks
+    used, up to the pool's size, rather than all at start-up.
+    """
     model = config.model
     shape = (2, num_blocks, config.cache.block_size, model.num_kv_heads, model.head_dim)
-    return [
-        torch.zeros(shape, dtype=model.dtype, device=config.device) for _ in range(model.num_layers)
-    ]
+    if config.device.type != "cpu":
+        return [
+            torch.zeros(shape, dtype=model.dtype, device=config.device)
+            for _ in range(model.num_layers)
+        ]
+    return [_zeros_on_demand(shape, model.dtype) for _ in range(model.num_layers)]
+
+
+def _zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros whose pages are committed on first write (a private anonymous
+    mmap; the tensor keeps the mapping alive)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)

@@ -7,6 +7,7 @@ state can replay the same steps (tensor parallelism).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,8 +74,14 @@ class ModelRunner:
         self.last_output: PendingOutput | None = None
 
     def load_model(self) -> None:
-        torch.manual_seed(self.config.model.seed)
-        self.model = load_model(self.config.model, self.device)
+        model_config = self.config.model
+        logger.info(
+            "Loading weights of %s (%s) on %s", model_config.model, model_config.dtype, self.device
+        )
+        start = time.perf_counter()
+        torch.manual_seed(model_config.seed)
+        self.model = load_model(model_config, self.device)
+        logger.info("Loaded the weights in %.1f s", time.perf_counter() - start)
 
     def determine_num_kv_blocks(self) -> int:
         """How many KV blocks fit (see ``worker.kv_cache``); the scheduler gets this number."""

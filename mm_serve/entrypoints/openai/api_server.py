@@ -151,6 +151,7 @@ async def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
     llm = await AsyncLLM.create(engine_args, on_request_finished=metrics.observe_request)
     media = MediaResolver(config.media)
     try:
+        await llm.warm_up()  # before /health answers: the first request is as fast as the next
         app = build_app(llm, config, metrics, media)
         uvicorn_config = uvicorn.Config(
             app,
@@ -186,7 +187,7 @@ async def _watch(server: uvicorn.Server, llm: AsyncLLM, config: ServerConfig) ->
     while not server.started and not server.should_exit:
         await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
     if server.started:
-        logger.info("Serving %s at http://%s:%d", llm.config.model.model, config.host, config.port)
+        logger.info("Ready at http://%s:%d (%s)", config.host, config.port, llm.config.model.model)
     while not llm.is_dead:
         await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
     logger.error("The engine core died; the server stops in %.1f s.", ENGINE_DEAD_GRACE_S)
