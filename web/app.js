@@ -55,10 +55,10 @@ async function httpError(response) {
     if (body.error && body.error.message) message = body.error.message;
   } catch (_) { /* not JSON */ }
   const status = response.status;
-  if (status === 401) {
-    message = apiKey()
-      ? "Unauthorized: the server did not accept this API key."
-      : "Unauthorized: this server needs an API key (mm-serve serve --api-key): enter it in the API key field.";
+  if (status === 401 && apiKey()) message = "Unauthorized: the server did not accept this API key.";
+  if (status === 401 && !apiKey()) {
+    message = "Unauthorized: this server needs an API key (mm-serve serve --api-key): "
+      + "enter it in the API key field.";
   }
   if (status === 413) message = `The upload is too large: ${message}`;
   return new RequestFailed(message, { status, retryable: status === 429 || status >= 500 });
@@ -290,7 +290,10 @@ async function streamAnswer(answer) {
     }),
   });
   await readEvents(response, (chunk) => {
-    if (chunk.error) throw new RequestFailed(chunk.error.message);
+    if (chunk.error) {
+      const retryable = chunk.error.type === "server_error";
+      throw new RequestFailed(chunk.error.message, { retryable });
+    }
     if (chunk.usage) usage = chunk.usage;
     const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
     if (!isTokenChunk(delta)) return;
