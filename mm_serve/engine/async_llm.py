@@ -182,13 +182,8 @@ class AsyncLLM:
         return await asyncio.to_thread(cls, engine_args, **kwargs)
 
     async def warm_up(self) -> None:
-        """Send one request through every stage: chat template, tokenizer, a preprocessing
-        worker (once all are warm), the vision encoder, a prefill and a decode step,
-        detokenization (``warm_up.warm_up_prompt``). Then reset the engine core
-        (``EngineCore.reset``), so the first user's request runs as fast as the next and finds
-        no trace of it: no prefix- or encoder-cache entry, no count in the engine's stats, no
-        call of ``on_request_finished``. The processor cache keeps the warm-up image, under
-        a fresh uuid no user image matches, and counts its lookup (one miss).
+        """Run the warm-up request (``mm_serve.engine.warm_up``) once the preprocessing
+        workers are warm, then reset the engine core; ``on_request_finished`` never hears of it.
 
         Raises:
             BrokenProcessPool: a preprocessing worker failed to start.
@@ -202,8 +197,7 @@ class AsyncLLM:
         processed = await self.process(prompt)
         callback, self.on_request_finished = self.on_request_finished, None
         try:
-            request_id = f"warm-up-{uuid.uuid4().hex}"
-            async for _ in self.generate(processed, WARM_UP_PARAMS, request_id):
+            async for _ in self.generate(processed, WARM_UP_PARAMS, f"warm-up-{uuid.uuid4()}"):
                 pass
         finally:
             self.on_request_finished = callback

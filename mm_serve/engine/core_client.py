@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import zmq
 
 from mm_serve.config import EngineArgs
-from mm_serve.engine.core_proc import run_engine_core
+from mm_serve.engine.core_proc import log_setup, run_engine_core
 from mm_serve.engine.exceptions import EngineDeadError, EngineRequestError, EngineStartupError
 from mm_serve.engine.mp_context import no_main_context
 from mm_serve.engine.wire import (
@@ -84,12 +84,7 @@ class _EngineCoreClientBase:
         # Spawned without re-running the user's main script (no __main__ guard needed).
         self._proc = no_main_context("spawn").Process(
             target=run_engine_core,
-            args=(
-                engine_args,
-                *(f"ipc://{p}" for p in self.ipc_paths),
-                os.getpid(),
-                _log_setup(),
-            ),
+            args=(engine_args, *(f"ipc://{p}" for p in self.ipc_paths), os.getpid(), log_setup()),
             name="mm_serve-engine-core",
         )
         thread = threading.Thread(
@@ -296,16 +291,6 @@ class _EngineCoreClientBase:
                 future.set_exception(EngineDeadError(str(error)))
 
 
-def _log_setup() -> tuple[str, int, int] | None:
-    """(format, root level, ``mm_serve`` level) of this process's logging, for the engine
-    core to log alike; None when logging is not configured here (a script stays quiet)."""
-    root = logging.getLogger()
-    if not root.handlers:
-        return None
-    fmt = getattr(root.handlers[0].formatter, "_fmt", None) or logging.BASIC_FORMAT
-    return fmt, root.level, logging.getLogger("mm_serve").getEffectiveLevel()
-
-
 def _deliver(deliveries: list[tuple[_Sink, Any]]) -> None:
     """Put each item on its queue: directly for a sync queue, else one wake-up per loop."""
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = defaultdict(list)
@@ -380,11 +365,6 @@ class EngineCoreClient(_EngineCoreClientBase):
     def get_kv_cache_info(self, timeout_s: float | None = 30.0) -> KVCacheInfo:
         """KV pool size and free blocks, after all earlier inputs (e.g. an abort) took effect."""
         return self._call("get_stats").result(timeout_s).kv_cache
-
-    def reset(self, timeout_s: float | None = 30.0) -> None:
-        """``EngineCore.reset`` once all earlier inputs took effect. Raises RuntimeError while
-        requests are unfinished."""
-        self._call("reset").result(timeout_s)
 
 
 class AsyncEngineCoreClient(_EngineCoreClientBase):

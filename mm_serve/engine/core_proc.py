@@ -64,8 +64,7 @@ def run_engine_core(
     Connects to the front end's sockets, builds the engine and answers ``EngineReady`` (or
     ``EngineFailed`` with the traceback, then exits with code 1), then serves until the
     parent dies. A fatal error in the loop is reported as ``EngineFailed`` before exiting 1.
-    ``log_setup``: (format, root level, ``mm_serve`` level) of the front end's logging, to
-    log as it does (None: the front end configured none, and this process stays as quiet).
+    ``log_setup``: the front end's ``log_setup()``, to log as it does.
     """
     if log_setup is not None:
         fmt, root_level, level = log_setup
@@ -77,6 +76,16 @@ def run_engine_core(
     signal.signal(signal.SIGTERM, _raise_system_exit)
     proc = EngineCoreProc(input_address, output_address, parent_pid)
     sys.exit(proc.serve(engine_args))
+
+
+def log_setup() -> tuple[str, int, int] | None:
+    """(format, root level, ``mm_serve`` level) of this process's logging, for an engine core
+    it starts to log alike; None when logging is not configured (a script stays quiet)."""
+    root = logging.getLogger()
+    if not root.handlers:
+        return None
+    fmt = getattr(root.handlers[0].formatter, "_fmt", None) or logging.BASIC_FORMAT
+    return fmt, root.level, logging.getLogger("mm_serve").getEffectiveLevel()
 
 
 def _raise_system_exit(signum: int, frame: Any) -> None:

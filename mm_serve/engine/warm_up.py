@@ -2,8 +2,12 @@
 
 Much of a first request's time is one-off work: Pillow's plugins, torch's kernels and
 allocator, the chat template's compilation, the vision tower's first call. Start-up pays it
-with this request (``AsyncLLM.warm_up``), so the first user's answer comes as fast as the
-next one.
+with this request (``AsyncLLM.warm_up``): chat template, tokenizer, a preprocessing worker,
+the vision encoder, a prefill and a decode step, detokenization. The first user's answer then
+comes as fast as the next one, and finds no trace of it: ``EngineCore.reset`` drops its prefix-
+and encoder-cache entries and counts, and the server's metrics never hear of it. Only the
+front end's processor cache keeps its image, under a fresh uuid that no user image matches,
+and counts its lookup (one miss).
 """
 
 from __future__ import annotations
