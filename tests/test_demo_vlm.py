@@ -1,9 +1,10 @@
 """The bundled demo VLM (samples/demo_vlm/model) answers questions about fresh scenes.
 
 The scenes come from the sample's own generator with a seed used neither in training nor in
-its EVAL.md; the answers come greedily from our engine. Also checked: an OpenAI-style
-``image_url`` data URL placed after the question, greedy tokens equal to HF transformers'
-on the same checkpoint, and the checkpoint's size budget.
+its EVAL.md; the answers come greedily from our engine, in trained and in held-out phrasings.
+Also checked: the questions people ask first (the README's and the web page's) about
+``example.png``, an OpenAI-style ``image_url`` data URL placed after the question, greedy
+tokens equal to HF transformers' on the same checkpoint, and the checkpoint's size budget.
 """
 
 from __future__ import annotations
@@ -71,6 +72,44 @@ def test_answers_each_question_type(llm):
     for qtype in scenes.QUESTION_TYPES:
         assert right[qtype] >= PER_TYPE - 1, (qtype, wrong)
     assert sum(right.values()) >= len(cases) - 2, wrong
+
+
+def test_answers_held_out_phrasings(llm):
+    """One fresh scene per held-out phrasing (never trained on): at most one wrong of 12."""
+    cases = evaluate.make_cases(SEED + 3, 0, per_phrasing=1)
+    predictions = evaluate.answer_all(llm, cases)
+    wrong = [
+        (c.question, c.answer, p)
+        for c, p in zip(cases, predictions, strict=True)
+        if not evaluate.is_correct(c, p)
+    ]
+    assert len(cases) == 2 * len(scenes.QUESTION_TYPES)
+    assert len(wrong) <= 1, wrong
+
+
+@pytest.mark.parametrize(
+    "question",
+    [
+        "What is in the picture?",
+        "What's in this image?",
+        "What do you see?",
+        "Describe this photo.",
+    ],
+)
+def test_describes_the_example_image(llm, question):
+    """The README's and the web page's first question, and its everyday variants, about
+    example.png (``generate_scene(Random(0))``) sent as a PNG data URL: the full description."""
+    with open(os.path.join(DEMO_DIR, "example.png"), "rb") as f:
+        url = "data:image/png;base64," + base64.b64encode(f.read()).decode()
+    content = [
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": question},
+    ]
+    (reply,) = llm.chat([{"role": "user", "content": content}], GREEDY, use_tqdm=False)
+    expected = scenes.describe(scenes.generate_scene(random.Random(0)))
+    assert expected.startswith("The image shows 2 large yellow circles")
+    assert reply.outputs[0].text.strip() == expected
+    assert reply.outputs[0].finish_reason == "stop"
 
 
 def test_image_url_after_the_question(llm):

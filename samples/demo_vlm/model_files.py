@@ -11,19 +11,14 @@ trained on the task's questions and answers, plus Qwen2-VL's special tokens and 
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
 import torch
 
 from mm_serve.testing.checkpoints import CORPUS
-from mm_serve.testing.vlm_checkpoints import (
-    QWEN_VL_CHAT_TEMPLATE,
-    QWEN_VL_SPECIALS,
-    _save_processor,
-    _token_ids,
-    _write_json,
-)
+from mm_serve.testing.vlm_checkpoints import QWEN_VL_CHAT_TEMPLATE, QWEN_VL_SPECIALS, _token_ids
 
 PATCH, MERGE, TEMPORAL = 14, 2, 2
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 224 * 224  # every input image: 4 to 64 image tokens
@@ -118,8 +113,10 @@ def build_model(tokenizer: Any, seed: int) -> Any:
 
 
 def save_checkpoint(model: Any, tokenizer: Any, path: str, card: dict[str, Any]) -> None:
-    """Write the HF folder: config, float32 safetensors, tokenizer + chat template, the
-    Qwen2-VL processor files (``min_pixels``/``max_pixels``) and ``training.json``."""
+    """Write the HF folder exactly as transformers' ``save_pretrained`` lays it out (config,
+    float32 safetensors, generation config; the processor's ``processor_config.json`` with
+    the image processor's ``min_pixels``/``max_pixels`` inside, tokenizer files, chat
+    template), plus ``training.json``, the training record."""
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
     from mm_serve._compat import ensure_torchvision_importable
@@ -134,8 +131,10 @@ def save_checkpoint(model: Any, tokenizer: Any, path: str, card: dict[str, Any])
         tokenizer=tokenizer,
         chat_template=QWEN_VL_CHAT_TEMPLATE,
     )
-    _save_processor(processor, path)
-    _write_json(os.path.join(path, "training.json"), card)
+    processor.save_pretrained(path)
+    with open(os.path.join(path, "training.json"), "w") as f:
+        json.dump(card, f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
 def pixel_values(images: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,10 @@ no font file is needed).
 
 Question types (``QUESTION_TYPES``): colour, count (0 for a kind that is absent), text (the
 sign's word), describe (``describe`` gives the canonical sentence), size and position (the
-cell of a kind shown once: "top left", "center", ...).
+cell of a kind shown once: "top left", "center", ...). Each type is asked in 8-16 phrasings
+(``PHRASINGS``, e.g. "What's in this image?", "What is in the picture?", "What do you see?"
+for describe); two more per type (``HELD_OUT_PHRASINGS``) are kept out of training to
+measure how far the model generalises to wordings it never saw.
 """
 
 from __future__ import annotations
@@ -50,6 +53,95 @@ WORDS = (
     "snow", "sun", "tiger", "train", "tree", "wolf",
 )  # fmt: skip
 QUESTION_TYPES = ("colour", "count", "text", "describe", "size", "position")
+# How each question type is asked in training (templates, filled in by ``phrase``).
+PHRASINGS = {
+    "colour": (
+        "What {colour} {is} {the}?",
+        "Which {colour} {is} {the}?",
+        "What is the {colour} of {the}?",
+        "Tell me the {colour} of {the}.",
+        "{colour} of {the}?",
+        "What {colour} {is} {the} in the image?",
+        "In which {colour} {is} {the} drawn?",
+        "Name the {colour} of {the}.",
+    ),
+    "count": (
+        "How many {shapes} are there?",
+        "How many {shapes} are in the image?",
+        "How many {shapes} are in the picture?",
+        "How many {shapes} can you see?",
+        "How many {shapes} do you see?",
+        "Count the {shapes}.",
+        "What is the number of {shapes}?",
+        "How many {shapes} does the image show?",
+        "Number of {shapes}?",
+    ),
+    "text": (
+        "What is written on the sign?",
+        "What does the sign say?",
+        "Read the sign.",
+        "What's written on the sign?",
+        "What word is on the sign?",
+        "What does the sign read?",
+        "Which word does the sign show?",
+        "What text is on the sign?",
+        "Tell me what the sign says.",
+    ),
+    "describe": (
+        "Describe the image.",
+        "What is in the image?",
+        "Describe this.",
+        "What's in this image?",
+        "What is in the picture?",
+        "What do you see?",
+        "Describe this photo.",
+        "What does the image show?",
+        "Can you describe this picture?",
+        "Tell me what you see.",
+        "What's in the photo?",
+        "Tell me about this image.",
+        "What does this picture contain?",
+        "What is shown here?",
+        "Summarize the image.",
+        "Please describe the photo.",
+    ),
+    "size": (
+        "{is} {the} small or large?",
+        "{is} {the} large or small?",
+        "{is} {the} big or small?",
+        "{is} {the} small or big?",
+        "What size {is} {the}?",
+        "How big {is} {the}?",
+        "How large {is} {the}?",
+        "What is the size of {the}?",
+        "Tell me the size of {the}.",
+    ),
+    "position": (  # asked only of a kind shown once
+        "Where is {the}?",
+        "Where's {the}?",
+        "Where is {the} located?",
+        "Where in the image is {the}?",
+        "In which part of the image is {the}?",
+        "What is the position of {the}?",
+        "Where can you find {the}?",
+        "Where is {the} in the picture?",
+        "Where does {the} appear?",
+        "Tell me where {the} is.",
+        "Which cell is {the} in?",
+        "Where is {the} in this photo?",
+        "Where can {the} be seen?",
+        "Locate {the}.",
+    ),
+}
+# Never trained on: evaluate.py reports them one by one, to show how far phrasing generalises.
+HELD_OUT_PHRASINGS = {
+    "colour": ("What {colour} {does} {the} have?", "Can you tell me the {colour} of {the}?"),
+    "count": ("How many {shapes} are shown?", "Can you count the {shapes} in this photo?"),
+    "text": ("What's on the sign?", "Can you read the word on the sign?"),
+    "describe": ("What can you see in this image?", "Give me a description of the picture."),
+    "size": ("Which size {is} {the}?", "Would you say {the} {is} small or large?"),
+    "position": ("Where is {the} placed?", "Which part of the picture is {the} in?"),
+}
 
 
 @dataclass
@@ -194,40 +286,65 @@ def _noun(shape: str, count: int) -> str:
     return shape if count == 1 else PLURALS[shape]
 
 
-def ask(scene: Scene, qtype: str, rng: random.Random) -> QA | None:
+def ask(
+    scene: Scene, qtype: str, rng: random.Random, phrasings: tuple[str, ...] | None = None
+) -> QA | None:
     """One question of ``qtype`` about ``scene`` with its answer, or None when the type does
-    not apply (position: only for a kind shown once)."""
+    not apply (position: only for a kind shown once). The question is one of ``phrasings``
+    (default: the type's trained ones, ``PHRASINGS[qtype]``), filled in by ``phrase``."""
+    if qtype not in PHRASINGS:
+        raise ValueError(f"Unknown question type {qtype!r}; choose from {QUESTION_TYPES}.")
+    template = rng.choice(phrasings or PHRASINGS[qtype])
     groups = scene.groups
-    if qtype == "colour":
-        g = rng.choice(groups)
-        colour = rng.choice(("colour", "color"))
-        verb, noun = ("is the", g.shape) if g.count == 1 else ("are the", PLURALS[g.shape])
-        return QA(qtype, f"What {colour} {verb} {noun}?", g.colour)
     if qtype == "count":
         shape = rng.choice(SHAPES) if rng.random() < 0.3 else rng.choice(groups).shape
         g = scene.group(shape)
-        template = rng.choice(("How many {} are there?", "How many {} are in the image?"))
-        return QA(qtype, template.format(PLURALS[shape]), str(g.count if g else 0))
-    if qtype == "text":
-        question = rng.choice(
-            ("What is written on the sign?", "What does the sign say?", "Read the sign.")
-        )
-        return QA(qtype, question, scene.word)
-    if qtype == "describe":
-        question = rng.choice(("Describe the image.", "What is in the image?", "Describe this."))
-        return QA(qtype, question, describe(scene))
-    if qtype == "size":
-        g = rng.choice(groups)
-        noun = f"Is the {g.shape}" if g.count == 1 else f"Are the {PLURALS[g.shape]}"
-        return QA(qtype, f"{noun} small or large?", g.size)
+        return QA(qtype, phrase(template, shape, 2, rng), str(g.count if g else 0))
+    if qtype in ("text", "describe"):
+        answer = scene.word if qtype == "text" else describe(scene)
+        return QA(qtype, phrase(template, "", 1, rng), answer)
     if qtype == "position":
         singles = [g for g in groups if g.count == 1]
         if not singles:
             return None
         g = rng.choice(singles)
         (row, col) = g.cells[0]
-        return QA(qtype, f"Where is the {g.shape}?", POSITIONS[row][col])
-    raise ValueError(f"Unknown question type {qtype!r}; choose from {QUESTION_TYPES}.")
+        return QA(qtype, phrase(template, g.shape, 1, rng), POSITIONS[row][col])
+    g = rng.choice(groups)
+    answer = g.colour if qtype == "colour" else g.size
+    return QA(qtype, phrase(template, g.shape, g.count, rng), answer)
+
+
+def phrase(
+    template: str, shape: str, count: int, rng: random.Random, spelling: str | None = None
+) -> str:
+    """Fill a ``PHRASINGS`` template: "{the}" is "the star" or "the stars" (by ``count``),
+    "{shapes}" the plural, "{is}"/"{does}" agree with it, "{colour}" is ``spelling`` or, when
+    None, "colour" or "color" at random; the first letter is capitalised."""
+    plural = count != 1
+    text = template.format(
+        the=f"the {PLURALS[shape] if plural else shape}",
+        shapes=PLURALS.get(shape, ""),
+        colour=spelling or rng.choice(("colour", "color")),
+        **{"is": "are" if plural else "is", "does": "do" if plural else "does"},
+    )
+    return text[0].upper() + text[1:]
+
+
+CASUAL_OPENINGS = ("Please tell me: ", "Hi! ", "Quick question: ", "Question: ")
+
+
+def casual(question: str, rng: random.Random) -> str:
+    """``question`` as people also type it: 10% of the time after an opening such as "Hi! ",
+    15% all lower case, 15% without its final punctuation (training only; evaluation asks
+    the phrasings as written)."""
+    if rng.random() < 0.1:
+        question = rng.choice(CASUAL_OPENINGS) + question
+    if rng.random() < 0.15:
+        question = question.lower()
+    if rng.random() < 0.15:
+        question = question.rstrip("?.")
+    return question
 
 
 def sample_qa(scene: Scene, rng: random.Random, weights: dict[str, float] | None = None) -> QA:
@@ -241,7 +358,8 @@ def sample_qa(scene: Scene, rng: random.Random, weights: dict[str, float] | None
 
 
 def training_corpus() -> list[str]:
-    """Every question template and answer word, for training the tokenizer."""
+    """Questions in every trained phrasing and every answer word, for training a tokenizer
+    (the shipped one was trained on the three phrasings per type of the first run)."""
     rng = random.Random(0)
     texts = [" ".join(WORDS), " ".join(COLOURS), " ".join(PLURALS.values()), " ".join(SHAPES)]
     texts += [" ".join(row) for row in POSITIONS]

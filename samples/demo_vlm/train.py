@@ -49,9 +49,11 @@ from model_files import (  # noqa: E402
     save_checkpoint,
 )
 from scenes import (  # noqa: E402
+    HELD_OUT_PHRASINGS,
     IMAGE_SIZE,
     QUESTION_TYPES,
     ask,
+    casual,
     generate_scene,
     sample_qa,
     training_corpus,
@@ -133,24 +135,26 @@ class SceneStream(torch.utils.data.IterableDataset):
             for _ in range(self.batch_size):
                 scene = generate_scene(rng)
                 qa = sample_qa(scene, rng, self.weights)
-                samples.append(
-                    (np.asarray(scene.image), qa.question, qa.answer, rng.random() > 0.15)
-                )
+                question = casual(qa.question, rng)
+                samples.append((np.asarray(scene.image), question, qa.answer, rng.random() > 0.15))
             yield self.batcher.collate(samples)
 
 
 def held_out(batcher: Batcher, per_type: int, seed: int) -> dict[str, dict[str, torch.Tensor]]:
-    """``per_type`` held-out questions of each type (image first), one batch per type."""
+    """Held-out scenes (image first): ``per_type`` of each type asked in trained phrasings
+    (key: the type), and ``per_type // 2`` in each held-out phrasing (key: "type/template")."""
     rng = random.Random(seed)
+    plan = [(qtype, None, per_type) for qtype in QUESTION_TYPES]
+    plan += [(t, p, per_type // 2) for t in QUESTION_TYPES for p in HELD_OUT_PHRASINGS[t]]
     batches = {}
-    for qtype in QUESTION_TYPES:
+    for qtype, template, wanted in plan:
         samples = []
-        while len(samples) < per_type:
+        while len(samples) < wanted:
             scene = generate_scene(rng)
-            qa = ask(scene, qtype, rng)
+            qa = ask(scene, qtype, rng, (template,) if template else None)
             if qa is not None:
                 samples.append((np.asarray(scene.image), qa.question, qa.answer, True))
-        batches[qtype] = batcher.collate(samples)
+        batches[f"{qtype}/{template}" if template else qtype] = batcher.collate(samples)
     return batches
 
 
