@@ -110,6 +110,20 @@ def test_pool_matches_in_process_preprocessing(config, tmp_path):
         pool.submit(sources[0])
 
 
+def test_start_starts_every_worker_at_once(config):
+    multimodal = dataclasses.replace(config.multimodal, mm_preprocess_workers=3)
+    pool = PreprocessPool(config.model, multimodal)
+    try:
+        jobs = pool.start()
+        pids = pool.worker_pids()
+        assert len(pids) == 3  # all started, none waits for a first image
+        assert {job.result(timeout=120) for job in jobs} <= set(pids)
+        assert pool.submit(jpeg(noise(40, 40, 8))).result().pid in pids
+    finally:
+        pool.shutdown()
+    assert wait_gone(pids)
+
+
 def png_header(width: int, height: int) -> bytes:
     """A PNG declaring ``width x height`` RGB whose pixel data (IDAT) is empty."""
 

@@ -169,7 +169,8 @@ def _wait_healthy(server: subprocess.Popen, url: str, timeout_s: float = 180) ->
 
 
 def test_cpu_kv_pool_is_sized_from_the_model_and_committed_on_write(checkpoint, monkeypatch):
-    config = EngineArgs(checkpoint, max_model_len=256, max_num_seqs=4).create_engine_config()
+    args = EngineArgs(checkpoint, max_model_len=256, max_num_seqs=4, device="cpu")
+    config = args.create_engine_config()
     block_bytes = kv_cache.kv_block_bytes(config)
     model = config.model
     per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 4  # K+V, fp32

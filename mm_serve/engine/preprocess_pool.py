@@ -185,9 +185,9 @@ class PreprocessPool:
         """Start every worker now, rather than with the first images; returns at once.
 
         Each worker builds its processor and preprocesses ``warm_up_image()`` before it takes
-        a job. Returns one future per worker, done (with a worker's pid) once it is warm; its
-        ``result()`` raises ``BrokenProcessPool`` when a worker failed to start. Images
-        submitted meanwhile queue behind the warm-up.
+        a job. Returns the futures of small start-up jobs (a worker's pid each), done once
+        warm workers took them; ``result()`` raises ``BrokenProcessPool`` when a worker failed
+        to start. Images submitted meanwhile queue behind them.
 
         Raises:
             RuntimeError: the pool was shut down.
@@ -195,8 +195,13 @@ class PreprocessPool:
         logger.info("Starting %d preprocessing workers", self.num_workers)
         with self._lock:
             executor = self._get_executor()
-            # Each submit to an executor without an idle worker starts one more process.
-            return [executor.submit(_worker_ready) for _ in range(self.num_workers)]
+            # A submit starts one more process unless a worker is idle (one that finished
+            # its job already): submit until every worker has started (bounded).
+            n = self.num_workers
+            jobs = [executor.submit(_worker_ready) for _ in range(n)]
+            while len(executor._processes or {}) < n and len(jobs) < 4 * n:
+                jobs.append(executor.submit(_worker_ready))
+            return jobs
 
     def worker_pids(self) -> list[int]:
         """The pids of the worker processes running now (none before the first submit)."""
