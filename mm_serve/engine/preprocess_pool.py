@@ -2,11 +2,11 @@
 
 Decoding a JPEG and resizing it take milliseconds to tens of milliseconds of CPU per image and
 hold the GIL for much of it, so the front end hands them to a pool of processes (DESIGN.md,
-"Process layout") and keeps tokenizing, scheduling and detokenizing meanwhile. Several
-workers are forked from a forkserver that has already imported torch, torchvision and the
-processors, so they start fast and share those pages; a single worker is spawned (no
-forkserver to keep). Neither inherits the front end's threads or memory (no plain ``fork``),
-and neither runs the user's main script (``mp_context``): a script needs no ``__main__`` guard.
+"Process layout") and keeps tokenizing, scheduling and detokenizing meanwhile. Workers are
+forked from a forkserver that has already imported torch, torchvision and the processors, so
+they start fast and share those pages, without inheriting the front end's threads or memory
+(no plain ``fork``), and they never run the user's main script (``mp_context``): a script
+needs no ``if __name__ == "__main__":`` guard.
 
 Each worker builds the checkpoint's image processor once and warms it on a small image.
 Results come back as numpy arrays (pickled through the pool's pipe: no torch shared memory or
@@ -221,12 +221,8 @@ class PreprocessPool:
         if self._closed:
             raise RuntimeError("The preprocessing pool has been shut down.")
         if self._executor is None:
-            # A forkserver holds the imports (torch, torchvision: ~250 MB resident) that the
-            # workers it forks share; as one more such process, it pays from two workers on.
-            method = "forkserver" if self.num_workers > 1 else "spawn"
-            context = no_main_context(method)
-            if method == "forkserver":
-                context.set_forkserver_preload(_FORKSERVER_PRELOAD)
+            context = no_main_context("forkserver")
+            context.set_forkserver_preload(_FORKSERVER_PRELOAD)
             executor = concurrent.futures.ProcessPoolExecutor(
                 self.num_workers,
                 mp_context=context,
