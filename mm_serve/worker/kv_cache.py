@@ -91,12 +91,10 @@ def allocate_kv_caches(config: EngineConfig, num_blocks: int) -> list[torch.Tens
     """
     model = config.model
     shape = (2, num_blocks, config.cache.block_size, model.num_kv_heads, model.head_dim)
-    if config.device.type != "cpu":
-        return [
-            torch.zeros(shape, dtype=model.dtype, device=config.device)
-            for _ in range(model.num_layers)
-        ]
-    return [_zeros_on_demand(shape, model.dtype) for _ in range(model.num_layers)]
+    if config.device.type == "cpu":
+        return [_zeros_on_demand(shape, model.dtype) for _ in range(model.num_layers)]
+    device, dtype = config.device, model.dtype
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
 
 
 def _zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
