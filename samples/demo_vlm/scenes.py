@@ -75,6 +75,10 @@ PHRASINGS = {
         "What is the number of {shapes}?",
         "How many {shapes} does the image show?",
         "Number of {shapes}?",
+        "How many {shapes} are in this photo?",
+        "Can you tell me how many {shapes} there are?",
+        "Count the {shapes} in the image.",
+        "How many {shapes} does this photo have?",
     ),
     "text": (
         "What is written on the sign?",
