@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
+
+from mm_serve.kernels.activation import get_activation
 
 SELECT_STRATEGIES = ("default", "full")
 
@@ -92,7 +93,7 @@ class CLIPMLP(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.act = ACT2FN[config.hidden_act]
+        self.act = get_activation(config.hidden_act)
         self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -191,7 +192,7 @@ class LlavaMultiModalProjector(nn.Module):
         out_dim = config.text_config.hidden_size
         bias = getattr(config, "multimodal_projector_bias", True)
         self.linear_1 = nn.Linear(in_dim, out_dim, bias=bias)
-        self.act = ACT2FN[config.projector_hidden_act]
+        self.act = get_activation(config.projector_hidden_act)
         self.linear_2 = nn.Linear(out_dim, out_dim, bias=bias)
 
     def forward(self, image_features: torch.Tensor) -> torch.Tensor:

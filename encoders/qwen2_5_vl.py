@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from mm_serve.encoders.qwen2_vl import (
     PatchEmbed,
@@ -30,6 +29,7 @@ from mm_serve.encoders.qwen2_vl import (
     rotary_cos_sin,
     varlen_segments,
 )
+from mm_serve.kernels.activation import get_activation
 from mm_serve.models.layers.layernorm import RMSNorm
 from mm_serve.transfer import host_to_device
 
@@ -69,7 +69,7 @@ class Qwen2_5_VisionMLP(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden_dim)
         self.up_proj = nn.Linear(dim, hidden_dim)
         self.down_proj = nn.Linear(hidden_dim, dim)
-        self.act = ACT2FN[hidden_act]
+        self.act = get_activation(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

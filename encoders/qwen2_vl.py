@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
 
-from mm_serve.kernels.dispatch import kernel_mode, quick_gelu, use_kernels
+from mm_serve.kernels.activation import get_activation
+from mm_serve.kernels.dispatch import kernel_mode, use_kernels
 from mm_serve.models.layers.layernorm import RMSNorm
 from mm_serve.transfer import host_to_device
 
@@ -239,8 +239,7 @@ class VisionMlp(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, hidden_act: str) -> None:
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden_dim)
-        # QuickGELU (Qwen2-VL's) in one Triton pass on CUDA; others as transformers has them.
-        self.act = quick_gelu if hidden_act == "quick_gelu" else ACT2FN[hidden_act]
+        self.act = get_activation(hidden_act)  # QuickGELU: one Triton pass on CUDA
         self.fc2 = nn.Linear(hidden_dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
