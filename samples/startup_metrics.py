@@ -10,7 +10,7 @@ medians. It stops only the servers it started.
 
     .venv/bin/python samples/startup_metrics.py [MODEL] [--repeat N] [-- serve flags]
 
-Needs ``psutil`` (``.venv/bin/pip install psutil``).
+Needs ``psutil`` (in the ``test`` extra that ``make`` installs).
 """
 
 from __future__ import annotations
