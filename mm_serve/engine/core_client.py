@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
-import contextlib
 import itertools
 import logging
 import os
@@ -29,15 +28,15 @@ import tempfile
 import threading
 import time
 import uuid
-from collections import defaultdict
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
-from typing import Any, NamedTuple
+from typing import Any
 
 import zmq
 
 from mm_serve.config import EngineArgs
 from mm_serve.engine.core_proc import log_setup, run_engine_core
+from mm_serve.engine.delivery import Sink, deliver
 from mm_serve.engine.exceptions import EngineDeadError, EngineRequestError, EngineStartupError
 from mm_serve.engine.mp_context import no_main_context
 from mm_serve.engine.wire import (
@@ -57,13 +56,6 @@ from mm_serve.stats import EngineStats
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_MS = 100  # the output thread's wake-up period (it notices shutdown within this)
-
-
-class _Sink(NamedTuple):
-    """Where one request's outputs go: a queue, and the event loop that owns it (or None)."""
-
-    queue: Any  # queue.Queue or asyncio.Queue
-    loop: asyncio.AbstractEventLoop | None
 
 
 class _EngineCoreClientBase:
@@ -95,7 +87,7 @@ class _EngineCoreClientBase:
         )
         self._lock = threading.Lock()  # guards the input socket, the codec and the tables
         self._codec = InputCodec()
-        self._sinks: dict[str, _Sink] = {}
+        self._sinks: dict[str, Sink] = {}
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         self._dead_error: EngineDeadError | None = None
@@ -166,7 +158,7 @@ class _EngineCoreClientBase:
 
     # ---- requests in -------------------------------------------------------------------
 
-    def _add(self, request: Request, sink: _Sink) -> None:
+    def _add(self, request: Request, sink: Sink) -> None:
         with self._lock:
             self._check_alive()
             if request.request_id in self._sinks:
@@ -247,7 +239,7 @@ class _EngineCoreClientBase:
                 self._failure = message
 
     def _dispatch(self, message: EngineCoreOutputs) -> None:
-        deliveries: list[tuple[_Sink, Any]] = []
+        deliveries: list[tuple[Sink, Any]] = []
         with self._lock:
             for wire in message.outputs:
                 sink = self._sinks.get(wire.request_id)
@@ -263,7 +255,7 @@ class _EngineCoreClientBase:
                     exc = EngineRequestError(error.request_id, error.message, error.kind)
                     deliveries.append((sink, exc))
             future = self._calls.pop(message.call_id, None)
-        _deliver(deliveries)
+        deliver(deliveries)
         if future is not None and future.set_running_or_notify_cancel():
             if message.call_error is not None:
                 future.set_exception(RuntimeError(message.call_error))
@@ -285,28 +277,10 @@ class _EngineCoreClientBase:
             self._dead_error = error
             sinks, self._sinks = list(self._sinks.values()), {}
             calls, self._calls = list(self._calls.values()), {}
-        _deliver([(sink, EngineDeadError(str(error))) for sink in sinks])
+        deliver([(sink, EngineDeadError(str(error))) for sink in sinks])
         for future in calls:
             if future.set_running_or_notify_cancel():  # False: the caller gave up on it
                 future.set_exception(EngineDeadError(str(error)))
-
-
-def _deliver(deliveries: list[tuple[_Sink, Any]]) -> None:
-    """Put each item on its queue: directly for a sync queue, else one wake-up per loop."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = defaultdict(list)
-    for sink, item in deliveries:
-        if sink.loop is None:
-            sink.queue.put_nowait(item)
-        else:
-            by_loop[sink.loop].append((sink.queue, item))
-    for loop, items in by_loop.items():
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting any more
-            loop.call_soon_threadsafe(_put_all, items)
-
-
-def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    for q, item in items:
-        q.put_nowait(item)
 
 
 @dataclass
@@ -351,7 +325,7 @@ class EngineCoreClient(_EngineCoreClientBase):
 
     def add_request(self, request: Request) -> queue.Queue:
         """Send ``request`` to the engine core. Raises ValueError on an id already in flight."""
-        sink = _Sink(queue.Queue(), None)
+        sink = Sink(queue.Queue(), None)
         self._add(request, sink)
         return sink.queue
 
@@ -381,7 +355,7 @@ class AsyncEngineCoreClient(_EngineCoreClientBase):
 
     async def add_request(self, request: Request) -> asyncio.Queue:
         """Send ``request``; returns its queue. Raises ValueError on an id already in flight."""
-        sink = _Sink(asyncio.Queue(), asyncio.get_running_loop())
+        sink = Sink(asyncio.Queue(), asyncio.get_running_loop())
         self._add(request, sink)
         return sink.queue
 
