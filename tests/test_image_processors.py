@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import io
-import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -129,20 +128,17 @@ def qwen_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def qwen25_legacy_dir(tmp_path_factory) -> Path:
-    """The layout of released Qwen2.5-VL checkpoints: top-level min/max_pixels, no size."""
+    """Only ``preprocessor_config.json`` (the hub's older layout), as the image processor's
+    own ``save_pretrained`` writes it, with a Qwen2.5-VL-like pixel range and statistics."""
+    from transformers import Qwen2VLImageProcessor as HFQwen2VLImageProcessor
+
     path = tmp_path_factory.mktemp("qwen2_5_vl")
-    config = {
-        "min_pixels": 28 * 28 * 2,
-        "max_pixels": 28 * 28 * 40,
-        "patch_size": 14,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-        "image_mean": [0.5, 0.4, 0.3],
-        "image_std": [0.2, 0.25, 0.3],
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen2_5_VLProcessor",
-    }
-    (path / "preprocessor_config.json").write_text(json.dumps(config))
+    HFQwen2VLImageProcessor(
+        min_pixels=28 * 28 * 2,
+        max_pixels=28 * 28 * 40,
+        image_mean=[0.5, 0.4, 0.3],
+        image_std=[0.2, 0.25, 0.3],
+    ).save_pretrained(path)
     return path
 
 
@@ -159,10 +155,11 @@ def clip_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def clip_legacy_dir(tmp_path_factory) -> Path:
-    """Old CLIP layout (ints for size/crop_size), crop larger than the resize: padding path."""
+    """Crop larger than the resize (the padding path), saved by HF's own ``save_pretrained``."""
+    from transformers import CLIPImageProcessor as HFCLIPImageProcessor
+
     path = tmp_path_factory.mktemp("clip_legacy")
-    config = {"size": 40, "crop_size": 48, "image_processor_type": "CLIPImageProcessor"}
-    (path / "preprocessor_config.json").write_text(json.dumps(config))
+    HFCLIPImageProcessor(size=40, crop_size=48).save_pretrained(path)
     return path
 
 
@@ -282,6 +279,9 @@ def test_clip_matches_hf(images, clip_dir, clip_legacy_dir):
     for image in images.values():
         assert_same_clip(ours, hf, image)
     legacy = get_image_processor(str(clip_legacy_dir), llava_config())
+    # Older hub files give size and crop_size as ints; they mean the same as the dicts.
+    as_ints = CLIPImageProcessor.from_config({"size": 40, "crop_size": 48}, legacy.num_tokens)
+    assert (as_ints.size, as_ints.crop_size) == (legacy.size, legacy.crop_size)
     hf_legacy = hf_processor(clip_legacy_dir)
     for name in ("chelsea", "logo", "RGB_1x1", "RGB_1000x40", "L_40x1000", "P_333x77"):
         assert_same_clip(legacy, hf_legacy, images[name])
@@ -395,15 +395,3 @@ def test_get_image_processor_dispatch(qwen_dir, tmp_path):
     (tmp_path / "processor_config.json").write_text('{"image_processor": [1, 2]}')
     with pytest.raises(ValueError, match="'image_processor' must be an object"):
         get_image_processor(str(tmp_path), SimpleNamespace(model_type="qwen2_vl"))
-
-
-def test_ensure_torchvision_importable_is_idempotent():
-    ensure_torchvision_importable()
-    ensure_torchvision_importable()
-    import torchvision
-    from torchvision.transforms.v2 import functional as tvF
-
-    assert torchvision.__version__
-    assert tvF.resize(torch.zeros(3, 4, 4, dtype=torch.uint8), [2, 2]).shape == (3, 2, 2)
-    assert hasattr(torch.ops.torchvision, "nms")
-    ensure_torchvision_importable()  # after the import: still a no-op
