@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +18,7 @@ from mm_serve import LLM, SamplingParams
 from mm_serve.config import EngineArgs
 from mm_serve.engine.async_llm import AsyncLLM
 from mm_serve.stats import EngineStats
-from mm_serve.testing.server import assert_group_gone, free_port, metric
+from mm_serve.testing.server import RemoteServer, assert_group_gone, metric
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 from mm_serve.worker import kv_cache
 
@@ -114,15 +112,11 @@ def test_warm_up_leaves_nothing_behind(checkpoint):
 
 
 def test_server_logs_each_phase_and_is_ready_only_once_warm(checkpoint, tmp_path):
-    port = free_port()
     log_path = tmp_path / "serve.log"
-    command = [sys.executable, "-m", "mm_serve.entrypoints.cli", "serve", checkpoint]
-    command += ["--port", str(port)]
     with open(log_path, "w") as log:
-        server = subprocess.Popen(command, stderr=log, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(server, url)
+        server = RemoteServer(checkpoint, startup_timeout_s=180, stderr=log)
+    url, port = server.url, server.port
+    with server:
         log_text = log_path.read_text()
         assert "Warmed up in " in log_text  # before /health answered
         deadline = time.monotonic() + 10  # "Ready at" is logged once uvicorn listens
@@ -149,23 +143,10 @@ def test_server_logs_each_phase_and_is_ready_only_once_warm(checkpoint, tmp_path
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
         assert metric(metrics, "mm_serve_request_finished_total") == 1  # not the warm-up
         assert metric(metrics, "mm_serve_time_to_first_token_seconds_count") == 1
-    finally:
-        server.terminate()
-        server.wait(30)
-        assert_group_gone(server.pid)
-
-
-def _wait_healthy(server: subprocess.Popen, url: str, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert server.poll() is None, f"the server exited with code {server.returncode}"
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("the server did not become healthy")
+        # SIGTERM to the server alone: it must take its engine core and workers with it.
+        server.proc.terminate()
+        server.proc.wait(30)
+        assert_group_gone(server.proc.pid)
 
 
 def test_cpu_kv_pool_is_sized_from_the_model_and_committed_on_write(checkpoint, monkeypatch):

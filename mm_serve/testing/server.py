@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -60,18 +61,25 @@ class RemoteServer:
     process group and waits until ``/health`` answers 200.
 
     Use as a context manager; on exit the whole process group is terminated (then killed), so
-    no engine core or preprocessing worker outlives the test.
+    no engine core or preprocessing worker outlives the test. ``stderr`` (a file) receives the
+    server's log.
 
     Raises:
         RuntimeError: the server exited or was not healthy within ``startup_timeout_s``.
     """
 
-    def __init__(self, model: str, args: list[str] | None = None, startup_timeout_s: float = 120):
+    def __init__(
+        self,
+        model: str,
+        args: list[str] | None = None,
+        startup_timeout_s: float = 120,
+        stderr: Any = None,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "mm_serve.entrypoints.cli", "serve", model]
         command += ["--host", "127.0.0.1", "--port", str(self.port), *(args or [])]
-        self.proc = subprocess.Popen(command, start_new_session=True)
+        self.proc = subprocess.Popen(command, stderr=stderr, start_new_session=True)
         self._wait_healthy(startup_timeout_s)
 
     def _wait_healthy(self, timeout_s: float) -> None:
