@@ -165,6 +165,7 @@ CASES = [
     Bad("n_zero", chat(n=0), "n must|'n'|`n`"),
     Bad("top_logprobs_negative", chat(logprobs=True, top_logprobs=-1), "logprobs"),
     Bad("top_logprobs_above_20", chat(logprobs=True, top_logprobs=50), "logprobs"),
+    Bad("unsupported_field", chat(tool_choice="auto"), "tool_choice"),
     # --- model and media locations ---
     Bad("unknown_model", chat() | {"model": "no-such-model"}, "no-such-model", (404,)),
     Bad("http_host_not_allowed", chat(with_image("http://example.com/cat.png")), DISALLOWED),

@@ -162,8 +162,9 @@ class ServingBase:
         Raises:
             APIError: (400) a value out of range, naming the field.
         """
-        if request.model_extra:
-            logger.warning("Ignored unknown request fields: %s", sorted(request.model_extra))
+        if request.model_extra:  # a field we would not honour is refused, never ignored
+            name = sorted(request.model_extra)[0]
+            raise bad_request(f"Unsupported field {name!r}.", param=name)
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}].", param="logprobs")
         self._check_engine_limits(request)
