@@ -207,6 +207,8 @@ class Normalization:
             return None
         mean, std = torch.tensor(self.image_mean), torch.tensor(self.image_std)
         if self.do_rescale:
+            # HF folds the rescale into mean and std: (x - mean / r) / (std / r). The same
+            # float32 operations in the same order give bit-identical pixels.
             mean = mean * (1.0 / self.rescale_factor)
             std = std * (1.0 / self.rescale_factor)
         return tuple(mean.tolist()), tuple(std.tolist())
@@ -215,14 +217,8 @@ class Normalization:
         """``[C, H, W]`` (any dtype) → ``[C, H, W]`` float32."""
         pixels = pixels.to(torch.float32)
         if self.do_normalize:
-            mean = torch.tensor(self.image_mean)
-            std = torch.tensor(self.image_std)
-            if self.do_rescale:
-                # HF folds the rescale into mean and std: (x - mean / r) / (std / r). The
-                # same float32 operations in the same order give bit-identical pixels.
-                mean = mean * (1.0 / self.rescale_factor)
-                std = std * (1.0 / self.rescale_factor)
-            return (pixels - mean.view(-1, 1, 1)) / std.view(-1, 1, 1)
+            mean, std = (torch.tensor(v).view(-1, 1, 1) for v in self.folded())
+            return (pixels - mean) / std
         if self.do_rescale:
             return pixels * self.rescale_factor
         return pixels

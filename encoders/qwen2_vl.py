@@ -17,6 +17,7 @@ The pieces shared with Qwen2.5-VL (patch embedding, rotary, varlen attention, me
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +77,7 @@ class Segments:
     groups: list[torch.Tensor] | None
 
 
+@functools.cache
 def _flash_varlen():
     """``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 over packed sequences), or
     None where this torch lacks it."""
