@@ -40,16 +40,56 @@ def tower_flops(vision_config: Any, num_patches: int, seq_len: int) -> float:
 
 
 def _timed_steps(llm, prompts, params) -> list[dict[str, Any]]:
-    """Run ``generate`` with every engine step synchronised and recorded."""
+    """Run ``generate`` with every engine step synchronised and recorded: its wall time
+    (``ms``), the host time until the runner had launched it (``launch_ms``: scheduling,
+    input preparation and kernel launches) and the device time of its kernels (``device_ms``,
+    CUDA events around ``execute_model``)."""
+    core = llm.engine_core
+    original, execute = core.step, core.model_runner.execute_model
+    records: list[dict[str, Any]] = []
+    marks: dict[str, Any] = {}
+
+    def timed_execute(scheduler_output):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        pending = execute(scheduler_output)
+        end.record()
+        marks.update(launched=time.perf_counter(), events=(start, end))
+        return pending
+
+    def step():
+        torch.cuda.synchronize()
+        marks.clear()
+        t0 = time.perf_counter()
+        out = original()
+        torch.cuda.synchronize()
+        so = getattr(core, "last_scheduler_output", None)
+        record = {"ms": (time.perf_counter() - t0) * 1e3, "outputs": len(out), "so": so}
+        if "events" in marks:
+            record["launch_ms"] = (marks["launched"] - t0) * 1e3
+            record["device_ms"] = marks["events"][0].elapsed_time(marks["events"][1])
+        records.append(record)
+        return out
+
+    core.step, core.model_runner.execute_model = step, timed_execute
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        core.step, core.model_runner.execute_model = original, execute
+    return records
+
+
+def _async_steps(llm, prompts, params) -> list[dict[str, Any]]:
+    """Run ``generate`` unsynchronised (as users run it), recording each step's wall time and
+    what it scheduled: with async scheduling a step's wall time is the larger of the host's
+    work and the device's (it waits for the step before)."""
     core = llm.engine_core
     original = core.step
     records: list[dict[str, Any]] = []
 
     def step():
-        torch.cuda.synchronize()
         t0 = time.perf_counter()
         out = original()
-        torch.cuda.synchronize()
         so = getattr(core, "last_scheduler_output", None)
         records.append({"ms": (time.perf_counter() - t0) * 1e3, "outputs": len(out), "so": so})
         return out
@@ -73,25 +113,35 @@ def _wrap_schedule(core) -> None:
     core.scheduler.schedule = wrapped
 
 
+def _step_kind(so) -> str:
+    if so is None:
+        return "unknown"
+    if any(so.scheduled_encoder_inputs.values()):
+        return "encode"
+    tokens, rows = so.total_num_scheduled_tokens, len(so.num_scheduled_tokens)
+    return "prefill" if tokens > rows else ("decode" if rows else "empty")
+
+
 def step_table(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Steps grouped into encode (images encoded), prefill (prompt tokens, no image) and
-    decode: count, total ms and a few examples of the encode steps."""
-    groups: dict[str, list[float]] = defaultdict(list)
-    encode_examples = []
+    """Steps grouped into encode (images encoded), prefill (prompt tokens, no image), decode
+    and empty: count, total ms (and total launch/device ms where recorded), and the first
+    steps in order (kind, images, tokens, rows, ms)."""
+    groups: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    first_steps = []
     for r in records:
-        so = r["so"]
-        if so is None:
-            groups["unknown"].append(r["ms"])
-            continue
-        images = sum(len(v) for v in so.scheduled_encoder_inputs.values())
-        tokens = so.total_num_scheduled_tokens
-        rows = len(so.num_scheduled_tokens)
-        kind = "encode" if images else ("prefill" if tokens > rows else "decode")
-        groups[kind].append(r["ms"])
-        if images and len(encode_examples) < 8:
-            encode_examples.append({"images": images, "tokens": tokens, "ms": round(r["ms"], 1)})
-    table = {k: {"steps": len(v), "total_ms": sum(v)} for k, v in groups.items()}
-    table["encode_examples"] = encode_examples
+        so, kind = r["so"], _step_kind(r["so"])
+        group = groups[kind]
+        group["steps"] += 1
+        for key in ("ms", "launch_ms", "device_ms"):
+            if key in r:
+                group[f"total_{key}"] += r[key]
+        if len(first_steps) < 24 and so is not None:
+            images = sum(len(v) for v in so.scheduled_encoder_inputs.values())
+            first_steps.append([kind, images, so.total_num_scheduled_tokens,
+                                len(so.num_scheduled_tokens)] + [
+                round(r[k], 2) for k in ("ms", "launch_ms", "device_ms") if k in r])  # fmt: skip
+    table: dict[str, Any] = {k: dict(v) for k, v in groups.items()}
+    table["first_steps"] = first_steps
     return table
 
 
@@ -109,19 +159,26 @@ def run_steps(args, folder, load_format, out: str) -> dict[str, Any]:
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts(100, 4), params, use_tqdm=False)
     _wrap_schedule(llm.engine_core)
-    batch = prompts(1)
+    for name, seed in (("cold", 7), ("warm", 8)) if args.host_profile else ():
+        _host_profile(llm, prompts(seed), params, os.path.join(out, f"host_{name}.txt"))
+    plain = []
+    for seed in (1, 2, 3):  # the first run on fresh images is where a cold start would show
+        t0 = time.perf_counter()
+        llm.generate(prompts(seed), params, use_tqdm=False)
+        plain.append(time.perf_counter() - t0)
+    result = {
+        "plain_runs_s": plain,
+        "out_tok_s": [args.num_prompts * args.output_len / s for s in plain],
+    }
+    records = _async_steps(llm, prompts(4), params)
+    result["async_steps"] = step_table(records)
     t0 = time.perf_counter()
-    llm.generate(batch, params, use_tqdm=False)
-    plain_s = time.perf_counter() - t0
-    result = {"plain_run_s": plain_s, "out_tok_s": args.num_prompts * args.output_len / plain_s}
-    batch = prompts(2)
-    t0 = time.perf_counter()
-    records = _timed_steps(llm, batch, params)
+    records = _timed_steps(llm, prompts(5), params)
     result["synced_run_s"] = time.perf_counter() - t0
     result["steps"] = step_table(records)
     from torch.profiler import ProfilerActivity, profile
 
-    batch = prompts(3)
+    batch = prompts(6)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         llm.generate(batch, params, use_tqdm=False)
     averages = prof.key_averages()
@@ -133,6 +190,19 @@ def run_steps(args, folder, load_format, out: str) -> dict[str, Any]:
     result["tower"] = run_tower(llm, tower_requests)
     common.shutdown(llm)
     return result
+
+
+def _host_profile(llm, prompts, params, path: str) -> None:
+    """``generate`` under cProfile (the host's Python functions, cumulative and own time)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(llm.generate, prompts, params, use_tqdm=False)
+    with open(path, "w") as f:
+        stats = pstats.Stats(profiler, stream=f)
+        stats.sort_stats("cumulative").print_stats(60)
+        stats.sort_stats("tottime").print_stats(40)
 
 
 def run_tower(llm, requests) -> dict[str, Any]:
@@ -193,6 +263,11 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--tower-images", type=int, default=32)
     parser.add_argument("--out", default="bench-out")
+    parser.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="Run generate under cProfile on a fresh engine's first batch and on a later one.",
+    )
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     with tempfile.TemporaryDirectory() as workdir:
