@@ -1,0 +1,439 @@
+"""Serving side by side: vLLM's own load generator against mm_serve and vLLM, each fresh.
+
+    python -m mm_serve.benchmarks.peer_serve --model-arch qwen2-vl-2b --out DIR \\
+        [--engines mm_serve vllm] [--rates 2 16 32] [--num-prompts 64 384 384]
+
+writes the architecture folder once (random weights: ``--load-format dummy``); per engine, it
+starts the server in its own process group on a free port, waits for ``GET /health`` == 200,
+runs ``vllm bench serve --backend openai-chat --dataset-name random-mm`` (one 448x448 image +
+50 tokens -> 128 tokens, ``--ignore-eos``) at each rate in order, and stops the server. Both
+engines get the same requests (the dataset's default seed, the folder's tokenizer), and the
+load generator sends no warm-up, so the first requests after ``/health`` are measured.
+
+From the result JSONs (``DIR/ENGINE_RATE.json``) it prints the verdicts "mm_serve <= vLLM"
+per rate, the cold start (TTFT median of the first 32 requests of the first run against the
+next 32) and, last, the table; all goes to ``DIR/peer_serve.json``. ``--report-only`` rebuilds
+the report from the JSONs in ``DIR`` (e.g. after running one engine per command).
+
+vLLM and its load generator run with ``--vllm-pythonpath`` (default ``/tmp/vsite``, where the
+peer install puts vLLM 0.33) first on ``PYTHONPATH`` and ``VLLM_USE_FLASHINFER_SAMPLER=0``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+
+from mm_serve.benchmarks.architectures import architecture_names, write_architecture
+from mm_serve.testing.server import free_port, group_members
+
+logger = logging.getLogger(__name__)
+
+ENGINES = ("mm_serve", "vllm")
+VLLM_CLI = ["-m", "vllm.entrypoints.cli.main"]
+# The workload of ../shared/peer/README.md: one 448x448 image + 50 tokens -> 128 tokens.
+WORKLOAD = shlex.split(
+    "--dataset-name random-mm --random-input-len 50 --random-output-len 128 "
+    "--random-range-ratio 0 --random-mm-base-items-per-request 1 "
+    "--random-mm-num-mm-items-range-ratio 0 --random-mm-limit-mm-per-prompt "
+    """'{"image":1,"video":0}' --random-mm-bucket-config '{(448, 448, 1): 1.0}' --ignore-eos"""
+)
+# Our row's names for the fields of vLLM 0.33's bench-serve result JSON (vllm/benchmarks/
+# serve.py); it also has per request, in request order, "ttfts" (s) and "errors" ("": success).
+RESULT_FIELDS = {
+    "completed": "completed",
+    "failed": "failed",
+    "ttft_median_ms": "median_ttft_ms",
+    "ttft_p99_ms": "p99_ttft_ms",
+    "tpot_median_ms": "median_tpot_ms",
+    "itl_p99_ms": "p99_itl_ms",
+    "output_tok_s": "output_throughput",
+}
+VERDICT_METRICS = ("ttft_median_ms", "ttft_p99_ms", "tpot_median_ms")
+# The table's columns after engine and rate: title, summarize_run key, format.
+TABLE = [
+    ("done", "completed", "d"),
+    ("failed", "failed", "d"),
+    ("TTFT med", "ttft_median_ms", ".1f"),
+    ("TTFT p99", "ttft_p99_ms", ".1f"),
+    ("TPOT med", "tpot_median_ms", ".2f"),
+    ("ITL p99", "itl_p99_ms", ".1f"),
+    ("out tok/s", "output_tok_s", ".0f"),
+]
+COLD_START_WINDOW = 32  # requests
+COLD_START_LIMIT = 1.5  # acceptance: first-window TTFT median <= 1.5x the next window's
+
+
+class ResultFormatError(ValueError):
+    """A bench-serve result JSON lacks a field this report reads."""
+
+
+# ---------------------------------------------------------------- servers
+
+
+def server_command(engine: str, folder: str, port: int, extra: Sequence[str] = ()) -> list[str]:
+    """The command line that serves ``folder`` with random weights on ``port``.
+
+    Raises:
+        ValueError: an engine other than ``ENGINES``.
+    """
+    if engine == "mm_serve":
+        command = [sys.executable, "-m", "mm_serve.entrypoints.cli", "serve", folder]
+        return [*command, "--load-format", "dummy", "--port", str(port), *extra]
+    if engine == "vllm":
+        command = [sys.executable, *VLLM_CLI, "serve", folder, "--load-format", "dummy"]
+        command += ["--port", str(port), "--max-model-len", "4096"]
+        return [*command, "--limit-mm-per-prompt", '{"image":1,"video":0}', *extra]
+    raise ValueError(f"Unknown engine {engine!r}; choose from {ENGINES}.")
+
+
+@dataclass
+class ServerProcess:
+    """A server subprocess (leader of its own process group), its port and log file;
+    ``startup_s``: seconds from the start to ``/health`` answering 200."""
+
+    proc: subprocess.Popen
+    port: int
+    log_path: str
+    startup_s: float = 0.0
+
+
+def log_tail(path: str, lines: int = 30) -> str:
+    """The last ``lines`` lines of a log file ("" when it cannot be read)."""
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def start_server(
+    command: list[str],
+    port: int,
+    log_path: str,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 600,
+) -> ServerProcess:
+    """Start ``command`` (a server that listens on ``port``) in a new session, its stdout and
+    stderr into ``log_path``, and return once ``GET /health`` answers 200.
+
+    Raises:
+        RuntimeError: the server exited, or was not healthy within ``timeout_s`` (then it is
+            stopped); the message ends with the log's tail.
+    """
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    server = ServerProcess(proc, port, log_path)
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if proc.poll() is not None:
+            tail = log_tail(log_path)
+            raise RuntimeError(f"The server exited with code {proc.returncode}:\n{tail}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                server.startup_s = time.monotonic() - start
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    stop_server(server)
+    raise RuntimeError(f"The server was not healthy within {timeout_s} s:\n{log_tail(log_path)}")
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a new server could listen on ``port`` (binds it with SO_REUSEADDR, as servers
+    do, so connections in TIME_WAIT do not count)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def stop_server(server: ServerProcess, timeout_s: float = 30) -> int:
+    """SIGTERM the server's process group, SIGKILL what is left of it after ``timeout_s``,
+    then wait until the port is free; returns the server's exit code.
+
+    Raises:
+        RuntimeError: the port is still taken 10 s after the group is gone.
+    """
+    pgid = server.proc.pid
+
+    def running() -> bool:
+        return server.proc.poll() is None or bool(group_members(pgid))
+
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if running():
+        logger.warning("server %d still running %s s after SIGTERM: killing it", pgid, timeout_s)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+    server.proc.wait()
+    deadline = time.monotonic() + 10
+    while not port_is_free(server.port):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"Port {server.port} is still taken after the server stopped.")
+        time.sleep(0.2)
+    return server.proc.returncode
+
+
+# ---------------------------------------------------------------- load generator
+
+
+def result_filename(engine: str, rate: float) -> str:
+    return f"{engine}_{rate:g}.json"
+
+
+def bench_command(
+    folder: str, port: int, rate: float, num_prompts: int, result_dir: str, filename: str
+) -> list[str]:
+    """``vllm bench serve`` with the workload flags, saving its detailed result JSON."""
+    command = [sys.executable, *VLLM_CLI, "bench", "serve", "--backend", "openai-chat"]
+    command += ["--endpoint", "/v1/chat/completions", "--model", folder, "--port", str(port)]
+    command += ["--num-prompts", str(num_prompts), "--request-rate", f"{rate:g}", *WORKLOAD]
+    command += ["--save-result", "--save-detailed", "--result-dir", result_dir]
+    return [*command, "--result-filename", filename]
+
+
+def vllm_env(pythonpath: str) -> dict[str, str]:
+    """This environment with ``pythonpath`` first on ``PYTHONPATH`` (when not already on it)
+    and FlashInfer's sampler off (flashinfer does not travel with the peer)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if pythonpath and pythonpath not in paths:
+        env["PYTHONPATH"] = os.pathsep.join([pythonpath, *paths])
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    return env
+
+
+def run_engine(engine: str, folder: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Start ``engine``'s server fresh, run the load generator at each rate, stop it; returns
+    the server command and start-up time. Logs go to ``DIR/ENGINE_server.log`` and
+    ``DIR/ENGINE_RATE.log``.
+
+    Raises:
+        RuntimeError: the server did not come up, or the load generator exited non-zero.
+    """
+    port = free_port()
+    extra = shlex.split(args.mm_serve_args if engine == "mm_serve" else args.vllm_args)
+    command = server_command(engine, folder, port, extra)
+    env = vllm_env(args.vllm_pythonpath)
+    log = os.path.join(args.out, f"{engine}_server.log")
+    logger.info("starting %s: %s", engine, shlex.join(command))
+    server = start_server(command, port, log, env if engine == "vllm" else None)
+    logger.info("%s healthy after %.1f s", engine, server.startup_s)
+    try:
+        for rate, num_prompts in zip(args.rates, args.num_prompts, strict=True):
+            name = result_filename(engine, rate)
+            bench = bench_command(folder, port, rate, num_prompts, args.out, name)
+            bench_log = os.path.join(args.out, name.replace(".json", ".log"))
+            logger.info("%s at %g req/s, %d prompts", engine, rate, num_prompts)
+            with open(bench_log, "w") as f:
+                done = subprocess.run(bench, stdout=f, stderr=subprocess.STDOUT, env=env)
+            if done.returncode != 0:
+                tail = log_tail(bench_log)
+                raise RuntimeError(f"vllm bench serve exited with {done.returncode}:\n{tail}")
+    finally:
+        stop_server(server)
+    return {"server_command": command, "startup_s": server.startup_s}
+
+
+# ---------------------------------------------------------------- report
+
+
+def load_result(path: str) -> dict[str, Any]:
+    """A bench-serve result JSON, checked for the fields read here.
+
+    Raises:
+        ResultFormatError: a field is missing (names the fields and the file).
+    """
+    with open(path) as f:
+        result = json.load(f)
+    missing = [f for f in [*RESULT_FIELDS.values(), "ttfts", "errors"] if f not in result]
+    if missing:
+        raise ResultFormatError(
+            f"{path} lacks {', '.join(missing)}: expected vLLM 0.33's `bench serve` result "
+            "JSON written with --save-result --save-detailed."
+        )
+    return result
+
+
+def summarize_run(result: dict[str, Any]) -> dict[str, float]:
+    """One row of the table: counts, latencies (ms) and output tokens/s of one run."""
+    return {ours: result[theirs] for ours, theirs in RESULT_FIELDS.items()}
+
+
+def cold_start(result: dict[str, Any], window: int = COLD_START_WINDOW) -> dict[str, Any]:
+    """TTFT median (ms) of requests ``[0, window)`` against ``[window, 2 * window)`` in request
+    order, over the successful ones; ``ratio`` is first / next (None when a window has no
+    successful request), ``passed`` whether it is <= ``COLD_START_LIMIT``.
+
+    Raises:
+        ValueError: the run has fewer than ``2 * window`` requests.
+    """
+    ttfts, errors = result["ttfts"], result["errors"]
+    if len(ttfts) < 2 * window:
+        raise ValueError(f"cold start needs {2 * window} requests; the run has {len(ttfts)}")
+    medians = []
+    for start in (0, window):
+        ok = [ttfts[i] for i in range(start, start + window) if not errors[i]]
+        medians.append(float(np.median(ok)) * 1000 if ok else None)
+    first, following = medians
+    ratio = first / following if first is not None and following else None
+    return {
+        "window": window,
+        "first_median_ms": first,
+        "next_median_ms": following,
+        "ratio": ratio,
+        "passed": ratio is not None and ratio <= COLD_START_LIMIT,
+    }
+
+
+def verdicts(runs: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
+    """Per rate both engines ran: whether mm_serve had no failed request, and per
+    ``VERDICT_METRICS`` whether mm_serve <= vLLM. ``runs`` maps engine -> rate (as in the file
+    name) -> ``summarize_run`` row."""
+    out = []
+    for rate, ours in runs.get("mm_serve", {}).items():
+        peer = runs.get("vllm", {}).get(rate)
+        for metric in ("failed", *VERDICT_METRICS) if peer else ():
+            passed = ours["failed"] == 0 if metric == "failed" else ours[metric] <= peer[metric]
+            values = {"mm_serve": ours[metric], "vllm": peer[metric], "passed": passed}
+            out.append({"rate": rate, "metric": metric, **values})
+    return out
+
+
+def build_report(out_dir: str, engines: list[str], rates: list[float]) -> dict[str, Any]:
+    """The report from the result JSONs in ``out_dir`` (missing runs are left out) and each
+    engine's ``ENGINE_server.json`` (server command, start-up time, error). The cold start
+    comes from the first rate's run when it has ``2 * COLD_START_WINDOW`` requests."""
+    report: dict[str, Any] = {"engines": {}}
+    runs: dict[str, dict[str, dict]] = {}
+    for engine in engines:
+        info: dict[str, Any] = {}
+        info_path = os.path.join(out_dir, f"{engine}_server.json")
+        if os.path.exists(info_path):
+            with open(info_path) as f:
+                info = json.load(f)
+        runs[engine] = {}
+        for i, rate in enumerate(rates):
+            path = os.path.join(out_dir, result_filename(engine, rate))
+            if not os.path.exists(path):
+                continue
+            result = load_result(path)
+            runs[engine][f"{rate:g}"] = summarize_run(result)
+            if i == 0 and len(result["ttfts"]) >= 2 * COLD_START_WINDOW:
+                info["cold_start"] = cold_start(result)
+        report["engines"][engine] = {**info, "runs": runs[engine]}
+    report["verdicts"] = verdicts(runs)
+    return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """Verdicts and cold starts, then the table (last)."""
+    lines = []
+    for v in report["verdicts"]:
+        failed = v["metric"] == "failed"
+        rule, spec = ("mm_serve has none", "8d") if failed else ("mm_serve <= vLLM", "8.2f")
+        lines.append(
+            f"{v['rate']:>4} req/s {v['metric']:<15} mm_serve {v['mm_serve']:{spec}}  "
+            f"vLLM {v['vllm']:{spec}}  {rule}: {'yes' if v['passed'] else 'NO'}"
+        )
+    for engine, info in report["engines"].items():
+        if "error" in info:
+            lines.append(f"{engine} FAILED: {info['error'].splitlines()[0]}")
+        cold = info.get("cold_start")
+        if cold and cold["ratio"] is not None:
+            n = cold["window"]
+            lines.append(
+                f"cold start {engine}: TTFT median of requests 1-{n} "
+                f"{cold['first_median_ms']:.1f} ms, {n + 1}-{2 * n} {cold['next_median_ms']:.1f} "
+                f"ms: {cold['ratio']:.2f}x (<= {COLD_START_LIMIT}x: "
+                f"{'yes' if cold['passed'] else 'NO'})"
+            )
+    lines.append(f"{'engine':<9}{'req/s':>6}" + "".join(f"{t:>10}" for t, _, _ in TABLE))
+    for engine, info in report["engines"].items():
+        for rate, r in info["runs"].items():
+            cells = "".join(f"{r[key]:>10{spec}}" for _, key, spec in TABLE)
+            lines.append(f"{engine:<9}{rate:>6}{cells}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--model-arch", default="qwen2-vl-2b", choices=architecture_names())
+    add("--out", required=True, help="Folder for the results and logs.")
+    add("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    add("--rates", nargs="+", type=float, default=[2.0, 16.0, 32.0], help="Req/s, in order.")
+    add("--num-prompts", nargs="+", type=int, default=[64, 384, 384], help="Per rate.")
+    add("--mm-serve-args", default="", help="Extra flags for mm_serve's serve.")
+    add("--vllm-args", default="", help="Extra flags for vLLM's serve.")
+    add("--vllm-pythonpath", default="/tmp/vsite", help="Where vLLM is installed.")
+    add("--report-only", action="store_true", help="Only report the JSONs in --out.")
+    args = parser.parse_args(argv)
+    if len(args.rates) != len(args.num_prompts):
+        parser.error("--rates and --num-prompts need the same number of values")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the engines (unless ``--report-only``), print the report, write
+    ``DIR/peer_serve.json``; returns the report. An engine that fails is recorded (its
+    ``error`` and log tail) and the next one still runs."""
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    args.out = os.path.abspath(args.out)
+    if not args.report_only:
+        folder = write_architecture(args.model_arch, os.path.join(args.out, args.model_arch))
+        for engine in args.engines:
+            for rate in args.rates:  # no stale result of an earlier run is reported
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(args.out, result_filename(engine, rate)))
+            try:
+                info = run_engine(engine, folder, args)
+            except (RuntimeError, OSError) as error:
+                logger.error("%s failed: %s", engine, error)
+                info = {"error": str(error)}
+            with open(os.path.join(args.out, f"{engine}_server.json"), "w") as f:
+                json.dump(info, f, indent=1)
+    report = build_report(args.out, args.engines, args.rates)
+    report.update(model_arch=args.model_arch, rates=args.rates, num_prompts=args.num_prompts)
+    with open(os.path.join(args.out, "peer_serve.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(format_report(report))
+    return report
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        main()
+    except ResultFormatError as error:
+        sys.exit(f"error: {error}")
