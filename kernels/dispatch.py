@@ -3,12 +3,15 @@ CUDA tensors, the pure-torch references otherwise.
 
 The CPU path always runs the references, unchanged. ``MM_SERVE_KERNELS`` (read at each call)
 overrides the choice for debugging: ``auto`` (default: flash_attn for attention when it can
-serve the cache, else Triton), ``triton`` (Triton even when flash_attn is installed), ``ref``
-(the references on every device). Triton is imported only when a CUDA tensor first needs it.
+serve the cache, else Triton, with the fresh prefills of a step through torch's
+``varlen_attn``), ``triton`` (Triton alone, even when flash_attn or ``varlen_attn`` could run),
+``ref`` (the references on every device). Triton is imported only when a CUDA tensor first
+needs it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -69,22 +72,48 @@ def paged_attention(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     metadata: AttentionMetadata,
     scale: float,
+    key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim], this step's
+    value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]
 ) -> torch.Tensor:
-    """Paged attention; see ``paged_attention_ref``. The backend chosen is logged once."""
+    """Paged attention; see ``paged_attention_ref``. The backend chosen is logged once.
+
+    With ``key``/``value`` (this step's, already in the cache) and ``metadata.prefill_split``,
+    the fresh prefills go through torch's ``varlen_attn`` (FlashAttention-2) and the other
+    requests through the Triton kernel (``varlen_attention.paged_attention_split``)."""
     fits = query.dtype == kv_cache.dtype and query.shape[-1] <= 256
     if not (fits and use_kernels(query, kv_cache)):
         return paged_attention_ref(query, kv_cache, metadata, scale)
     from mm_serve.kernels.flash_attention import flash_attn_unusable_reason, paged_attention_flash
+    from mm_serve.kernels.triton_attention import paged_attention_triton
 
     reason = "MM_SERVE_KERNELS=triton" if kernel_mode() == "triton" else None
     reason = reason or flash_attn_unusable_reason(query, kv_cache)
     if reason is None:
         _log_once("Paged attention: flash_attn (flash_attn_varlen_func with block_table).")
         return paged_attention_flash(query, kv_cache, metadata, scale)
-    from mm_serve.kernels.triton_attention import paged_attention_triton
-
+    if metadata.prefill_split is not None and key is not None and kernel_mode() == "auto":
+        out = _prefill_split_attention(query, key, value, kv_cache, metadata, scale)
+        if out is not None:
+            return out
     _log_once("Paged attention: Triton kernel (%s).", reason)
     return paged_attention_triton(query, kv_cache, metadata, scale)
+
+
+def _prefill_split_attention(query, key, value, kv_cache, metadata, scale) -> torch.Tensor | None:
+    """``varlen_attention.paged_attention_split`` with the Triton kernel for the requests that
+    need the cache; None (the reason logged once) where ``varlen_attn`` cannot run."""
+    from mm_serve.kernels import varlen_attention as varlen
+    from mm_serve.kernels.triton_attention import paged_attention_triton
+
+    why_not = varlen.varlen_unusable_reason(query, kv_cache.shape[3], scale)
+    if why_not is not None:
+        _log_once("Prefill attention: Triton kernel (%s).", why_not)
+        return None
+    _log_once("Prefill attention: torch varlen_attn (FlashAttention-2) for fresh prefills.")
+    # One launch config for the sub-batch (no split-KV variants to compile while serving):
+    # the prefill beside it keeps the GPU busy anyway.
+    paged = functools.partial(paged_attention_triton, config={"NUM_SEGMENTS": 1})
+    return varlen.paged_attention_split(query, key, value, kv_cache, metadata, scale, paged)
 
 
 def rms_norm(

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from mm_serve.kernels.varlen_attention import PrefillSplit
 
 
 @dataclass
@@ -20,6 +24,9 @@ class AttentionMetadata:
     The KV cache of one layer is ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then
     V); token ``t`` of the batch is written to flat slot ``slot_mapping[t]`` =
     ``block_id * block_size + offset``.
+
+    ``prefill_split`` (set by the model runner on CUDA for steps with a fresh prefill) sends
+    those prefills through ``varlen_attn`` and the other requests through the paged kernel.
     """
 
     num_reqs: int
@@ -32,3 +39,4 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: list[int]  # host copies, for the pure-torch reference's loop
     seq_lens_cpu: list[int]
+    prefill_split: PrefillSplit | None = None

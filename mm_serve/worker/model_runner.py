@@ -15,6 +15,7 @@ import torch
 
 from mm_serve.attention import AttentionMetadata
 from mm_serve.config import EngineConfig
+from mm_serve.kernels.varlen_attention import plan_prefill_split
 from mm_serve.models.loader import load_model
 from mm_serve.sched.output import SchedulerOutput
 from mm_serve.worker.cuda_graphs import CudaGraphRunner, is_decode_only
@@ -244,18 +245,21 @@ class ModelRunner:
         sample_rows = np.nonzero(seq_lens == batch.num_tokens[:num_reqs])[0]
 
         device = self.device
-        max_blocks = int(batch.num_blocks[:num_reqs].max())
+        block_table = batch.block_table[:num_reqs, : int(batch.num_blocks[:num_reqs].max())]
         attn_metadata = AttentionMetadata(
             num_reqs=num_reqs,
             num_tokens=total,
             slot_mapping=to_device(slot_mapping, device, torch.int64),
             query_start_loc=to_device(query_start_loc, device, torch.int32),
             seq_lens=to_device(seq_lens, device, torch.int32),
-            block_table=to_device(batch.block_table[:num_reqs, :max_blocks], device, torch.int32),
+            block_table=to_device(block_table, device, torch.int32),
             max_query_len=int(num_scheduled.max()),
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=query_start_loc.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
+            prefill_split=None
+            if device.type != "cuda"
+            else plan_prefill_split(query_start_loc, seq_lens, block_table, slot_mapping, device),
         )
         states = batch.states[:num_reqs]
         if getattr(self.model, "uses_mrope", False):

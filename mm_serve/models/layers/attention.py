@@ -54,11 +54,11 @@ class Attention(nn.Module):
         kv_write = (v, self.kv_cache, attn_metadata.slot_mapping) if cached else None
         q, k = self.rotary_emb(positions, q, k, kv_write)
         q = q.reshape(-1, self.num_heads, self.head_dim)
-        if cached:
-            out = paged_attention(q, self.kv_cache, attn_metadata, self.scale)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if cached:  # k/v too: a fresh prefill may attend to them without reading the cache
+            out = paged_attention(q, self.kv_cache, attn_metadata, self.scale, k, v)
         else:
-            k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-            v = v.reshape(-1, self.num_kv_heads, self.head_dim)
             out = self._forward_no_cache(q, k, v, attn_metadata)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
