@@ -71,6 +71,36 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "vision_config": {**_QWEN2_VL_VISION, "hidden_size": 3584},
     },
+    # Qwen2.5-VL-7B-Instruct config.json: the 7B LM, and a tower of SwiGLU blocks attending in
+    # 112-pixel windows except the four full-attention blocks.
+    "qwen2.5-vl-7b": {
+        **_QWEN2_VL_COMMON,
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "model_type": "qwen2_5_vl",
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "max_position_embeddings": 128000,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+        "vision_config": {
+            "depth": 32,
+            "hidden_act": "silu",
+            "hidden_size": 1280,
+            "intermediate_size": 3420,
+            "num_heads": 16,
+            "in_chans": 3,
+            "out_hidden_size": 3584,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "spatial_patch_size": 14,
+            "window_size": 112,
+            "fullatt_block_indexes": [7, 15, 23, 31],
+            "tokens_per_second": 2,
+            "temporal_patch_size": 2,
+        },
+    },
     # The 2B's shape at toy size for CPU tests: 2 layers, GQA, M-RoPE 2:3:3, tied, the real
     # vocab (ids beyond the tokenizer get sampled), float32, the real image processor.
     "tiny-qwen2-vl": {
@@ -116,6 +146,9 @@ QWEN2_VL_PREPROCESSOR: dict[str, Any] = {
     "image_std": [0.26862954, 0.26130258, 0.27577711],
 }
 
+# preprocessor_config.json's processor_class by model_type (the image processor is the same).
+PROCESSOR_CLASSES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+
 
 def architecture_names() -> list[str]:
     return sorted(ARCHITECTURES)
@@ -158,7 +191,9 @@ def write_architecture(name: str, folder: str | os.PathLike) -> str:
     ids = _token_ids(tokenizer)
     pad = ids["bos_token_id"]
     _write_json(folder, "config.json", {**ARCHITECTURES[name], **ids})
-    _write_json(folder, "preprocessor_config.json", QWEN2_VL_PREPROCESSOR)
+    processor_class = PROCESSOR_CLASSES[ARCHITECTURES[name]["model_type"]]
+    preprocessor = {**QWEN2_VL_PREPROCESSOR, "processor_class": processor_class}
+    _write_json(folder, "preprocessor_config.json", preprocessor)
     generation = {
         "bos_token_id": pad,
         "pad_token_id": pad,

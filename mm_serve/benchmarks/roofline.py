@@ -1,0 +1,298 @@
+"""The roofline of the ``bench throughput`` workload: the least time this GPU needs for it.
+
+``roofline(hf_config, workload, rates)`` counts the work and divides it by this device's
+measured rates (``measure_rates``); nothing here runs the model.
+
+- Vision tower, per image of ``N = t * h * w`` patches (``smart_resize`` of the published image
+  processor, ``t = 1`` for an image), width ``d``: the patch embedding ``2 N (C T P^2) d``; per
+  block ``2 N 4 d^2`` (qkv and proj) + the MLP (Qwen2-VL: ``2 N 2 d r d``, ``r = mlp_ratio``;
+  Qwen2.5-VL SwiGLU: ``2 N 3 d I``) + attention ``4 n^2 d`` per attended segment of ``n``
+  patches (QK^T and PV; Qwen2-VL: the whole image in every block; Qwen2.5-VL: the image in the
+  ``fullatt_block_indexes`` blocks and its ``window_size``-pixel windows in the others, edge
+  windows smaller, as ``encoders/qwen2_5_vl.window_index``); the merger on ``M = N / m^2``
+  tokens of width ``w = d m^2``: ``2 M w^2 + 2 M w out``. Sources: Qwen2-VL (arXiv:2409.12191)
+  and Qwen2.5-VL (arXiv:2502.13923) and their HF modeling files.
+- LM prefill, per request of ``T`` prompt tokens: ``2 P T`` (``P`` = non-embedding parameters,
+  the usual ``2 x params`` FLOPs per token, Kaplan et al. 2020, arXiv:2001.08361) + causal
+  attention ``2 T (T + 1) H_q D L`` (query ``i`` reads ``i`` keys: ``4 i H_q D`` per layer) +
+  the LM head on the last prompt token ``2 h V`` (it gives the first output token).
+- Vision and prefill at the matmul rate (both are compute-bound at these sizes).
+- Decode: ``output_len - 1`` steps (the prefill gives the first token), all requests in one
+  batch. Step ``k`` (``k = 1 ..``; context ``c = T + k``) reads the LM weights once
+  (``(P + h V) x dtype bytes``: the layers and the LM head; the embedding rows read are
+  negligible) and every request's KV cache (``c x 2 L H_kv D x dtype bytes``), and computes
+  ``2 P + 4 c H_q D L + 2 h V`` FLOPs per request; it takes the longer of bytes / copy rate and
+  FLOPs / matmul rate.
+
+Weights in ``dtype_bytes`` (2: bf16). Norms, biases, activations, rotary and sampling are left
+out (under 1% of the FLOPs). The issue's arithmetic for Qwen2-VL-2B, 256 x (448x448 image + 50
+tokens) -> 128 at 800 TFLOP/s and 3.0 TB/s: vision ~374 TFLOP, prefill ~205 TFLOP, 128 decode
+steps of ~6 GB: ~33,000 output tok/s (``tests/test_bench_roofline.py`` checks it by hand).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# The published Qwen2-VL / Qwen2.5-VL preprocessor_config.json bounds (pixels).
+MIN_PIXELS, MAX_PIXELS = 3136, 12845056
+MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")  # the towers modelled here
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What one device does per second: bf16 matmul FLOPs, and copy bytes (read + written)."""
+
+    matmul_flops_per_s: float
+    copy_bytes_per_s: float
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The throughput workload: ``num_requests`` x (``num_images`` images of ``image_size``
+    (width, height) pixels + ``text_tokens`` other prompt tokens) -> ``output_len`` tokens.
+    ``text_tokens`` is per request (the prompt minus its image tokens; may be an average)."""
+
+    num_requests: int
+    image_size: tuple[int, int]
+    num_images: int
+    text_tokens: float
+    output_len: int
+
+
+def measure_rates(
+    device: torch.device | str, matmul_size: int = 8192, copy_bytes: int = 1 << 30
+) -> Rates:
+    """This device's bf16 matmul rate (``matmul_size``^3, ``2 n^3`` FLOPs) and copy bandwidth
+    (a ``copy_bytes`` device-to-device copy, counting bytes read + written).
+
+    CUDA: median of ``triton.testing.do_bench`` (warm-up, L2 flushed, CUDA events). CPU: median
+    wall time of 5 calls after one warm-up (use small sizes there). Needs ``2 copy_bytes + 3
+    matmul_size^2 x 2`` bytes of free memory: call it with the engines gone.
+    """
+    device = torch.device(device)
+    rates = Rates(_matmul_rate(device, matmul_size), _copy_rate(device, copy_bytes))
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rates
+
+
+def _matmul_rate(device: torch.device, n: int) -> float:
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b, c = torch.randn_like(a), torch.empty_like(a)
+    return 2 * n**3 / _median_seconds(lambda: torch.matmul(a, b, out=c), device)
+
+
+def _copy_rate(device: torch.device, nbytes: int) -> float:
+    src = torch.empty(nbytes // 2, device=device, dtype=torch.bfloat16).normal_()
+    dst = torch.empty_like(src)
+    moved = 2 * src.numel() * src.element_size()  # read + written
+    return moved / _median_seconds(lambda: dst.copy_(src), device)
+
+
+def _median_seconds(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
+    fn()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def image_grid(vision_config: Any, width: int, height: int) -> tuple[int, int, int]:
+    """``(t, h, w)`` in patches of one image as the Qwen2-VL image processor resizes it
+    (``smart_resize`` into [``MIN_PIXELS``, ``MAX_PIXELS``], sides multiples of patch x merge)."""
+    from mm_serve.encoders.qwen2_vl_processor import smart_resize
+
+    patch, merge = vision_config.patch_size, vision_config.spatial_merge_size
+    h, w = smart_resize(height, width, patch * merge, MIN_PIXELS, MAX_PIXELS)
+    return 1, h // patch, w // patch
+
+
+def image_tokens(vision_config: Any, width: int, height: int) -> int:
+    """LM tokens of one ``width x height`` image (its patches over merge^2)."""
+    grid = image_grid(vision_config, width, height)
+    return math.prod(grid) // vision_config.spatial_merge_size**2
+
+
+def _window_sizes(grid: tuple[int, int, int], vision_config: Any) -> list[int]:
+    """Patches per attention window of Qwen2.5-VL's windowed blocks, frame by frame."""
+    t, h, w = grid
+    merge = vision_config.spatial_merge_size
+    side = vision_config.window_size // merge // vision_config.patch_size  # in merged tokens
+    gh, gw = h // merge, w // merge
+    return [
+        min(side, gh - y) * min(side, gw - x) * merge * merge
+        for _ in range(t)
+        for y in range(0, gh, side)
+        for x in range(0, gw, side)
+    ]
+
+
+def vision_flops(hf_config: Any, grid: tuple[int, int, int]) -> float:
+    """Matmul FLOPs of one image of ``grid`` patches through the tower (see the module doc).
+
+    Raises ``ValueError`` for a model type other than qwen2_vl / qwen2_5_vl."""
+    vc, model_type = hf_config.vision_config, hf_config.model_type
+    n = math.prod(grid)
+    patch_dim = 3 * vc.temporal_patch_size * vc.patch_size**2
+    if model_type == "qwen2_vl":
+        d, out = vc.embed_dim, vc.hidden_size
+        mlp = 2 * n * 2 * d * int(d * vc.mlp_ratio)
+        attention = [4 * n * n * d] * vc.depth
+    elif model_type == "qwen2_5_vl":
+        d, out = vc.hidden_size, vc.out_hidden_size
+        mlp = 2 * n * 3 * d * vc.intermediate_size
+        windowed = sum(4 * s * s * d for s in _window_sizes(grid, vc))
+        full = set(vc.fullatt_block_indexes)
+        attention = [4 * n * n * d if i in full else windowed for i in range(vc.depth)]
+    else:
+        raise ValueError(f"No roofline for model type {model_type!r}: {MODEL_TYPES}.")
+    merged, width = n // vc.spatial_merge_size**2, d * vc.spatial_merge_size**2
+    merger = 2 * merged * width * width + 2 * merged * width * out
+    return 2 * n * patch_dim * d + vc.depth * (2 * n * 4 * d * d + mlp) + sum(attention) + merger
+
+
+@dataclass(frozen=True)
+class LMShape:
+    """The language model's sizes: ``params`` non-embedding parameters (attention + MLP
+    matrices of all layers), ``head_params = hidden x vocab`` (the LM head)."""
+
+    params: int
+    head_params: int
+    hidden: int
+    layers: int
+    q_width: int  # query heads x head dim
+    kv_width: int  # KV heads x head dim
+
+    @classmethod
+    def from_config(cls, text_config: Any) -> LMShape:
+        tc = text_config
+        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        q, kv = tc.num_attention_heads * head_dim, tc.num_key_value_heads * head_dim
+        h = tc.hidden_size
+        per_layer = 2 * h * q + 2 * h * kv + 3 * h * tc.intermediate_size
+        return cls(per_layer * tc.num_hidden_layers, h * tc.vocab_size, h, tc.num_hidden_layers,
+                   q, kv)  # fmt: skip
+
+    def prefill_flops(self, prompt_len: float) -> float:
+        """One request's prefill of ``prompt_len`` tokens, its first output token's head."""
+        t = prompt_len
+        return (
+            2 * self.params * t
+            + 2 * t * (t + 1) * self.q_width * self.layers
+            + 2 * (self.head_params)
+        )
+
+    def decode_flops(self, context: float) -> float:
+        """One request's decode step at ``context`` tokens (the new one included)."""
+        return 2 * self.params + 4 * context * self.q_width * self.layers + 2 * self.head_params
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.layers * self.kv_width * dtype_bytes
+
+
+def roofline(
+    hf_config: Any, workload: Workload, rates: Rates, dtype_bytes: int = 2
+) -> dict[str, Any]:
+    """The workload's least time on a device of ``rates`` (formula: the module docstring).
+
+    Returns the counts (``image_tokens`` per image, ``prompt_tokens`` per request,
+    ``vision_flops``, ``prefill_flops``, ``decode_flops``, ``decode_bytes``: totals), the time
+    of each phase (``vision_s``, ``prefill_s``, ``decode_s``), ``total_s`` and
+    ``output_tokens_per_s``. Raises ``ValueError`` for a model type it does not model.
+    """
+    if hf_config.model_type not in MODEL_TYPES:
+        raise ValueError(f"No roofline for model type {hf_config.model_type!r}: {MODEL_TYPES}.")
+    w = workload
+    grid = image_grid(hf_config.vision_config, *w.image_size)
+    tokens = image_tokens(hf_config.vision_config, *w.image_size)
+    prompt_len = w.text_tokens + w.num_images * tokens
+    lm = LMShape.from_config(hf_config.text_config)
+    images = w.num_requests * w.num_images
+    vision = images * vision_flops(hf_config, grid)
+    prefill = w.num_requests * lm.prefill_flops(prompt_len)
+    weight_bytes = (lm.params + lm.head_params) * dtype_bytes
+    decode_s = decode_flops = decode_bytes = 0.0
+    for k in range(1, w.output_len):
+        context = prompt_len + k
+        step_bytes = weight_bytes + w.num_requests * context * lm.kv_bytes_per_token(dtype_bytes)
+        step_flops = w.num_requests * lm.decode_flops(context)
+        decode_bytes += step_bytes
+        decode_flops += step_flops
+        decode_s += max(step_bytes / rates.copy_bytes_per_s, step_flops / rates.matmul_flops_per_s)
+    vision_s, prefill_s = vision / rates.matmul_flops_per_s, prefill / rates.matmul_flops_per_s
+    total_s = vision_s + prefill_s + decode_s
+    return {
+        "image_tokens": tokens,
+        "prompt_tokens": prompt_len,
+        "vision_flops": vision,
+        "prefill_flops": prefill,
+        "decode_flops": decode_flops,
+        "decode_bytes": decode_bytes,
+        "vision_s": vision_s,
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "total_s": total_s,
+        "output_tokens_per_s": w.num_requests * w.output_len / total_s,
+    }
+
+
+def bench_roofline(hf_config: Any, result: dict[str, Any], device: torch.device) -> dict | None:
+    """``bench throughput``'s roofline: rates measured now on ``device``, the workload from
+    ``result`` (its ``workload`` and the ``mm_serve`` run's prompt tokens), each engine's
+    percentage of it. None on CPU or for a model type it does not model (logged)."""
+    if device.type != "cuda":
+        logger.info("Roofline skipped: it needs a CUDA device's rates.")
+        return None
+    spec, ours = result["workload"], result["mm_serve"]
+    try:
+        tokens = image_tokens(hf_config.vision_config, *spec["image_size"])
+        text_tokens = ours["prompt_tokens"] / ours["num_requests"] - spec["num_images"] * tokens
+        workload = Workload(ours["num_requests"], tuple(spec["image_size"]), spec["num_images"],
+                            text_tokens, spec["output_len"])  # fmt: skip
+        rates = measure_rates(device)
+        out = roofline(hf_config, workload, rates)
+    except (ValueError, AttributeError) as error:
+        logger.warning("Roofline skipped: %s", error)
+        return None
+    out.update(dataclasses.asdict(rates), workload=dataclasses.asdict(workload))
+    out["percent_of_roofline"] = {
+        name: 100 * result[name]["output_tokens_per_s"] / out["output_tokens_per_s"]
+        for name in ("mm_serve", "mm_serve_prefix_caching_off", "vllm")
+        if result.get(name)
+    }
+    return out
+
+
+def print_roofline(roof: dict[str, Any] | None) -> None:
+    """The roofline's lines of the summary table."""
+    if roof is None:
+        print("roofline: none (CUDA only; Qwen2-VL and Qwen2.5-VL)")
+        return
+    print(
+        f"roofline: {roof['output_tokens_per_s']:,.0f} out tok/s in {roof['total_s']:.3f} s at "
+        f"{roof['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s (bf16 matmul) and "
+        f"{roof['copy_bytes_per_s'] / 1e12:.2f} TB/s (copy, read + write), measured now"
+    )
+    print(f"  vision {roof['vision_flops'] / 1e12:,.1f} TFLOP ({roof['vision_s']:.3f} s), "
+          f"prefill {roof['prefill_flops'] / 1e12:,.1f} TFLOP ({roof['prefill_s']:.3f} s), "
+          f"decode {roof['decode_bytes'] / 1e9:,.0f} GB ({roof['decode_s']:.3f} s); "
+          f"{roof['prompt_tokens']:.0f} prompt tokens per request")  # fmt: skip
+    for name, percent in roof["percent_of_roofline"].items():
+        print(f"  {name}: {percent:.1f}% of the roofline")
