@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import base64
+import importlib.util
 import io
 import json
 import shlex
@@ -158,7 +159,7 @@ def test_cold_start_needs_two_windows_and_a_success_in_each(tmp_path):
     report = peer_serve.build_report(str(tmp_path), ["mm_serve", "vllm"], [2.0, 16.0])
     assert list(report["engines"]["mm_serve"]["runs"]) == ["2"]
     assert "cold_start" not in report["engines"]["mm_serve"]
-    assert report["engines"]["vllm"]["runs"] == {} and report["verdicts"] == []
+    assert "vllm" not in report["engines"] and report["verdicts"] == []
 
 
 def test_commands_carry_the_peer_readme_flags():
@@ -280,3 +281,21 @@ def test_a_server_ignoring_sigterm_is_killed(tmp_path):
     start = time.monotonic()
     assert peer_serve.stop_server(server, timeout_s=1) == -9  # SIGKILL
     assert 1 <= time.monotonic() - start < 20
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM would run")
+def test_an_engine_whose_load_generator_fails_is_recorded_and_stopped(tmp_path):
+    """Without vLLM the load generator exits at once: the run records the error with the
+    log's tail, stops our server (port free) and still writes the report."""
+    cpu = "--device cpu --max-model-len 512 --num-kv-blocks 64 --mm-preprocess-workers 1"
+    argv = ["--model-arch", "tiny-qwen2-vl", "--out", str(tmp_path), "--engines", "mm_serve"]
+    report = peer_serve.main([*argv, "--mm-serve-args", cpu, "--vllm-pythonpath", ""])
+    info = json.loads((tmp_path / "mm_serve_server.json").read_text())
+    assert "vllm bench serve exited with 1" in info["error"] and "vllm" in info["error"]
+    assert report["engines"] == {"mm_serve": {**info, "runs": {}}}
+    log = (tmp_path / "mm_serve_server.log").read_text()
+    assert '"GET /health HTTP/1.1" 200' in log and "Shutting down" in log
+    assert (tmp_path / "mm_serve_2.log").exists() and not (tmp_path / "mm_serve_16.log").exists()
+    port = int(info["server_command"][info["server_command"].index("--port") + 1])
+    assert peer_serve.port_is_free(port)
+    assert info["server_command"][-len(shlex.split(cpu)) :] == shlex.split(cpu)

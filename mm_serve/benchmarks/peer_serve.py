@@ -13,7 +13,8 @@ load generator sends no warm-up, so the first requests after ``/health`` are mea
 From the result JSONs (``DIR/ENGINE_RATE.json``) it prints the verdicts "mm_serve <= vLLM"
 per rate, the cold start (TTFT median of the first 32 requests of the first run against the
 next 32) and, last, the table; all goes to ``DIR/peer_serve.json``. ``--report-only`` rebuilds
-the report from the JSONs in ``DIR`` (e.g. after running one engine per command).
+the report from the JSONs in ``DIR``; the report has every engine whose results are there
+(e.g. one engine run per command into the same ``DIR``).
 
 vLLM and its load generator run with ``--vllm-pythonpath`` (default ``/tmp/vsite``, where the
 peer install puts vLLM 0.33) first on ``PYTHONPATH`` and ``VLLM_USE_FLASHINFER_SAMPLER=0``.
@@ -229,35 +230,46 @@ def vllm_env(pythonpath: str) -> dict[str, str]:
 
 
 def run_engine(engine: str, folder: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Start ``engine``'s server fresh, run the load generator at each rate, stop it; returns
-    the server command and start-up time. Logs go to ``DIR/ENGINE_server.log`` and
-    ``DIR/ENGINE_RATE.log``.
-
-    Raises:
-        RuntimeError: the server did not come up, or the load generator exited non-zero.
-    """
+    """Start ``engine``'s server fresh, run the load generator at each rate, stop the server;
+    returns the server command, its start-up time (s) and, when the server did not come up or
+    the load generator exited non-zero, the ``error`` with the log's tail. Logs go to
+    ``DIR/ENGINE_server.log`` and ``DIR/ENGINE_RATE.log``."""
     port = free_port()
     extra = shlex.split(args.mm_serve_args if engine == "mm_serve" else args.vllm_args)
     command = server_command(engine, folder, port, extra)
     env = vllm_env(args.vllm_pythonpath)
     log = os.path.join(args.out, f"{engine}_server.log")
-    logger.info("starting %s: %s", engine, shlex.join(command))
-    server = start_server(command, port, log, env if engine == "vllm" else None)
-    logger.info("%s healthy after %.1f s", engine, server.startup_s)
+    info: dict[str, Any] = {"server_command": command}
     try:
-        for rate, num_prompts in zip(args.rates, args.num_prompts, strict=True):
-            name = result_filename(engine, rate)
-            bench = bench_command(folder, port, rate, num_prompts, args.out, name)
-            bench_log = os.path.join(args.out, name.replace(".json", ".log"))
-            logger.info("%s at %g req/s, %d prompts", engine, rate, num_prompts)
-            with open(bench_log, "w") as f:
-                done = subprocess.run(bench, stdout=f, stderr=subprocess.STDOUT, env=env)
-            if done.returncode != 0:
-                tail = log_tail(bench_log)
-                raise RuntimeError(f"vllm bench serve exited with {done.returncode}:\n{tail}")
-    finally:
-        stop_server(server)
-    return {"server_command": command, "startup_s": server.startup_s}
+        logger.info("starting %s: %s", engine, shlex.join(command))
+        server = start_server(command, port, log, env if engine == "vllm" else None)
+        info["startup_s"] = server.startup_s
+        logger.info("%s healthy after %.1f s", engine, server.startup_s)
+        try:
+            for rate, num_prompts in zip(args.rates, args.num_prompts, strict=True):
+                name = result_filename(engine, rate)
+                logger.info("%s at %g req/s, %d prompts", engine, rate, num_prompts)
+                bench = bench_command(folder, port, rate, num_prompts, args.out, name)
+                run_bench(bench, os.path.join(args.out, name.replace(".json", ".log")), env)
+        finally:
+            stop_server(server)
+    except (RuntimeError, OSError) as error:
+        logger.error("%s failed: %s", engine, error)
+        info["error"] = str(error)
+    return info
+
+
+def run_bench(command: list[str], log_path: str, env: dict[str, str]) -> None:
+    """Run the load generator's ``command`` with its output into ``log_path``.
+
+    Raises:
+        RuntimeError: it exited non-zero (the message ends with the log's tail).
+    """
+    with open(log_path, "w") as log:
+        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    if done.returncode != 0:
+        tail = log_tail(log_path)
+        raise RuntimeError(f"vllm bench serve exited with {done.returncode}:\n{tail}")
 
 
 # ---------------------------------------------------------------- report
@@ -326,8 +338,8 @@ def verdicts(runs: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
 
 
 def build_report(out_dir: str, engines: list[str], rates: list[float]) -> dict[str, Any]:
-    """The report from the result JSONs in ``out_dir`` (missing runs are left out) and each
-    engine's ``ENGINE_server.json`` (server command, start-up time, error). The cold start
+    """The report from the result JSONs in ``out_dir`` (missing runs and engines are left out)
+    and each engine's ``ENGINE_server.json`` (server command, start-up time, error). The cold start
     comes from the first rate's run when it has ``2 * COLD_START_WINDOW`` requests."""
     report: dict[str, Any] = {"engines": {}}
     runs: dict[str, dict[str, dict]] = {}
@@ -346,7 +358,8 @@ def build_report(out_dir: str, engines: list[str], rates: list[float]) -> dict[s
             runs[engine][f"{rate:g}"] = summarize_run(result)
             if i == 0 and len(result["ttfts"]) >= 2 * COLD_START_WINDOW:
                 info["cold_start"] = cold_start(result)
-        report["engines"][engine] = {**info, "runs": runs[engine]}
+        if info or runs[engine]:
+            report["engines"][engine] = {**info, "runs": runs[engine]}
     report["verdicts"] = verdicts(runs)
     return report
 
@@ -363,7 +376,8 @@ def format_report(report: dict[str, Any]) -> str:
         )
     for engine, info in report["engines"].items():
         if "error" in info:
-            lines.append(f"{engine} FAILED: {info['error'].splitlines()[0]}")
+            error = info["error"].strip().splitlines()
+            lines.append(f"{engine} FAILED: {error[0]} ... {error[-1]}")
         cold = info.get("cold_start")
         if cold and cold["ratio"] is not None:
             n = cold["window"]
@@ -405,7 +419,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the engines (unless ``--report-only``), print the report, write
     ``DIR/peer_serve.json``; returns the report. An engine that fails is recorded (its
-    ``error`` and log tail) and the next one still runs."""
+    ``error``) and the next one still runs."""
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     args.out = os.path.abspath(args.out)
@@ -415,14 +429,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for rate in args.rates:  # no stale result of an earlier run is reported
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(args.out, result_filename(engine, rate)))
-            try:
-                info = run_engine(engine, folder, args)
-            except (RuntimeError, OSError) as error:
-                logger.error("%s failed: %s", engine, error)
-                info = {"error": str(error)}
+            info = run_engine(engine, folder, args)
             with open(os.path.join(args.out, f"{engine}_server.json"), "w") as f:
                 json.dump(info, f, indent=1)
-    report = build_report(args.out, args.engines, args.rates)
+    report = build_report(args.out, list(ENGINES), args.rates)
     report.update(model_arch=args.model_arch, rates=args.rates, num_prompts=args.num_prompts)
     with open(os.path.join(args.out, "peer_serve.json"), "w") as f:
         json.dump(report, f, indent=1)

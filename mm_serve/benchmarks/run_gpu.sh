@@ -9,6 +9,9 @@
 # serve:      mm-serve serve (Qwen2-VL-2B, random weights) driven by bench serve
 # kernels:    the Triton kernel benchmark
 # gemv:       the batch-1 linear layers, Triton GEMV against cuBLAS, PDL off and on
+# peer-serve: vLLM's bench serve (random-mm, 448x448, 50 in / 128 out) at 2, 16, 32 req/s against
+#             mm-serve and vLLM 0.33 (installed in /tmp/vsite), each fresh; cold start; verdicts.
+#             PEER_ENGINES=vllm (or mm_serve) runs one; a later run into the same $OUT reports both.
 set -uo pipefail
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
@@ -61,6 +64,9 @@ for _ in range(300):
       $PY -m mm_serve.benchmarks.kernels 2>&1 | tee "$OUT/kernels.log" | tail -20 ;;
     gemv)
       $PY -m mm_serve.benchmarks.gemv --out "$OUT" 2>&1 | tee "$OUT/gemv.log" | tail -24 ;;
+    peer-serve)
+      $PY -m mm_serve.benchmarks.peer_serve --model-arch qwen2-vl-2b --out "$OUT/peer_serve" \
+        --engines ${PEER_ENGINES:-mm_serve vllm} 2>&1 | tee "$OUT/peer_serve.log" | tail -22 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
