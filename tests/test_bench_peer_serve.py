@@ -89,6 +89,9 @@ def results_dir(tmp_path):
         "vllm_16": peer_16,
         "vllm_32": vllm_result([0.180] * 384, output_throughput=2800.0),
     })  # fmt: skip
+    # The load generator's logs: vLLM's run began with a ready-check request (not cold).
+    (tmp_path / "mm_serve_2.log").write_text("Skipping endpoint ready check.\nStarting main\n")
+    (tmp_path / "vllm_2.log").write_text("Initial test run completed.\nStarting main\n")
     return tmp_path
 
 
@@ -109,6 +112,7 @@ def test_report_table_verdicts_and_cold_start(results_dir):
     assert (cold["first_median_ms"], cold["next_median_ms"]) == pytest.approx((50.0, 40.0))
     assert cold["ratio"] == pytest.approx(1.25) and cold["passed"]
     assert peer["cold_start"]["ratio"] == pytest.approx(2.0) and not peer["cold_start"]["passed"]
+    assert not cold["after_test_request"] and peer["cold_start"]["after_test_request"]
 
     passed = {(v["rate"], v["metric"]): v["passed"] for v in report["verdicts"]}
     assert passed == {
@@ -134,7 +138,8 @@ def test_report_table_verdicts_and_cold_start(results_dir):
     assert "cold start mm_serve: TTFT median of requests 1-32 50.0 ms, 33-64 40.0 ms: 1.25x" in (
         done.stdout
     )
-    assert "(<= 1.5x: NO)" in done.stdout  # vLLM's own cold start
+    assert "1.25x (<= 1.5x: yes)\n" in done.stdout
+    assert "2.00x (<= 1.5x: NO) after one test request" in done.stdout  # vLLM's
 
 
 def test_missing_field_is_a_clear_error(tmp_path):
