@@ -103,7 +103,7 @@ def torch_varlen_attn() -> Callable | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _causal_options(fn: Callable, scale: float, head_dim: int, gqa: bool) -> tuple | None:
+def causal_options(fn: Callable, scale: float, head_dim: int, gqa: bool) -> tuple | None:
     """Keyword arguments (as pairs) that make ``fn`` causal with softmax scale ``scale``, or
     None where its signature cannot. torch 2.10 takes ``is_causal`` (and no scale: only the
     default ``head_dim ** -0.5`` works); 2.11 ``scale`` and ``window_size`` ((-1, 0) is
@@ -146,7 +146,7 @@ def varlen_unusable_reason(query: torch.Tensor, kv_heads: int, scale: float) -> 
     head_dim = query.shape[-1]
     if head_dim % 8 or head_dim > 256:
         return f"varlen_attn needs head_dim <= 256 divisible by 8, got {head_dim}"
-    if _causal_options(fn, scale, head_dim, query.shape[1] != kv_heads) is None:
+    if causal_options(fn, scale, head_dim, query.shape[1] != kv_heads) is None:
         return "this torch's varlen_attn takes no causal flag or softmax scale"
     return None
 
@@ -173,7 +173,7 @@ def paged_attention_split(
     num_tokens = metadata.num_tokens
     fn = torch_varlen_attn()
     gqa = query.shape[1] != key.shape[1]
-    options = dict(_causal_options(fn, scale, query.shape[-1], gqa))
+    options = dict(causal_options(fn, scale, query.shape[-1], gqa))
     cu_seqlens, max_len = metadata.query_start_loc, metadata.max_query_len
     attn = fn(
         query[:num_tokens], key[:num_tokens], value[:num_tokens],

@@ -146,7 +146,7 @@ def test_causal_options_follow_the_torch_signature() -> None:
                    scale=None, window_size=(-1, -1), enable_gqa=False): ...  # fmt: skip
 
     def options(fn, scale, gqa):
-        found = varlen._causal_options(fn, scale, 64, gqa)
+        found = varlen.causal_options(fn, scale, 64, gqa)
         return None if found is None else dict(found)
 
     assert options(torch_2_10, 0.125, gqa=True) == {"is_causal": True}

@@ -1,14 +1,22 @@
-"""Time the Triton kernels on a CUDA device against their references and the memory ceiling.
+"""Time the attention and small kernels on a CUDA device against their references and ceilings.
 
-Run: ``python -m mm_serve.benchmarks.kernels [--sweep] [--out DIR]``. Prints a table (median
-of ``triton.testing.do_bench``, which warms up, clears L2 between runs and times with CUDA
-events) and writes every figure to ``DIR/kernels.json``. The ceiling is this device's measured
-copy bandwidth (bytes read + written by a 1 GiB device-to-device copy). The decode case is the
-acceptance shape: 28 query / 4 KV heads, head dim 128, batch 64 x 4096 context, block size 16,
-bf16; its bandwidth counts the K and V bytes read once. ``--sweep`` also times a grid of
-launch configs of the decode and prefill attention. A script, not a test: it prints figures
-and only checks each attention case against the reference once before timing it (the kernels'
-tests are in ``tests/test_kernels_triton.py``).
+Run: ``mm-serve bench kernels`` or ``python -m mm_serve.benchmarks.kernels [--sweep] [--out
+DIR]``. Prints tables (median of ``triton.testing.do_bench``, which warms up, clears L2 between
+runs and times with CUDA events) and writes every figure to ``DIR/kernels.json``.
+
+- Paged attention (Triton), 28 query / 4 KV heads, head dim 128, block size 16, bf16: decode
+  64 x 4096 context (the acceptance shape; its bandwidth counts the K and V bytes read once,
+  against this device's copy bandwidth, bytes read + written by a 1 GiB device-to-device
+  copy), prefill and mixed batches. ``--sweep`` also times a grid of launch configs.
+- Prefill attention on the image workload's shapes (Qwen2-VL-2B LM: 12 query / 2 KV heads,
+  head dim 128, bf16): a chunk of 26 fresh ~315-token prompts (8,192 tokens), the same with 64
+  decode rows (context 400) mixed in, and one 4,096-token prompt. Each method is checked once
+  against ``paged_attention_ref`` before it is timed; TFLOP/s counts causal FLOPs
+  (``4 * head_dim * num_heads`` per visible query-key pair) of the rows it computes.
+- RMSNorm, SiLU-and-mul, rotary and the KV-cache write at a 4,096-token step of a 7B.
+
+A script, not a test: the kernels' tests are ``tests/test_kernels_triton.py`` and
+``tests/test_varlen_prefill.py``.
 """
 
 from __future__ import annotations
@@ -80,6 +88,13 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
+def causal_flops(reqs, heads) -> float:
+    """FLOPs of causal attention for ``reqs`` = [(cached, new)]: two matmuls of ``2 * head_dim``
+    FLOPs per visible (query, key) pair and query head; new token ``j`` sees ``cached + j + 1``
+    keys."""
+    return sum(4 * n * (c + (n + 1) / 2) * heads[2] * heads[0] for c, n in reqs)
+
+
 def attention_case(name, reqs, heads, block_size, configs, copy_bw) -> list[dict]:
     """Check once against the reference, then time each launch config (None: the heuristic)."""
     from mm_serve.kernels.triton_attention import _launch_config, paged_attention_triton
@@ -89,7 +104,7 @@ def attention_case(name, reqs, heads, block_size, configs, copy_bw) -> list[dict
     err = rel_err(paged_attention_triton(q, kv, md, scale), paged_attention_ref(q, kv, md, scale))
     assert err < 1e-2, f"{name}: relative error {err}"
     kv_bytes = 2 * sum(md.seq_lens_cpu) * heads[1] * heads[2] * kv.element_size()
-    causal_flops = sum(4 * n * (c + (n + 1) / 2) * heads[2] * heads[0] for c, n in reqs)
+    flops = causal_flops(reqs, heads)
     group = heads[0] // heads[1]
     default = _launch_config(
         group, md.max_query_len, md.max_seq_len, md.num_reqs, heads[1], q.device
@@ -104,7 +119,7 @@ def attention_case(name, reqs, heads, block_size, configs, copy_bw) -> list[dict
         rows.append({
             "case": name, "config": config or default, "ms": ms, "rel_err": err,
             "kv_GBps": kv_bytes / ms / 1e6, "pct_copy_bw": 100 * kv_bytes / (ms * 1e-3) / copy_bw,
-            "TFLOPs": causal_flops / ms / 1e9,
+            "TFLOPs": flops / ms / 1e9,
         })  # fmt: skip
     return rows
 
@@ -191,39 +206,52 @@ def print_tables(copy_bw: float, rows: list[dict], sdpa_ms: float, small: list[d
         )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``mm-serve bench kernels``."""
     parser.add_argument("--sweep", action="store_true", help="time a grid of launch configs")
+    parser.add_argument(
+        "--prefill-only", action="store_true", help="only the prefill-attention comparison"
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for JSON")
-    args = parser.parse_args()
-    copy_bw = copy_bandwidth()
+
+
+def paged_attention_rows(sweep: bool, copy_bw: float) -> list[dict]:
+    """The Triton paged-attention cases at 28/4 heads; without ``sweep`` the heuristic's
+    config, twice (the spread of two timings)."""
     heads = (28, 4, 128)
-    prefill = [(0, 2048)] * 4
     cases = [  # name, requests as (cached, new), configs to time with --sweep
         ("decode 64x4096", [(4095, 1)] * 64, sweep_configs(decode=True)),
-        ("prefill 4x2048", prefill, sweep_configs(decode=False)),
+        ("prefill 4x2048", [(0, 2048)] * 4, sweep_configs(decode=False)),
         ("mixed 512-chunk+63 decodes", [(1536, 512)] + [(2047, 1)] * 63, [None]),
     ]
     cases += [(f"decode {b}x4096", [(4095, 1)] * b, [None]) for b in (1, 8, 32, 128)]
     rows = []
     for name, reqs, configs in cases:
-        # Without --sweep: the heuristic's config, twice (the spread of two timings).
-        rows += attention_case(
-            name, reqs, heads, 16, configs if args.sweep else [None] * 2, copy_bw
-        )
-    sdpa_ms = sdpa_prefill_ms(prefill, heads)
-    small = small_kernel_rows(copy_bw)
-    result = {
-        "device": torch.cuda.get_device_name(),
-        "copy_GBps": copy_bw / 1e9,
-        "attention": rows,
-        "sdpa_prefill_ms": sdpa_ms,
-        "small": small,
-    }
+        rows += attention_case(name, reqs, heads, 16, configs if sweep else [None] * 2, copy_bw)
+    return rows
+
+
+def main(args: argparse.Namespace) -> dict:
+    """Run the tables, print them, write ``kernels.json``; returns what it wrote."""
+    # Imported here: the prefill comparison builds on this module's helpers.
+    from mm_serve.benchmarks.prefill_attention import prefill_rows, print_prefill
+
+    copy_bw = copy_bandwidth()
+    result = {"device": torch.cuda.get_device_name(), "copy_GBps": copy_bw / 1e9}
+    if not args.prefill_only:
+        result["attention"] = paged_attention_rows(args.sweep, copy_bw)
+        result["sdpa_prefill_ms"] = sdpa_prefill_ms([(0, 2048)] * 4, (28, 4, 128))
+        result["small"] = small_kernel_rows(copy_bw)
+    result["prefill_attention"] = prefill_rows()
     with open(os.path.join(args.out, "kernels.json"), "w") as f:
         json.dump(result, f, indent=1)
-    print_tables(copy_bw, rows, sdpa_ms, small)
+    if not args.prefill_only:
+        print_tables(copy_bw, result["attention"], result["sdpa_prefill_ms"], result["small"])
+    print_prefill(result["prefill_attention"])
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_cli_args(cli)
+    main(cli.parse_args())
