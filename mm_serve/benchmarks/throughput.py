@@ -10,7 +10,10 @@ The clock starts after the engine is built (weights, KV cache, CUDA graphs) and 
 call on other requests; it covers ``LLM.generate`` on all requests, image preprocessing
 included. Unless ``--no-hf``, HF transformers ``generate`` runs first in the same process on
 the same requests at ``--hf-batch-sizes`` and is freed before our engine starts.
-``--compare-prefix-caching`` runs the workload again with prefix caching off.
+``--compare-prefix-caching`` runs the workload again with prefix caching off. ``--peer vllm``
+runs vLLM on the same requests in a subprocess (``peer_vllm``) and reports mm_serve / vLLM.
+On CUDA, the workload's roofline (``roofline``) follows from matmul and copy rates measured in
+this process after the engines are gone, with each engine's percentage of it.
 
     python -m mm_serve.benchmarks.throughput --model-arch qwen2-vl-2b --num-prompts 256 \\
         --compare-prefix-caching --output-json throughput.json
@@ -26,7 +29,7 @@ from typing import Any
 
 import torch
 
-from mm_serve.benchmarks import common
+from mm_serve.benchmarks import common, peer_vllm, roofline
 from mm_serve.benchmarks.datasets import BenchRequest, random_image_dataset
 
 logger = logging.getLogger(__name__)
@@ -66,6 +69,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Engine runs per configuration (fresh engines, alternating); the best is reported.",
     )
     group.add_argument("--output-json", help="Write the full results here.")
+    peer_vllm.add_cli_args(parser)
 
 
 def _check(condition: bool, message: str) -> None:
@@ -174,16 +178,27 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 args, load_format, enable_prefix_caching=False
             )
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
+        peer = None
+        if args.peer:  # the same requests, written once for the peer's subprocesses
+            workload = peer_vllm.PeerWorkload(requests, texts, warmup, warmup_texts)
+            peer = peer_vllm.PeerRunner(args, folder, load_format, workdir, workload)
+            runs["vllm"] = []
         for _ in range(args.repeats):  # configurations alternate: neither always goes first
             for name, engine_kwargs in configs.items():
                 runs[name].append(
                     run_engine(folder, engine_kwargs, requests, texts, warmup, warmup_texts)
                 )
+            if peer:
+                runs["vllm"].append(peer.run(runs["mm_serve"][-1]["prompt_tokens"]))
         for name, results in runs.items():  # each configuration's best run, and all of them
             result[name] = max(results, key=lambda r: r["output_tokens_per_s"])
             result[name]["all_runs_output_tokens_per_s"] = [
                 r["output_tokens_per_s"] for r in results
             ]
+        if peer and args.peer_bench:
+            tokens = roofline.image_tokens(config.model.hf_config.vision_config, *size)
+            result["vllm_bench"] = peer.bench(result["mm_serve"]["prompt_tokens"], tokens)
+    result["roofline"] = roofline.bench_roofline(config.model.hf_config, result, config.device)
     _add_ratios(result)
     print_summary(result)
     common.write_json(args.output_json, result)
@@ -206,6 +221,8 @@ def _add_ratios(result: dict[str, Any]) -> None:
     off = result.get("mm_serve_prefix_caching_off")
     if off:
         result["prefix_caching_on_over_off"] = ours / off["output_tokens_per_s"]
+    if result.get("vllm"):
+        result["mm_serve_over_vllm"] = ours / result["vllm"]["output_tokens_per_s"]
     best = (result["hf"] or {}).get("best")
     if best:
         result["mm_serve_over_hf_best"] = ours / best["output_tokens_per_s"]
@@ -219,7 +236,8 @@ def print_summary(result: dict[str, Any]) -> None:
           f"{w['num_images']} x {w['image_size'][0]}x{w['image_size'][1]} image(s) -> "
           f"{w['output_len']} tokens")  # fmt: skip
     print(f"{'run':<28} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>12} {'prompt tok':>11}")
-    runs = (("mm_serve", "mm_serve"), ("mm_serve_prefix_caching_off", "  prefix caching off"))
+    runs = (("mm_serve", "mm_serve"), ("mm_serve_prefix_caching_off", "  prefix caching off"),
+            ("vllm", f"vLLM {result.get('vllm', {}).get('vllm_version', '')}"))  # fmt: skip
     for key, label in runs:
         r = result.get(key)
         if r:
@@ -234,6 +252,12 @@ def print_summary(result: dict[str, Any]) -> None:
     if "mm_serve_over_hf_best" in result:
         best = result["hf"]["best"]["batch_size"]
         print(f"mm_serve / HF best (batch {best}): {result['mm_serve_over_hf_best']:.2f}x")
+    if "mm_serve_over_vllm" in result:
+        print(f"mm_serve / vLLM (same requests): {result['mm_serve_over_vllm']:.3f}x")
+    if result.get("vllm_bench"):
+        print(f"vLLM's own bench throughput (random-mm, same shapes): "
+              f"{result['vllm_bench']['output_tokens_per_s']:.1f} out tok/s")  # fmt: skip
+    roofline.print_roofline(result.get("roofline"))
 
 
 if __name__ == "__main__":
