@@ -75,9 +75,11 @@ def pack_fresh(q, kv, md, reqs) -> Packed:
 
 
 def cudnn_methods(p: Packed, scale: float) -> list[Method]:
-    """SDPA restricted to cuDNN on the fresh prompts: padded to the longest in one batched call
-    (causal masking keeps the padding out of the real rows), and one call per prompt. K/V are
-    expanded to every query head beforehand (the kernel's best case; not timed)."""
+    """cuDNN attention on the fresh prompts: SDPA restricted to cuDNN, padded to the longest in
+    one batched call (causal masking keeps the padding out of the real rows) and one call per
+    prompt, with K/V expanded to every query head beforehand (the kernel's best case: not
+    timed); and the ragged (varlen) call ``aten._cudnn_attention_forward``, with the 2 KV heads
+    as they are and with the expansion timed."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     group = p.q.shape[1] // p.k.shape[1]
@@ -100,6 +102,14 @@ def cudnn_methods(p: Packed, scale: float) -> list[Method]:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
+    def ragged(k, v):  # the call torch's varlen_attn makes on its (disabled) cuDNN path
+        lens = (p.cu_seqlens, p.cu_seqlens, longest, longest)
+        attention = torch.ops.aten._cudnn_attention_forward
+        return attention(p.q, k, v, None, *lens, True, 0.0, True, False, scale=scale)[0]
+
+    def expanded():  # [rows, heads, head_dim] keys and values: what the engine would pay
+        return (x.repeat_interleave(group, dim=1) for x in (p.k, p.v))
+
     return [
         Method(
             "cuDNN SDPA, padded batch",
@@ -113,6 +123,8 @@ def cudnn_methods(p: Packed, scale: float) -> list[Method]:
             lambda: [sdpa(*qkv) for qkv in per_prompt],
             lambda outs: torch.cat([out[0].transpose(0, 1) for out in outs]),
         ),
+        Method("cuDNN varlen (ragged), GQA", p.rows, lambda: ragged(p.k, p.v)),
+        Method("cuDNN varlen, K/V expanded (timed)", p.rows, lambda: ragged(*expanded())),
     ]
 
 
