@@ -175,7 +175,6 @@ class LMShape:
 
     params: int
     head_params: int
-    hidden: int
     layers: int
     q_width: int  # query heads x head dim
     kv_width: int  # KV heads x head dim
@@ -187,17 +186,14 @@ class LMShape:
         q, kv = tc.num_attention_heads * head_dim, tc.num_key_value_heads * head_dim
         h = tc.hidden_size
         per_layer = 2 * h * q + 2 * h * kv + 3 * h * tc.intermediate_size
-        return cls(per_layer * tc.num_hidden_layers, h * tc.vocab_size, h, tc.num_hidden_layers,
-                   q, kv)  # fmt: skip
+        layers = tc.num_hidden_layers
+        return cls(per_layer * layers, h * tc.vocab_size, layers, q, kv)
 
     def prefill_flops(self, prompt_len: float) -> float:
         """One request's prefill of ``prompt_len`` tokens, its first output token's head."""
         t = prompt_len
-        return (
-            2 * self.params * t
-            + 2 * t * (t + 1) * self.q_width * self.layers
-            + 2 * (self.head_params)
-        )
+        attention = 2 * t * (t + 1) * self.q_width * self.layers
+        return 2 * self.params * t + attention + 2 * self.head_params
 
     def decode_flops(self, context: float) -> float:
         """One request's decode step at ``context`` tokens (the new one included)."""
