@@ -10,6 +10,7 @@ import logging
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
 from test_kernels_triton import (
@@ -137,13 +138,23 @@ def test_cuda_linear_uses_the_gemv_for_one_half_precision_token(monkeypatch) -> 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_tiny_model_on_cuda_matches_cpu(tmp_path, dtype) -> None:
+def test_tiny_model_on_cuda_matches_cpu(tmp_path, dtype, monkeypatch) -> None:
     """The whole LM forward (Triton norm, rotary, cache write, attention, SiLU) on CUDA against
     the same checkpoint on the CPU path: a prefill step, then decodes beside a chunk, then one
-    token alone (the GEMV linears in bf16)."""
+    token alone (the GEMV linears in bf16). On CUDA the metadata carries the prefill split the
+    model runner plans: in bf16 the first step's fresh prompts go through ``varlen_attn``."""
     from mm_serve.config import EngineArgs
+    from mm_serve.kernels import varlen_attention
     from mm_serve.models.loader import load_model
     from mm_serve.testing.checkpoints import build_tiny_checkpoint
+
+    split_calls = []
+    split = varlen_attention.paged_attention_split
+    monkeypatch.setattr(
+        varlen_attention,
+        "paged_attention_split",
+        lambda *a, **k: split_calls.append(1) or split(*a, **k),
+    )
 
     path = build_tiny_checkpoint(tmp_path / "llama", "llama", seed=0, head_dim=32)
     steps = [[(0, 12), (0, 1), (0, 30)], [(12, 1), (1, 7), (30, 1)], [(13, 1)]]
@@ -160,6 +171,14 @@ def test_tiny_model_on_cuda_matches_cpu(tmp_path, dtype) -> None:
         logits[device] = []
         for reqs in steps:
             metadata = _metadata(reqs, tables[: len(reqs)], block_size, device)
+            if device == "cuda":
+                metadata.prefill_split = varlen_attention.plan_prefill_split(
+                    np.array(metadata.query_start_loc_cpu),
+                    np.array(metadata.seq_lens_cpu),
+                    metadata.block_table.cpu().numpy(),
+                    metadata.slot_mapping.cpu().numpy(),
+                    metadata.block_table.device,
+                )
             ids = torch.randint(0, config.vocab_size, (metadata.num_tokens,), generator=gen)
             positions = torch.cat([torch.arange(c, c + n) for c, n in reqs])
             with torch.inference_mode():
@@ -168,3 +187,5 @@ def test_tiny_model_on_cuda_matches_cpu(tmp_path, dtype) -> None:
     tol = 1e-3 if dtype == "float32" else 3e-2
     for cuda, cpu in zip(logits["cuda"], logits["cpu"], strict=True):
         assert _rel_err(cuda, cpu) <= tol
+    # One split call per layer in the first step (fp32 is not FlashAttention's: Triton alone).
+    assert len(split_calls) == (0 if dtype == "float32" else config.num_layers)
