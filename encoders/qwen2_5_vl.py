@@ -23,11 +23,13 @@ from mm_serve.encoders.qwen2_vl import (
     PatchMerger,
     Segments,
     VisionAttention,
+    VisionRotary,
     check_grid,
     frame_bounds,
     rope_theta,
     rotary_cos_sin,
     varlen_segments,
+    vision_rotary,
 )
 from mm_serve.kernels.activation import get_activation
 from mm_serve.models.layers.layernorm import RMSNorm
@@ -86,10 +88,8 @@ class Qwen2_5_VisionBlock(nn.Module):
         self.attn = VisionAttention(dim, vision_config.num_heads)
         self.mlp = Qwen2_5_VisionMLP(dim, vision_config.intermediate_size, vision_config.hidden_act)
 
-    def forward(
-        self, x: torch.Tensor, segments: Segments, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), segments, cos, sin)
+    def forward(self, x: torch.Tensor, segments: Segments, rotary: VisionRotary) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), segments, rotary)
         return x + self.mlp(self.norm2(x))
 
 
@@ -131,10 +131,10 @@ class Qwen2_5_VisionTransformer(nn.Module):
         def to_window_order(t: torch.Tensor) -> torch.Tensor:  # [N, d], whole merge windows
             return t.view(-1, merge * merge, t.shape[-1])[index].flatten(0, 1)
 
-        x, cos, sin = to_window_order(x), to_window_order(cos), to_window_order(sin)
+        x, rotary = to_window_order(x), vision_rotary(to_window_order(cos), to_window_order(sin))
         # Windows never cross a frame, so per-frame boundaries stay valid after the permutation.
         full = varlen_segments(frame_bounds(grids), device, x.dtype)
         windows = varlen_segments(cu_window, device, x.dtype)
         for i, block in enumerate(self.blocks):
-            x = block(x, full if i in self.fullatt_block_indexes else windows, cos, sin)
+            x = block(x, full if i in self.fullatt_block_indexes else windows, rotary)
         return self.merger(x)[torch.argsort(index)]

@@ -79,13 +79,20 @@ class Segments:
 
 @functools.cache
 def _flash_varlen():
-    """``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 over packed sequences), or
-    None where this torch lacks it."""
+    """FlashAttention-2 over packed sequences, ``(q, k, v, cu_seqlens, max_len) -> out``, or
+    None where this torch lacks it. It calls ``aten._flash_attention_forward`` as
+    ``torch.nn.attention.varlen.varlen_attn`` does, without that wrapper's custom-op dispatch
+    and per-call allocation (host time paid once per tower block)."""
     try:
-        from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401 (this torch has it)
     except ImportError:
         return None
-    return varlen_attn
+    forward = torch.ops.aten._flash_attention_forward
+
+    def attend(q, k, v, cu_seqlens, max_len):
+        return forward(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, False, False)[0]
+
+    return attend
 
 
 def varlen_segments(bounds: list[int], device: torch.device, dtype: torch.dtype) -> Segments:
@@ -142,19 +149,40 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
 
 
+@dataclass(frozen=True)
+class VisionRotary:
+    """One tower forward's 2-D rotary tables, built once (``vision_rotary``) for all blocks.
+
+    ``cos, sin``: ``[N, head_dim]`` float32 (``rotary_cos_sin``); ``table``: ``[N, head_dim]``
+    float32, the cos and sin of the ``head_dim // 2`` distinct angles side by side (the Triton
+    kernel's layout); ``positions``: ``[N]`` int64, row ``i`` reads table row ``i``.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    table: torch.Tensor
+    positions: torch.Tensor
+
+
+def vision_rotary(cos: torch.Tensor, sin: torch.Tensor) -> VisionRotary:
+    """The ``VisionRotary`` of ``rotary_cos_sin``'s tables (rows possibly permuted)."""
+    half = cos.shape[-1] // 2
+    table = torch.cat([cos[:, :half], sin[:, :half]], dim=-1)
+    positions = torch.arange(cos.shape[0], device=cos.device)
+    return VisionRotary(cos, sin, table, positions)
+
+
 def rotate_qk(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, rotary: VisionRotary
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``apply_rotary`` on ``q`` and ``k`` ``[N, num_heads, head_dim]``; on CUDA one Triton
     kernel does both, with the same float32 arithmetic (the tables' halves are equal)."""
-    if not use_kernels(q, k, cos):
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    if not use_kernels(q, k, rotary.table):
+        return apply_rotary(q, rotary.cos, rotary.sin), apply_rotary(k, rotary.cos, rotary.sin)
     from mm_serve.kernels.triton_rotary import apply_rotary_triton
 
-    head_dim = cos.shape[-1]
-    table = torch.cat([cos[:, : head_dim // 2], sin[:, : head_dim // 2]], dim=-1)
-    positions = torch.arange(q.shape[0], device=q.device)
-    return apply_rotary_triton(positions, q, k, table, head_dim, round_products=False)
+    head_dim = rotary.table.shape[-1]
+    return apply_rotary_triton(rotary.positions, q, k, rotary.table, head_dim, round_products=False)
 
 
 def varlen_attention(
@@ -169,8 +197,7 @@ def varlen_attention(
     to another's length and no ``N x N`` block-diagonal mask is ever built.
     """
     if segments.groups is None:
-        cu, n = segments.cu_seqlens, segments.max_len
-        return _flash_varlen()(q, k, v, cu, cu, n, n)
+        return _flash_varlen()(q, k, v, segments.cu_seqlens, segments.max_len)
     out = torch.empty_like(q)
     for idx in segments.groups:  # [num_segments, length] row indices
         qs, ks, vs = (t[idx].transpose(1, 2) for t in (q, k, v))  # [B, heads, length, head_dim]
@@ -205,12 +232,10 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(
-        self, x: torch.Tensor, segments: Segments, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segments: Segments, rotary: VisionRotary) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)  # [N, heads, head_dim]
-        q, k = rotate_qk(q, k, cos, sin)
+        q, k = rotate_qk(q, k, rotary)
         return self.proj(varlen_attention(q, k, v, segments).reshape(n, -1))
 
 
@@ -260,10 +285,8 @@ class Qwen2VisionBlock(nn.Module):
         hidden = int(dim * vision_config.mlp_ratio)
         self.mlp = VisionMlp(dim, hidden, vision_config.hidden_act)
 
-    def forward(
-        self, x: torch.Tensor, segments: Segments, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), segments, cos, sin)
+    def forward(self, x: torch.Tensor, segments: Segments, rotary: VisionRotary) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), segments, rotary)
         return x + self.mlp(self.norm2(x))
 
 
@@ -291,10 +314,10 @@ class Qwen2VisionTransformer(nn.Module):
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         grids = check_grid(pixel_values, grid_thw, self.spatial_merge_size)
         x = self.patch_embed(pixel_values)  # [N, embed_dim]
-        cos, sin = rotary_cos_sin(
-            grids, self.spatial_merge_size, self.head_dim, self.rope_theta, x.device
-        )
-        segments = varlen_segments(frame_bounds(grids), x.device, x.dtype)
+        merge, device = self.spatial_merge_size, x.device
+        cos, sin = rotary_cos_sin(grids, merge, self.head_dim, self.rope_theta, device)
+        rotary = vision_rotary(cos, sin)
+        segments = varlen_segments(frame_bounds(grids), device, x.dtype)
         for block in self.blocks:
-            x = block(x, segments, cos, sin)
+            x = block(x, segments, rotary)
         return self.merger(x)
