@@ -30,7 +30,12 @@ from mm_serve.engine.processor import (
     load_tokenizer,
 )
 from mm_serve.engine.stream_state import RequestStats, StreamedCompletion, request_output
-from mm_serve.engine.warm_up import WARM_UP_PARAMS, warm_up_prompt
+from mm_serve.engine.warm_up import (
+    WARM_UP_PARAMS,
+    warm_up_batch_size,
+    warm_up_image_size,
+    warm_up_prompt,
+)
 from mm_serve.outputs import RequestOutput
 from mm_serve.sampling_params import SamplingParams
 from mm_serve.stats import EngineStats
@@ -88,23 +93,36 @@ class AsyncLLM:
         return await asyncio.to_thread(cls, engine_args, **kwargs)
 
     async def warm_up(self) -> None:
-        """Run the warm-up request (``mm_serve.engine.warm_up``) once the preprocessing
-        workers are warm, then reset the engine core; ``on_request_finished`` never hears of it.
+        """Run the warm-up requests (``mm_serve.engine.warm_up``: a batch filling the largest
+        step on CUDA, one request elsewhere) once the preprocessing workers are warm, then
+        reset the engine core; ``on_request_finished`` never hears of them.
 
         Raises:
             BrokenProcessPool: a preprocessing worker failed to start.
             ValueError, EngineRequestError: the checkpoint cannot serve the request.
             EngineDeadError: the engine core is gone.
         """
-        logger.info("Warming up: one request through the whole path")
         start = time.perf_counter()
         await asyncio.gather(*(asyncio.wrap_future(f) for f in self._workers_ready))
-        prompt = await self._in_tokenizer_thread(warm_up_prompt, self.input_processor)
-        processed = await self.process(prompt)
+        image_size = warm_up_image_size(self.config)
+
+        async def one_prompt() -> ProcessedPrompt:
+            prompt = await self._in_tokenizer_thread(
+                warm_up_prompt, self.input_processor, image_size
+            )
+            return await self.process(prompt)
+
+        async def run(prompt: ProcessedPrompt) -> None:
+            async for _ in self.generate(prompt, WARM_UP_PARAMS, f"warm-up-{uuid.uuid4()}"):
+                pass
+
+        first = await one_prompt()
+        num_prompts = warm_up_batch_size(self.config, len(first.token_ids))
+        logger.info("Warming up: %d request(s) through the whole path", num_prompts)
+        prompts = [first] + [await one_prompt() for _ in range(num_prompts - 1)]
         callback, self.on_request_finished = self.on_request_finished, None
         try:
-            async for _ in self.generate(processed, WARM_UP_PARAMS, f"warm-up-{uuid.uuid4()}"):
-                pass
+            await asyncio.gather(*(run(prompt) for prompt in prompts))
         finally:
             self.on_request_finished = callback
         await self.engine_core.reset()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +22,12 @@ from mm_serve.engine.processor import (
     generation_config_defaults,
     load_generation_config,
     load_tokenizer,
+)
+from mm_serve.engine.warm_up import (
+    WARM_UP_PARAMS,
+    warm_up_batch_size,
+    warm_up_image_size,
+    warm_up_prompt,
 )
 from mm_serve.outputs import RequestOutput
 from mm_serve.sampling_params import SamplingParams
@@ -60,6 +67,20 @@ class LLM:
         self.engine_core = EngineCore(self.config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
+        if self.config.device.type == "cuda":
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """The start-up warm-up batch (``mm_serve.engine.warm_up``), then ``EngineCore.reset``:
+        the first ``generate`` runs at the speed of the next."""
+        start = time.perf_counter()
+        size = warm_up_image_size(self.config)
+        first = self.input_processor.process(warm_up_prompt(self.input_processor, size))
+        num_prompts = warm_up_batch_size(self.config, len(first.result().token_ids))
+        prompts = [warm_up_prompt(self.input_processor, size) for _ in range(num_prompts)]
+        self.generate(prompts, WARM_UP_PARAMS, use_tqdm=False)
+        self.engine_core.reset()
+        logger.info("Warmed up: %d requests, %.1f s", num_prompts, time.perf_counter() - start)
 
     def get_tokenizer(self):
         return self.tokenizer
