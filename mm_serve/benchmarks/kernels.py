@@ -1,8 +1,9 @@
 """Time the attention and small kernels on a CUDA device against their references and ceilings.
 
-Run: ``mm-serve bench kernels`` or ``python -m mm_serve.benchmarks.kernels [--sweep] [--out
-DIR]``. Prints tables (median of ``triton.testing.do_bench``, which warms up, clears L2 between
-runs and times with CUDA events) and writes every figure to ``DIR/kernels.json``.
+Run: ``python -m mm_serve.benchmarks.kernels [--sweep] [--prefill-only] [--out DIR]``
+(``add_cli_args`` and ``main`` are the ``mm-serve bench`` interface). Prints tables (median of
+``triton.testing.do_bench``, which warms up, clears L2 between runs and times with CUDA events)
+and writes every figure to ``DIR/kernels.json``.
 
 - Paged attention (Triton), 28 query / 4 KV heads, head dim 128, block size 16, bf16: decode
   64 x 4096 context (the acceptance shape; its bandwidth counts the K and V bytes read once,
