@@ -129,10 +129,13 @@ class KVCacheManager:
         if num_new_blocks > self.block_pool.num_free_blocks - num_evictable_hits:
             return None
 
-        self.block_pool.touch(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        req_blocks = req_blocks + new_computed_blocks + new_blocks
-        self.req_to_blocks[request.request_id] = req_blocks
+        new_blocks: list[KVCacheBlock] = []
+        # Most decode steps need no block: the request's list is then left as it is.
+        if new_computed_blocks or num_new_blocks or request.request_id not in self.req_to_blocks:
+            self.block_pool.touch(new_computed_blocks)
+            new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+            req_blocks = req_blocks + new_computed_blocks + new_blocks
+            self.req_to_blocks[request.request_id] = req_blocks
 
         if self.enable_caching:
             update_block_hashes(request, self.block_size)
