@@ -3,8 +3,8 @@ CUDA tensors, the pure-torch references otherwise.
 
 The CPU path always runs the references, unchanged. ``MM_SERVE_KERNELS`` (read at each call)
 overrides the choice for debugging: ``auto`` (default: flash_attn for attention when it can
-serve the cache, else Triton, with the fresh prefills of a step through torch's
-``varlen_attn``), ``triton`` (Triton alone, even when flash_attn or ``varlen_attn`` could run),
+serve the cache, else Triton, with the fresh prefills of a step through torch's bundled
+FlashAttention-2 varlen kernel), ``triton`` (Triton alone, even where those could run),
 ``ref`` (the references on every device). Triton is imported only when a CUDA tensor first
 needs it.
 """
@@ -78,8 +78,8 @@ def paged_attention(
     """Paged attention; see ``paged_attention_ref``. The backend chosen is logged once.
 
     With ``key``/``value`` (this step's, already in the cache) and ``metadata.prefill_split``,
-    the fresh prefills go through torch's ``varlen_attn`` (FlashAttention-2) and the other
-    requests through the Triton kernel (``varlen_attention.paged_attention_split``)."""
+    the fresh prefills go through FlashAttention-2's varlen kernel as bundled in torch and the
+    other requests through the Triton kernel (``varlen_attention.paged_attention_split``)."""
     fits = query.dtype == kv_cache.dtype and query.shape[-1] <= 256
     if not (fits and use_kernels(query, kv_cache)):
         return paged_attention_ref(query, kv_cache, metadata, scale)
@@ -101,15 +101,16 @@ def paged_attention(
 
 def _prefill_split_attention(query, key, value, kv_cache, metadata, scale) -> torch.Tensor | None:
     """``varlen_attention.paged_attention_split`` with the Triton kernel for the requests that
-    need the cache; None (the reason logged once) where ``varlen_attn`` cannot run."""
+    need the cache; None (the reason logged once) where FlashAttention-2's varlen kernel cannot
+    run."""
     from mm_serve.kernels import varlen_attention as varlen
     from mm_serve.kernels.triton_attention import paged_attention_triton
 
-    why_not = varlen.varlen_unusable_reason(query, kv_cache.shape[3], scale)
+    why_not = varlen.varlen_unusable_reason(query)
     if why_not is not None:
         _log_once("Prefill attention: Triton kernel (%s).", why_not)
         return None
-    _log_once("Prefill attention: torch varlen_attn (FlashAttention-2) for fresh prefills.")
+    _log_once("Prefill attention: FlashAttention-2 varlen (torch's) for fresh prefills.")
     # One launch config for the sub-batch (no split-KV variants to compile while serving):
     # the prefill beside it keeps the GPU busy anyway.
     paged = functools.partial(paged_attention_triton, config={"NUM_SEGMENTS": 1})

@@ -1,5 +1,5 @@
-"""Prefill attention through FlashAttention-2's varlen kernel as bundled in torch
-(``torch.nn.attention.varlen.varlen_attn``, CUDA, fp16/bf16), beside the paged kernel.
+"""Prefill attention through FlashAttention-2's varlen kernel as bundled in torch (the kernel
+of ``torch.nn.attention.varlen.varlen_attn``; CUDA sm80+, fp16/bf16), beside the paged kernel.
 
 A request with no cached context (a prompt's first chunk without prefix-cache hit, the common
 case) attends only to this step's tokens: its keys and values are the layer's fresh ``key`` and
@@ -17,9 +17,7 @@ no plan, so decode-only steps and their CUDA graphs run the paged kernel alone.
 from __future__ import annotations
 
 import functools
-import importlib
-import inspect
-import math
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,7 +32,7 @@ PagedKernel = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], t
 
 @dataclass
 class PrefillSplit:
-    """One step's split between ``varlen_attn`` and the paged kernel (see the module doc).
+    """One step's split between the varlen kernel and the paged kernel (see the module doc).
 
     ``paged_rows`` (``[num_paged_tokens]`` int64, device) are the batch rows of the requests
     that need the paged cache, request by request; ``paged_metadata`` describes those requests
@@ -46,7 +44,7 @@ class PrefillSplit:
 
 
 def varlen_requests(query_lens: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
-    """``[num_reqs]`` bool: the requests ``varlen_attn`` serves alone, those whose keys are
+    """``[num_reqs]`` bool: the requests the varlen kernel serves alone, those whose keys are
     exactly this step's tokens (no cached context) and that have more than one (a one-token
     prompt costs the paged kernel nothing; with this rule a decode-only step never splits)."""
     return (seq_lens == query_lens) & (query_lens > 1)
@@ -60,7 +58,7 @@ def plan_prefill_split(
     device: torch.device,
 ) -> PrefillSplit | None:
     """The split of one step from its host arrays (copied to ``device`` without blocking), or
-    None when no request qualifies for ``varlen_attn`` (see :func:`varlen_requests`)."""
+    None when no request qualifies for the varlen kernel (see :func:`varlen_requests`)."""
     query_lens = np.diff(query_start_loc)
     fresh = varlen_requests(query_lens, seq_lens)
     if not fresh.any():
@@ -94,35 +92,30 @@ def plan_prefill_split(
 
 
 @functools.cache
-def torch_varlen_attn() -> Callable | None:
-    """``torch.nn.attention.varlen.varlen_attn``, or None where this torch lacks it."""
-    try:
-        return importlib.import_module("torch.nn.attention.varlen").varlen_attn
-    except (ImportError, AttributeError):
-        return None
+def has_flash_varlen() -> bool:
+    """Whether this torch bundles FlashAttention-2's varlen kernel (it ships
+    ``torch.nn.attention.varlen`` with it)."""
+    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
 
 
-@functools.lru_cache(maxsize=64)
-def causal_options(fn: Callable, scale: float, head_dim: int, gqa: bool) -> tuple | None:
-    """Keyword arguments (as pairs) that make ``fn`` causal with softmax scale ``scale``, or
-    None where its signature cannot. torch 2.10 takes ``is_causal`` (and no scale: only the
-    default ``head_dim ** -0.5`` works); 2.11 ``scale`` and ``window_size`` ((-1, 0) is
-    causal); 2.12 asks ``enable_gqa`` for fewer KV heads (earlier ones hand GQA to
-    FlashAttention-2, which supports it natively)."""
-    params = inspect.signature(fn).parameters
-    if "window_size" in params:
-        options = {"window_size": (-1, 0)}
-    elif "is_causal" in params:
-        options = {"is_causal": True}
-    else:
-        return None
-    if "scale" in params:
-        options["scale"] = scale
-    elif not math.isclose(scale, head_dim**-0.5, rel_tol=1e-6):
-        return None
-    if gqa and "enable_gqa" in params:
-        options["enable_gqa"] = True
-    return tuple(options.items())
+def flash_varlen_causal(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cu_seqlens: torch.Tensor,  # [num_seqs + 1] int32: sequence i is rows cu[i]:cu[i+1]
+    max_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention within each packed sequence, ``[num_tokens, num_heads, head_dim]``.
+
+    Calls ``aten._flash_attention_forward`` as ``torch.nn.attention.varlen.varlen_attn`` does,
+    without that wrapper's custom-op dispatch and per-call allocations (paid once per layer),
+    and with GQA as FlashAttention-2 runs it natively (``num_heads % num_kv_heads == 0``).
+    Inputs may be strided views with a contiguous last dim.
+    """
+    forward = torch.ops.aten._flash_attention_forward
+    lens = (cu_seqlens, cu_seqlens, max_len, max_len)
+    return forward(query, key, value, *lens, 0.0, True, False, scale=scale)[0]
 
 
 @functools.lru_cache(maxsize=8)
@@ -130,24 +123,19 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def varlen_unusable_reason(query: torch.Tensor, kv_heads: int, scale: float) -> str | None:
-    """Why ``varlen_attn`` cannot serve this layer (a sentence for the log), or None.
-
-    ``query``: ``[num_tokens, num_heads, head_dim]``. FlashAttention-2 needs an sm80+ GPU,
-    fp16/bf16 and a head dim <= 256 divisible by 8.
-    """
-    fn = torch_varlen_attn()
-    if fn is None:
+def varlen_unusable_reason(query: torch.Tensor) -> str | None:
+    """Why FlashAttention-2's varlen kernel cannot serve this layer (a sentence for the log),
+    or None. ``query``: ``[num_tokens, num_heads, head_dim]``; the kernel needs an sm80+ GPU,
+    fp16/bf16 and a head dim <= 256 divisible by 8."""
+    if not has_flash_varlen():
         return "this torch has no torch.nn.attention.varlen"
     if not query.is_cuda or _capability(query.device)[0] < 8:
-        return "varlen_attn needs an sm80+ CUDA device"
+        return "FlashAttention-2 needs an sm80+ CUDA device"
     if query.dtype not in (torch.float16, torch.bfloat16):
-        return f"varlen_attn needs fp16/bf16, got {query.dtype}"
+        return f"FlashAttention-2 needs fp16/bf16, got {query.dtype}"
     head_dim = query.shape[-1]
     if head_dim % 8 or head_dim > 256:
-        return f"varlen_attn needs head_dim <= 256 divisible by 8, got {head_dim}"
-    if causal_options(fn, scale, head_dim, query.shape[1] != kv_heads) is None:
-        return "this torch's varlen_attn takes no causal flag or softmax scale"
+        return f"FlashAttention-2 needs head_dim <= 256 divisible by 8, got {head_dim}"
     return None
 
 
@@ -162,22 +150,19 @@ def paged_attention_split(
 ) -> torch.Tensor:
     """Contract of ``paged_attention_ref``, for a step with ``metadata.prefill_split`` set.
 
-    One ``varlen_attn`` call treats every request as if its keys were its new tokens, which is
-    exact for the fresh prefills; the rows of the other requests are then overwritten with
-    ``paged_kernel``'s result on their sub-batch (their wasted varlen work is their new tokens'
-    self-attention: one token for a decode row). ``key``/``value`` may be strided views with a
-    contiguous last dim; the cache must already hold this step's K/V. Rows past
-    ``metadata.num_tokens`` are zero. Call only when :func:`varlen_unusable_reason` is None.
+    One varlen call (:func:`flash_varlen_causal`) treats every request as if its keys were its
+    new tokens, which is exact for the fresh prefills; the rows of the other requests are then
+    overwritten with ``paged_kernel``'s result on their sub-batch (their wasted varlen work is
+    their new tokens' self-attention: one token for a decode row). ``key``/``value`` may be
+    strided views with a contiguous last dim; the cache must already hold this step's K/V. Rows
+    past ``metadata.num_tokens`` are zero. Call only when :func:`varlen_unusable_reason` is
+    None.
     """
     split = metadata.prefill_split
     num_tokens = metadata.num_tokens
-    fn = torch_varlen_attn()
-    gqa = query.shape[1] != key.shape[1]
-    options = dict(causal_options(fn, scale, query.shape[-1], gqa))
-    cu_seqlens, max_len = metadata.query_start_loc, metadata.max_query_len
-    attn = fn(
+    attn = flash_varlen_causal(
         query[:num_tokens], key[:num_tokens], value[:num_tokens],
-        cu_seqlens, cu_seqlens, max_len, max_len, **options,
+        metadata.query_start_loc, metadata.max_query_len, scale,
     )  # fmt: skip
     if split.paged_rows is not None:
         rows = split.paged_rows

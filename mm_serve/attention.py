@@ -26,7 +26,7 @@ class AttentionMetadata:
     ``block_id * block_size + offset``.
 
     ``prefill_split`` (set by the model runner on CUDA for steps with a fresh prefill) sends
-    those prefills through ``varlen_attn`` and the other requests through the paged kernel.
+    those prefills through FlashAttention-2's varlen kernel, the others through the paged one.
     """
 
     num_reqs: int

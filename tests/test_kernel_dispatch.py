@@ -142,7 +142,7 @@ def test_tiny_model_on_cuda_matches_cpu(tmp_path, dtype, monkeypatch) -> None:
     """The whole LM forward (Triton norm, rotary, cache write, attention, SiLU) on CUDA against
     the same checkpoint on the CPU path: a prefill step, then decodes beside a chunk, then one
     token alone (the GEMV linears in bf16). On CUDA the metadata carries the prefill split the
-    model runner plans: in bf16 the first step's fresh prompts go through ``varlen_attn``."""
+    model runner plans: in bf16 the first step's fresh prompts go through FlashAttention-2."""
     from mm_serve.config import EngineArgs
     from mm_serve.kernels import varlen_attention
     from mm_serve.models.loader import load_model

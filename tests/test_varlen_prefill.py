@@ -1,17 +1,16 @@
-"""Fresh prefills through torch's ``varlen_attn``, the other rows through the paged kernel.
+"""Fresh prefills through FlashAttention-2's varlen kernel (torch's), the other rows through the
+paged kernel.
 
-On the CPU: which rows go where (``plan_prefill_split``), the adapter to each torch release's
-``varlen_attn`` signature, and the split path with a stand-in for ``varlen_attn`` (looked up
-where the real one is) giving the reference's output. On CUDA: the real ``varlen_attn`` and
-Triton kernel through the dispatcher, against ``paged_attention_ref``.
+On the CPU: which rows go where (``plan_prefill_split``), and the split path with a stand-in
+for ``aten._flash_attention_forward`` (looked up where the real one is) giving the reference's
+output. On CUDA: the real kernel and the Triton kernel through the dispatcher, against
+``paged_attention_ref``.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import sys
-import types
 
 import numpy as np
 import pytest
@@ -26,7 +25,7 @@ from mm_serve.kernels.attention import causal_attention_ref
 # (cached, new) in the engine's batch order: decode rows of running requests first, then a
 # fresh prefill, a later chunk of a prompt, a one-token prompt, a prefix-cache hit, a fresh one.
 BATCH = [(20, 1), (7, 1), (0, 9), (8, 6), (0, 1), (4, 5), (0, 12)]
-FRESH = [2, 6]  # the requests varlen_attn serves alone
+FRESH = [2, 6]  # the requests the varlen kernel serves alone
 BATCH_GPU = [(400, 1), (399, 1), (0, 310), (256, 60), (0, 1), (16, 290), (0, 4096), (0, 7)]
 
 
@@ -54,33 +53,29 @@ def _step(reqs, heads, block_size, dtype, device, seed=0):
     return query, key, value, kv_cache, metadata
 
 
-def _reference_varlen(
-    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-    window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None,
+def _reference_flash_forward(
+    query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+    return_debug_mask, *, scale=None,
 ):  # fmt: skip
-    """torch 2.12's ``varlen_attn`` signature, computed with the reference per segment."""
-    assert window_size == (-1, 0) and enable_gqa == (query.shape[1] != key.shape[1])
-    assert torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k
+    """``aten._flash_attention_forward``'s varlen contract (its leading positional arguments,
+    output first), computed with the reference per sequence."""
+    assert is_causal and dropout_p == 0.0 and not return_debug_mask
+    assert torch.equal(cum_seq_q, cum_seq_k) and max_q == max_k
     out = torch.empty_like(query)
-    bounds = cu_seq_q.tolist()
+    bounds = cum_seq_q.tolist()
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         assert end - start <= max_q
         out[start:end] = causal_attention_ref(
             query[start:end], key[start:end], value[start:end], scale
         )
-    return out
+    return out, None, None, None, None
 
 
 @pytest.fixture
-def stand_in_varlen(monkeypatch):
-    """``torch.nn.attention.varlen`` (the module the real one is imported from) replaced by one
-    whose ``varlen_attn`` is ``_reference_varlen``."""
-    module = types.ModuleType("torch.nn.attention.varlen")
-    module.varlen_attn = _reference_varlen
-    monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", module)
-    varlen.torch_varlen_attn.cache_clear()
-    yield
-    varlen.torch_varlen_attn.cache_clear()
+def stand_in_flash(monkeypatch):
+    """``torch.ops.aten._flash_attention_forward`` (where the real kernel is looked up)
+    replaced by ``_reference_flash_forward``."""
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", _reference_flash_forward)
 
 
 def test_plan_sends_fresh_prefills_to_varlen_and_the_rest_to_the_paged_kernel() -> None:
@@ -110,7 +105,7 @@ def test_plan_of_decode_only_and_all_fresh_steps() -> None:
     assert fresh.paged_rows is None and fresh.paged_metadata is None
 
 
-def test_split_path_matches_the_reference(stand_in_varlen) -> None:
+def test_split_path_matches_the_reference(stand_in_flash) -> None:
     heads = (4, 2, 16)
     query, key, value, kv_cache, metadata = _step(BATCH, heads, 4, torch.float32, "cpu", seed=3)
     ref = paged_attention_ref(query, kv_cache, metadata, 0.3)
@@ -127,36 +122,12 @@ def test_split_path_matches_the_reference(stand_in_varlen) -> None:
 
 def test_cpu_dispatch_ignores_the_plan(monkeypatch) -> None:
     def boom(*args, **kwargs):
-        raise AssertionError("varlen_attn ran on the CPU path")
+        raise AssertionError("the varlen split ran on the CPU path")
 
     monkeypatch.setattr(varlen, "paged_attention_split", boom)
     query, key, value, kv_cache, metadata = _step(BATCH, (4, 2, 16), 4, torch.float32, "cpu")
     out = kernels.paged_attention(query, kv_cache, metadata, 0.3, key, value)
     assert torch.equal(out, paged_attention_ref(query, kv_cache, metadata, 0.3))
-
-
-def test_causal_options_follow_the_torch_signature() -> None:
-    def torch_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False,
-                   return_aux=None): ...  # fmt: skip
-
-    def torch_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
-                   scale=None, window_size=(-1, -1)): ...  # fmt: skip
-
-    def torch_2_12(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
-                   scale=None, window_size=(-1, -1), enable_gqa=False): ...  # fmt: skip
-
-    def options(fn, scale, gqa):
-        found = varlen.causal_options(fn, scale, 64, gqa)
-        return None if found is None else dict(found)
-
-    assert options(torch_2_10, 0.125, gqa=True) == {"is_causal": True}
-    assert options(torch_2_10, 0.3, gqa=False) is None  # no scale argument
-    assert options(torch_2_11, 0.3, gqa=True) == {"window_size": (-1, 0), "scale": 0.3}
-    assert options(torch_2_12, 0.3, gqa=True) == {
-        "window_size": (-1, 0), "scale": 0.3, "enable_gqa": True,
-    }  # fmt: skip
-    assert options(torch_2_12, 0.3, gqa=False) == {"window_size": (-1, 0), "scale": 0.3}
-    assert options(lambda q, k, v, cu_q, cu_k, max_q, max_k: None, 0.125, gqa=False) is None
 
 
 def test_reference_write_and_fused_value_agree() -> None:
@@ -171,15 +142,17 @@ def test_reference_write_and_fused_value_agree() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads", [(12, 2, 128), (28, 4, 128), (16, 16, 64)])
 def test_cuda_split_matches_reference(heads, dtype, monkeypatch, caplog) -> None:
-    """The real ``varlen_attn`` (FlashAttention-2 in torch) for the fresh prefills and the
-    Triton kernel for the rest, through the dispatcher, on a mixed, an all-fresh and a
-    decode-only step; ``MM_SERVE_KERNELS=triton`` keeps the Triton kernel alone."""
-    real = varlen.torch_varlen_attn()
-    assert real is not None, "this torch has no torch.nn.attention.varlen"
+    """The real FlashAttention-2 varlen kernel (torch's) for the fresh prefills and the Triton
+    kernel for the rest, through the dispatcher, on a mixed, an all-fresh and a decode-only
+    step, with a scale that is not the default; ``MM_SERVE_KERNELS=triton`` keeps the Triton
+    kernel alone."""
+    assert varlen.has_flash_varlen(), "this torch has no torch.nn.attention.varlen"
     calls = []
-    spy = functools.wraps(real)(lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(varlen, "torch_varlen_attn", lambda: spy)
-    scale = heads[2] ** -0.5
+    real = varlen.flash_varlen_causal
+    monkeypatch.setattr(
+        varlen, "flash_varlen_causal", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    scale = 0.7 * heads[2] ** -0.5
     dispatch._logged.clear()
     steps = [(BATCH_GPU, 1), ([(0, 300), (0, 17), (0, 1000)], 1), ([(90, 1), (3, 1)], 0)]
     for reqs, varlen_calls in steps:
@@ -191,7 +164,7 @@ def test_cuda_split_matches_reference(heads, dtype, monkeypatch, caplog) -> None
         assert len(calls) == varlen_calls, reqs
         assert _rel_err(out, ref) <= (1e-2 if dtype == torch.bfloat16 else 2e-3), reqs
         assert torch.all(out[md.num_tokens :] == 0)
-    assert any("varlen_attn" in r.getMessage() for r in caplog.records)
+    assert any("FlashAttention-2 varlen" in r.getMessage() for r in caplog.records)
     monkeypatch.setenv("MM_SERVE_KERNELS", "triton")
     query, key, value, kv_cache, md = _step(BATCH_GPU, heads, 16, dtype, "cuda")
     calls.clear()

@@ -4,9 +4,10 @@ FlashAttention-2, for ``mm-serve bench kernels`` (:mod:`mm_serve.benchmarks.kern
 Qwen2-VL-2B's LM (12 query / 2 KV heads, head dim 128, bf16, block size 16): a prefill chunk
 of 26 fresh ~315-token prompts (8,192 tokens), the same after 64 decode rows (context 400), and
 one 4,096-token prompt. Methods: the Triton paged kernel and the engine's split
-(``varlen_attn`` for fresh prompts + Triton for the rest) on every row; cuDNN SDPA (padded
-batch, and per prompt), torch's ``varlen_attn`` and ``flash_attn`` (where importable) on the
-fresh prompts' rows. Each is checked once against ``paged_attention_ref``, then timed.
+(FlashAttention-2's varlen kernel for fresh prompts + Triton for the rest) on every row; on the
+fresh prompts' rows, cuDNN (SDPA padded and per prompt, and its ragged call), torch's
+FlashAttention-2 varlen kernel alone and the ``flash_attn`` package where importable. Each
+is checked once against ``paged_attention_ref``, then timed.
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def prefill_methods(q, kv, md, reqs, scale: float) -> list[Method]:
     host += (md.block_table.cpu().numpy(), md.slot_mapping.cpu().numpy())
     split_md = dataclasses.replace(md, prefill_split=varlen.plan_prefill_split(*host, q.device))
     key, value = kv.flatten(1, 2)[:, md.slot_mapping]  # this step's K/V, as the layers pass them
-    why_not = varlen.varlen_unusable_reason(q, kv.shape[3], scale)
+    why_not = varlen.varlen_unusable_reason(q)
     every = torch.arange(md.num_tokens, device="cuda")
     methods = [
         Method(
@@ -149,7 +150,7 @@ def prefill_methods(q, kv, md, reqs, scale: float) -> list[Method]:
             ours=True,
         ),
         Method(
-            "engine: varlen_attn + Triton" if why_not is None else f"engine ({why_not})",
+            "engine: FA2 varlen + Triton" if why_not is None else f"engine ({why_not})",
             every,
             lambda: paged_attention(q, kv, split_md, scale, key, value),
             ours=True,
@@ -157,14 +158,14 @@ def prefill_methods(q, kv, md, reqs, scale: float) -> list[Method]:
     ]
     p = pack_fresh(q, kv, md, reqs)
     methods += cudnn_methods(p, scale)
-    args = (p.q, p.k, p.v, p.cu_seqlens, p.cu_seqlens, max(p.lens), max(p.lens))
-    if (fn := varlen.torch_varlen_attn()) is not None:
-        options = dict(varlen.causal_options(fn, scale, q.shape[-1], True) or ())
-        name = "torch varlen_attn (FlashAttention-2)"
-        methods.append(Method(name, p.rows, lambda: fn(*args, **options)))
+    args = (p.q, p.k, p.v, p.cu_seqlens)
+    if varlen.has_flash_varlen():
+        run = lambda: varlen.flash_varlen_causal(*args, max(p.lens), scale)  # noqa: E731
+        methods.append(Method("FlashAttention-2 varlen (torch's)", p.rows, run))
     if (flash := flash_attn_varlen()) is not None:
-        run = lambda: flash(*args, softmax_scale=scale, causal=True)  # noqa: E731
-        methods.append(Method("flash_attn varlen", p.rows, run))
+        lens = (p.cu_seqlens, max(p.lens), max(p.lens))
+        run = lambda: flash(*args, *lens, softmax_scale=scale, causal=True)  # noqa: E731
+        methods.append(Method("flash_attn package, varlen", p.rows, run))
     return methods
 
 
