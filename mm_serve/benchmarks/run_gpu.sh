@@ -25,7 +25,7 @@ for stage in "$@"; do
   case $stage in
     tests)
       $PY -m pytest -q -x tests/test_kernels_triton.py tests/test_cuda_graphs.py \
-        tests/test_kernel_dispatch.py tests/test_async_scheduling.py tests/test_llm_vs_hf.py \
+        tests/test_kernel_dispatch.py tests/test_varlen_prefill.py tests/test_async_scheduling.py tests/test_llm_vs_hf.py \
         tests/test_vlm_vs_hf.py \
         2>&1 | tee "$OUT/tests.log" | tail -5 ;;
     latency)

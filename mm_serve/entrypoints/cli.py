@@ -302,8 +302,9 @@ def chat(args: argparse.Namespace) -> int:
 # offline benchmarks never import the web stack (`bench serve` needs httpx only).
 BENCH_COMMANDS = {
     "latency": "Latency of one batch through the offline engine, and the decode step.",
-    "throughput": "Offline throughput of many requests, against HF transformers.",
+    "throughput": "Offline throughput of many requests, against HF transformers (or vLLM).",
     "serve": "Load-test a running OpenAI-compatible server (TTFT, TPOT, ITL).",
+    "kernels": "Attention (ours vs cuDNN SDPA and FlashAttention) and the other kernels (GPU).",
 }
 
 
