@@ -170,3 +170,13 @@ def test_cuda_split_matches_reference(heads, dtype, monkeypatch, caplog) -> None
     calls.clear()
     out = kernels.paged_attention(query, kv_cache, md, scale, key, value)
     assert not calls and _rel_err(out, paged_attention_ref(query, kv_cache, md, scale)) <= 1e-2
+
+
+def test_engine_splits_only_long_fresh_prompts():
+    """The engine's policy (``worth_splitting``): fresh prompts alone, long on average."""
+    long = varlen.MIN_VARLEN_PROMPT_LEN
+    starts = np.array([0, long, 2 * long])
+    assert varlen.worth_splitting(starts, np.array([long, long]))
+    assert not varlen.worth_splitting(np.array([0, 315, 630]), np.array([315, 315]))
+    # A decode row (cached context) in the step: the Triton kernel alone.
+    assert not varlen.worth_splitting(np.array([0, long, long + 1]), np.array([long, 400]))

@@ -15,7 +15,7 @@ import torch
 
 from mm_serve.attention import AttentionMetadata
 from mm_serve.config import EngineConfig
-from mm_serve.kernels.varlen_attention import plan_prefill_split
+from mm_serve.kernels.varlen_attention import plan_prefill_split, worth_splitting
 from mm_serve.models.loader import load_model
 from mm_serve.sched.output import SchedulerOutput
 from mm_serve.worker.cuda_graphs import CudaGraphRunner, is_decode_only
@@ -257,9 +257,11 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=query_start_loc.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
-            prefill_split=None
-            if device.type != "cuda"
-            else plan_prefill_split(query_start_loc, seq_lens, block_table, slot_mapping, device),
+            prefill_split=plan_prefill_split(
+                query_start_loc, seq_lens, block_table, slot_mapping, device
+            )
+            if device.type == "cuda" and worth_splitting(query_start_loc, seq_lens)
+            else None,
         )
         states = batch.states[:num_reqs]
         if getattr(self.model, "uses_mrope", False):
