@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 
 from mm_serve.config import EngineConfig
@@ -82,7 +81,3 @@ class EngineCore:
         self.model_runner.execute_model(self.scheduler.schedule())
         self.model_runner.encoder_cache.clear()
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.num_kv_blocks)
-        # What start-up made (model, caches, compiled kernels) lives as long as the engine:
-        # kept out of the collector's passes, so no later collection walks it (as vLLM does).
-        gc.collect()
-        gc.freeze()

@@ -15,6 +15,7 @@ The front end binds both ipc sockets and owns their files; this process connects
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import queue
@@ -252,6 +253,10 @@ class EngineCoreProc:
                 engine_core.reset()
             except RuntimeError as e:
                 return EngineCoreOutputs(call_id=call.call_id, call_error=str(e))
+            # After the start-up warm-up: what start-up made (model, caches, kernels) lives as
+            # long as this process, so later collections need not walk it (as vLLM does).
+            gc.collect()
+            gc.freeze()
             return EngineCoreOutputs(call_id=call.call_id)
         if call.method != "get_stats":
             return EngineCoreOutputs(
