@@ -106,6 +106,29 @@ def llm_prompts(requests: list[BenchRequest], texts: list[str]) -> list[dict[str
     ]
 
 
+def run_figures(outputs: list[Any], elapsed: float, output_len: int) -> dict[str, Any]:
+    """Request and token rates of one timed ``generate`` (ours or vLLM's: both outputs carry
+    ``prompt_token_ids`` and ``outputs[0].token_ids``).
+
+    Raises:
+        RuntimeError: a request did not give exactly ``output_len`` tokens.
+    """
+    lengths = [len(o.outputs[0].token_ids) for o in outputs]
+    if any(n != output_len for n in lengths):
+        raise RuntimeError(f"output lengths {set(lengths)} != {output_len}")
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    output_tokens = sum(lengths)
+    return {
+        "elapsed_s": elapsed,
+        "num_requests": len(outputs),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "requests_per_s": len(outputs) / elapsed,
+        "output_tokens_per_s": output_tokens / elapsed,
+        "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
+    }
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)

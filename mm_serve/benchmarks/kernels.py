@@ -31,6 +31,7 @@ import random
 import torch
 
 from mm_serve.attention import AttentionMetadata
+from mm_serve.benchmarks.roofline import copy_rate
 from mm_serve.kernels import (
     apply_rotary_ref,
     paged_attention_ref,
@@ -45,14 +46,6 @@ def bench(fn, rep_ms: int = 100) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy of 1 GiB: bytes read + written per second."""
-    src = torch.randn(2**28, device="cuda")
-    dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src))
-    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
 def paged_batch(reqs, heads, block_size: int, dtype: torch.dtype, seed: int = 0):
@@ -237,7 +230,7 @@ def main(args: argparse.Namespace) -> dict:
     # Imported here: the prefill comparison builds on this module's helpers.
     from mm_serve.benchmarks.prefill_attention import prefill_rows, print_prefill
 
-    copy_bw = copy_bandwidth()
+    copy_bw = copy_rate("cuda")
     result = {"device": torch.cuda.get_device_name(), "copy_GBps": copy_bw / 1e9}
     if not args.prefill_only:
         result["attention"] = paged_attention_rows(args.sweep, copy_bw)

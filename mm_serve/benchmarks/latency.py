@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import statistics
 import tempfile
 import time
 from typing import Any
@@ -34,6 +33,7 @@ import torch
 
 from mm_serve.benchmarks import common
 from mm_serve.benchmarks.datasets import random_image_dataset
+from mm_serve.benchmarks.roofline import copy_rate
 
 logger = logging.getLogger(__name__)
 
@@ -68,25 +68,6 @@ def weight_bytes(model: torch.nn.Module, lm_only: bool = False) -> int:
         seen.add(param.data_ptr())
         total += param.numel() * param.element_size()
     return total
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Device-to-device copy of 1 GiB: bytes read + written per second (median of 20 after 5
-    warm-up copies, timed with CUDA events)."""
-    src = torch.empty(2**29, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(25):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))  # ms
-    seconds = statistics.median(times[5:]) * 1e-3
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * 2**29 * 2 / seconds
 
 
 def time_iterations(llm, args: argparse.Namespace, output_len: int, seed: int) -> list[float]:
@@ -148,7 +129,7 @@ def decode_floors(all_bytes: int, lm_bytes: int, device: torch.device) -> dict[s
         "floor_lm_weights_ms": None,
     }
     if device.type == "cuda":
-        bandwidth = copy_bandwidth(device)
+        bandwidth = copy_rate(device)
         floors["copy_bandwidth_bytes_per_s"] = bandwidth
         floors["floor_all_weights_ms"] = floors["all_weight_bytes"] / bandwidth * 1e3
         floors["floor_lm_weights_ms"] = floors["lm_weight_bytes"] / bandwidth * 1e3

@@ -33,6 +33,7 @@ from typing import Any
 
 from PIL import Image
 
+from mm_serve.benchmarks import common
 from mm_serve.benchmarks.datasets import BenchRequest
 
 logger = logging.getLogger(__name__)
@@ -219,34 +220,13 @@ def drive_vllm(
     }
     llm = vllm.LLM(model, **kwargs)
     params = vllm.SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    llm.generate(_prompts(workload.warmup, workload.warmup_texts), params, use_tqdm=False)
-    prompts = _prompts(workload.requests, workload.texts)
+    llm.generate(common.llm_prompts(workload.warmup, workload.warmup_texts), params, use_tqdm=False)
+    prompts = common.llm_prompts(workload.requests, workload.texts)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    lengths = [len(o.outputs[0].token_ids) for o in outputs]
-    if any(n != output_len for n in lengths):
-        raise RuntimeError(f"vLLM gave output lengths {set(lengths)}, not {output_len}.")
-    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-    output_tokens = sum(lengths)
-    return {
-        "vllm_version": vllm.__version__,
-        "engine_args": kwargs,
-        "elapsed_s": elapsed,
-        "num_requests": len(outputs),
-        "prompt_tokens": prompt_tokens,
-        "output_tokens": output_tokens,
-        "requests_per_s": len(outputs) / elapsed,
-        "output_tokens_per_s": output_tokens / elapsed,
-        "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
-    }
-
-
-def _prompts(requests: list[BenchRequest], texts: list[str]) -> list[Any]:
-    return [
-        {"prompt": text, "multi_modal_data": {"image": list(r.images)}} if r.images else text
-        for r, text in zip(requests, texts, strict=True)
-    ]
+    figures = common.run_figures(outputs, elapsed, output_len)
+    return {"vllm_version": vllm.__version__, "engine_args": kwargs, **figures}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -81,7 +81,7 @@ def measure_rates(
     matmul_size^2 x 2`` bytes of free memory: call it with the engines gone.
     """
     device = torch.device(device)
-    rates = Rates(_matmul_rate(device, matmul_size), _copy_rate(device, copy_bytes))
+    rates = Rates(_matmul_rate(device, matmul_size), copy_rate(device, copy_bytes))
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rates
@@ -93,7 +93,10 @@ def _matmul_rate(device: torch.device, n: int) -> float:
     return 2 * n**3 / _median_seconds(lambda: torch.matmul(a, b, out=c), device)
 
 
-def _copy_rate(device: torch.device, nbytes: int) -> float:
+def copy_rate(device: torch.device | str, nbytes: int = 1 << 30) -> float:
+    """Bytes read + written per second by an ``nbytes`` device-to-device copy (as
+    ``measure_rates`` times it); the ceiling every memory-bound floor of the benchmarks uses."""
+    device = torch.device(device)
     src = torch.empty(nbytes // 2, device=device, dtype=torch.bfloat16).normal_()
     dst = torch.empty_like(src)
     moved = 2 * src.numel() * src.element_size()  # read + written

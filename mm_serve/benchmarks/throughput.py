@@ -110,21 +110,12 @@ def run_engine(
         common.shutdown(llm)
         del llm
         common.free_device_memory()
-    lengths = [len(o.outputs[0].token_ids) for o in outputs]
-    _check(all(n == output_len for n in lengths), f"output lengths {set(lengths)} != {output_len}")
+    figures = common.run_figures(outputs, elapsed, output_len)
     hits = after.prefix_cache_hits - before.prefix_cache_hits
     _check(hits == 0, f"{hits} prefix-cache hit tokens; the workload must have none")
-    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-    output_tokens = sum(lengths)
     return {
         "enable_prefix_caching": engine_kwargs["enable_prefix_caching"],
-        "elapsed_s": elapsed,
-        "num_requests": len(outputs),
-        "prompt_tokens": prompt_tokens,
-        "output_tokens": output_tokens,
-        "requests_per_s": len(outputs) / elapsed,
-        "output_tokens_per_s": output_tokens / elapsed,
-        "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
+        **figures,
         "prefix_cache_queries": after.prefix_cache_queries - before.prefix_cache_queries,
         "prefix_cache_hits": hits,
         "num_preemptions": after.num_preemptions - before.num_preemptions,
