@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mm_serve.benchmarks import peer_serve
+from mm_serve.benchmarks import peer_serve, peer_serve_report
 from mm_serve.benchmarks.architectures import write_architecture
 from mm_serve.testing.server import free_port, group_members
 
@@ -148,8 +148,8 @@ def test_missing_field_is_a_clear_error(tmp_path):
     result = vllm_result([0.05] * 64)
     del result["p99_itl_ms"], result["ttfts"]
     write_results(tmp_path, {"vllm_2": result})
-    with pytest.raises(peer_serve.ResultFormatError, match="lacks p99_itl_ms, ttfts"):
-        peer_serve.load_result(str(tmp_path / "vllm_2.json"))
+    with pytest.raises(peer_serve_report.ResultFormatError, match="lacks p99_itl_ms, ttfts"):
+        peer_serve_report.load_result(str(tmp_path / "vllm_2.json"))
     done = report_cli(tmp_path)
     assert done.returncode != 0
     assert "vllm_2.json lacks p99_itl_ms, ttfts" in done.stderr and "--save-detailed" in done.stderr
@@ -157,13 +157,13 @@ def test_missing_field_is_a_clear_error(tmp_path):
 
 def test_cold_start_needs_two_windows_and_a_success_in_each(tmp_path):
     with pytest.raises(ValueError, match="needs 64 requests"):
-        peer_serve.cold_start(vllm_result([0.05] * 63))
+        peer_serve_report.cold_start(vllm_result([0.05] * 63))
     all_failed = vllm_result([0.05] * 64, ["error"] * 32 + [""] * 32)
-    assert peer_serve.cold_start(all_failed)["ratio"] is None
-    assert not peer_serve.cold_start(all_failed)["passed"]
+    assert peer_serve_report.cold_start(all_failed)["ratio"] is None
+    assert not peer_serve_report.cold_start(all_failed)["passed"]
     # A first run too short for the figure: the report has its row and no cold start.
     write_results(tmp_path, {"mm_serve_2": vllm_result([0.05] * 8)})
-    report = peer_serve.build_report(str(tmp_path), ["mm_serve", "vllm"], [2.0, 16.0])
+    report = peer_serve_report.build_report(str(tmp_path), ["mm_serve", "vllm"], [2.0, 16.0])
     assert list(report["engines"]["mm_serve"]["runs"]) == ["2"]
     assert "cold_start" not in report["engines"]["mm_serve"]
     assert "vllm" not in report["engines"] and report["verdicts"] == []
@@ -192,7 +192,7 @@ def test_commands_carry_the_peer_readme_flags():
     assert vllm[1:] == ["-m", "vllm.entrypoints.cli.main", "serve", "/m", "--load-format",
                         "dummy", "--port", "9000", "--max-model-len", "4096",
                         "--limit-mm-per-prompt", '{"image":1,"video":0}']  # fmt: skip
-    assert peer_serve.result_filename("mm_serve", 2.0) == "mm_serve_2.json"
+    assert peer_serve_report.result_filename("mm_serve", 2.0) == "mm_serve_2.json"
     with pytest.raises(ValueError, match="Unknown engine"):
         peer_serve.server_command("sglang", "/m", 9000)
 
