@@ -313,21 +313,19 @@ class Scheduler:
                     break
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
             if request.mm_features:
-                self._free_consumed_encoder_inputs(request, scheduler_output)
+                scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+                self._free_consumed_encoder_inputs(request, scheduled)
             if new_token_ids or prompt_logprobs or request.is_finished:
                 outputs.append(self._make_output(request, new_token_ids, logprobs, prompt_logprobs))
             if request.is_finished:
                 self._free_request(request)
         return outputs
 
-    def _free_consumed_encoder_inputs(self, request: Request, scheduler_output) -> None:
-        """Release the images whose whole range is now computed (their KV holds them). Only a
-        step that began before the last image's end can have completed one (features are in
-        prompt order): decode steps skip the lookup."""
-        scheduled = scheduler_output.num_scheduled_tokens.get(request.request_id, 0)
-        last_image_end = request.mm_features[-1].placeholder.end
-        if request.num_computed_tokens - scheduled >= last_image_end:
-            return  # every image was consumed in earlier steps
+    def _free_consumed_encoder_inputs(self, request: Request, num_scheduled: int) -> None:
+        """Release the images whose whole range is now computed (their KV holds them); none
+        can newly be once a step began past the last image (features are in prompt order)."""
+        if request.num_computed_tokens - num_scheduled >= request.mm_features[-1].placeholder.end:
+            return
         cache = self.encoder_cache_manager
         for input_id in cache.get_cached_input_ids(request):
             if request.mm_features[input_id].placeholder.end <= request.num_computed_tokens:
