@@ -119,7 +119,7 @@ class AsyncLLM:
         first = await one_prompt()
         num_prompts = warm_up_batch_size(self.config, len(first.token_ids))
         logger.info("Warming up: %d request(s) through the whole path", num_prompts)
-        prompts = [first] + [await one_prompt() for _ in range(num_prompts - 1)]
+        prompts = [first, *await asyncio.gather(*(one_prompt() for _ in range(num_prompts - 1)))]
         callback, self.on_request_finished = self.on_request_finished, None
         try:
             await asyncio.gather(*(run(prompt) for prompt in prompts))

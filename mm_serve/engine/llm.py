@@ -75,9 +75,13 @@ class LLM:
         the first ``generate`` runs at the speed of the next."""
         start = time.perf_counter()
         size = warm_up_image_size(self.config)
-        first = self.input_processor.process(warm_up_prompt(self.input_processor, size))
-        num_prompts = warm_up_batch_size(self.config, len(first.result().token_ids))
-        prompts = [warm_up_prompt(self.input_processor, size) for _ in range(num_prompts)]
+        first = warm_up_prompt(self.input_processor, size)
+        # Its image is then in the processor cache: generate does not preprocess it again.
+        prompt_len = len(self.input_processor.process(first).result().token_ids)
+        num_prompts = warm_up_batch_size(self.config, prompt_len)
+        prompts = [first] + [
+            warm_up_prompt(self.input_processor, size) for _ in range(num_prompts - 1)
+        ]
         self.generate(prompts, WARM_UP_PARAMS, use_tqdm=False)
         self.engine_core.reset()
         logger.info("Warmed up: %d requests, %.1f s", num_prompts, time.perf_counter() - start)
