@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -34,6 +35,9 @@ from mm_serve.sampling_params import SamplingParams
 from mm_serve.stats import EngineStats
 
 logger = logging.getLogger(__name__)
+
+# Prompts submitted to the input processor ahead of the engine in one generate call.
+SUBMIT_WINDOW = 32
 
 
 class LLM:
@@ -157,13 +161,10 @@ class LLM:
             raise ValueError(
                 f"Got {len(sampling_params)} sampling params for {len(prompts)} prompts."
             )
-        # Submit every prompt (tokenize, queue its images) before the engine starts, so that
-        # the pool preprocesses later prompts while the engine works on earlier ones. On any
-        # error, abort everything this call added: a bad prompt leaves nothing behind.
+        # On any error, abort everything this call added: a bad prompt leaves nothing behind.
         added: list[str] = []
         try:
-            pending = [self.input_processor.process(p) for p in prompts]
-            request_ids, finished = self._run_engine(pending, sampling_params, added, use_tqdm)
+            request_ids, finished = self._run_engine(prompts, sampling_params, added, use_tqdm)
         except BaseException:
             self.engine_core.abort_requests(added)
             self.output_processor.abort_requests(added)
@@ -188,27 +189,32 @@ class LLM:
 
     def _run_engine(
         self,
-        pending: list[PendingPrompt],
+        prompts: list[PromptType],
         sampling_params: Sequence[SamplingParams],
         added: list[str],
         use_tqdm: bool,
     ) -> tuple[list[str], list[RequestOutput]]:
-        """Add the prompts in order, each as soon as its images are ready, and step the engine
-        whenever it has work; wait for the next prompt only when it has none.
+        """Submit the prompts to the input processor at most ``SUBMIT_WINDOW`` ahead of the
+        engine (tokenize, hash and queue their images), add them in order as each one's
+        images are ready, and step the engine whenever it has work; wait for the next prompt
+        only when it has none. The window keeps the preprocessing pool busy while the
+        first steps start at once instead of after every prompt was submitted.
 
         Returns the prompts' request ids and the finished outputs (in finishing order).
         """
         request_ids: list[str] = []
         finished: list[RequestOutput] = []
+        submitted: collections.deque[PendingPrompt] = collections.deque()
         engine = self.engine_core
-        with tqdm(total=len(pending), desc="Processed prompts", disable=not use_tqdm) as bar:
-            while len(request_ids) < len(pending) or engine.has_unfinished_requests():
-                while len(request_ids) < len(pending):
-                    prompt = pending[len(request_ids)]
-                    if not prompt.done() and engine.has_unfinished_requests():
-                        break
+        with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while len(request_ids) < len(prompts) or engine.has_unfinished_requests():
+                queued = len(request_ids) + len(submitted)
+                for prompt in prompts[queued : len(request_ids) + SUBMIT_WINDOW]:
+                    submitted.append(self.input_processor.process(prompt))
+                while submitted and (submitted[0].done() or not engine.has_unfinished_requests()):
                     params = sampling_params[len(request_ids)]
-                    request_ids.append(self._add_request(prompt.result(), params, added))
+                    prompt = submitted.popleft().result()
+                    request_ids.append(self._add_request(prompt, params, added))
                 if not engine.has_unfinished_requests():
                     continue
                 done, to_abort = self.output_processor.process_outputs(engine.step())
