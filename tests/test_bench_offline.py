@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoProcessor
 
 from mm_serve.benchmarks.architectures import write_architecture
 from mm_serve.benchmarks.datasets import random_image
@@ -36,33 +36,70 @@ def _model_config(path: str, **kwargs):
     return args.create_engine_config().model
 
 
-@pytest.mark.parametrize(
-    "name, text, vision, tied",
-    [
-        ("qwen2-vl-2b", (1536, 8960, 28, 12, 2, 151936), (32, 1280, 16, 1536), True),
-        ("qwen2-vl-7b", (3584, 18944, 28, 28, 4, 152064), (32, 1280, 16, 3584), False),
-    ],
-)
-def test_architecture_has_the_published_config(tmp_path, name, text, vision, tied) -> None:
+# The published values (tiny: the 2B's shape at toy size). Text: hidden, intermediate, layers,
+# heads, KV heads, vocab, max positions; vision: depth, width, heads, output width.
+PUBLISHED = {
+    "qwen2-vl-2b": ((1536, 8960, 28, 12, 2, 151936, 32768), (32, 1280, 16, 1536), True),
+    "qwen2-vl-7b": ((3584, 18944, 28, 28, 4, 152064, 32768), (32, 1280, 16, 3584), False),
+    "qwen2.5-vl-7b": ((3584, 18944, 28, 28, 4, 152064, 128000), (32, 1280, 16, 3584), False),
+    "tiny-qwen2-vl": ((64, 128, 2, 4, 2, 151936, 4096), (2, 32, 2, 64), True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_architecture_has_the_published_config(tmp_path, name) -> None:
+    """HF and our engine read the published sizes from the folder, and both preprocess a
+    448x448 and a 1280x720 image into the published token counts."""
     from mm_serve.encoders.processors import get_image_processor
 
+    text, vision, tied = PUBLISHED[name]
     folder = write_architecture(name, tmp_path)
     assert not [f for f in os.listdir(folder) if f.endswith((".safetensors", ".bin"))]
     config = AutoConfig.from_pretrained(folder)
     t, v = config.text_config, config.vision_config
     shape = (t.hidden_size, t.intermediate_size, t.num_hidden_layers)
-    assert shape + (t.num_attention_heads, t.num_key_value_heads, t.vocab_size) == text
-    assert (v.depth, v.embed_dim, v.num_heads, v.hidden_size) == vision
+    heads = (t.num_attention_heads, t.num_key_value_heads, t.vocab_size)
+    assert shape + heads + (t.max_position_embeddings,) == text
+    if config.model_type == "qwen2_5_vl":
+        assert (v.depth, v.hidden_size, v.num_heads, v.out_hidden_size) == vision
+        assert (v.window_size, v.fullatt_block_indexes) == (112, [7, 15, 23, 31])
+    else:
+        assert (v.depth, v.embed_dim, v.num_heads, v.hidden_size) == vision
     assert config.tie_word_embeddings is tied
-    assert t.rope_parameters["mrope_section"] == [16, 24, 24]
-    assert t.dtype == torch.bfloat16
+    tiny = name.startswith("tiny")
+    assert t.rope_parameters["mrope_section"] == ([2, 3, 3] if tiny else [16, 24, 24])
+    assert t.rope_parameters["rope_theta"] == 1e6
+    assert t.dtype == (torch.float32 if tiny else torch.bfloat16)
     with open(os.path.join(folder, "tokenizer.json")) as f:
         ids = {token["content"]: token["id"] for token in json.load(f)["added_tokens"]}
     assert config.image_token_id == ids["<|image_pad|>"]
     assert config.vision_start_token_id == ids["<|vision_start|>"]
     assert t.eos_token_id == ids["<|im_end|>"]
-    processor = get_image_processor(folder, config)
-    assert processor.preprocess(random_image(_rng(), 448, 448)).num_tokens == 256
+    engine = EngineArgs(model=folder, device="cpu", load_format="dummy").create_engine_config()
+    m = engine.model
+    assert (m.num_layers, m.num_kv_heads, m.vocab_size) == (text[2], text[4], text[5])
+    assert (m.head_dim, m.max_model_len, m.dtype) == (text[0] // text[3], text[6], t.dtype)
+    assert engine.multimodal.max_image_tokens == 12845056 // 28**2
+    ours = get_image_processor(folder, config)
+    hf = AutoProcessor.from_pretrained(folder).image_processor
+    for (width, height), tokens in {(448, 448): 256, (1280, 720): 46 * 26}.items():
+        image = random_image(_rng(), width, height)
+        assert ours.preprocess(image).num_tokens == tokens
+        grid = hf(images=[image], return_tensors="pt")["image_grid_thw"]
+        assert int(grid.prod()) // 4 == tokens
+
+
+def test_architecture_files_are_transformers_own(tmp_path) -> None:
+    """Every settings file is what transformers writes for the object it loads from it."""
+    from transformers import AutoImageProcessor, GenerationConfig
+
+    folder, again = tmp_path / "a", tmp_path / "b"
+    write_architecture("qwen2.5-vl-7b", folder)
+    AutoConfig.from_pretrained(folder).save_pretrained(again)
+    AutoImageProcessor.from_pretrained(folder).save_pretrained(again)
+    GenerationConfig.from_pretrained(folder).save_pretrained(again)
+    for file in ("config.json", "preprocessor_config.json", "generation_config.json"):
+        assert (again / file).read_text() == (folder / file).read_text(), file
 
 
 def _rng():

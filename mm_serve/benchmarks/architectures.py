@@ -1,22 +1,22 @@
 """Checkpoint folders of real architectures without weights, for ``load_format="dummy"``.
 
 ``write_architecture(name, folder)`` writes what the engine and HF transformers need to build a
-model and preprocess its inputs: ``config.json`` with the published ``config.json`` values of
-the model (sizes, vocab, RoPE), ``preprocessor_config.json`` with its published image
-processor values, ``generation_config.json`` (token ids only: the benchmarks pass their own
-sampling parameters) and a tokenizer. No ``*.safetensors``: load it with
-``load_format="dummy"`` (random weights), or build the HF model from its config.
+model and preprocess its inputs, every file through transformers' own ``save_pretrained``: the
+model's config (built from its published ``config.json`` values: sizes, vocab, RoPE), its image
+processor (the published ``preprocessor_config.json`` values), a ``GenerationConfig`` (token
+ids only: the benchmarks pass their own sampling parameters) and a tokenizer. No
+``*.safetensors``: load it with ``load_format="dummy"`` (random weights), or build the HF model
+from its config.
 
 The tokenizer is the small byte-level BPE of ``mm_serve.testing`` with Qwen2-VL's special
 tokens and chat template: a real vocabulary cannot be shipped offline. So the special token
-ids in ``config.json`` are the small tokenizer's (they must agree with what it encodes), while
+ids of the config are the small tokenizer's (they must agree with what it encodes), while
 ``vocab_size`` stays the published one: the embedding and LM head have their real sizes, and a
 random model samples ids the tokenizer does not know (they decode to nothing).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -127,11 +127,11 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     },
 }
 
-# Qwen2-VL's preprocessor_config.json: 14-pixel patches, 2x2 merge (28x28 pixels per image
-# token), images resized into [min_pixels, max_pixels], CLIP normalisation.
+# Qwen2-VL's and Qwen2.5-VL's preprocessor_config.json settings: 14-pixel patches, 2x2 merge
+# (28x28 pixels per image token), images resized into [min_pixels, max_pixels], CLIP
+# normalisation. (Its "processor_class" is not a setting: transformers 5 no longer writes it,
+# and AutoProcessor finds the processor from config.json's model_type.)
 QWEN2_VL_PREPROCESSOR: dict[str, Any] = {
-    "image_processor_type": "Qwen2VLImageProcessor",
-    "processor_class": "Qwen2VLProcessor",
     "do_resize": True,
     "do_rescale": True,
     "rescale_factor": 1 / 255,
@@ -145,9 +145,6 @@ QWEN2_VL_PREPROCESSOR: dict[str, Any] = {
     "image_mean": [0.48145466, 0.4578275, 0.40821073],
     "image_std": [0.26862954, 0.26130258, 0.27577711],
 }
-
-# preprocessor_config.json's processor_class by model_type (the image processor is the same).
-PROCESSOR_CLASSES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
 
 
 def architecture_names() -> list[str]:
@@ -178,33 +175,47 @@ def _token_ids(tokenizer: Any) -> dict[str, Any]:
     }
 
 
+def build_config(name: str, token_ids: dict[str, int] | None = None) -> Any:
+    """The transformers config of architecture ``name`` (its class by ``model_type``, e.g.
+    ``Qwen2VLConfig``) from the published values, with ``token_ids`` (config.json's special
+    token ids) set. Raises ``ValueError`` for an unknown name."""
+    from transformers import AutoConfig
+
+    if name not in ARCHITECTURES:
+        raise ValueError(f"Unknown architecture {name!r}; choose from {architecture_names()}.")
+    values = {**ARCHITECTURES[name], **(token_ids or {})}
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+def build_image_processor() -> Any:
+    """transformers' ``Qwen2VLImageProcessor`` with the published settings (both families)."""
+    from mm_serve._compat import ensure_torchvision_importable
+
+    ensure_torchvision_importable()
+    from transformers import Qwen2VLImageProcessor
+
+    return Qwen2VLImageProcessor(**QWEN2_VL_PREPROCESSOR)
+
+
 def write_architecture(name: str, folder: str | os.PathLike) -> str:
     """Write the weightless checkpoint folder of architecture ``name`` (one of
     ``architecture_names()``) into ``folder`` (created if needed); returns its path.
 
+    Files: ``config.json``, ``preprocessor_config.json``, ``generation_config.json`` and the
+    tokenizer's, each written by the transformers object's ``save_pretrained``.
+
     Raises ``ValueError`` for an unknown name.
     """
-    if name not in ARCHITECTURES:
-        raise ValueError(f"Unknown architecture {name!r}; choose from {architecture_names()}.")
-    os.makedirs(folder, exist_ok=True)
+    from transformers import GenerationConfig
+
     tokenizer = _qwen2_vl_tokenizer()
     ids = _token_ids(tokenizer)
+    config = build_config(name, ids)
+    os.makedirs(folder, exist_ok=True)
+    config.save_pretrained(folder)
+    build_image_processor().save_pretrained(folder)
     pad = ids["bos_token_id"]
-    _write_json(folder, "config.json", {**ARCHITECTURES[name], **ids})
-    processor_class = PROCESSOR_CLASSES[ARCHITECTURES[name]["model_type"]]
-    preprocessor = {**QWEN2_VL_PREPROCESSOR, "processor_class": processor_class}
-    _write_json(folder, "preprocessor_config.json", preprocessor)
-    generation = {
-        "bos_token_id": pad,
-        "pad_token_id": pad,
-        "eos_token_id": [ids["eos_token_id"], pad],
-    }
-    _write_json(folder, "generation_config.json", generation)
+    eos = [ids["eos_token_id"], pad]
+    GenerationConfig(bos_token_id=pad, pad_token_id=pad, eos_token_id=eos).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
-
-
-def _write_json(folder: str | os.PathLike, file: str, value: dict[str, Any]) -> None:
-    with open(os.path.join(folder, file), "w") as f:
-        json.dump(value, f, indent=2)
-        f.write("\n")
