@@ -299,17 +299,20 @@ def to_legacy_layout(path: str | os.PathLike, processor: Any) -> None:
       has none (Qwen; LLaVA keeps ``patch_size``, ``vision_feature_select_strategy``, ...);
     - the chat template moves from ``chat_template.jinja`` to ``chat_template.json``
       (transformers 4.4x's processor file), so only the processor, not the tokenizer, has it.
+
+    Every value is transformers' own serialisation; only what transformers 5 can no longer
+    write is edited here (each edit says why).
     """
     folder = Path(path)
-    own = {
-        k: v
-        for k, v in _read_json(folder / "processor_config.json").items()
-        if not k.endswith("_processor")
-    }
+    # transformers 5 always nests the sub-processors in processor_config.json; 4.4x saved them
+    # in their own files, leaving the processor's own kwargs (its ``to_dict`` minus those).
+    own = {k: v for k, v in processor.to_dict().items() if k not in processor.get_attributes()}
     (folder / "processor_config.json").unlink()
     if set(own) - {"processor_class"}:
         _write_json(folder / "processor_config.json", own)
     processor.image_processor.save_pretrained(folder)
+    # transformers 5's image processor drops "processor_class" and keeps Qwen's pixel bounds
+    # as ``size``; the hub files have both as top-level keys.
     image_config = _read_json(folder / "preprocessor_config.json")
     image_config["processor_class"] = own["processor_class"]
     size = image_config.get("size", {})
@@ -318,6 +321,8 @@ def to_legacy_layout(path: str | os.PathLike, processor: Any) -> None:
         image_config["min_pixels"] = size["shortest_edge"]
         image_config["max_pixels"] = size["longest_edge"]
     _write_json(folder / "preprocessor_config.json", image_config)
+    # transformers 5 reads chat_template.json but never writes it: the processor writes
+    # chat_template.jinja, and the tokenizer's save_jinja_files=False, tokenizer_config.json.
     template = folder / "chat_template.jinja"
     _write_json(folder / "chat_template.json", {"chat_template": template.read_text()})
     template.unlink()
@@ -328,6 +333,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _write_json(path: str | os.PathLike, value: dict) -> None:
+    """As transformers' ``to_json_file`` writes its files."""
     with open(path, "w") as f:
         json.dump(value, f, indent=2, sort_keys=True)
         f.write("\n")
