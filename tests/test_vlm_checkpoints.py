@@ -59,6 +59,7 @@ def test_chat_template_sources(tmp_path):
     assert read_chat_template(path) == QWEN_VL_CHAT_TEMPLATE  # chat_template.jinja
     assert _render_as_ours(path) == _render_as_hf(path)
 
+    # Older checkpoints' files, by hand: transformers 5 reads both forms but writes neither.
     (path / "chat_template.json").write_text(json.dumps({"chat_template": "json:{{ 1 }}"}))
     assert _render_as_ours(path) == _render_as_hf(path) == "json:1"
 

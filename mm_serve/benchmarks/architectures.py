@@ -175,7 +175,7 @@ def _token_ids(tokenizer: Any) -> dict[str, Any]:
     }
 
 
-def build_config(name: str, token_ids: dict[str, int] | None = None) -> Any:
+def _build_config(name: str, token_ids: dict[str, int] | None = None) -> Any:
     """The transformers config of architecture ``name`` (its class by ``model_type``, e.g.
     ``Qwen2VLConfig``) from the published values, with ``token_ids`` (config.json's special
     token ids) set. Raises ``ValueError`` for an unknown name."""
@@ -187,7 +187,7 @@ def build_config(name: str, token_ids: dict[str, int] | None = None) -> Any:
     return AutoConfig.for_model(values.pop("model_type"), **values)
 
 
-def build_image_processor() -> Any:
+def _build_image_processor() -> Any:
     """transformers' ``Qwen2VLImageProcessor`` with the published settings (both families)."""
     from mm_serve._compat import ensure_torchvision_importable
 
@@ -210,10 +210,10 @@ def write_architecture(name: str, folder: str | os.PathLike) -> str:
 
     tokenizer = _qwen2_vl_tokenizer()
     ids = _token_ids(tokenizer)
-    config = build_config(name, ids)
+    config = _build_config(name, ids)
     os.makedirs(folder, exist_ok=True)
     config.save_pretrained(folder)
-    build_image_processor().save_pretrained(folder)
+    _build_image_processor().save_pretrained(folder)
     pad = ids["bos_token_id"]
     eos = [ids["eos_token_id"], pad]
     GenerationConfig(bos_token_id=pad, pad_token_id=pad, eos_token_id=eos).save_pretrained(folder)
