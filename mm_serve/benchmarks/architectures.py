@@ -175,7 +175,7 @@ def _token_ids(tokenizer: Any) -> dict[str, Any]:
     }
 
 
-def _build_config(name: str, token_ids: dict[str, int] | None = None) -> Any:
+def _build_config(name: str, token_ids: dict[str, int]) -> Any:
     """The transformers config of architecture ``name`` (its class by ``model_type``, e.g.
     ``Qwen2VLConfig``) from the published values, with ``token_ids`` (config.json's special
     token ids) set. Raises ``ValueError`` for an unknown name."""
@@ -183,7 +183,7 @@ def _build_config(name: str, token_ids: dict[str, int] | None = None) -> Any:
 
     if name not in ARCHITECTURES:
         raise ValueError(f"Unknown architecture {name!r}; choose from {architecture_names()}.")
-    values = {**ARCHITECTURES[name], **(token_ids or {})}
+    values = {**ARCHITECTURES[name], **token_ids}
     return AutoConfig.for_model(values.pop("model_type"), **values)
 
 
