@@ -50,6 +50,11 @@ class EncoderCacheManager:
         self.misses = 0
         self.num_encoder_tokens = 0
 
+    @property
+    def usage(self) -> float:
+        """The fraction of the cache that requests reference, 0..1 (0 for an empty cache)."""
+        return 1.0 - self.num_freeable_slots / self.cache_size if self.cache_size else 0.0
+
     def check_and_update_cache(self, request: Request, input_id: int) -> bool:
         """Whether image ``input_id`` of ``request`` is cached; if so ``request`` references it.
 

@@ -187,7 +187,7 @@ def _greedy_tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     ids=["default", "chunked_prefill", "chunked_and_preemption"],
 )
 def test_graphs_match_eager_and_hf(model_path, hf_reference, engine_args):
-    llm = LLM(model_path, **engine_args)
+    llm = LLM(model_path, multiprocess=False, **engine_args)
     eager = LLM(model_path, enforce_eager=True, **engine_args)
     graphs = llm.engine_core.model_runner.cuda_graphs
     assert graphs is not None and eager.engine_core.model_runner.cuda_graphs is None
@@ -209,7 +209,7 @@ def test_qwen2_vl_graphs_match_eager_and_hf(tmp_path, engine_args):
     cases = prompt_cases("qwen2_vl")  # 5 prompts: padded to 8, then fewer as they finish
     prompts = [{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in cases]
     params = SamplingParams(temperature=0.0, max_tokens=12)
-    llm = LLM(path, **engine_args)
+    llm = LLM(path, multiprocess=False, **engine_args)
     eager = LLM(path, enforce_eager=True, **engine_args)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     eager_outputs = eager.generate(prompts, params, use_tqdm=False)

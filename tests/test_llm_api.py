@@ -9,7 +9,7 @@ from mm_serve import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(llama_path) -> LLM:
-    return LLM(llama_path, block_size=4)
+    return LLM(llama_path, block_size=4, multiprocess=False)
 
 
 def assert_no_kv_leak(llm: LLM) -> None:

@@ -11,6 +11,7 @@ import random
 import pytest
 
 from mm_serve import LLM, SamplingParams
+from mm_serve.testing.leaks import assert_llm_idle
 
 MAX_NEW_TOKENS = 20
 PROMPT_LENGTHS = [3, 70, 5, 8, 47, 12, 15, 16, 17, 20, 24, 31, 33, 40, 55, 64]
@@ -23,9 +24,7 @@ def random_prompts(vocab_size: int, lengths: list[int], seed: int, prefix: list[
 
 
 def assert_no_kv_leak(llm: LLM) -> None:
-    kv = llm.engine_core.scheduler.kv_cache_manager
-    assert not llm.engine_core.has_unfinished_requests()
-    assert kv.num_free_blocks == kv.num_blocks
+    assert_llm_idle(llm)
 
 
 def assert_logprobs_match(step_logprobs: dict, reference) -> None:
@@ -78,7 +77,7 @@ def test_greedy_matches_hf(model_path, hf_reference, scenario):
     prompts = random_prompts(llm.config.model.vocab_size, PROMPT_LENGTHS, seed=7)
     check_against_hf(llm, hf_reference(model_path), prompts)
     if "preemption" in scenario:
-        assert llm.engine_core.scheduler.num_preemptions > 0
+        assert llm.get_stats().num_preemptions > 0
 
 
 @pytest.mark.parametrize("caching", [True, False])
@@ -89,13 +88,13 @@ def test_shared_prefixes_match_hf(model_path, hf_reference, caching):
     prompts = random_prompts(vocab, PROMPT_LENGTHS, seed=11, prefix=prefix)
     check_against_hf(llm, hf_reference(model_path), prompts[:8])
     # A second batch with the same prefix is served from the prefix cache.
-    stats = llm.engine_core.scheduler.kv_cache_manager.make_prefix_cache_stats()
+    hits_before = llm.get_stats().prefix_cache_hits
     check_against_hf(llm, hf_reference(model_path), prompts[8:])
-    stats = llm.engine_core.scheduler.kv_cache_manager.make_prefix_cache_stats()
+    hits = llm.get_stats().prefix_cache_hits - hits_before
     if caching:
-        assert stats.hits >= 8 * (len(prefix) // 4) * 4
+        assert hits >= 8 * (len(prefix) // 4) * 4
     else:
-        assert stats.hits == 0
+        assert hits == 0
 
 
 def test_prompt_logprobs_match_hf(llama_path, hf_reference):

@@ -7,7 +7,7 @@ import pytest
 from test_vlm_vs_hf import PLACEHOLDER, HFVisionReference, generated, photo
 
 from mm_serve import LLM, SamplingParams
-from mm_serve.testing.leaks import assert_engine_idle
+from mm_serve.testing.leaks import assert_llm_idle
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 MAX_NEW_TOKENS = 8
@@ -72,7 +72,7 @@ def test_tokens_equal_hf_with_caches_on_and_off(vlm):
             third = passes[0][2]
             start, end = first_image_range(llm, third)
             assert start < third.num_cached_tokens < end
-        assert_engine_idle(llm.engine_core)
+        assert_llm_idle(llm)
         llm.shutdown()
 
 
@@ -87,7 +87,7 @@ def test_prefix_cache_hit_ends_inside_an_image(vlm):
     assert start < output.num_cached_tokens == 4 * (end // 4) < end
     reference = HFVisionReference(path)
     assert output.outputs[0].token_ids == reference.greedy(*third)[1][:MAX_NEW_TOKENS]
-    assert_engine_idle(llm.engine_core)
+    assert_llm_idle(llm)
     llm.shutdown()
 
 
@@ -101,7 +101,7 @@ def test_different_images_share_only_the_text_before_them(vlm):
     start, _ = first_image_range(llm, with_coffee)
     assert start >= 8  # the preamble fills whole blocks
     assert with_coffee.num_cached_tokens == 4 * (start // 4)
-    assert_engine_idle(llm.engine_core)
+    assert_llm_idle(llm)
     llm.shutdown()
 
 
@@ -132,5 +132,5 @@ def test_same_image_in_three_requests_is_encoded_once(vlm):
     assert shared > end
     assert outputs[1].num_cached_tokens == 4 * (shared // 4)
     assert stats.prefix_cache_hits - before.prefix_cache_hits >= outputs[1].num_cached_tokens
-    assert_engine_idle(llm.engine_core)
+    assert_llm_idle(llm)
     llm.shutdown()

@@ -24,6 +24,7 @@ from mm_serve.config import EngineArgs
 from mm_serve.encoders.image_io import load_image
 from mm_serve.encoders.processors import get_image_processor
 from mm_serve.engine.preprocess_pool import PreprocessPool
+from mm_serve.testing.leaks import assert_llm_idle
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 TAG = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -160,15 +161,13 @@ def image_prompt(image) -> dict:
 
 
 def assert_no_kv_leak(llm: LLM) -> None:
-    kv = llm.engine_core.scheduler.kv_cache_manager
-    assert not llm.engine_core.has_unfinished_requests()
-    assert kv.num_free_blocks == kv.num_blocks
+    assert_llm_idle(llm)
 
 
 def test_engine_steps_while_the_last_prompt_preprocesses(qwen2_vl_path, monkeypatch):
     """The last image is held back until the engine has stepped: with every prompt validated
     before the engine starts, no step would come first (and the gate's fallback opens it)."""
-    llm = LLM(qwen2_vl_path)
+    llm = LLM(qwen2_vl_path, multiprocess=False)
     events: list[str] = []
     gate = threading.Event()
     last = jpeg(noise(64, 96, 7))

@@ -70,7 +70,7 @@ def qwen2_vl_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def llm(qwen2_vl_path):
-    llm = LLM(qwen2_vl_path)
+    llm = LLM(qwen2_vl_path, multiprocess=False)
     yield llm
     llm.shutdown()
 
@@ -115,7 +115,7 @@ def test_same_image_in_one_batch_goes_to_the_pool_once(llm, monkeypatch):
 
 
 def test_cache_off_has_no_hits(qwen2_vl_path):
-    llm = LLM(qwen2_vl_path, mm_processor_cache_gb=0)
+    llm = LLM(qwen2_vl_path, mm_processor_cache_gb=0, multiprocess=False)
     image = jpeg(photo("coffee.png"))
     first = llm.generate(image_prompt(image), GREEDY, use_tqdm=False)
     second = llm.generate(image_prompt(image), GREEDY, use_tqdm=False)

@@ -43,7 +43,7 @@ def rss_mib() -> float:
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_reset_forgets_caches_and_counters(checkpoint, async_scheduling):
-    llm = LLM(checkpoint, async_scheduling=async_scheduling)
+    llm = LLM(checkpoint, async_scheduling=async_scheduling, multiprocess=False)
     core = llm.engine_core
     messages = chat(EXAMPLE.read_bytes())
     first = llm.chat(messages, GREEDY, use_tqdm=False)[0]

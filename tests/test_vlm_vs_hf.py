@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 from mm_serve import LLM, SamplingParams
-from mm_serve.testing.leaks import assert_engine_idle
+from mm_serve.testing.leaks import assert_llm_idle
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 MAX_NEW_TOKENS = 12
@@ -116,7 +116,7 @@ class HFVisionReference:
 
 
 def assert_no_kv_leak(llm: LLM) -> None:
-    assert_engine_idle(llm.engine_core)
+    assert_llm_idle(llm)
 
 
 @pytest.mark.parametrize(

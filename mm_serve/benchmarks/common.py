@@ -50,6 +50,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         help="A real architecture from its published config.json, with random weights "
         "(load_format=dummy) and a small stand-in tokenizer (default: %(default)s).",
     )
+    group.add_argument(
+        "--engine-core-in-process",
+        action="store_true",
+        help="Run LLM's engine core in this process (default: its own process on CUDA).",
+    )
     add_engine_args(parser)
 
 
@@ -81,6 +86,8 @@ def engine_kwargs(args: argparse.Namespace, load_format: str, **overrides: Any) 
     names = [f.name for f in dataclasses.fields(EngineArgs) if f.name != "model"]
     kwargs = {name: getattr(args, name) for name in names}
     kwargs["load_format"] = load_format
+    if getattr(args, "engine_core_in_process", False):
+        kwargs["multiprocess"] = False
     kwargs.update(overrides)
     return kwargs
 

@@ -149,7 +149,7 @@ def run_steps(args, folder, load_format, out: str) -> dict[str, Any]:
     """The three runs, each on its own fresh requests (no cache of any kind hits)."""
     from mm_serve import LLM, SamplingParams
 
-    llm = LLM(folder, **common.engine_kwargs(args, load_format))
+    llm = LLM(folder, **common.engine_kwargs(args, load_format, multiprocess=False))
     model_type = llm.config.model.hf_config.model_type
 
     def prompts(seed: int, n: int = args.num_prompts):

@@ -34,6 +34,8 @@ import torch
 from mm_serve.benchmarks import common
 from mm_serve.benchmarks.datasets import random_image_dataset
 from mm_serve.benchmarks.roofline import copy_rate
+from mm_serve.models.loader import build_empty_model
+from mm_serve.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +65,9 @@ def weight_bytes(model: torch.nn.Module, lm_only: bool = False) -> int:
     # counted as ``lm_head``.
     for name, param in model.named_parameters(remove_duplicate=False):
         skip = lm_only and (name.startswith(VISION_PREFIXES) or "embed_tokens" in name)
-        if skip or param.data_ptr() in seen:
+        if skip or id(param) in seen:
             continue
-        seen.add(param.data_ptr())
+        seen.add(id(param))
         total += param.numel() * param.element_size()
     return total
 
@@ -147,7 +149,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             full = summarize(time_iterations(llm, args, args.output_len, args.seed))
             one = summarize(time_iterations(llm, args, 1, args.seed + 1))
             device = llm.config.device
-            model = llm.engine_core.model_runner.model
+            # The parameters' shapes on the meta device: the engine core may be another process.
+            model = build_empty_model(
+                get_model_class(llm.config.model.hf_config), llm.config.model, "meta"
+            )
             all_bytes, lm_bytes = weight_bytes(model), weight_bytes(model, lm_only=True)
             dtype = str(llm.config.model.dtype).removeprefix("torch.")
             del model

@@ -165,7 +165,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     folder = write_architecture(args.model_arch, tempfile.mkdtemp())
-    llm = LLM(folder, load_format="dummy", max_model_len=4096)
+    llm = LLM(folder, load_format="dummy", max_model_len=4096, multiprocess=False)
     core = llm.engine_core
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 64, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)

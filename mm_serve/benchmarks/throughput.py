@@ -141,7 +141,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         folder, load_format = common.model_folder(args, workdir)
         kwargs = common.engine_kwargs(args, load_format)
         # Resolved as the engine will (dtype, device, folder), without loading weights.
-        config = EngineArgs(model=folder, **kwargs).create_engine_config()
+        engine_fields = {k: v for k, v in kwargs.items() if k != "multiprocess"}
+        config = EngineArgs(model=folder, **engine_fields).create_engine_config()
         folder, model_type = config.model.path, config.model.hf_config.model_type
         texts = common.prompt_texts(requests, model_type)
         warmup_texts = common.prompt_texts(warmup, model_type)

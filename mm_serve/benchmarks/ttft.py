@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory() as workdir:
         folder, load_format = common.model_folder(args, workdir)
-        llm = LLM(folder, **common.engine_kwargs(args, load_format))
+        llm = LLM(folder, **common.engine_kwargs(args, load_format, multiprocess=False))
         model_type = llm.config.model.hf_config.model_type
         iters = args.num_iters_warmup + args.num_iters
         requests = random_image_dataset(iters, args.input_len, 1, tuple(args.image_size), seed=9)

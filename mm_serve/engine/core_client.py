@@ -323,9 +323,11 @@ class EngineCoreClient(_EngineCoreClientBase):
         EngineDeadError: from any call once the engine core is gone.
     """
 
-    def add_request(self, request: Request) -> queue.Queue:
-        """Send ``request`` to the engine core. Raises ValueError on an id already in flight."""
-        sink = Sink(queue.Queue(), None)
+    def add_request(self, request: Request, output_queue: queue.Queue | None = None) -> queue.Queue:
+        """Send ``request`` to the engine core; its outputs go to ``output_queue`` (which
+        several requests may share: each output names its request) or to a new queue.
+        Returns the queue. Raises ValueError on an id already in flight."""
+        sink = Sink(queue.Queue() if output_queue is None else output_queue, None)
         self._add(request, sink)
         return sink.queue
 
@@ -339,6 +341,11 @@ class EngineCoreClient(_EngineCoreClientBase):
     def get_kv_cache_info(self, timeout_s: float | None = 30.0) -> KVCacheInfo:
         """KV pool size and free blocks, after all earlier inputs (e.g. an abort) took effect."""
         return self._call("get_stats").result(timeout_s).kv_cache
+
+    def reset(self, timeout_s: float | None = 60.0) -> None:
+        """``EngineCore.reset`` once all earlier inputs took effect. Raises RuntimeError while
+        requests are unfinished."""
+        self._call("reset").result(timeout_s)
 
 
 class AsyncEngineCoreClient(_EngineCoreClientBase):

@@ -8,7 +8,7 @@ import logging
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
@@ -34,6 +34,9 @@ from mm_serve.outputs import RequestOutput
 from mm_serve.sampling_params import SamplingParams
 from mm_serve.stats import EngineStats
 
+if TYPE_CHECKING:
+    from mm_serve.engine.remote_core import RemoteEngineCore
+
 logger = logging.getLogger(__name__)
 
 # Prompts submitted to the input processor ahead of the engine in one generate call.
@@ -41,34 +44,51 @@ SUBMIT_WINDOW = 32
 
 
 class LLM:
-    """An engine core run in-process over a batch of prompts.
+    """The engine over a batch of prompts, with vLLM's offline API.
 
+    On CUDA the engine core runs in its own process (as vLLM V1's does), so that this
+    process's front-end work (tokenizing, hashing and queueing images, detokenizing) never
+    delays a step; elsewhere, and with ``multiprocess=False``, it runs in this process, where
+    ``engine_core`` is the ``EngineCore`` itself (its scheduler and model runner inspectable).
     For a VLM, a pool of worker processes preprocesses the images while the engine works on
     earlier prompts; it starts while the model loads. Call ``shutdown()`` when done, or let
-    the object be garbage-collected: either stops the pool. The workers never run the
-    caller's main script, so a script needs no ``if __name__ == "__main__":`` guard.
+    the object be garbage-collected: either stops the pool and the engine core process. The
+    workers never run the caller's main script, so a script needs no
+    ``if __name__ == "__main__":`` guard.
 
     Args:
         model: a checkpoint folder or a Hugging Face hub id.
+        multiprocess: run the engine core in its own process (None: on CUDA only).
         **engine_args: any ``EngineArgs`` field (``max_num_batched_tokens``, ``num_kv_blocks``,
             ``enable_prefix_caching``, ``dtype``, ``seed``, ...).
 
     Raises:
         ValueError: on an unusable checkpoint or option (see ``EngineArgs``).
+        EngineStartupError: the engine core process failed to start.
     """
 
-    def __init__(self, model: str, **engine_args: Any) -> None:
-        self.config = EngineArgs(model=model, **engine_args).create_engine_config()
+    def __init__(self, model: str, multiprocess: bool | None = None, **engine_args: Any) -> None:
+        args = EngineArgs(model=model, **engine_args)
+        self.config = args.create_engine_config()
         self.tokenizer = load_tokenizer(self.config.model.tokenizer)
         self.generation_config = load_generation_config(self.config.model.path)
         self.input_processor = InputProcessor(
             self.config.model, self.config.multimodal, self.tokenizer, self.generation_config
         )
-        # Holds the input processor, not self: stops the pool when this LLM is collected.
-        self._finalizer = weakref.finalize(self, self.input_processor.shutdown)
+        # Hold the parts, not self: they stop when this LLM is collected.
+        self._finalizers = [weakref.finalize(self, self.input_processor.shutdown)]
         if self.input_processor.mm_processor is not None:
             self.input_processor.mm_processor.pool.start()  # workers warm up while loading
-        self.engine_core = EngineCore(self.config)
+        if multiprocess is None:
+            multiprocess = self.config.device.type == "cuda"
+        self.engine_core: EngineCore | RemoteEngineCore
+        if multiprocess:
+            from mm_serve.engine.remote_core import RemoteEngineCore  # ZeroMQ only when used
+
+            self.engine_core = RemoteEngineCore(args)
+            self._finalizers.append(weakref.finalize(self, self.engine_core.shutdown))
+        else:
+            self.engine_core = EngineCore(self.config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
         if self.config.device.type == "cuda":
@@ -94,9 +114,11 @@ class LLM:
         return self.tokenizer
 
     def shutdown(self) -> None:
-        """Stop the preprocessing pool's worker processes; safe to call more than once.
-        Afterwards an image not in the processor cache raises RuntimeError."""
-        self._finalizer()
+        """Stop the preprocessing pool's worker processes and the engine core process; safe
+        to call more than once. Afterwards an image not in the processor cache raises
+        RuntimeError, and a multiprocess engine raises EngineDeadError."""
+        for finalizer in self._finalizers:
+            finalizer()
 
     def get_stats(self) -> EngineStats:
         """The engine core's counters plus the front end's processor-cache counters."""

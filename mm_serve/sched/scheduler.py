@@ -395,5 +395,5 @@ class Scheduler:
             encoder_cache_hits=encoder.hits,
             encoder_tokens_computed=encoder.num_encoder_tokens,
             num_encoder_cache_entries=len(encoder.cached),
-            encoder_cache_usage=1.0 - encoder.num_freeable_slots / max(encoder.cache_size, 1),
+            encoder_cache_usage=encoder.usage,
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from mm_serve.engine.core import EngineCore
 
 
@@ -24,3 +26,19 @@ def assert_engine_idle(engine_core: EngineCore) -> None:
     assert encoder.num_freeable_slots == encoder.cache_size
     held = engine_core.model_runner.encoder_cache.keys()
     assert held <= encoder.cached.keys() | set(encoder.freed)
+
+
+def assert_llm_idle(llm: Any) -> None:
+    """``assert_engine_idle`` on an ``LLM``'s in-process engine core; on one in its own process,
+    what its counters show: no request, no KV block and no encoder-cache entry in use.
+
+    Raises:
+        AssertionError: on any leak.
+    """
+    if isinstance(llm.engine_core, EngineCore):
+        assert_engine_idle(llm.engine_core)
+        return
+    assert not llm.engine_core.has_unfinished_requests()
+    stats = llm.get_stats()
+    assert stats.num_running_reqs == stats.num_waiting_reqs == 0, stats
+    assert stats.kv_cache_usage == 0 and stats.encoder_cache_usage == 0, stats
