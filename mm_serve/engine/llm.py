@@ -220,7 +220,8 @@ class LLM:
         engine (tokenize, hash and queue their images), add them in order as each one's
         images are ready, and step the engine whenever it has work; wait for the next prompt
         only when it has none. The window keeps the preprocessing pool busy while the
-        first steps start at once instead of after every prompt was submitted.
+        first steps start at once instead of after every prompt was submitted. (A remote
+        engine core's ``step()`` returns the outputs that arrived, its steps run on their own.)
 
         Returns the prompts' request ids and the finished outputs (in finishing order).
         """
