@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from mm_serve.config import EngineConfig
+from mm_serve.engine.step_timeline import install_from_env
 from mm_serve.request import Request, RequestStatus
 from mm_serve.sched.output import EngineCoreOutput, SchedulerOutput
 from mm_serve.sched.scheduler import Scheduler
@@ -34,6 +35,7 @@ class EngineCore:
         self.async_scheduling = config.scheduler.async_scheduling
         # The launched step whose output has not been read yet (async scheduling only).
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
+        install_from_env(self)  # MM_SERVE_STEP_TIMELINE: a step timeline for benchmarks
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

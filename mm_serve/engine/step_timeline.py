@@ -1,0 +1,87 @@
+"""A timeline of the engine core's steps, for finding where the device waits on the host.
+
+Set ``MM_SERVE_STEP_TIMELINE=<file>`` and the engine core (in whichever process it runs)
+records, for every step, host times (schedule start, launch done, step done) and two CUDA
+events around ``execute_model``; nothing is synchronised during the run. Each time the engine
+runs out of requests, it waits for the device once and appends one JSON line per step to the
+file. ``benchmarks/step_timeline.py`` reads it: the gap between one step's end event and the
+next one's start event is time the device sat idle because the host had not launched it yet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import torch
+
+ENV = "MM_SERVE_STEP_TIMELINE"
+
+
+def install_from_env(engine_core: Any) -> None:
+    """Wrap ``engine_core.step`` with a recorder when ``MM_SERVE_STEP_TIMELINE`` names a file
+    and the engine runs on CUDA (CUDA events time the device)."""
+    path = os.environ.get(ENV)
+    if path and engine_core.config.device.type == "cuda":
+        StepTimeline(engine_core, path)
+
+
+class StepTimeline:
+    """Records ``engine_core``'s steps into ``path`` (JSON lines, appended)."""
+
+    def __init__(self, engine_core: Any, path: str) -> None:
+        self.engine_core = engine_core
+        self.path = path
+        self.records: list[dict[str, Any]] = []
+        self._step = engine_core.step
+        self._execute = engine_core.model_runner.execute_model
+        engine_core.step = self.step
+        engine_core.model_runner.execute_model = self.execute_model
+
+    def execute_model(self, scheduler_output):
+        if not self.records:  # outside step() (the empty step of ``reset``): not recorded
+            return self._execute(scheduler_output)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        pending = self._execute(scheduler_output)
+        end.record()
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        self.records[-1].update(
+            launched=time.perf_counter(),
+            events=(start, end),
+            num_reqs=len(num_scheduled),
+            num_tokens=scheduler_output.total_num_scheduled_tokens,
+            num_decode=sum(1 for n in num_scheduled.values() if n == 1),
+            num_images=sum(len(v) for v in scheduler_output.scheduled_encoder_inputs.values()),
+        )
+        return pending
+
+    def step(self):
+        waiting = len(self.engine_core.scheduler.waiting)
+        self.records.append({"t0": time.perf_counter(), "num_waiting": waiting})
+        outputs = self._step()
+        self.records[-1]["t1"] = time.perf_counter()
+        if not self.engine_core.has_unfinished_requests():
+            self.flush()
+        return outputs
+
+    def flush(self) -> None:
+        """Wait for the device, then append the recorded steps to the file."""
+        torch.cuda.synchronize()
+        lines = []
+        previous_end = None
+        for record in self.records:
+            events = record.pop("events", None)
+            if events is not None:
+                start, end = events
+                record["device_ms"] = start.elapsed_time(end)
+                if previous_end is not None:
+                    record["gap_ms"] = previous_end.elapsed_time(start)
+                previous_end = end
+            lines.append(json.dumps(record))
+        lines.append(json.dumps({"end_of_run": True}))
+        self.records.clear()
+        with open(self.path, "a") as f:
+            f.write("".join(line + "\n" for line in lines))
