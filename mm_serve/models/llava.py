@@ -92,8 +92,9 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             for ckpt_name, tensor in weights:
                 name = _rename(ckpt_name)
                 vision = name.startswith(("vision_tower.", "multi_modal_projector."))
-                if vision and load_tower_tensor(self, name, tensor):
-                    loaded.add(name)
+                written = load_tower_tensor(self, name, tensor) if vision else None
+                if written is not None:
+                    loaded.add(written)
                 else:
                     yield name, tensor  # the LM's loader skips unknown names with a warning
 

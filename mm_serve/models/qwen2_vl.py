@@ -46,22 +46,34 @@ def _rename(ckpt_name: str) -> str:
     return ckpt_name
 
 
-def load_tower_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> bool:
-    """Copy a vision tensor into ``model``'s parameter ``name`` (plain, unsharded copy).
+def load_tower_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> str | None:
+    """Copy a vision tensor into ``model``'s parameter ``name`` (plain, unsharded copy), or,
+    when a module on its path has ``load_hf_tensor`` (a layout of its own, e.g. merged
+    projections), hand it the tensor.
 
-    Returns False, copying nothing, if there is no such parameter; raises ``ValueError``
-    naming the tensor if the shapes differ.
+    Returns the name of the parameter written, or None, copying nothing, if there is no such
+    parameter; raises ``ValueError`` naming the tensor if the shapes differ.
     """
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            module = model.get_submodule(".".join(parts[:cut]))
+        except AttributeError:
+            continue
+        if hasattr(module, "load_hf_tensor"):
+            written = module.load_hf_tensor(".".join(parts[cut:]), tensor)
+            if written is not None:
+                return ".".join(parts[:cut] + [written])
     try:
         param = model.get_parameter(name)
     except AttributeError:
-        return False
+        return None
     if param.shape != tensor.shape:
         raise ValueError(
             f"Cannot load {name!r}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
         )
     param.data.copy_(tensor)
-    return True
+    return name
 
 
 def tie_embeddings_like(model: LlamaForCausalLM, hf_config: Any) -> None:
@@ -139,8 +151,11 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
         def language_model_weights() -> Iterator[tuple[str, torch.Tensor]]:
             for ckpt_name, tensor in weights:
                 name = _rename(ckpt_name)
-                if name.startswith("visual.") and load_tower_tensor(self, name, tensor):
-                    loaded.add(name)
+                written = (
+                    load_tower_tensor(self, name, tensor) if name.startswith("visual.") else None
+                )
+                if written is not None:
+                    loaded.add(written)
                 else:
                     yield name, tensor  # the LM's loader skips unknown names with a warning
 
