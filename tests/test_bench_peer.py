@@ -72,7 +72,7 @@ def _workload(num_requests: int = 3, num_images: int = 2) -> PeerWorkload:
 
 def test_qwen2_5_vl_7b_folder_for_both_engines(tmp_path) -> None:
     """The published Qwen2.5-VL-7B-Instruct config: HF reads it (config and processor), our
-    config resolution reads it, and both models built from it have 8,292,166,656 parameters."""
+    config resolution reads it, and both models built from it have 8,292,166,656 parameters (ours plus its padding)."""
     from transformers import AutoConfig, AutoProcessor
     from transformers import Qwen2_5_VLForConditionalGeneration as HFModel
 
@@ -103,7 +103,9 @@ def test_qwen2_5_vl_7b_folder_for_both_engines(tmp_path) -> None:
     with torch.device("meta"):
         ours, theirs = Qwen2_5_VLForConditionalGeneration(config), HFModel(config)
     sizes = [sum(p.numel() for p in m.parameters()) for m in (ours, theirs)]
-    assert sizes == [8_292_166_656] * 2
+    # Ours adds the vision MLP's zero padding (Qwen2_5_VisionMLP: width 3,420 -> 3,456).
+    padding = 32 * (3456 - 3420) * (3 * 1280 + 2)
+    assert sizes == [8_292_166_656 + padding, 8_292_166_656]
 
 
 def test_workload_round_trip(tmp_path) -> None:

@@ -38,7 +38,11 @@ def main() -> None:
 
         def prompts(seed: int, n: int):
             requests = random_image_dataset(
-                n, args.input_len, args.output_len, tuple(args.image_size), seed=seed,
+                n,
+                args.input_len,
+                args.output_len,
+                tuple(args.image_size),
+                seed=seed,
                 num_images=args.num_images,
             )
             return common.llm_prompts(requests, common.prompt_texts(requests, model_type))

@@ -51,9 +51,7 @@ def summarise(run: list[dict]) -> dict:
         per_class[name] = {
             "steps": len(records),
             "host_ms_median": statistics.median((r["t1"] - r["t0"]) * 1e3 for r in records),
-            "launch_ms_median": statistics.median(
-                (r["launched"] - r["t0"]) * 1e3 for r in records
-            ),
+            "launch_ms_median": statistics.median((r["launched"] - r["t0"]) * 1e3 for r in records),
             "device_ms_median": statistics.median(r["device_ms"] for r in records),
             "device_ms_sum": sum(r["device_ms"] for r in records),
             "gap_ms_sum": sum(r.get("gap_ms", 0.0) for r in records),
