@@ -72,7 +72,8 @@ def _workload(num_requests: int = 3, num_images: int = 2) -> PeerWorkload:
 
 def test_qwen2_5_vl_7b_folder_for_both_engines(tmp_path) -> None:
     """The published Qwen2.5-VL-7B-Instruct config: HF reads it (config and processor), our
-    config resolution reads it, and both models built from it have 8,292,166,656 parameters (ours plus its padding)."""
+    config resolution reads it, and both models built from it have 8,292,166,656 parameters
+    (ours plus its padding)."""
     from transformers import AutoConfig, AutoProcessor
     from transformers import Qwen2_5_VLForConditionalGeneration as HFModel
 
