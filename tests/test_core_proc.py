@@ -30,8 +30,8 @@ from mm_serve.encoders.base import ProcessedImage
 from mm_serve.engine.core_client import AsyncEngineCoreClient, EngineCoreClient
 from mm_serve.engine.exceptions import EngineDeadError, EngineRequestError, EngineStartupError
 from mm_serve.engine.wire import (
-    EngineCoreOutput,
     EngineCoreOutputs,
+    EngineCoreOutputWire,
     InputCodec,
     KVCacheInfo,
     OutputCodec,
@@ -237,7 +237,7 @@ def test_wire_is_msgpack_and_raw_frames(llm):
     assert decoded.sampling_params == request.sampling_params
     assert decoded.prompt_token_ids == request.prompt_token_ids
     outputs = EngineCoreOutputs(
-        outputs=[EngineCoreOutput("a", [5], [([5, 7], [-0.1, -2.5], 1)], None, "stop", 7)],
+        outputs=[EngineCoreOutputWire("a", [5], [([5, 7], [-0.1, -2.5], 1)], None, "stop", 7)],
         stats=EngineStats(num_running_reqs=1),
     )
     encoded = OutputCodec().encode(outputs)

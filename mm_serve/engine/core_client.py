@@ -48,6 +48,7 @@ from mm_serve.engine.wire import (
     KVCacheInfo,
     OutputCodec,
     UtilityRequest,
+    output_from_wire,
 )
 from mm_serve.request import Request
 from mm_serve.stats import EngineStats
@@ -240,12 +241,13 @@ class _EngineCoreClientBase:
     def _dispatch(self, message: EngineCoreOutputs) -> None:
         deliveries: list[tuple[Sink, Any]] = []
         with self._lock:
-            for output in message.outputs:
-                sink = self._sinks.get(output.request_id)
+            for wire in message.outputs:
+                sink = self._sinks.get(wire.request_id)
                 if sink is None:
                     continue  # aborted meanwhile
+                output = output_from_wire(wire)
                 if output.finished:
-                    del self._sinks[output.request_id]
+                    del self._sinks[wire.request_id]
                 deliveries.append((sink, output))
             for error in message.errors:
                 sink = self._sinks.pop(error.request_id, None)

@@ -44,6 +44,7 @@ from mm_serve.engine.wire import (
     RequestDecodeError,
     RequestError,
     UtilityRequest,
+    output_to_wire,
 )
 from mm_serve.request import Request
 
@@ -195,7 +196,8 @@ class EngineCoreProc:
             if engine_core.has_unfinished_requests():
                 outputs = engine_core.step()
                 if outputs:
-                    self.output_queue.put(EngineCoreOutputs(outputs=outputs))
+                    wire = [output_to_wire(o) for o in outputs]
+                    self.output_queue.put(EngineCoreOutputs(outputs=wire))
 
     def _process_input_queue(self, block: bool) -> bool:
         """Handle every queued input (waiting for one if ``block``); False on shutdown."""

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mm_serve.engine.detokenizer import IncrementalDetokenizer
-from mm_serve.engine.wire import EngineCoreOutput
 from mm_serve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from mm_serve.sampling_params import SamplingParams
+from mm_serve.sched.output import EngineCoreOutput
 
 
 @dataclass

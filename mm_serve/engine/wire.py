@@ -21,6 +21,7 @@ import torch
 from mm_serve.encoders.base import ProcessedImage
 from mm_serve.request import MultiModalFeature, PlaceholderRange, Request
 from mm_serve.sampling_params import SamplingParams
+from mm_serve.sched.output import EngineCoreOutput
 from mm_serve.stats import EngineStats
 
 # Tensor dtypes allowed on the wire, by name (never resolved with getattr on user input).
@@ -103,10 +104,8 @@ InputMessage = AddRequest | AbortRequests | UtilityRequest
 # ---- engine → front end ------------------------------------------------------------------
 
 
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """New tokens of one request after a step: built by the scheduler, sent as it is to the
-    front end (detokenizer, stop strings); the in-process engine hands over the same object.
-    """
+class EngineCoreOutputWire(msgspec.Struct, array_like=True, omit_defaults=True):
+    """``EngineCoreOutput`` on the wire (same fields, same meaning)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -115,11 +114,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
-    num_cached_images: int = 0  # see Request.num_cached_images
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+    num_cached_images: int = 0
 
 
 class RequestError(msgspec.Struct):
@@ -142,7 +137,7 @@ class KVCacheInfo(msgspec.Struct):
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", omit_defaults=True):
     """What one step produced, and/or the answer to a ``UtilityRequest`` (``call_id``)."""
 
-    outputs: list[EngineCoreOutput] = []
+    outputs: list[EngineCoreOutputWire] = []
     errors: list[RequestError] = []
     stats: EngineStats | None = None
     kv_cache: KVCacheInfo | None = None
@@ -272,6 +267,32 @@ def _feature_from_wire(wire: MultiModalFeatureWire, frames: Sequence[Buffer]) ->
             pixels, wire.num_tokens, wire.image_grid_thw, wire.pixel_mean, wire.pixel_std
         )
     return MultiModalFeature(wire.mm_hash, PlaceholderRange(wire.offset, wire.length), data)
+
+
+def output_to_wire(output: EngineCoreOutput) -> EngineCoreOutputWire:
+    return EngineCoreOutputWire(
+        output.request_id,
+        output.new_token_ids,
+        output.new_logprobs,
+        output.new_prompt_logprobs,
+        output.finish_reason,
+        output.stop_reason,
+        output.num_cached_tokens,
+        output.num_cached_images,
+    )
+
+
+def output_from_wire(wire: EngineCoreOutputWire) -> EngineCoreOutput:
+    return EngineCoreOutput(
+        request_id=wire.request_id,
+        new_token_ids=wire.new_token_ids,
+        new_logprobs=wire.new_logprobs,
+        new_prompt_logprobs=wire.new_prompt_logprobs,
+        finish_reason=wire.finish_reason,
+        stop_reason=wire.stop_reason,
+        num_cached_tokens=wire.num_cached_tokens,
+        num_cached_images=wire.num_cached_images,
+    )
 
 
 # ---- codecs ------------------------------------------------------------------------------
