@@ -52,7 +52,7 @@ class PlaceholderRange:
 class MultiModalFeature:
     """One image of a request: its content hash, its placeholder range and (later) its data.
 
-    ``mm_hash`` identifies the content (see DESIGN.md, "Content hash of an image"); it keys the
+    ``mm_hash`` identifies the content (``cache/mm_hash.py``); it keys the
     encoder cache and enters the prefix-cache hash of every KV block the range overlaps.
     """
 

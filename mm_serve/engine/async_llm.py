@@ -1,10 +1,9 @@
 """The API server's front end of the engine: prompts in, streamed completions out (asyncio).
 
-``AsyncLLM`` ties the pieces of the offline ``LLM`` to an event loop (DESIGN.md, "Process
-layout (serve)"): the ``InputProcessor`` (chat template, tokenization, image hashing) runs in
-one worker thread, never on the event loop; images are preprocessed by its process pool; the
-engine core runs in its own process behind an ``AsyncEngineCoreClient``; outputs are
-detokenized incrementally on the loop as they arrive.
+``AsyncLLM`` ties the pieces of the offline ``LLM`` to an event loop: the ``InputProcessor`` (chat
+template, tokenization, image hashing) runs in one worker thread, never on the event loop; images
+are preprocessed by its process pool; the engine core runs in its own process behind an
+``AsyncEngineCoreClient``; outputs are detokenized incrementally on the loop as they arrive.
 """
 
 from __future__ import annotations

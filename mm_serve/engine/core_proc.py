@@ -1,6 +1,6 @@
 """The engine core in its own process: a busy loop fed and drained over ZeroMQ.
 
-Three threads (DESIGN.md, "Process layout (serve)"):
+Three threads:
 
 - input thread: receives multipart messages, decodes them (``wire.InputCodec``; image tensors
   stay in their ZeroMQ frames) and puts them on ``input_queue``; it also watches the parent

@@ -1,12 +1,11 @@
 """The preprocessing pool: worker processes that decode, validate and preprocess images.
 
-Decoding a JPEG and resizing it take milliseconds to tens of milliseconds of CPU per image and
-hold the GIL for much of it, so the front end hands them to a pool of processes (DESIGN.md,
-"Process layout") and keeps tokenizing, scheduling and detokenizing meanwhile. Workers are
-forked from a forkserver that has already imported torch, torchvision and the processors, so
-they start fast and share those pages, without inheriting the front end's threads or memory
-(no plain ``fork``), and they never run the user's main script (``mp_context``): a script
-needs no ``if __name__ == "__main__":`` guard.
+Decoding a JPEG and resizing it take milliseconds to tens of milliseconds of CPU per image and hold
+the GIL for much of it, so the front end hands them to a pool of processes and keeps tokenizing,
+scheduling and detokenizing meanwhile. Workers are forked from a forkserver that has already
+imported torch, torchvision and the processors, so they start fast and share those pages, without
+inheriting the front end's threads or memory (no plain ``fork``), and they never run the user's
+main script (``mp_context``): a script needs no ``if __name__ == "__main__":`` guard.
 
 Each worker builds the checkpoint's image processor once and warms it on a small image.
 Results come back as numpy arrays (pickled through the pool's pipe: no torch shared memory or
