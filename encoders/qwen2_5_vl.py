@@ -22,6 +22,7 @@ from mm_serve.encoders.qwen2_vl import (
     PatchEmbed,
     PatchMerger,
     Segments,
+    TowerPlan,
     VisionAttention,
     VisionRotary,
     check_grid,
@@ -195,21 +196,34 @@ class Qwen2_5_VisionTransformer(nn.Module):
         )
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        merge = self.spatial_merge_size
-        grids = check_grid(pixel_values, grid_thw, merge)
-        x = self.patch_embed(pixel_values)  # [N, dim]
-        device = x.device
+        grids = check_grid(pixel_values, grid_thw, self.spatial_merge_size)
+        return self.run(pixel_values, self.plan(grids, pixel_values.device))
+
+    def plan(self, grids: list[list[int]], device: torch.device) -> TowerPlan:
+        """The host-side part of a forward (see ``Qwen2VisionTransformer.plan``): rotary tables
+        in window order, the frame and window segments and the window order itself."""
+        merge, dtype = self.spatial_merge_size, self.patch_embed.proj.weight.dtype
         cos, sin = rotary_cos_sin(grids, merge, self.head_dim, self.rope_theta, device)
         index, cu_window = window_index(grids, merge, self.window_size, self.patch_size)
         index = host_to_device(index, device)
-
-        def to_window_order(t: torch.Tensor) -> torch.Tensor:  # [N, d], whole merge windows
-            return t.view(-1, merge * merge, t.shape[-1])[index].flatten(0, 1)
-
-        x, rotary = to_window_order(x), vision_rotary(to_window_order(cos), to_window_order(sin))
+        rotary = vision_rotary(
+            _to_window_order(cos, index, merge), _to_window_order(sin, index, merge)
+        )
         # Windows never cross a frame, so per-frame boundaries stay valid after the permutation.
-        full = varlen_segments(frame_bounds(grids), device, x.dtype)
-        windows = varlen_segments(cu_window, device, x.dtype)
+        full = varlen_segments(frame_bounds(grids), device, dtype)
+        windows = varlen_segments(cu_window, device, dtype)
+        return TowerPlan(rotary, full, windows, index, torch.argsort(index))
+
+    def run(self, pixel_values: torch.Tensor, plan: TowerPlan) -> torch.Tensor:
+        """``forward`` with the plan made: device work only, no host synchronisation."""
+        x = self.patch_embed(pixel_values)  # [N, dim]
+        x = _to_window_order(x, plan.index, self.spatial_merge_size)
         for i, block in enumerate(self.blocks):
-            x = block(x, full if i in self.fullatt_block_indexes else windows, rotary)
-        return self.merger(x)[torch.argsort(index)]
+            full = i in self.fullatt_block_indexes
+            x = block(x, plan.full if full else plan.windows, plan.rotary)
+        return self.merger(x)[plan.inverse]
+
+
+def _to_window_order(t: torch.Tensor, index: torch.Tensor, merge: int) -> torch.Tensor:
+    """Rows ``[N, d]`` permuted window by window (whole merge windows move together)."""
+    return t.view(-1, merge * merge, t.shape[-1])[index].flatten(0, 1)

@@ -205,6 +205,21 @@ def varlen_attention(
     return out
 
 
+@dataclass(frozen=True)
+class TowerPlan:
+    """What a tower forward needs besides the pixels, made on the host from the grids alone
+    (``plan``): the rotary tables, the per-frame attention segments (``full``) and, for
+    Qwen2.5-VL, the window segments and the window order of the merged tokens (``index``:
+    ``[num_tokens]`` long, position ``j`` of the window order holds input token ``index[j]``;
+    ``inverse`` undoes it)."""
+
+    rotary: VisionRotary
+    full: Segments
+    windows: Segments
+    index: torch.Tensor | None = None
+    inverse: torch.Tensor | None = None
+
+
 class PatchEmbed(nn.Module):
     """``[N, C * T * P * P] -> [N, embed_dim]``: HF's ``Conv3d`` with kernel = stride = (T, P, P).
 
@@ -313,11 +328,20 @@ class Qwen2VisionTransformer(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         grids = check_grid(pixel_values, grid_thw, self.spatial_merge_size)
-        x = self.patch_embed(pixel_values)  # [N, embed_dim]
-        merge, device = self.spatial_merge_size, x.device
+        return self.run(pixel_values, self.plan(grids, pixel_values.device))
+
+    def plan(self, grids: list[list[int]], device: torch.device) -> TowerPlan:
+        """The host-side part of a forward over images of ``grids`` (``[t, h, w]`` each): the
+        rotary tables and attention segments, on ``device``. It depends on the grids alone,
+        so a CUDA graph of ``run`` can keep it (``encoders.tower_graphs``)."""
+        merge, dtype = self.spatial_merge_size, self.patch_embed.proj.weight.dtype
         cos, sin = rotary_cos_sin(grids, merge, self.head_dim, self.rope_theta, device)
-        rotary = vision_rotary(cos, sin)
-        segments = varlen_segments(frame_bounds(grids), device, x.dtype)
+        segments = varlen_segments(frame_bounds(grids), device, dtype)
+        return TowerPlan(vision_rotary(cos, sin), segments, segments)
+
+    def run(self, pixel_values: torch.Tensor, plan: TowerPlan) -> torch.Tensor:
+        """``forward`` with the plan made: device work only, no host synchronisation."""
+        x = self.patch_embed(pixel_values)  # [N, embed_dim]
         for block in self.blocks:
-            x = block(x, segments, rotary)
+            x = block(x, plan.full, plan.rotary)
         return self.merger(x)

@@ -139,17 +139,37 @@ def cuda_graph_batch_sizes(
     return tuple(sorted({s for s in ladder if s < top} | {top}))
 
 
+# Steps of up to this many tokens replay a CUDA graph; larger ones keep the GPU busy anyway.
+MAX_CUDA_GRAPH_NUM_TOKENS = 2048
+
+
+def cuda_graph_num_tokens(
+    max_num_batched_tokens: int, limit: int = MAX_CUDA_GRAPH_NUM_TOKENS
+) -> tuple[int, ...]:
+    """The step sizes in tokens that get a mixed-step CUDA graph: 16, 32, then steps of 32 up
+    to 128, of 64 up to 512, of 128 up to 1024, of 256 beyond (above 96 tokens a step pads by
+    at most a third), up to ``min(max_num_batched_tokens, limit)``, which is always included."""
+    top = min(max_num_batched_tokens, limit)
+    if top < 1:
+        return ()
+    ladder = [16, *range(32, 129, 32), *range(192, 513, 64), *range(640, 1025, 128)]
+    ladder += range(1280, top + 1, 256)
+    return tuple(sorted({s for s in ladder if s < top} | {top}))
+
+
 @dataclass(frozen=True)
 class CompilationConfig:
-    """CUDA graphs for decode-only steps.
+    """CUDA graphs of the LM forward and the vision tower.
 
-    ``enforce_eager`` turns them off; ``cuda_graph_batch_sizes`` are the captured batch sizes
-    (ascending; a decode batch is padded up to the next one, larger ones run eagerly). Graphs
-    are only ever used on a CUDA device.
+    ``enforce_eager`` turns them off; ``cuda_graph_batch_sizes`` are the captured decode batch
+    sizes (ascending; a decode batch is padded up to the next one), ``cuda_graph_num_tokens``
+    the captured sizes of the other steps in tokens (``worker.cuda_graphs``); larger steps run
+    eagerly. Graphs are only ever used on a CUDA device.
     """
 
     enforce_eager: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] = ()
+    cuda_graph_num_tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -189,7 +209,7 @@ class EngineArgs:
     mm_preprocess_workers: int | None = None
     max_num_encoder_input_tokens: int | None = None
     encoder_cache_size: int | None = None
-    enforce_eager: bool = False  # no CUDA graphs for decode steps (always eager on CPU)
+    enforce_eager: bool = False  # no CUDA graphs (always eager on CPU)
     load_format: str = "auto"
     async_scheduling: bool | None = None  # on with CUDA (where it overlaps), off on CPU
     chat_template: str | None = None  # a Jinja file or the template text (vLLM's flag)
@@ -243,6 +263,7 @@ class EngineArgs:
         compilation = CompilationConfig(
             enforce_eager=self.enforce_eager or device.type != "cuda",
             cuda_graph_batch_sizes=cuda_graph_batch_sizes(self.max_num_seqs),
+            cuda_graph_num_tokens=cuda_graph_num_tokens(batched_tokens),
         )
         return EngineConfig(model, cache, scheduler, parallel, device, multimodal, compilation)
 

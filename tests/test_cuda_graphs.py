@@ -1,10 +1,11 @@
-"""CUDA graphs for decode-only steps.
+"""CUDA graphs for decode-only steps and for mixed steps (by token count).
 
-On CPU: the batch-size ladder, the padding/selection logic, and the whole graph path with the
-graph replay stood in by an eager call over the same static buffers (so the buffer filling and
-the padding rows are checked against HF without a GPU). On CUDA: real graphs on equal graphs
-off (``enforce_eager``) and equal HF, for text and Qwen2-VL, with batch sizes between ladder
-steps, chunked prefill and preemption mixed in, and replays counted.
+On CPU: the ladders, the padding/selection logic, and the whole graph path with the graph
+replay stood in by an eager call over the same static buffers (so the buffer filling and the
+padding rows and requests are checked against HF without a GPU). On CUDA: real graphs on equal
+graphs off (``enforce_eager``) and equal HF, for text and Qwen2-VL (its tower graphed too),
+with batch sizes between ladder steps, chunked prefill and preemption mixed in, and replays
+counted.
 """
 
 from __future__ import annotations
@@ -17,9 +18,14 @@ from test_vlm_vs_hf import HFVisionReference, prompt_cases
 
 from mm_serve import LLM, SamplingParams
 from mm_serve.attention import AttentionMetadata
-from mm_serve.config import EngineArgs, cuda_graph_batch_sizes
+from mm_serve.config import EngineArgs, cuda_graph_batch_sizes, cuda_graph_num_tokens
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
-from mm_serve.worker.cuda_graphs import CudaGraphRunner, is_decode_only, padded_batch_size
+from mm_serve.worker.cuda_graphs import (
+    CudaGraphRunner,
+    MixedCudaGraphRunner,
+    is_decode_only,
+    padded_batch_size,
+)
 
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (CPU is always eager)"
@@ -46,6 +52,16 @@ def test_batch_size_ladder():
     assert cuda_graph_batch_sizes(1) == (1,)
     sizes = cuda_graph_batch_sizes(512)
     assert list(sizes) == sorted(set(sizes))
+
+
+def test_num_tokens_ladder():
+    sizes = cuda_graph_num_tokens(8192)
+    assert sizes[:6] == (16, 32, 64, 96, 128, 192) and sizes[-1] == 2048  # capped
+    assert list(sizes) == sorted(set(sizes))
+    # Above 96 tokens a step pads by at most a third of its graph's size.
+    assert all(b - a <= b / 3 for a, b in zip(sizes[:-1], sizes[1:], strict=True) if b > 96)
+    assert cuda_graph_num_tokens(300)[-2:] == (256, 300)  # the budget itself is captured
+    assert cuda_graph_num_tokens(8) == (8,)
 
 
 def test_padded_batch_size():
@@ -136,6 +152,43 @@ def _install_eager_replays(llm: LLM) -> CudaGraphRunner:
     return graphs
 
 
+class _MixedEagerReplay:
+    """``_EagerReplay`` for a mixed graph: the model on the static buffers of ``size`` tokens
+    and the size's request capacity, padding requests and tokens included."""
+
+    def __init__(self, runner: MixedCudaGraphRunner, size: int) -> None:
+        self.runner, self.size = runner, size
+
+    def replay(self) -> None:
+        r, n = self.runner, self.size
+        metadata = r._metadata(n)
+        metadata.query_start_loc_cpu = metadata.query_start_loc.tolist()
+        metadata.seq_lens_cpu = metadata.seq_lens.tolist()
+        positions = r.positions[:, :n] if r.uses_mrope else r.positions[:n]
+        r.outputs[n].copy_(r.model(None, positions, metadata, r.inputs_embeds[:n]))
+
+
+def _install_mixed_eager_replays(llm: LLM, sizes: tuple[int, ...]) -> MixedCudaGraphRunner:
+    runner = llm.engine_core.model_runner
+    config = llm.config
+    hidden = config.model.text_config.hidden_size
+    graphs = MixedCudaGraphRunner(
+        runner.model,
+        sizes,
+        config.model.max_model_len,
+        config.cache.block_size,
+        config.scheduler.max_num_seqs,
+        hidden,
+        config.model.dtype,
+        runner.device,
+    )
+    for size in graphs.sizes:
+        graphs.graphs[size] = _MixedEagerReplay(graphs, size)
+        graphs.outputs[size] = torch.full((size, hidden), float("nan"), dtype=config.model.dtype)
+    runner.mixed_graphs = graphs
+    return graphs
+
+
 @pytest.mark.parametrize(
     "engine_args",
     [{}, {"max_num_batched_tokens": 20, "block_size": 4, "num_kv_blocks": 32}],
@@ -144,11 +197,13 @@ def _install_eager_replays(llm: LLM) -> CudaGraphRunner:
 def test_padded_replay_path_matches_hf_on_cpu(llama_path, hf_reference, engine_args):
     llm = LLM(llama_path, device="cpu", max_num_seqs=16, **engine_args)
     graphs = _install_eager_replays(llm)
+    # Small sizes: steps fall between them, pad requests and tokens, or run eagerly above.
+    mixed = _install_mixed_eager_replays(llm, (8, 24, 40, 64, 128, 256))
     vocab = llm.config.model.vocab_size
     for batch, lengths in BATCH_PROMPT_LENGTHS.items():
         prompts = random_prompts(vocab, lengths, seed=batch)
         check_against_hf(llm, hf_reference(llama_path), prompts)
-    assert graphs.num_replays > 0
+    assert graphs.num_replays > 0 and mixed.num_replays > 0
     if engine_args:
         assert llm.engine_core.scheduler.num_preemptions > 0
 
@@ -161,10 +216,11 @@ def test_padded_replay_path_qwen2_vl_on_cpu(tmp_path):
     prompts = [{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in cases]
     llm = LLM(path, device="cpu", max_num_seqs=16, max_num_batched_tokens=8, block_size=4)
     graphs = _install_eager_replays(llm)
+    mixed = _install_mixed_eager_replays(llm, (4, 8))  # image chunks through the mixed path
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
     for (text, images), output in zip(cases, outputs, strict=True):
         assert output.outputs[0].token_ids == reference.greedy(text, images)[1]
-    assert graphs.num_replays > 0
+    assert graphs.num_replays > 0 and mixed.num_replays > 0
 
 
 # ---- CUDA: real graphs --------------------------------------------------------------------
@@ -188,15 +244,17 @@ def _greedy_tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 )
 def test_graphs_match_eager_and_hf(model_path, hf_reference, engine_args):
     llm = LLM(model_path, multiprocess=False, **engine_args)
-    eager = LLM(model_path, enforce_eager=True, **engine_args)
+    eager = LLM(model_path, enforce_eager=True, multiprocess=False, **engine_args)
     graphs = llm.engine_core.model_runner.cuda_graphs
+    mixed = llm.engine_core.model_runner.mixed_graphs
     assert graphs is not None and eager.engine_core.model_runner.cuda_graphs is None
     vocab = llm.config.model.vocab_size
     for batch, lengths in BATCH_PROMPT_LENGTHS.items():
         prompts = random_prompts(vocab, lengths, seed=batch)
         check_against_hf(llm, hf_reference(model_path), prompts)
         assert _greedy_tokens(llm, prompts) == _greedy_tokens(eager, prompts)
-    assert graphs.num_replays > 0
+    assert graphs.num_replays > 0 and mixed.num_replays > 0
+    assert eager.engine_core.model_runner.mixed_graphs is None
     if "num_kv_blocks" in engine_args:
         assert llm.engine_core.scheduler.num_preemptions > 0
 
@@ -210,11 +268,14 @@ def test_qwen2_vl_graphs_match_eager_and_hf(tmp_path, engine_args):
     prompts = [{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in cases]
     params = SamplingParams(temperature=0.0, max_tokens=12)
     llm = LLM(path, multiprocess=False, **engine_args)
-    eager = LLM(path, enforce_eager=True, **engine_args)
+    eager = LLM(path, enforce_eager=True, multiprocess=False, **engine_args)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     eager_outputs = eager.generate(prompts, params, use_tqdm=False)
     for (text, images), output, eager_output in zip(cases, outputs, eager_outputs, strict=True):
         _, ref_tokens, _ = reference.greedy(text, images)
         assert output.outputs[0].token_ids == ref_tokens
         assert eager_output.outputs[0].token_ids == ref_tokens
-    assert llm.engine_core.model_runner.cuda_graphs.num_replays > 0
+    runner = llm.engine_core.model_runner
+    assert runner.cuda_graphs.num_replays > 0 and runner.mixed_graphs.num_replays > 0
+    assert runner.model.encoder_graphs.num_replays > 0
+    assert eager.engine_core.model_runner.model.encoder_graphs is None

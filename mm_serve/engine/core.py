@@ -30,7 +30,7 @@ class EngineCore:
         self.model_runner.load_model()
         self.num_kv_blocks = self.model_runner.determine_num_kv_blocks()
         self.model_runner.initialize_kv_cache(self.num_kv_blocks)
-        self.model_runner.capture_cuda_graphs()  # decode steps; a no-op on CPU / enforce_eager
+        self.model_runner.capture_cuda_graphs()  # a no-op on CPU / enforce_eager
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks)
         self.async_scheduling = config.scheduler.async_scheduling
         # The launched step whose output has not been read yet (async scheduling only).

@@ -1,10 +1,14 @@
-"""CUDA graphs for decode-only steps: one graph per batch size, replayed with padded inputs.
+"""CUDA graphs for the LM forward: decode-only steps by batch size, other steps by token count.
 
 A decode step launches a few hundred small kernels whose CPU launch cost exceeds their GPU
 time at small batches; replaying a captured graph launches them all at once. A step is
 *decode-only* when every scheduled request has exactly one new token, no image embeddings fall
 into the window and no prompt logprobs are wanted; its ``num_reqs`` rows are padded up to the
-next captured size (:func:`padded_batch_size`). Other steps, larger ones and CPU run eagerly.
+next captured size (:func:`padded_batch_size`). Every other step (prefill chunks, images,
+prefill chunks mixed with decodes) of up to the largest captured token count replays a *mixed*
+graph (:class:`MixedCudaGraphRunner`), its tokens padded up to the next captured count and its
+requests up to the count's request capacity. Larger steps, the FlashAttention-2 split of long
+fresh prompts, and CPU run eagerly.
 
 Inside a graph every host-side value is frozen at capture: the kernels read the batch only
 from the static device buffers below, which :meth:`CudaGraphRunner.run` fills in place. The
@@ -15,7 +19,10 @@ weight in the merge), so the result is right for every length up to ``max_model_
 
 Padding rows are harmless: slot -1 (``reshape_and_cache`` skips negative slots), seq_len 1
 and a valid block id (they read one cached token of some block and write nothing); their
-outputs are never sampled.
+outputs are never sampled. A mixed graph runs the paged kernel with its prefill launch config
+(no split-KV) over ``num_reqs`` = the count's request capacity: padding requests have no
+query rows (their programs return at once), and padding tokens belong to no request (their
+attention rows are never written, and nothing reads them but row-wise layers).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import numpy as np
 import torch
 
 from mm_serve.attention import AttentionMetadata
+from mm_serve.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -46,15 +54,76 @@ def is_decode_only(num_scheduled: np.ndarray, has_images: bool, has_prompt_logpr
     return bool(np.all(num_scheduled == 1))
 
 
-class CudaGraphRunner:
+class _GraphFamily:
+    """Graphs of one kind, one per size (ascending ``sizes``), captured largest first into a
+    shared memory pool over the static buffers a subclass allocates; ``_call(size)`` is the
+    forward captured for ``size``, ``outputs[size]`` its ``[size, hidden]`` hidden states."""
+
+    kind = ""
+
+    def __init__(self, model: torch.nn.Module, sizes, max_model_len: int, device) -> None:
+        self.model = model
+        self.sizes = tuple(sorted(sizes))
+        self.max_model_len = max_model_len
+        self.device = device
+        self.uses_mrope = bool(getattr(model, "uses_mrope", False))
+        pos_shape = (3, self.sizes[-1]) if self.uses_mrope else (self.sizes[-1],)
+        self.positions = torch.zeros(pos_shape, dtype=torch.int64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # [size, hidden] hidden states, in the pool
+        self.num_replays = 0
+
+    def _call(self, size: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _positions(self, size: int) -> torch.Tensor:
+        return self.positions[:, :size] if self.uses_mrope else self.positions[:size]
+
+    def _fill_positions(self, positions: torch.Tensor, num_tokens: int) -> None:
+        if self.uses_mrope:
+            mrope = positions if positions.ndim == 2 else positions.expand(3, -1)
+            self.positions[:, :num_tokens].copy_(mrope)
+        else:
+            self.positions[:num_tokens].copy_(positions)
+
+    @torch.inference_mode()
+    def capture(self, pool=None) -> None:
+        """Capture one graph per size (largest first) into ``pool`` (a fresh one if None)."""
+        start = time.perf_counter()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            self._call(size)  # warm-up: compiles the Triton kernels outside the capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self._call(size)
+            self.graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+        logger.info(
+            "Captured %d CUDA graphs for %s %s in %.1f s.",
+            len(self.sizes),
+            self.kind,
+            list(self.sizes),
+            time.perf_counter() - start,
+        )
+
+    def _replay(self, size: int, num_tokens: int) -> torch.Tensor:
+        self.graphs[size].replay()
+        self.num_replays += 1
+        return self.outputs[size][:num_tokens]
+
+
+class CudaGraphRunner(_GraphFamily):
     """Captures the LM forward for each decode batch size and replays it.
 
     ``model(input_ids, positions, attn_metadata)`` is captured with static buffers of
     ``max(sizes)`` rows: ``input_ids [B]``, ``positions [B]`` (``[3, B]`` with M-RoPE),
     ``slot_mapping [B]``, ``seq_lens [B]``, ``block_table [B, max_blocks_per_seq]``,
-    ``query_start_loc [B + 1]`` (always ``arange``: one token per request). All graphs share
-    one memory pool, captured largest first; ``num_replays`` counts replays.
+    ``query_start_loc [B + 1]`` (always ``arange``: one token per request). ``num_replays``
+    counts replays.
     """
+
+    kind = "decode batch sizes"
 
     def __init__(
         self,
@@ -64,23 +133,14 @@ class CudaGraphRunner:
         block_size: int,
         device: torch.device,
     ) -> None:
-        self.model = model
-        self.sizes = tuple(sorted(sizes))
-        self.max_model_len = max_model_len
-        self.device = device
-        self.uses_mrope = bool(getattr(model, "uses_mrope", False))
+        super().__init__(model, sizes, max_model_len, device)
         n = self.sizes[-1]
         max_blocks = -(-max_model_len // block_size)
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        pos_shape = (3, n) if self.uses_mrope else (n,)
-        self.positions = torch.zeros(pos_shape, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_table = torch.zeros((n, max_blocks), dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # [B, hidden] hidden states, in the pool
-        self.num_replays = 0
 
     @property
     def max_batch_size(self) -> int:
@@ -102,28 +162,7 @@ class CudaGraphRunner:
         )
 
     def _call(self, size: int) -> torch.Tensor:
-        positions = self.positions[:, :size] if self.uses_mrope else self.positions[:size]
-        return self.model(self.input_ids[:size], positions, self._metadata(size))
-
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture one graph per size (largest first, one shared pool) on padding inputs."""
-        start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
-            self._call(size)  # warm-up: compiles the Triton kernels outside the capture
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._call(size)
-            self.graphs[size] = graph
-        torch.cuda.synchronize(self.device)
-        logger.info(
-            "Captured %d CUDA graphs for decode batch sizes %s in %.1f s.",
-            len(self.sizes),
-            list(self.sizes),
-            time.perf_counter() - start,
-        )
+        return self.model(self.input_ids[:size], self._positions(size), self._metadata(size))
 
     def can_run(self, num_reqs: int) -> bool:
         return 0 < num_reqs <= self.max_batch_size
@@ -139,11 +178,7 @@ class CudaGraphRunner:
         num_reqs = attn_metadata.num_reqs
         size = padded_batch_size(num_reqs, self.sizes)
         self.input_ids[:num_reqs].copy_(input_ids)
-        if self.uses_mrope:
-            mrope = positions if positions.ndim == 2 else positions.expand(3, -1)
-            self.positions[:, :num_reqs].copy_(mrope)
-        else:
-            self.positions[:num_reqs].copy_(positions)
+        self._fill_positions(positions, num_reqs)
         self.slot_mapping[:num_reqs].copy_(attn_metadata.slot_mapping)
         self.seq_lens[:num_reqs].copy_(attn_metadata.seq_lens)
         width = attn_metadata.block_table.shape[1]
@@ -152,6 +187,128 @@ class CudaGraphRunner:
         # rows may hold stale, still valid, block ids: only read, never written).
         self.slot_mapping[num_reqs:size].fill_(-1)
         self.seq_lens[num_reqs:size].fill_(1)
-        self.graphs[size].replay()
-        self.num_replays += 1
-        return self.outputs[size][:num_reqs]
+        return self._replay(size, num_reqs)
+
+
+class MixedCudaGraphRunner(_GraphFamily):
+    """Captures the LM forward from input embeddings for each step size in tokens.
+
+    ``model(None, positions, attn_metadata, inputs_embeds)`` is captured over static buffers
+    of ``T = max(sizes)`` tokens and ``R = min(T, max_num_reqs)`` requests: ``inputs_embeds
+    [T, hidden]``, ``positions [T]`` (``[3, T]`` with M-RoPE), ``slot_mapping [T]``,
+    ``query_start_loc [R + 1]``, ``seq_lens [R]``, ``block_table [R, max_blocks_per_seq]``.
+    The graph of ``size`` tokens serves any step of at most ``size`` tokens (and so at most
+    ``min(size, max_num_reqs)`` requests); see the module doc for its padding.
+    """
+
+    kind = "steps of token counts"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        sizes: tuple[int, ...],
+        max_model_len: int,
+        block_size: int,
+        max_num_reqs: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__(model, sizes, max_model_len, device)
+        t = self.sizes[-1]
+        self.max_num_reqs = max_num_reqs
+        r = self._num_reqs(t)
+        max_blocks = -(-max_model_len // block_size)
+        self.inputs_embeds = torch.zeros((t, hidden_size), dtype=dtype, device=device)
+        self.slot_mapping = torch.full((t,), -1, dtype=torch.int64, device=device)
+        self.query_start_loc = torch.zeros(r + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(r, dtype=torch.int32, device=device)
+        self.block_table = torch.zeros((r, max_blocks), dtype=torch.int32, device=device)
+
+    def _num_reqs(self, size: int) -> int:
+        """The request capacity of the graph of ``size`` tokens."""
+        return min(size, self.max_num_reqs)
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        r = self._num_reqs(size)
+        return AttentionMetadata(
+            num_reqs=r,
+            num_tokens=size,
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc=self.query_start_loc[: r + 1],
+            seq_lens=self.seq_lens[:r],
+            block_table=self.block_table[:r],
+            max_query_len=size,  # the prefill launch config, whatever the step's lengths
+            max_seq_len=self.max_model_len,
+            query_start_loc_cpu=[0] * (r + 1),  # host copies serve only the CPU references
+            seq_lens_cpu=[0] * r,
+        )
+
+    def _call(self, size: int) -> torch.Tensor:
+        embeds = self.inputs_embeds[:size]
+        return self.model(None, self._positions(size), self._metadata(size), embeds)
+
+    def padded_size(self, num_tokens: int) -> int | None:
+        """The captured size that serves a step of ``num_tokens`` tokens, or None."""
+        return padded_batch_size(num_tokens, self.sizes) if num_tokens > 0 else None
+
+    def run(
+        self,
+        inputs_embeds: torch.Tensor,  # [num_tokens, hidden]
+        positions: torch.Tensor,  # [num_tokens] or [3, num_tokens] int64 (device)
+        attn_metadata: AttentionMetadata,  # of the real step
+    ) -> torch.Tensor:
+        """Copy the step into the static buffers, replay the padded graph; ``[num_tokens,
+        hidden]`` (a view of the graph's output: valid until the next replay)."""
+        n, r = attn_metadata.num_tokens, attn_metadata.num_reqs
+        size = self.padded_size(n)
+        capacity = self._num_reqs(size)
+        self.inputs_embeds[:n].copy_(inputs_embeds)
+        self._fill_positions(positions, n)
+        self.slot_mapping[:n].copy_(attn_metadata.slot_mapping)
+        self.slot_mapping[n:size].fill_(-1)
+        self.query_start_loc[: r + 1].copy_(attn_metadata.query_start_loc)
+        self.query_start_loc[r + 1 : capacity + 1].fill_(n)  # empty padding requests
+        self.seq_lens[:r].copy_(attn_metadata.seq_lens)
+        width = attn_metadata.block_table.shape[1]
+        self.block_table[:r, :width].copy_(attn_metadata.block_table)
+        return self._replay(size, n)
+
+
+def capture_graphs(
+    model: torch.nn.Module, config: EngineConfig
+) -> tuple[CudaGraphRunner | None, MixedCudaGraphRunner | None]:
+    """Capture the decode and mixed-step graphs of ``model`` (its KV cache bound) into one
+    pool, and send its vision tower, if it has one, through the tower's graphs
+    (``use_encoder_cuda_graphs``). ``(None, None)`` on CPU, with ``enforce_eager``, or when
+    the kernels are forced to the host-looping references (``MM_SERVE_KERNELS=ref``)."""
+    from mm_serve.kernels import kernel_mode
+
+    compilation, model_config, device = config.compilation, config.model, config.device
+    if compilation.enforce_eager or device.type != "cuda":
+        return None, None
+    if kernel_mode() == "ref":
+        logger.info("No CUDA graphs: MM_SERVE_KERNELS=ref runs host-side loops.")
+        return None, None
+    pool = torch.cuda.graph_pool_handle()
+    max_model_len, block_size = model_config.max_model_len, config.cache.block_size
+    decode = mixed = None
+    if compilation.cuda_graph_batch_sizes:
+        sizes = compilation.cuda_graph_batch_sizes
+        decode = CudaGraphRunner(model, sizes, max_model_len, block_size, device)
+        decode.capture(pool)
+    if compilation.cuda_graph_num_tokens:
+        mixed = MixedCudaGraphRunner(
+            model,
+            compilation.cuda_graph_num_tokens,
+            max_model_len,
+            block_size,
+            config.scheduler.max_num_seqs,
+            model_config.text_config.hidden_size,
+            model_config.dtype,
+            device,
+        )
+        mixed.capture(pool)
+    if hasattr(model, "use_encoder_cuda_graphs"):
+        model.use_encoder_cuda_graphs()
+    return decode, mixed

@@ -18,7 +18,12 @@ from mm_serve.config import EngineConfig
 from mm_serve.kernels.varlen_attention import plan_prefill_split, worth_splitting
 from mm_serve.models.loader import load_model
 from mm_serve.sched.output import SchedulerOutput
-from mm_serve.worker.cuda_graphs import CudaGraphRunner, is_decode_only
+from mm_serve.worker.cuda_graphs import (
+    CudaGraphRunner,
+    MixedCudaGraphRunner,
+    capture_graphs,
+    is_decode_only,
+)
 from mm_serve.worker.input_batch import CachedRequestState, InputBatch, to_device
 from mm_serve.worker.kv_cache import allocate_kv_caches, determine_num_kv_blocks
 from mm_serve.worker.mm_inputs import (
@@ -69,7 +74,9 @@ class ModelRunner:
         # mm_hash -> [num_tokens, hidden] image embeddings; what enters and leaves is decided
         # by the scheduler's EncoderCacheManager.
         self.encoder_cache: dict[str, torch.Tensor] = {}
-        self.cuda_graphs: CudaGraphRunner | None = None  # set by capture_cuda_graphs()
+        # Set by capture_cuda_graphs(): decode-only steps, and the other steps by token count.
+        self.cuda_graphs: CudaGraphRunner | None = None
+        self.mixed_graphs: MixedCudaGraphRunner | None = None
         # The last launched step's sampled tokens (on the device) and its output in flight.
         self.last_sampled: SampledTokens | None = None
         self.last_output: PendingOutput | None = None
@@ -93,22 +100,9 @@ class ModelRunner:
         self.model.bind_kv_cache(self.kv_caches)
 
     def capture_cuda_graphs(self) -> None:
-        """Capture the decode graphs (after the KV cache is bound); a no-op on CPU, with
-        ``enforce_eager``, or when the kernels are forced to the host-looping references."""
-        from mm_serve.kernels import kernel_mode
-
-        compilation = self.config.compilation
-        sizes = compilation.cuda_graph_batch_sizes
-        if compilation.enforce_eager or self.device.type != "cuda" or not sizes:
-            return
-        if kernel_mode() == "ref":
-            logger.info("No CUDA graphs: MM_SERVE_KERNELS=ref runs host-side loops.")
-            return
-        graphs = CudaGraphRunner(
-            self.model, sizes, self.max_model_len, self.block_size, self.device
-        )
-        graphs.capture()
-        self.cuda_graphs = graphs
+        """Capture the LM's graphs and send the vision tower through its own (after the KV
+        cache is bound; see ``worker.cuda_graphs.capture_graphs``)."""
+        self.cuda_graphs, self.mixed_graphs = capture_graphs(self.model, self.config)
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -145,17 +139,25 @@ class ModelRunner:
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """The LM over the flattened batch; image embeddings replace their placeholders.
-        Decode-only steps replay a CUDA graph when one was captured for their size."""
+        A step replays a CUDA graph when one was captured for its kind and size."""
+        metadata = inputs.attn_metadata
         if self._use_cuda_graph(inputs):
-            return self.cuda_graphs.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
-        if inputs.image_embeddings is None:
-            return self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
-        rows, embeddings = inputs.image_embeddings
+            return self.cuda_graphs.run(inputs.input_ids, inputs.positions, metadata)
+        graphs = self.mixed_graphs
+        mixed = graphs is not None and metadata.prefill_split is None
+        mixed = mixed and graphs.padded_size(metadata.num_tokens) is not None
+        if inputs.image_embeddings is None and not mixed:
+            return self.model(inputs.input_ids, inputs.positions, metadata)
         inputs_embeds = self.model.get_input_embeddings(inputs.input_ids)
-        inputs_embeds[rows] = embeddings.to(inputs_embeds.dtype)
-        return self.model(None, inputs.positions, inputs.attn_metadata, inputs_embeds)
+        if inputs.image_embeddings is not None:
+            rows, embeddings = inputs.image_embeddings
+            inputs_embeds[rows] = embeddings.to(inputs_embeds.dtype)
+        if mixed:
+            return graphs.run(inputs_embeds, inputs.positions, metadata)
+        return self.model(None, inputs.positions, metadata, inputs_embeds)
 
     def _use_cuda_graph(self, inputs: StepInputs) -> bool:
+        """Whether the step is decode-only and a decode graph holds its batch."""
         if self.cuda_graphs is None or not self.cuda_graphs.can_run(inputs.attn_metadata.num_reqs):
             return False
         query_lens = np.diff(inputs.attn_metadata.query_start_loc_cpu)
