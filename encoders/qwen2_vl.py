@@ -333,7 +333,7 @@ class Qwen2VisionTransformer(nn.Module):
     def plan(self, grids: list[list[int]], device: torch.device) -> TowerPlan:
         """The host-side part of a forward over images of ``grids`` (``[t, h, w]`` each): the
         rotary tables and attention segments, on ``device``. It depends on the grids alone,
-        so a CUDA graph of ``run`` can keep it (``encoders.tower_graphs``)."""
+        so a CUDA graph of ``run`` can keep it (``worker.tower_graphs``)."""
         merge, dtype = self.spatial_merge_size, self.patch_embed.proj.weight.dtype
         cos, sin = rotary_cos_sin(grids, merge, self.head_dim, self.rope_theta, device)
         segments = varlen_segments(frame_bounds(grids), device, dtype)

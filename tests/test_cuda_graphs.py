@@ -277,5 +277,5 @@ def test_qwen2_vl_graphs_match_eager_and_hf(tmp_path, engine_args):
         assert eager_output.outputs[0].token_ids == ref_tokens
     runner = llm.engine_core.model_runner
     assert runner.cuda_graphs.num_replays > 0 and runner.mixed_graphs.num_replays > 0
-    assert runner.model.encoder_graphs.num_replays > 0
-    assert eager.engine_core.model_runner.model.encoder_graphs is None
+    assert runner.model.tower_runner.num_replays > 0
+    assert eager.engine_core.model_runner.model.tower_runner is None

@@ -8,6 +8,8 @@ For ``--num-iters`` fresh requests (``--input-len`` random words + one noise ima
 - ``engine``: from adding the request to the engine core until a step returns its token (the
   vision tower, the prefill, sampling; with async scheduling two ``step()`` calls);
 - ``generate``: the whole ``LLM.generate`` call, as ``bench latency --output-len 1`` times it;
+- ``preprocess_compute``: the image processor's own work on one image in this process (what a
+  worker computes; ``preprocess`` minus this is transport: pickling, pipes, queues);
 - ``tower``: the vision tower alone on one preprocessed image, host time to launch it and
   device time (CUDA events), as ``image_profile`` times 32.
 
@@ -56,6 +58,15 @@ def _first_token_ms(llm, prompt, params) -> tuple[float, float]:
     return (t1 - t0) * 1e3, (t2 - t1) * 1e3
 
 
+def _preprocess_ms(processor, image, repeats: int = 20) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        processor.preprocess(image, defer_normalization=True)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The measurements above on a fresh engine; returns the medians (ms)."""
     from mm_serve import LLM, SamplingParams
@@ -86,6 +97,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             config = llm.config.model
             processor = get_image_processor(config.path, config.hf_config)
             image = processor.preprocess(requests[0].images[0])
+            result["preprocess_compute"] = _preprocess_ms(processor, requests[0].images[0])
             tower = _time_tower(llm.engine_core.model_runner.model, [image], flops=1.0)
             result.update(tower_host_ms=tower["host_ms"], tower_device_ms=tower["device_ms"])
         common.shutdown(llm)

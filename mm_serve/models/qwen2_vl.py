@@ -16,7 +16,7 @@ Checkpoints name the tensors either so (Qwen/Qwen2-VL-*, and what transformers 5
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -26,7 +26,6 @@ from mm_serve.encoders.base import ProcessedImage
 from mm_serve.encoders.qwen2_5_vl import Qwen2_5_VisionTransformer
 from mm_serve.encoders.qwen2_vl import Qwen2VisionTransformer, check_grid
 from mm_serve.encoders.qwen2_vl_processor import normalize_patches
-from mm_serve.encoders.tower_graphs import EncoderCudaGraphs
 from mm_serve.models.llama import LlamaForCausalLM
 
 # Checkpoint name prefix -> ours, tried in order (first match wins).
@@ -121,15 +120,12 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
         self.image_token_id: int = config.image_token_id
         self.spatial_merge_size: int = config.vision_config.spatial_merge_size
         self.visual = self._build_tower(config.vision_config)
-        # Set by ``use_encoder_cuda_graphs``: runs ``visual`` through per-grid CUDA graphs.
-        self.encoder_graphs: EncoderCudaGraphs | None = None
+        # ``(pixel_values, grids) -> embeddings`` in place of ``visual``'s forward: the model
+        # runner sets it to run the tower through CUDA graphs (``worker.tower_graphs``).
+        self.tower_runner: Callable[[torch.Tensor, list[list[int]]], torch.Tensor] | None = None
 
     def _build_tower(self, vision_config: Any) -> nn.Module:
         return Qwen2VisionTransformer(vision_config)
-
-    def use_encoder_cuda_graphs(self) -> None:
-        """Run the tower through CUDA graphs (``encoders.tower_graphs``) from now on; CUDA."""
-        self.encoder_graphs = EncoderCudaGraphs(self.visual)
 
     def embed_images(self, images: list[ProcessedImage]) -> list[torch.Tensor]:
         """One ``[num_tokens, hidden]`` tensor per image, in order, from one tower call.
@@ -143,11 +139,11 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
         pixel_values = pixels_on_device(images, weight.device).to(weight.dtype)
         grids = [tuple(image.image_grid_thw) for image in images]
         grid_thw = torch.tensor(grids, dtype=torch.long)  # stays on the host: read as a list
-        if self.encoder_graphs is None:
+        if self.tower_runner is None:
             embeddings = self.visual(pixel_values, grid_thw)  # [sum of tokens, hidden]
         else:
-            check_grid(pixel_values, grid_thw, self.spatial_merge_size)
-            embeddings = self.encoder_graphs(pixel_values, grids)
+            grids = check_grid(pixel_values, grid_thw, self.spatial_merge_size)
+            embeddings = self.tower_runner(pixel_values, grids)
         sizes = [t * h * w // self.spatial_merge_size**2 for t, h, w in grids]
         return list(embeddings.split(sizes))
 

@@ -28,8 +28,11 @@ attention rows are never written, and nothing reads them but row-wise layers).
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -38,6 +41,29 @@ from mm_serve.attention import AttentionMetadata
 from mm_serve.config import EngineConfig
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def capture_graph(graph: torch.cuda.CUDAGraph, pool, fn: Callable[[], T]) -> T:
+    """Capture ``fn()`` into ``graph`` (memory from ``pool``) on a side stream; returns its
+    result, whose memory the graph owns.
+
+    ``torch.cuda.graph`` does the same but first synchronises the device and empties both
+    caching allocators (device and pinned host), which mid-run makes the next steps allocate
+    afresh; here nothing is synchronised or freed, so a graph can be captured while serving.
+    Only this thread is checked for unsafe calls (``thread_local``): the engine's other
+    threads may keep working.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            result = fn()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    return result
 
 
 def padded_batch_size(num_reqs: int, sizes: tuple[int, ...] | list[int]) -> int | None:
@@ -93,10 +119,8 @@ class _GraphFamily:
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             self._call(size)  # warm-up: compiles the Triton kernels outside the capture
-            torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._call(size)
+            self.outputs[size] = capture_graph(graph, pool, functools.partial(self._call, size))
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
         logger.info(
@@ -280,8 +304,9 @@ def capture_graphs(
 ) -> tuple[CudaGraphRunner | None, MixedCudaGraphRunner | None]:
     """Capture the decode and mixed-step graphs of ``model`` (its KV cache bound) into one
     pool, and send its vision tower, if it has one, through the tower's graphs
-    (``use_encoder_cuda_graphs``). ``(None, None)`` on CPU, with ``enforce_eager``, or when
-    the kernels are forced to the host-looping references (``MM_SERVE_KERNELS=ref``)."""
+    (``tower_runner``, ``worker.tower_graphs``). ``(None, None)`` on CPU, with
+    ``enforce_eager``, or when the kernels are forced to the host-looping references
+    (``MM_SERVE_KERNELS=ref``)."""
     from mm_serve.kernels import kernel_mode
 
     compilation, model_config, device = config.compilation, config.model, config.device
@@ -309,6 +334,9 @@ def capture_graphs(
             device,
         )
         mixed.capture(pool)
-    if hasattr(model, "use_encoder_cuda_graphs"):
-        model.use_encoder_cuda_graphs()
+    if hasattr(model, "tower_runner"):
+        from mm_serve.worker.tower_graphs import EncoderCudaGraphs
+
+        model.tower_runner = EncoderCudaGraphs(model.visual)
+        model.tower_runner.capture_photos()
     return decode, mixed

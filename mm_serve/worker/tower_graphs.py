@@ -6,11 +6,14 @@ work. Everything a tower forward does on the host depends only on the images' gr
 (``[t, h, w]`` in patches): the rotary tables, the attention segments, the window order. So a
 batch is keyed by its grids; the first batch of a key makes the tower's plan (``tower.plan``,
 kept for the graph's lifetime), and captures ``tower.run`` over a static pixel buffer; every
-later batch of the same key copies its pixels into that buffer and replays.
+later batch of the same key copies its pixels into that buffer and replays. A capture while
+serving costs one more tower forward and stalls nothing (``capture_graph``).
 
 Only small batches are graphed (at most ``max_patches`` patches: large batches keep the GPU
-busy anyway) and at most ``max_graphs`` keys (the first ones seen); the rest run eagerly. All
-graphs share one memory pool; each replay's output is cloned before the next can overwrite it.
+busy anyway) and at most ``max_graphs`` keys; the rest run eagerly. Start-up captures batches
+of one to four photo-sized images (``capture_photos``); other grids are captured the first
+time they come. All graphs share one memory pool; each replay's output is cloned before the
+next can overwrite it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import time
 import torch
 from torch import nn
 
+from mm_serve.worker.cuda_graphs import capture_graph
+
 logger = logging.getLogger(__name__)
 
 GridsKey = tuple[tuple[int, int, int], ...]
@@ -28,6 +33,8 @@ GridsKey = tuple[tuple[int, int, int], ...]
 # Batches up to 4 images of 448x448 (1,024 patches each) are graphed; more keep the GPU busy.
 DEFAULT_MAX_PATCHES = 4096
 DEFAULT_MAX_GRAPHS = 32
+# Start-up captures batches of images of this side in pixels (start-up's warm-up sends them).
+PHOTO_SIDE = 448
 
 
 class _TowerGraph:
@@ -38,10 +45,8 @@ class _TowerGraph:
         self.pixels = torch.empty_like(pixels)
         self.pixels.copy_(pixels)
         tower.run(self.pixels, self.plan)  # warm-up: compiles kernels outside the capture
-        torch.cuda.synchronize(pixels.device)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.output = tower.run(self.pixels, self.plan)
+        self.output = capture_graph(self.graph, pool, lambda: tower.run(self.pixels, self.plan))
 
     def replay(self, pixels: torch.Tensor) -> torch.Tensor:
         self.pixels.copy_(pixels)
@@ -77,19 +82,38 @@ class EncoderCudaGraphs:
         key: GridsKey = tuple((int(t), int(h), int(w)) for t, h, w in grids)
         graph = self.graphs.get(key)
         if graph is None and self._graphable(pixel_values):
-            start = time.perf_counter()
-            graph = self.graphs[key] = _TowerGraph(self.tower, key, pixel_values, self.pool)
-            logger.info(
-                "Captured the vision tower for grids %s in %.0f ms (%d graphs).",
-                list(key),
-                1e3 * (time.perf_counter() - start),
-                len(self.graphs),
-            )
+            graph = self._capture(key, pixel_values)
         if graph is None:
             self.num_eager += 1
             return self.tower.run(pixel_values, self.tower.plan(list(grids), pixel_values.device))
         self.num_replays += 1
         return graph.replay(pixel_values)
+
+    @torch.inference_mode()
+    def capture_photos(self, side: int = PHOTO_SIDE, max_images: int = 4) -> None:
+        """Capture batches of 1 to ``max_images`` single-frame images of ``side`` x ``side``
+        pixels (as the Qwen2-VL processors resize them: sides a multiple of patch * merge),
+        within ``max_patches``."""
+        weight = self.tower.patch_embed.proj.weight  # [dim, C, T, P, P]
+        merge = self.tower.spatial_merge_size
+        patches = side // (weight.shape[-1] * merge) * merge  # per side
+        grid = (1, patches, patches)
+        for count in range(1, max_images + 1):
+            shape = (count * patches**2, weight[0].numel())
+            pixels = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+            if self._graphable(pixels):
+                self._capture((grid,) * count, pixels)
+
+    def _capture(self, key: GridsKey, pixels: torch.Tensor) -> _TowerGraph:
+        start = time.perf_counter()
+        graph = self.graphs[key] = _TowerGraph(self.tower, key, pixels, self.pool)
+        logger.info(
+            "Captured the vision tower for grids %s in %.0f ms (%d graphs).",
+            list(key),
+            1e3 * (time.perf_counter() - start),
+            len(self.graphs),
+        )
+        return graph
 
     def _graphable(self, pixel_values: torch.Tensor) -> bool:
         return pixel_values.shape[0] <= self.max_patches and len(self.graphs) < self.max_graphs
