@@ -23,8 +23,7 @@ from mm_serve import LLM, SamplingParams
 from mm_serve.config import EngineArgs
 from mm_serve.encoders.image_io import load_image
 from mm_serve.encoders.processors import get_image_processor
-from mm_serve.engine.preprocess_pool import PreprocessPool, SharedImage, park_image
-from mm_serve.engine.shared_array import SHM_DIR
+from mm_serve.engine.preprocess_pool import PreprocessPool
 from mm_serve.testing.leaks import assert_llm_idle
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 
@@ -124,53 +123,6 @@ def test_start_starts_every_worker_at_once(config):
     finally:
         pool.shutdown()
     assert wait_gone(pids)
-
-
-def parked_files(pids: list[int]) -> list[str]:
-    """Files in /dev/shm that these processes parked (``shared_array``) and nobody removed."""
-    if not os.path.isdir(SHM_DIR):
-        return []
-    prefixes = tuple(f"mm_serve-{pid}-" for pid in pids)
-    return [name for name in os.listdir(SHM_DIR) if name.startswith(prefixes)]
-
-
-def test_large_arrays_cross_through_shared_memory_and_leave_nothing(config):
-    """Large PIL images go in, and patches come out, through /dev/shm files; results equal
-    in-process preprocessing, and no file is left after results, errors or cancellations."""
-    if not os.path.isdir(SHM_DIR):
-        pytest.skip("no /dev/shm on this system")
-    processor = get_image_processor(config.model.path, config.model.hf_config)
-    pool = PreprocessPool(
-        config.model, dataclasses.replace(config.multimodal, mm_preprocess_workers=1)
-    )
-    images = [noise(400, 300, 3), noise(300, 400, 4).convert("RGBA"), noise(220, 220, 5)]
-    parked = [park_image(image) for image in images[:2]]
-    assert all(isinstance(image, SharedImage) for image in parked)
-    assert all(
-        image.load().tobytes() == i.tobytes() for image, i in zip(parked, images[:2], strict=True)
-    )
-    try:
-        pids = [os.getpid(), *pool.worker_pids()]
-        for image in images:
-            item = pool.submit(image).result().to_processed_image()
-            expected = processor.preprocess(load_image(image), defer_normalization=True)
-            assert torch.equal(item.pixel_values, expected.pixel_values)
-        with pytest.raises(ValueError, match="above the limit"):
-            pool.submit(noise(600, 600, 6)).result()  # parked, taken, then rejected
-        # Queued behind a slow job and cancelled: the worker never takes its parked pixels.
-        futures = [pool.submit(noise(450, 450, seed)) for seed in range(7, 15)]
-        cancelled = [f for f in futures[1:] if f.cancel()]
-        assert cancelled and all(f.cancelled() for f in cancelled)
-        for future in futures:
-            if not future.cancelled():
-                future.result()
-        pids += pool.worker_pids()
-        deadline = time.monotonic() + 10
-        while parked_files(pids) and time.monotonic() < deadline:
-            time.sleep(0.05)  # cancelled jobs settle in the pool's manager thread
-        assert parked_files(pids) == []
-    finally:
-        pool.shutdown()
 
 
 def png_header(width: int, height: int) -> bytes:

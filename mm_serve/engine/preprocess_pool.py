@@ -8,10 +8,8 @@ inheriting the front end's threads or memory (no plain ``fork``), and they never
 main script (``mp_context``): a script needs no ``if __name__ == "__main__":`` guard.
 
 Each worker builds the checkpoint's image processor once and warms it on a small image.
-Results come back as numpy arrays and become torch tensors in the caller
-(``PreprocessResult.to_processed_image``). Large arrays, the pixels of a result and those of a
-decoded PIL image sent in, cross through ``/dev/shm`` files rather than the pool's pipe
-(``shared_array``); no torch shared memory or file descriptors.
+Results come back as numpy arrays (pickled through the pool's pipe: no torch shared memory or
+file descriptors) and become torch tensors in the caller (``PreprocessResult.to_processed_image``).
 """
 
 from __future__ import annotations
@@ -37,7 +35,6 @@ from mm_serve.encoders.base import ImageProcessor, ProcessedImage
 from mm_serve.encoders.image_io import load_image
 from mm_serve.encoders.processors import get_image_processor
 from mm_serve.engine.mp_context import no_main_context
-from mm_serve.engine.shared_array import SharedArray, discard, take_if_parked
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +56,7 @@ class PreprocessResult:
     ``ProcessedImage``); ``pid`` is the worker process that made it.
     """
 
-    pixel_values: np.ndarray | SharedArray  # parked only between the worker and the caller
+    pixel_values: np.ndarray
     num_tokens: int
     image_grid_thw: tuple[int, int, int] | None
     pid: int
@@ -130,64 +127,13 @@ def _worker_ready() -> int:
     return os.getpid()
 
 
-@dataclass(frozen=True)
-class SharedImage:
-    """A decoded PIL image's pixels parked for a worker (``park_image``)."""
-
-    mode: str
-    size: tuple[int, int]
-    pixels: SharedArray
-
-    def load(self) -> Image.Image:
-        return Image.fromarray(self.pixels.take(), self.mode)
-
-
-# PIL modes whose pixels ``np.asarray`` gives as they are (no palette or side data).
-_PARKED_MODES = ("RGB", "RGBA", "L")
-
-
-def park_image(source: Any) -> Any:
-    """A large plain PIL image as a ``SharedImage`` (its EXIF orientation, if any, applied by
-    the worker as before would be lost, so such images stay pickled); anything else as is."""
-    if not isinstance(source, Image.Image) or source.mode not in _PARKED_MODES:
-        return source
-    if source.getexif().get(0x0112, 1) not in (1, None):  # EXIF orientation
-        return source
-    pixels = SharedArray.park(np.asarray(source))
-    if not isinstance(pixels, SharedArray):
-        return source
-    return SharedImage(source.mode, source.size, pixels)
-
-
 def _run_job(source: Any) -> PreprocessResult:
     assert _processor is not None, "worker not initialised"
-    if isinstance(source, SharedImage):
-        source = source.load()
     item = preprocess_image(source, _processor, _max_pixels)
-    pixels = SharedArray.park(item.pixel_values.numpy())
+    pixels = item.pixel_values.numpy()
     return PreprocessResult(
         pixels, item.num_tokens, item.image_grid_thw, os.getpid(), item.pixel_mean, item.pixel_std
     )
-
-
-def _settle(job: concurrent.futures.Future, future: concurrent.futures.Future, source) -> None:
-    """``job``'s outcome into ``future``, its pixels taken out of ``/dev/shm``; a parked input
-    the worker never took, or a result nobody waits for, is removed (runs in the pool's
-    manager thread)."""
-    if isinstance(source, SharedImage):
-        discard(source.pixels.path)
-    result = None if job.cancelled() or job.exception() else job.result()
-    if future.cancelled():  # the caller gave up on it
-        if result is not None and isinstance(result.pixel_values, SharedArray):
-            discard(result.pixel_values.path)
-    elif job.cancelled():
-        future.cancel()
-        future.set_running_or_notify_cancel()
-    elif result is None:
-        future.set_exception(job.exception())
-    else:
-        result.pixel_values = take_if_parked(result.pixel_values)
-        future.set_result(result)
 
 
 class PreprocessPool:
@@ -225,23 +171,14 @@ class PreprocessPool:
         """
         if isinstance(source, memoryview):
             source = source.tobytes()  # memoryviews do not pickle
-        source = park_image(source)
         with self._lock:
             try:
-                job = self._get_executor().submit(_run_job, source)
+                return self._get_executor().submit(_run_job, source)
             except BrokenProcessPool:
                 # A worker died (killed, out of memory): its futures failed; start afresh.
                 logger.warning("a preprocessing worker died; restarting the pool")
                 self._stop_executor(wait=False)
-                job = self._get_executor().submit(_run_job, source)
-            except BaseException:
-                if isinstance(source, SharedImage):
-                    discard(source.pixels.path)
-                raise
-        future: concurrent.futures.Future[PreprocessResult] = concurrent.futures.Future()
-        future.add_done_callback(lambda future: future.cancelled() and job.cancel())
-        job.add_done_callback(lambda job: _settle(job, future, source))
-        return future
+                return self._get_executor().submit(_run_job, source)
 
     def start(self) -> list[concurrent.futures.Future[int]]:
         """Start every worker now, rather than with the first images; returns at once.
