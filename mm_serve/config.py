@@ -63,6 +63,15 @@ class ModelConfig:
     def vocab_size(self) -> int:
         return self.text_config.vocab_size
 
+    @property
+    def image_token_id(self) -> int | None:
+        """The image placeholder token id of a VLM, None for a text-only model."""
+        for name in ("image_token_id", "image_token_index"):
+            value = getattr(self.hf_config, name, None)
+            if value is not None:
+                return value
+        return None
+
 
 @dataclass(frozen=True)
 class CacheConfig:

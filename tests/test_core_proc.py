@@ -27,9 +27,9 @@ from PIL import Image
 from mm_serve import LLM, SamplingParams
 from mm_serve.config import EngineArgs
 from mm_serve.encoders.base import ProcessedImage
-from mm_serve.engine.core_client import AsyncEngineCoreClient, EngineCoreClient
-from mm_serve.engine.exceptions import EngineDeadError, EngineRequestError, EngineStartupError
-from mm_serve.engine.wire import (
+from mm_serve.frontend.core_client import AsyncEngineCoreClient, EngineCoreClient
+from mm_serve.frontend.exceptions import EngineDeadError, EngineRequestError, EngineStartupError
+from mm_serve.messages import (
     EngineCoreOutputs,
     EngineCoreOutputWire,
     InputCodec,
@@ -284,7 +284,7 @@ def test_startup_error_is_raised_and_leaves_nothing(vlm_path):
 ORPHAN_SCRIPT = """
 import os, sys
 from mm_serve.config import EngineArgs
-from mm_serve.engine.core_client import EngineCoreClient
+from mm_serve.frontend.core_client import EngineCoreClient
 if __name__ == "__main__":
     client = EngineCoreClient(EngineArgs(model=sys.argv[1], num_kv_blocks=16))
     print(client.pid, client.ipc_paths[0], flush=True)

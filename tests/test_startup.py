@@ -16,7 +16,7 @@ import torch
 
 from mm_serve import LLM, SamplingParams
 from mm_serve.config import EngineArgs
-from mm_serve.engine.async_llm import AsyncLLM
+from mm_serve.frontend.async_llm import AsyncLLM
 from mm_serve.stats import EngineStats
 from mm_serve.testing.server import RemoteServer, assert_group_gone, metric
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint

@@ -6,8 +6,9 @@ import logging
 
 from mm_serve.config import EngineConfig
 from mm_serve.engine.step_timeline import install_from_env
+from mm_serve.outputs import EngineCoreOutput
 from mm_serve.request import Request, RequestStatus
-from mm_serve.sched.output import EngineCoreOutput, SchedulerOutput
+from mm_serve.sched.output import SchedulerOutput
 from mm_serve.sched.scheduler import Scheduler
 from mm_serve.stats import EngineStats
 from mm_serve.worker.model_runner import ModelRunner

@@ -2,7 +2,7 @@
 
 Three threads:
 
-- input thread: receives multipart messages, decodes them (``wire.InputCodec``; image tensors
+- input thread: receives multipart messages, decodes them (``messages.InputCodec``; image tensors
   stay in their ZeroMQ frames) and puts them on ``input_queue``; it also watches the parent
   and ends the process when the parent is gone, so no orphan is left.
 - main thread (``run_busy_loop``): drains ``input_queue`` (add / abort / utility), runs
@@ -31,9 +31,7 @@ import zmq
 
 from mm_serve.config import EngineArgs
 from mm_serve.engine.core import EngineCore
-from mm_serve.engine.mm_processor import image_token_id
-from mm_serve.engine.processor import check_image_tokens
-from mm_serve.engine.wire import (
+from mm_serve.messages import (
     AbortRequests,
     EngineCoreOutputs,
     EngineFailed,
@@ -46,7 +44,7 @@ from mm_serve.engine.wire import (
     UtilityRequest,
     output_to_wire,
 )
-from mm_serve.request import Request
+from mm_serve.request import Request, check_image_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +64,7 @@ def run_engine_core(
     Connects to the front end's sockets, builds the engine and answers ``EngineReady`` (or
     ``EngineFailed`` with the traceback, then exits with code 1), then serves until the
     parent dies. A fatal error in the loop is reported as ``EngineFailed`` before exiting 1.
-    ``log_setup``: the front end's ``log_setup()``, to log as it does.
+    ``log_setup``: the front end's (format, root level, ``mm_serve`` level), to log as it does.
     """
     if log_setup is not None:
         fmt, root_level, level = log_setup
@@ -78,16 +76,6 @@ def run_engine_core(
     signal.signal(signal.SIGTERM, _raise_system_exit)
     proc = EngineCoreProc(input_address, output_address, parent_pid)
     sys.exit(proc.serve(engine_args))
-
-
-def log_setup() -> tuple[str, int, int] | None:
-    """(format, root level, ``mm_serve`` level) of this process's logging, for an engine core
-    it starts to log alike; None when logging is not configured (a script stays quiet)."""
-    root = logging.getLogger()
-    if not root.handlers:
-        return None
-    fmt = getattr(root.handlers[0].formatter, "_fmt", None) or logging.BASIC_FORMAT
-    return fmt, root.level, logging.getLogger("mm_serve").getEffectiveLevel()
 
 
 def limit_cpu_threads() -> None:
@@ -170,7 +158,7 @@ class EngineCoreProc:
             limit_cpu_threads()
         self.engine_core = EngineCore(config)
         self.vocab_size = config.model.vocab_size
-        self.image_token_id = image_token_id(config.model.hf_config)
+        self.image_token_id = config.model.image_token_id
         kv = self.engine_core.scheduler.kv_cache_manager
         ready = EngineReady(
             pid=os.getpid(),

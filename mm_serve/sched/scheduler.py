@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from mm_serve.cache import KVCacheManager
 from mm_serve.cache.encoder_cache_manager import EncoderCacheManager
 from mm_serve.config import CacheConfig, SchedulerConfig
+from mm_serve.outputs import EngineCoreOutput
 from mm_serve.request import Request, RequestStatus
 from mm_serve.sched.output import (
     CachedRequestData,
-    EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,

@@ -9,7 +9,6 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from mm_serve.engine.async_llm import AsyncLLM
 from mm_serve.entrypoints.openai.errors import bad_request, user_errors
 from mm_serve.entrypoints.openai.media import MediaResolver
 from mm_serve.entrypoints.openai.protocol import (
@@ -34,6 +33,7 @@ from mm_serve.entrypoints.openai.serving_common import (
     stream_with_errors,
     usage_info,
 )
+from mm_serve.frontend.async_llm import AsyncLLM
 from mm_serve.outputs import CompletionOutput, RequestOutput
 
 

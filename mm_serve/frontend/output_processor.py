@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mm_serve.engine.detokenizer import IncrementalDetokenizer
-from mm_serve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from mm_serve.frontend.detokenizer import IncrementalDetokenizer
+from mm_serve.outputs import (
+    CompletionOutput,
+    EngineCoreOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestOutput,
+)
 from mm_serve.sampling_params import SamplingParams
-from mm_serve.sched.output import EngineCoreOutput
 
 
 @dataclass

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mm_serve.engine.output_processor import ParentRequest, RequestState
-from mm_serve.outputs import CompletionOutput, RequestOutput
+from mm_serve.frontend.output_processor import ParentRequest, RequestState
+from mm_serve.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
 from mm_serve.sampling_params import SamplingParams
-from mm_serve.sched.output import EngineCoreOutput
 
 
 @dataclass

@@ -19,9 +19,9 @@ import msgspec
 import torch
 
 from mm_serve.encoders.base import ProcessedImage
+from mm_serve.outputs import EngineCoreOutput
 from mm_serve.request import MultiModalFeature, PlaceholderRange, Request
 from mm_serve.sampling_params import SamplingParams
-from mm_serve.sched.output import EngineCoreOutput
 from mm_serve.stats import EngineStats
 
 # Tensor dtypes allowed on the wire, by name (never resolved with getattr on user input).

@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from mm_serve.config import EngineArgs
-from mm_serve.engine.core_client import AsyncEngineCoreClient
-from mm_serve.engine.output_processor import ParentRequest
-from mm_serve.engine.processor import (
+from mm_serve.frontend.core_client import AsyncEngineCoreClient
+from mm_serve.frontend.output_processor import ParentRequest
+from mm_serve.frontend.processor import (
     InputProcessor,
     ProcessedPrompt,
     PromptType,
@@ -28,8 +28,8 @@ from mm_serve.engine.processor import (
     load_generation_config,
     load_tokenizer,
 )
-from mm_serve.engine.stream_state import RequestStats, StreamedCompletion, request_output
-from mm_serve.engine.warm_up import (
+from mm_serve.frontend.stream_state import RequestStats, StreamedCompletion, request_output
+from mm_serve.frontend.warm_up import (
     WARM_UP_PARAMS,
     warm_up_batch_size,
     warm_up_image_size,
@@ -92,7 +92,7 @@ class AsyncLLM:
         return await asyncio.to_thread(cls, engine_args, **kwargs)
 
     async def warm_up(self) -> None:
-        """Run the warm-up requests (``mm_serve.engine.warm_up``: a batch filling the largest
+        """Run the warm-up requests (``mm_serve.frontend.warm_up``: a batch filling the largest
         step on CUDA, one request elsewhere) once the preprocessing workers are warm, then
         reset the engine core; ``on_request_finished`` never hears of them.
 

@@ -14,8 +14,8 @@ from tqdm.auto import tqdm
 
 from mm_serve.config import EngineArgs
 from mm_serve.engine.core import EngineCore
-from mm_serve.engine.output_processor import OutputProcessor, ParentRequest
-from mm_serve.engine.processor import (
+from mm_serve.frontend.output_processor import OutputProcessor, ParentRequest
+from mm_serve.frontend.processor import (
     InputProcessor,
     PendingPrompt,
     ProcessedPrompt,
@@ -24,7 +24,7 @@ from mm_serve.engine.processor import (
     load_generation_config,
     load_tokenizer,
 )
-from mm_serve.engine.warm_up import (
+from mm_serve.frontend.warm_up import (
     WARM_UP_PARAMS,
     warm_up_batch_size,
     warm_up_image_size,
@@ -35,7 +35,7 @@ from mm_serve.sampling_params import SamplingParams
 from mm_serve.stats import EngineStats
 
 if TYPE_CHECKING:
-    from mm_serve.engine.remote_core import RemoteEngineCore
+    from mm_serve.frontend.remote_core import RemoteEngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class LLM:
             multiprocess = self.config.device.type == "cuda"
         self.engine_core: EngineCore | RemoteEngineCore
         if multiprocess:
-            from mm_serve.engine.remote_core import RemoteEngineCore  # ZeroMQ only when used
+            from mm_serve.frontend.remote_core import RemoteEngineCore  # ZeroMQ only when used
 
             self.engine_core = RemoteEngineCore(args)
             self._finalizers.append(weakref.finalize(self, self.engine_core.shutdown))
@@ -95,7 +95,7 @@ class LLM:
             self._warm_up()
 
     def _warm_up(self) -> None:
-        """The start-up warm-up batch (``mm_serve.engine.warm_up``), then ``EngineCore.reset``:
+        """The start-up warm-up batch (``mm_serve.frontend.warm_up``), then ``EngineCore.reset``:
         the first ``generate`` runs at the speed of the next."""
         start = time.perf_counter()
         size = warm_up_image_size(self.config)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import queue
 
 from mm_serve.config import EngineArgs
-from mm_serve.engine.core_client import EngineCoreClient
-from mm_serve.engine.exceptions import EngineRequestError
+from mm_serve.frontend.core_client import EngineCoreClient
+from mm_serve.frontend.exceptions import EngineRequestError
+from mm_serve.outputs import EngineCoreOutput
 from mm_serve.request import Request
-from mm_serve.sched.output import EngineCoreOutput
 from mm_serve.stats import EngineStats
 
 # How long ``step()`` waits for an output before it returns none (the caller then adds the

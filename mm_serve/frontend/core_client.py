@@ -35,11 +35,9 @@ from typing import Any
 import zmq
 
 from mm_serve.config import EngineArgs
-from mm_serve.engine.core_proc import log_setup, run_engine_core
-from mm_serve.engine.delivery import Sink, deliver
-from mm_serve.engine.exceptions import EngineDeadError, EngineRequestError, EngineStartupError
-from mm_serve.engine.mp_context import no_main_context
-from mm_serve.engine.wire import (
+from mm_serve.frontend.delivery import Sink, deliver
+from mm_serve.frontend.exceptions import EngineDeadError, EngineRequestError, EngineStartupError
+from mm_serve.messages import (
     AbortRequests,
     EngineCoreOutputs,
     EngineFailed,
@@ -50,12 +48,31 @@ from mm_serve.engine.wire import (
     UtilityRequest,
     output_from_wire,
 )
+from mm_serve.mp_context import no_main_context
 from mm_serve.request import Request
 from mm_serve.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_MS = 100  # the output thread's wake-up period (it notices shutdown within this)
+
+
+def log_setup() -> tuple[str, int, int] | None:
+    """(format, root level, ``mm_serve`` level) of this process's logging, for an engine core
+    it starts to log alike; None when logging is not configured (a script stays quiet)."""
+    root = logging.getLogger()
+    if not root.handlers:
+        return None
+    fmt = getattr(root.handlers[0].formatter, "_fmt", None) or logging.BASIC_FORMAT
+    return fmt, root.level, logging.getLogger("mm_serve").getEffectiveLevel()
+
+
+def _run_engine_core(*args: Any) -> None:
+    """The engine core process's target: ``run_engine_core`` is imported there, so that the
+    front end never loads the scheduler, the model runner or the models."""
+    from mm_serve.engine.core_proc import run_engine_core
+
+    run_engine_core(*args)
 
 
 class _EngineCoreClientBase:
@@ -75,7 +92,7 @@ class _EngineCoreClientBase:
         self._output = self._bind(zmq.PULL, self.ipc_paths[1])
         # Spawned without re-running the user's main script (no __main__ guard needed).
         self._proc = no_main_context("spawn").Process(
-            target=run_engine_core,
+            target=_run_engine_core,
             args=(engine_args, *(f"ipc://{p}" for p in self.ipc_paths), os.getpid(), log_setup()),
             name="mm_serve-engine-core",
         )
