@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from mm_serve.hub import load_hf_config, resolve_model_path
+
 logger = logging.getLogger(__name__)
 
 _STR_TO_DTYPE = {
@@ -205,8 +207,6 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the arguments (download, read config.json, pick dtype and lengths) once."""
-        from mm_serve.models.loader import load_hf_config, resolve_model_path
-
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet.")
         device = _resolve_device(self.device)

@@ -8,6 +8,7 @@ engine start their own.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import glob
 import multiprocessing
 import os
@@ -25,7 +26,7 @@ import torch
 from PIL import Image
 
 from mm_serve import LLM, SamplingParams
-from mm_serve.config import EngineArgs
+from mm_serve.config import EngineArgs, ParallelConfig
 from mm_serve.encoders.base import ProcessedImage
 from mm_serve.frontend.core_client import AsyncEngineCoreClient, EngineCoreClient
 from mm_serve.frontend.exceptions import EngineDeadError, EngineRequestError, EngineStartupError
@@ -69,7 +70,7 @@ def llm(vlm_path) -> LLM:
 
 @pytest.fixture(scope="module")
 def client(vlm_path):
-    client = AsyncEngineCoreClient(EngineArgs(model=vlm_path, **ENGINE_ARGS))
+    client = AsyncEngineCoreClient(EngineArgs(model=vlm_path, **ENGINE_ARGS).create_engine_config())
     yield client
     shut_down_and_check(client)
 
@@ -246,7 +247,7 @@ def test_wire_is_msgpack_and_raw_frames(llm):
 
 
 def test_killed_engine_fails_in_flight_requests(vlm_path, llm):
-    client = AsyncEngineCoreClient(EngineArgs(model=vlm_path, **ENGINE_ARGS))
+    client = AsyncEngineCoreClient(EngineArgs(model=vlm_path, **ENGINE_ARGS).create_engine_config())
     long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     requests = make_requests(llm, ["One long answer.", "Another long answer."], long, "kill-")
 
@@ -275,8 +276,10 @@ def test_startup_error_is_raised_and_leaves_nothing(vlm_path):
     pattern = os.path.join(tempfile.gettempdir(), "mm_serve-*")
     before = set(glob.glob(pattern))
     children = set(multiprocessing.active_children())
+    config = EngineArgs(model=vlm_path).create_engine_config()
+    config = dataclasses.replace(config, parallel=ParallelConfig(tensor_parallel_size=2))
     with pytest.raises(EngineStartupError, match="tensor_parallel_size"):
-        EngineCoreClient(EngineArgs(model=vlm_path, tensor_parallel_size=2))
+        EngineCoreClient(config)
     assert set(glob.glob(pattern)) <= before
     assert set(multiprocessing.active_children()) <= children
 
@@ -286,7 +289,8 @@ import os, sys
 from mm_serve.config import EngineArgs
 from mm_serve.frontend.core_client import EngineCoreClient
 if __name__ == "__main__":
-    client = EngineCoreClient(EngineArgs(model=sys.argv[1], num_kv_blocks=16))
+    config = EngineArgs(model=sys.argv[1], num_kv_blocks=16).create_engine_config()
+    client = EngineCoreClient(config)
     print(client.pid, client.ipc_paths[0], flush=True)
     os._exit(0)  # a crash: no shutdown, no exit handlers
 """

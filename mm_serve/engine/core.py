@@ -23,9 +23,14 @@ class EngineCore:
     With ``async_scheduling`` (on by default on CUDA) a step launches the next forward pass
     before it reads the previous one's tokens, so scheduling and input preparation on the host
     overlap the device's work; each ``step()`` then returns the outputs of the step before.
+
+    Raises (from the constructor):
+        ValueError: ``config.parallel.tensor_parallel_size`` is not 1 (one device for now).
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        if config.parallel.tensor_parallel_size != 1:  # a config built by hand may ask for it
+            raise ValueError("tensor_parallel_size > 1 is not supported yet.")
         self.config = config
         self.model_runner = ModelRunner(config)
         self.model_runner.load_model()

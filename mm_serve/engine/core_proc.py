@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import zmq
 
-from mm_serve.config import EngineArgs
+from mm_serve.config import EngineConfig
 from mm_serve.engine.core import EngineCore
 from mm_serve.messages import (
     AbortRequests,
@@ -53,7 +53,7 @@ _SHUTDOWN = object()  # input/output queue marker: stop the loop / the output th
 
 
 def run_engine_core(
-    engine_args: EngineArgs,
+    config: EngineConfig,
     input_address: str,
     output_address: str,
     parent_pid: int,
@@ -64,6 +64,8 @@ def run_engine_core(
     Connects to the front end's sockets, builds the engine and answers ``EngineReady`` (or
     ``EngineFailed`` with the traceback, then exits with code 1), then serves until the
     parent dies. A fatal error in the loop is reported as ``EngineFailed`` before exiting 1.
+    ``config`` is the front end's, resolved once there and pickled with the process's
+    arguments: this process reads no ``config.json`` and builds no image processor for it.
     ``log_setup``: the front end's (format, root level, ``mm_serve`` level), to log as it does.
     """
     if log_setup is not None:
@@ -75,7 +77,7 @@ def run_engine_core(
     # SIGTERM (the front end's shutdown) unwinds the main thread, so that exit handlers run.
     signal.signal(signal.SIGTERM, _raise_system_exit)
     proc = EngineCoreProc(input_address, output_address, parent_pid)
-    sys.exit(proc.serve(engine_args))
+    sys.exit(proc.serve(config))
 
 
 def limit_cpu_threads() -> None:
@@ -120,7 +122,7 @@ class EngineCoreProc:
         self.vocab_size = 0
         self.image_token_id: int | None = None
 
-    def serve(self, engine_args: EngineArgs) -> int:
+    def serve(self, config: EngineConfig) -> int:
         """Start up (answering ``EngineReady`` or ``EngineFailed``), then run the busy loop
         until the parent is gone or SIGTERM. Returns the process exit code."""
         # Both threads first: the parent is watched during the (long) model load too.
@@ -132,7 +134,7 @@ class EngineCoreProc:
             thread.start()
         exit_code = 0
         try:
-            self._start_engine(engine_args)
+            self._start_engine(config)
             self.run_busy_loop()
         except Exception as e:
             during_startup = self.engine_core is None
@@ -151,9 +153,8 @@ class EngineCoreProc:
             self.ctx.term()
         return exit_code
 
-    def _start_engine(self, engine_args: EngineArgs) -> None:
+    def _start_engine(self, config: EngineConfig) -> None:
         start = time.perf_counter()
-        config = engine_args.create_engine_config()
         if config.device.type == "cuda":
             limit_cpu_threads()
         self.engine_core = EngineCore(config)

@@ -85,7 +85,7 @@ class LLM:
         if multiprocess:
             from mm_serve.frontend.remote_core import RemoteEngineCore  # ZeroMQ only when used
 
-            self.engine_core = RemoteEngineCore(args)
+            self.engine_core = RemoteEngineCore(self.config)
             self._finalizers.append(weakref.finalize(self, self.engine_core.shutdown))
         else:
             self.engine_core = EngineCore(self.config)

@@ -78,7 +78,7 @@ class AsyncLLM:
         try:
             # The preprocessing workers start (and warm up) while the engine core loads.
             self._workers_ready = mm_processor.pool.start() if mm_processor else []
-            self.engine_core = AsyncEngineCoreClient(engine_args)
+            self.engine_core = AsyncEngineCoreClient(self.config)
         except BaseException:
             self._tokenizer_thread.shutdown(wait=False)
             self.input_processor.shutdown()

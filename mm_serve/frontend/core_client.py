@@ -34,7 +34,7 @@ from typing import Any
 
 import zmq
 
-from mm_serve.config import EngineArgs
+from mm_serve.config import EngineConfig
 from mm_serve.frontend.delivery import Sink, deliver
 from mm_serve.frontend.exceptions import EngineDeadError, EngineRequestError, EngineStartupError
 from mm_serve.messages import (
@@ -78,12 +78,15 @@ def _run_engine_core(*args: Any) -> None:
 class _EngineCoreClientBase:
     """Process, sockets and output thread, shared by the sync and the async client.
 
+    ``config``: the engine config the front end resolved, sent to the engine core process as
+    it is (the engine core does not resolve it again).
+
     Raises (from the constructor):
         EngineStartupError: the process failed or exited during start-up, or did not report
             ready within ``startup_timeout_s`` seconds (None: no limit).
     """
 
-    def __init__(self, engine_args: EngineArgs, startup_timeout_s: float | None = None) -> None:
+    def __init__(self, config: EngineConfig, startup_timeout_s: float | None = None) -> None:
         ipc_dir = tempfile.mkdtemp(prefix="mm_serve-")
         tag = uuid.uuid4().hex[:12]
         self.ipc_paths = (f"{ipc_dir}/input-{tag}.sock", f"{ipc_dir}/output-{tag}.sock")
@@ -93,7 +96,7 @@ class _EngineCoreClientBase:
         # Spawned without re-running the user's main script (no __main__ guard needed).
         self._proc = no_main_context("spawn").Process(
             target=_run_engine_core,
-            args=(engine_args, *(f"ipc://{p}" for p in self.ipc_paths), os.getpid(), log_setup()),
+            args=(config, *(f"ipc://{p}" for p in self.ipc_paths), os.getpid(), log_setup()),
             name="mm_serve-engine-core",
         )
         thread = threading.Thread(

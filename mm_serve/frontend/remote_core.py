@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import queue
 
-from mm_serve.config import EngineArgs
+from mm_serve.config import EngineConfig
 from mm_serve.frontend.core_client import EngineCoreClient
 from mm_serve.frontend.exceptions import EngineRequestError
 from mm_serve.outputs import EngineCoreOutput
@@ -32,8 +32,8 @@ class RemoteEngineCore:
         EngineDeadError: from any call once the process is gone.
     """
 
-    def __init__(self, engine_args: EngineArgs) -> None:
-        self.client = EngineCoreClient(engine_args)
+    def __init__(self, config: EngineConfig) -> None:
+        self.client = EngineCoreClient(config)
         self._outputs: queue.Queue = queue.Queue()  # every request's outputs, in arrival order
         self._unfinished: set[str] = set()
 
