@@ -23,12 +23,11 @@ def _tracked_files() -> list[str]:
         text=True,
         check=True,
     )
-    return out.stdout.split()
+    return [f for f in out.stdout.split() if (REPO / f).exists()]  # not deleted meanwhile
 
 
 def _python_source() -> str:
-    files = [REPO / f for f in _tracked_files() if f.endswith(".py")]
-    return "\n".join(f.read_text() for f in files if f.exists())
+    return "\n".join((REPO / f).read_text() for f in _tracked_files() if f.endswith(".py"))
 
 
 def _code_spans(doc: str) -> list[str]:
