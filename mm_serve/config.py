@@ -1,9 +1,10 @@
-"""One typed config tree, resolved once at start-up.
+"""One typed config tree, resolved once at start-up, in the front end.
 
-``EngineArgs`` holds the flat user-facing knobs (the LLM kwargs, later the CLI flags);
+``EngineArgs`` holds the flat user-facing knobs (the ``LLM`` kwargs and the CLI flags);
 ``EngineArgs.create_engine_config()`` resolves them into an ``EngineConfig`` of frozen
-dataclasses. Derived values (the number of KV blocks, found by profiling) are computed by
-their owner and passed down explicitly; they are never written back into the config.
+dataclasses, which the engine core process receives as it is. Derived values (the number of KV
+blocks, sized from the free device memory) are computed by their owner and passed down
+explicitly; they are never written back into the config.
 """
 
 from __future__ import annotations
@@ -79,9 +80,11 @@ class ModelConfig:
 class CacheConfig:
     """The paged KV cache.
 
-    ``num_kv_blocks`` overrides the size found by profiling (tests use it to force preemption).
-    On CPU the pool takes ``cpu_kv_cache_bytes``; on GPU ``gpu_memory_utilization`` of the
-    device's memory minus what the weights and a profiling step use.
+    ``num_kv_blocks`` overrides the computed size (tests use it to force preemption). On CPU
+    the pool takes at most ``cpu_kv_cache_bytes``; on GPU ``gpu_memory_utilization`` of the
+    device's memory minus what the process holds when the pool is sized (the weights) and the
+    encoder cache's reserve; no forward pass is run to measure activations
+    (``worker.kv_cache.determine_num_kv_blocks``).
     """
 
     block_size: int = 16

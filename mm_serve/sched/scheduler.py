@@ -60,7 +60,7 @@ class Scheduler:
     Args:
         scheduler_config: the per-step budgets.
         cache_config: block size and prefix caching switch.
-        num_kv_blocks: size of the KV pool in blocks, found by the model runner's profiling.
+        num_kv_blocks: size of the KV pool in blocks (``ModelRunner.determine_num_kv_blocks``).
     """
 
     def __init__(
