@@ -36,6 +36,7 @@ from mm_serve.messages import (
     InputCodec,
     KVCacheInfo,
     OutputCodec,
+    RequestDecodeError,
 )
 from mm_serve.request import MultiModalFeature, PlaceholderRange, Request
 from mm_serve.stats import EngineStats
@@ -227,7 +228,7 @@ def test_wire_is_msgpack_and_raw_frames(llm):
     assert len(body["mm_features"][0]["pixel_mean"]) == 3
     sent = [f.data.pixel_values for f in request.mm_features]
     assert frames[1] == sent[0].numpy().tobytes()  # raw tensor bytes, not in the body
-    decoded = InputCodec().decode(frames)
+    (decoded,) = InputCodec().decode(frames)
     for feature, original in zip(decoded.mm_features, request.mm_features, strict=True):
         assert feature.data.pixel_values.dtype == original.data.pixel_values.dtype
         assert torch.equal(feature.data.pixel_values, original.data.pixel_values)
@@ -244,6 +245,31 @@ def test_wire_is_msgpack_and_raw_frames(llm):
     encoded = OutputCodec().encode(outputs)
     assert msgspec.msgpack.decode(encoded)["outputs"][0][:2] == ["a", [5]]
     assert OutputCodec().decode(encoded) == outputs
+
+
+def test_siblings_travel_in_one_message_with_their_images_once(llm):
+    """The ``n`` engine requests of an ``n > 1`` request: one body, each image frame once;
+    the engine side gets ``n`` requests sharing the prompt and the pixel tensors."""
+    prompt = {"prompt": f"{TAG}Look.", "multi_modal_data": {"image": [photo()]}}
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=4)
+    requests = make_requests(llm, [prompt], params, "sib-")
+    frames = [bytes(f) for f in InputCodec().encode_request(*requests)]
+    body = msgspec.msgpack.decode(frames[0])
+    assert len(frames) == 2 and body["request_id"] == "0_sib-0"
+    assert [s[0] for s in body["siblings"]] == ["1_sib-0", "2_sib-0"]
+    decoded = InputCodec().decode(frames)
+    assert [r.request_id for r in decoded] == [r.request_id for r in requests]
+    assert [r.sampling_params for r in decoded] == [r.sampling_params for r in requests]
+    assert all(r.mm_features is decoded[0].mm_features for r in decoded)
+    assert all(r.prompt_token_ids == requests[0].prompt_token_ids for r in decoded)
+    pixels = decoded[0].mm_features[0].data.pixel_values
+    assert torch.equal(pixels, requests[0].mm_features[0].data.pixel_values)
+    with pytest.raises(ValueError, match="no sibling"):
+        InputCodec().encode_request(requests[0], make_requests(llm, ["x"], GREEDY, "other-")[0])
+    malformed = {"type": "add", "request_id": "a", "prompt_token_ids": "?", "siblings": [["b"]]}
+    with pytest.raises(RequestDecodeError) as info:
+        InputCodec().decode([msgspec.msgpack.encode(malformed)])
+    assert info.value.request_ids == ["a", "b"]  # each gets its error
 
 
 def test_killed_engine_fails_in_flight_requests(vlm_path, llm):

@@ -46,6 +46,12 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
+    def add_requests(self, requests: list[Request]) -> None:
+        """Add requests in order: the ``n`` siblings of one user request (a remote engine core
+        receives them in one message)."""
+        for request in requests:
+            self.scheduler.add_request(request)
+
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 

@@ -201,16 +201,16 @@ class EngineCoreProc:
             return True
 
     def _handle_input(self, item: Any) -> None:
-        if isinstance(item, Request):
-            error = self._add_request(item)
-            if error is not None:
-                self.output_queue.put(EngineCoreOutputs(errors=[error]))
+        if isinstance(item, list):  # an add-request's engine requests, or their errors
+            adds = [r for r in item if isinstance(r, Request)]
+            errors = [e for e in item if isinstance(e, RequestError)]
+            errors += [e for r in adds if (e := self._add_request(r)) is not None]
+            if errors:
+                self.output_queue.put(EngineCoreOutputs(errors=errors))
         elif isinstance(item, AbortRequests):
             self.engine_core.abort_requests(item.request_ids)
         elif isinstance(item, UtilityRequest):
             self.output_queue.put(self._call_utility(item))
-        elif isinstance(item, RequestError):
-            self.output_queue.put(EngineCoreOutputs(errors=[item]))
         elif isinstance(item, BaseException):
             raise RuntimeError("The engine core's input thread failed.") from item
 
@@ -286,10 +286,10 @@ class EngineCoreProc:
                 try:
                     item = codec.decode(frames)
                 except RequestDecodeError as e:
-                    if e.request_id is None:
+                    if not e.request_ids:
                         logger.error("Dropped a message that could not be decoded: %s", e)
                         continue
-                    item = RequestError(e.request_id, str(e))
+                    item = [RequestError(request_id, str(e)) for request_id in e.request_ids]
                 self.input_queue.put(item)
         except Exception as e:
             logger.exception("The engine core's input thread failed")

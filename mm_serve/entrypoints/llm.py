@@ -177,8 +177,7 @@ class LLM(FrontEnd):
         request_id = str(next(self._request_counter))
         _, requests = self.make_requests(request_id, prompt, params, stream=False)
         added.extend(request.request_id for request in requests)  # an abort ignores the others
-        for request in requests:
-            self.engine_core.add_request(request)
+        self.engine_core.add_requests(requests)
         return request_id
 
     def _run_engine(

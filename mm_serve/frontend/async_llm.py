@@ -187,16 +187,12 @@ class AsyncLLM(FrontEnd):
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         parent, requests = self.make_requests(request_id, prompt, params, stream=True)
         outcome = ""
-        forwarders: list[asyncio.Task] = []
         try:
-            queues = [await self.engine_core.add_request(r) for r in requests]
-            merged = queues[0] if len(queues) == 1 else asyncio.Queue()
-            if len(queues) > 1:
-                forwarders = [asyncio.ensure_future(_forward(q, merged)) for q in queues]
+            engine_outputs = await self.engine_core.add_requests(requests)
             while not parent.finished:
-                items = [await merged.get()]
-                while not merged.empty():
-                    items.append(merged.get_nowait())
+                items = [await engine_outputs.get()]
+                while not engine_outputs.empty():
+                    items.append(engine_outputs.get_nowait())
                 for item in items:
                     if isinstance(item, BaseException):
                         raise item
@@ -210,8 +206,6 @@ class AsyncLLM(FrontEnd):
             outcome = "abort" if cancelled else "error"
             raise
         finally:
-            for task in forwarders:
-                task.cancel()
             await self._finish(requests, parent, arrival_time, outcome)
 
     async def _finish(
@@ -259,12 +253,3 @@ class AsyncLLM(FrontEnd):
         loop = asyncio.get_running_loop()
         call = functools.partial(fn, *args, **kwargs)
         return await loop.run_in_executor(self._tokenizer_thread, call)
-
-
-async def _forward(source: asyncio.Queue, sink: asyncio.Queue) -> None:
-    """Move one child's items onto its parent's queue until its last one (n > 1)."""
-    while True:
-        item = await source.get()
-        sink.put_nowait(item)
-        if isinstance(item, BaseException) or item.finished:
-            return

@@ -24,7 +24,7 @@ POLL_S = 0.005
 
 
 class RemoteEngineCore:
-    """``add_request`` / ``abort_requests`` / ``step`` / ``has_unfinished_requests`` /
+    """``add_request(s)`` / ``abort_requests`` / ``step`` / ``has_unfinished_requests`` /
     ``get_stats`` / ``reset`` of ``EngineCore``, on an engine core process.
 
     Raises:
@@ -38,8 +38,12 @@ class RemoteEngineCore:
         self._unfinished: set[str] = set()
 
     def add_request(self, request: Request) -> None:
-        self.client.add_request(request, self._outputs)
-        self._unfinished.add(request.request_id)
+        self.add_requests([request])
+
+    def add_requests(self, requests: list[Request]) -> None:
+        """The ``n`` siblings of one user request, in one message (see ``EngineCore``)."""
+        self.client.add_requests(requests, self._outputs)
+        self._unfinished.update(request.request_id for request in requests)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort requests; outputs of theirs already received still come from ``step()``."""
