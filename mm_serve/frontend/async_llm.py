@@ -22,7 +22,7 @@ from mm_serve.config import EngineArgs
 from mm_serve.frontend.base import FrontEnd
 from mm_serve.frontend.core_client import AsyncEngineCoreClient
 from mm_serve.frontend.output_processor import ParentRequest
-from mm_serve.frontend.processor import ProcessedPrompt, PromptType
+from mm_serve.frontend.processor import PendingPrompt, ProcessedPrompt, PromptType
 from mm_serve.frontend.warm_up import (
     WARM_UP_PARAMS,
     warm_up_batch_size,
@@ -134,30 +134,62 @@ class AsyncLLM(FrontEnd):
             ValueError: the messages are malformed or the chat template rejects them (the
                 template's own message, e.g. roles that must alternate).
         """
-        from jinja2 import TemplateError
-
-        try:
-            return await self._in_tokenizer_thread(
-                self.input_processor.apply_chat_template, messages, **kwargs
-            )
-        except TemplateError as e:
-            raise ValueError(f"The chat template could not render the messages: {e}") from e
+        return await self._in_tokenizer_thread(self._render, messages, kwargs)
 
     async def process(self, prompt: PromptType) -> ProcessedPrompt:
-        """Tokenize a prompt (in the tokenizer thread), wait for its images to come out of the
-        preprocessing pool (without blocking the loop), and expand their placeholders.
+        """Tokenize a prompt and submit its images (in the tokenizer thread), wait for them to
+        come out of the preprocessing pool (without blocking the loop), and expand their
+        placeholders (in the tokenizer thread again, unless no image had to wait).
 
         Raises:
             ValueError: see ``InputProcessor.process`` and ``PendingPrompt.result``.
         """
-        pending = await self._in_tokenizer_thread(self.input_processor.process, prompt)
-        if pending.images is not None:
-            for item in pending.images.items:
-                if isinstance(item, concurrent.futures.Future):
-                    # Shielded: the pool's future may be shared with other requests, and a
-                    # cancelled waiter must not cancel it.
-                    await asyncio.shield(asyncio.wrap_future(item))
-        return await self._in_tokenizer_thread(pending.result)
+        return await self._finish_processing(
+            await self._in_tokenizer_thread(self._start_processing, prompt)
+        )
+
+    async def process_chat(
+        self, messages: list[dict[str, Any]], cache_salt: str | None = None, **kwargs: Any
+    ) -> ProcessedPrompt:
+        """``apply_chat_template`` and ``process`` in one: rendering, tokenizing and submitting
+        the images are one call in the tokenizer thread.
+
+        Raises:
+            ValueError: as ``apply_chat_template`` and ``process``.
+        """
+
+        def start() -> PendingPrompt | ProcessedPrompt:
+            prompt = self._render(messages, kwargs)
+            if cache_salt is not None:
+                prompt["cache_salt"] = cache_salt
+            return self._start_processing(prompt)
+
+        return await self._finish_processing(await self._in_tokenizer_thread(start))
+
+    def _render(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> dict:
+        """``InputProcessor.apply_chat_template``; a template error becomes a ValueError."""
+        from jinja2 import TemplateError
+
+        try:
+            return self.input_processor.apply_chat_template(messages, **kwargs)
+        except TemplateError as e:
+            raise ValueError(f"The chat template could not render the messages: {e}") from e
+
+    def _start_processing(self, prompt: PromptType) -> PendingPrompt | ProcessedPrompt:
+        """In the tokenizer thread: the processed prompt if no image has to wait, else the
+        pending one."""
+        pending = self.input_processor.process(prompt)
+        return pending.result() if pending.done() else pending
+
+    async def _finish_processing(self, item: PendingPrompt | ProcessedPrompt) -> ProcessedPrompt:
+        if isinstance(item, ProcessedPrompt):
+            return item
+        for image in item.images.items:
+            if isinstance(image, concurrent.futures.Future):
+                # Shielded: the pool's future may be shared with other requests, and a
+                # cancelled waiter must not cancel it.
+                await asyncio.shield(asyncio.wrap_future(image))
+        return await self._in_tokenizer_thread(item.result)
 
     async def generate(
         self,

@@ -89,10 +89,7 @@ class ServingChat(ServingBase):
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
         messages = await self.media.resolve(messages)
         with user_errors():
-            prompt = await self.llm.apply_chat_template(messages)
-            if request.cache_salt is not None:
-                prompt["cache_salt"] = request.cache_salt
-            processed = await self.llm.process(prompt)
+            processed = await self.llm.process_chat(messages, request.cache_salt)
         params = self.fit_to_context(params, processed)
         reply = _Reply(
             f"chatcmpl-{uuid.uuid4().hex}", model, num_top, request.return_tokens_as_token_ids
