@@ -13,7 +13,7 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 def __getattr__(name: str):
     # Lazy: importing the package for SamplingParams must not load torch models.
     if name == "LLM":
-        from mm_serve.engine.llm import LLM
+        from mm_serve.entrypoints.llm import LLM
 
         return LLM
     if name in ("RequestOutput", "CompletionOutput"):

@@ -1,9 +1,10 @@
-"""One typed config tree, resolved once at start-up.
+"""One typed config tree, resolved once at start-up, in the front end.
 
-``EngineArgs`` holds the flat user-facing knobs (the LLM kwargs, later the CLI flags);
+``EngineArgs`` holds the flat user-facing knobs (the ``LLM`` kwargs and the CLI flags);
 ``EngineArgs.create_engine_config()`` resolves them into an ``EngineConfig`` of frozen
-dataclasses. Derived values (the number of KV blocks, found by profiling) are computed by
-their owner and passed down explicitly; they are never written back into the config.
+dataclasses, which the engine core process receives as it is. Derived values (the number of KV
+blocks, sized from the free device memory) are computed by their owner and passed down
+explicitly; they are never written back into the config.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from mm_serve.hub import load_hf_config, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -63,14 +66,25 @@ class ModelConfig:
     def vocab_size(self) -> int:
         return self.text_config.vocab_size
 
+    @property
+    def image_token_id(self) -> int | None:
+        """The image placeholder token id of a VLM, None for a text-only model."""
+        for name in ("image_token_id", "image_token_index"):
+            value = getattr(self.hf_config, name, None)
+            if value is not None:
+                return value
+        return None
+
 
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache.
 
-    ``num_kv_blocks`` overrides the size found by profiling (tests use it to force preemption).
-    On CPU the pool takes ``cpu_kv_cache_bytes``; on GPU ``gpu_memory_utilization`` of the
-    device's memory minus what the weights and a profiling step use.
+    ``num_kv_blocks`` overrides the computed size (tests use it to force preemption). On CPU
+    the pool takes at most ``cpu_kv_cache_bytes``; on GPU ``gpu_memory_utilization`` of the
+    device's memory minus what the process holds when the pool is sized (the weights) and the
+    encoder cache's reserve; no forward pass is run to measure activations
+    (``worker.kv_cache.determine_num_kv_blocks``).
     """
 
     block_size: int = 16
@@ -216,8 +230,6 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the arguments (download, read config.json, pick dtype and lengths) once."""
-        from mm_serve.models.loader import load_hf_config, resolve_model_path
-
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet.")
         device = _resolve_device(self.device)

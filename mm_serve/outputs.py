@@ -1,4 +1,5 @@
-"""What the offline API returns, in vLLM's shape."""
+"""What the engine produces: each step's ``EngineCoreOutput`` per request (engine core →
+front end), and the ``RequestOutput`` the front end assembles from them (vLLM's shape)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,23 @@ class RequestOutput:
     # Prompt images whose embeddings were not computed for it: found in the encoder cache, or
     # their whole placeholder range in the prefix cache.
     num_cached_images: int = 0
+
+
+@dataclass
+class EngineCoreOutput:
+    """New tokens of one engine request after a step, for the front end (detokenizer, stop
+    strings). ``new_logprobs[i]`` is ``(token_ids, logprobs, rank)`` of the i-th new token: the
+    sampled token first, then the top-k."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[tuple[list[int], list[float], int]] | None = None
+    new_prompt_logprobs: list[tuple[list[int], list[float], int]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    num_cached_images: int = 0  # see Request.num_cached_images
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

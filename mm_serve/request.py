@@ -61,6 +61,20 @@ class MultiModalFeature:
     data: Any = None  # preprocessed pixels, filled by the multimodal processor
 
 
+def check_image_tokens(
+    token_ids: list[int], features: list[MultiModalFeature], image_token: int | None
+) -> None:
+    """Raises ValueError when the prompt holds image tokens that no image fills (its text may
+    spell the placeholder without passing an image; the model cannot run that)."""
+    if image_token is None:
+        return
+    if token_ids.count(image_token) != sum(f.placeholder.length for f in features):
+        raise ValueError(
+            "The prompt contains image placeholder tokens that no image fills; pass images "
+            "as image parts (or multi_modal_data), not as placeholder text."
+        )
+
+
 @dataclass
 class Request:
     """A request inside the engine core.

@@ -159,8 +159,8 @@ def test_dummy_model_generates_with_images(tiny_arch) -> None:
 
 def test_detokenizer_skips_ids_the_small_tokenizer_lacks(tiny_arch) -> None:
     """A random model samples ids up to the published vocab; the stand-in tokenizer has ~400."""
-    from mm_serve.engine.detokenizer import IncrementalDetokenizer
-    from mm_serve.engine.processor import load_tokenizer
+    from mm_serve.frontend.detokenizer import IncrementalDetokenizer
+    from mm_serve.frontend.processor import load_tokenizer
     from mm_serve.sampling_params import SamplingParams
 
     tokenizer = load_tokenizer(tiny_arch)
@@ -185,7 +185,7 @@ def _run_bench(args: list[str], tmp_path) -> tuple[dict, str]:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     modules = set(re.findall(r"^import time:.*\|\s*(\S+)$", proc.stderr, re.MULTILINE))
-    assert "mm_serve.engine.llm" in modules  # the parse found the imports
+    assert "mm_serve.entrypoints.llm" in modules  # the parse found the imports
     assert not {m.split(".")[0] for m in modules} & set(WEB_MODULES)
     return json.loads(out.read_text()), proc.stdout
 

@@ -8,6 +8,7 @@ engine start their own.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import glob
 import multiprocessing
 import os
@@ -25,16 +26,17 @@ import torch
 from PIL import Image
 
 from mm_serve import LLM, SamplingParams
-from mm_serve.config import EngineArgs
+from mm_serve.config import EngineArgs, ParallelConfig
 from mm_serve.encoders.base import ProcessedImage
-from mm_serve.engine.core_client import AsyncEngineCoreClient, EngineCoreClient
-from mm_serve.engine.exceptions import EngineDeadError, EngineRequestError, EngineStartupError
-from mm_serve.engine.wire import (
+from mm_serve.frontend.core_client import AsyncEngineCoreClient, EngineCoreClient
+from mm_serve.frontend.exceptions import EngineDeadError, EngineRequestError, EngineStartupError
+from mm_serve.messages import (
     EngineCoreOutputs,
     EngineCoreOutputWire,
     InputCodec,
     KVCacheInfo,
     OutputCodec,
+    RequestDecodeError,
 )
 from mm_serve.request import MultiModalFeature, PlaceholderRange, Request
 from mm_serve.stats import EngineStats
@@ -69,7 +71,7 @@ def llm(vlm_path) -> LLM:
 
 @pytest.fixture(scope="module")
 def client(vlm_path):
-    client = AsyncEngineCoreClient(EngineArgs(model=vlm_path, **ENGINE_ARGS))
+    client = AsyncEngineCoreClient(EngineArgs(model=vlm_path, **ENGINE_ARGS).create_engine_config())
     yield client
     shut_down_and_check(client)
 
@@ -226,7 +228,7 @@ def test_wire_is_msgpack_and_raw_frames(llm):
     assert len(body["mm_features"][0]["pixel_mean"]) == 3
     sent = [f.data.pixel_values for f in request.mm_features]
     assert frames[1] == sent[0].numpy().tobytes()  # raw tensor bytes, not in the body
-    decoded = InputCodec().decode(frames)
+    (decoded,) = InputCodec().decode(frames)
     for feature, original in zip(decoded.mm_features, request.mm_features, strict=True):
         assert feature.data.pixel_values.dtype == original.data.pixel_values.dtype
         assert torch.equal(feature.data.pixel_values, original.data.pixel_values)
@@ -245,8 +247,33 @@ def test_wire_is_msgpack_and_raw_frames(llm):
     assert OutputCodec().decode(encoded) == outputs
 
 
+def test_siblings_travel_in_one_message_with_their_images_once(llm):
+    """The ``n`` engine requests of an ``n > 1`` request: one body, each image frame once;
+    the engine side gets ``n`` requests sharing the prompt and the pixel tensors."""
+    prompt = {"prompt": f"{TAG}Look.", "multi_modal_data": {"image": [photo()]}}
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=4)
+    requests = make_requests(llm, [prompt], params, "sib-")
+    frames = [bytes(f) for f in InputCodec().encode_request(*requests)]
+    body = msgspec.msgpack.decode(frames[0])
+    assert len(frames) == 2 and body["request_id"] == "0_sib-0"
+    assert [s[0] for s in body["siblings"]] == ["1_sib-0", "2_sib-0"]
+    decoded = InputCodec().decode(frames)
+    assert [r.request_id for r in decoded] == [r.request_id for r in requests]
+    assert [r.sampling_params for r in decoded] == [r.sampling_params for r in requests]
+    assert all(r.mm_features is decoded[0].mm_features for r in decoded)
+    assert all(r.prompt_token_ids == requests[0].prompt_token_ids for r in decoded)
+    pixels = decoded[0].mm_features[0].data.pixel_values
+    assert torch.equal(pixels, requests[0].mm_features[0].data.pixel_values)
+    with pytest.raises(ValueError, match="no sibling"):
+        InputCodec().encode_request(requests[0], make_requests(llm, ["x"], GREEDY, "other-")[0])
+    malformed = {"type": "add", "request_id": "a", "prompt_token_ids": "?", "siblings": [["b"]]}
+    with pytest.raises(RequestDecodeError) as info:
+        InputCodec().decode([msgspec.msgpack.encode(malformed)])
+    assert info.value.request_ids == ["a", "b"]  # each gets its error
+
+
 def test_killed_engine_fails_in_flight_requests(vlm_path, llm):
-    client = AsyncEngineCoreClient(EngineArgs(model=vlm_path, **ENGINE_ARGS))
+    client = AsyncEngineCoreClient(EngineArgs(model=vlm_path, **ENGINE_ARGS).create_engine_config())
     long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     requests = make_requests(llm, ["One long answer.", "Another long answer."], long, "kill-")
 
@@ -275,8 +302,10 @@ def test_startup_error_is_raised_and_leaves_nothing(vlm_path):
     pattern = os.path.join(tempfile.gettempdir(), "mm_serve-*")
     before = set(glob.glob(pattern))
     children = set(multiprocessing.active_children())
+    config = EngineArgs(model=vlm_path).create_engine_config()
+    config = dataclasses.replace(config, parallel=ParallelConfig(tensor_parallel_size=2))
     with pytest.raises(EngineStartupError, match="tensor_parallel_size"):
-        EngineCoreClient(EngineArgs(model=vlm_path, tensor_parallel_size=2))
+        EngineCoreClient(config)
     assert set(glob.glob(pattern)) <= before
     assert set(multiprocessing.active_children()) <= children
 
@@ -284,9 +313,10 @@ def test_startup_error_is_raised_and_leaves_nothing(vlm_path):
 ORPHAN_SCRIPT = """
 import os, sys
 from mm_serve.config import EngineArgs
-from mm_serve.engine.core_client import EngineCoreClient
+from mm_serve.frontend.core_client import EngineCoreClient
 if __name__ == "__main__":
-    client = EngineCoreClient(EngineArgs(model=sys.argv[1], num_kv_blocks=16))
+    config = EngineArgs(model=sys.argv[1], num_kv_blocks=16).create_engine_config()
+    client = EngineCoreClient(config)
     print(client.pid, client.ipc_paths[0], flush=True)
     os._exit(0)  # a crash: no shutdown, no exit handlers
 """

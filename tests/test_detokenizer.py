@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mm_serve.engine.detokenizer import IncrementalDetokenizer
+from mm_serve.frontend.detokenizer import IncrementalDetokenizer
 from mm_serve.sampling_params import SamplingParams
 from mm_serve.testing.checkpoints import build_tokenizer
 

@@ -18,8 +18,9 @@ from safetensors.torch import load_file, save_file
 
 from mm_serve.attention import AttentionMetadata
 from mm_serve.config import EngineArgs
+from mm_serve.hub import ModelLoadError, resolve_model_path
 from mm_serve.models.layers.rotary import get_rope, rope_params_from_config
-from mm_serve.models.loader import ModelLoadError, load_model, resolve_model_path
+from mm_serve.models.loader import load_model
 from mm_serve.models.registry import get_model_class
 from mm_serve.testing.checkpoints import build_tiny_checkpoint
 

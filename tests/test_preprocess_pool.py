@@ -23,7 +23,7 @@ from mm_serve import LLM, SamplingParams
 from mm_serve.config import EngineArgs
 from mm_serve.encoders.image_io import load_image
 from mm_serve.encoders.processors import get_image_processor
-from mm_serve.engine.preprocess_pool import PreprocessPool
+from mm_serve.preprocess.pool import PreprocessPool
 from mm_serve.testing.leaks import assert_llm_idle
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 

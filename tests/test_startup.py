@@ -16,7 +16,8 @@ import torch
 
 from mm_serve import LLM, SamplingParams
 from mm_serve.config import EngineArgs
-from mm_serve.engine.async_llm import AsyncLLM
+from mm_serve.frontend.async_llm import AsyncLLM
+from mm_serve.preprocess.pool import warm_up_image
 from mm_serve.stats import EngineStats
 from mm_serve.testing.server import RemoteServer, assert_group_gone, metric
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
@@ -90,9 +91,27 @@ async def _warm_up_scenario(checkpoint: str) -> dict:
         result["user_cached_tokens"] = outputs[-1].num_cached_tokens
         result["user_stats"] = await llm.get_stats()
         result["finished_after_user"] = len(finished)
+        result["hops"] = await _count_tokenizer_hops(llm)
         return result
     finally:
         llm.shutdown()
+
+
+async def _count_tokenizer_hops(llm: AsyncLLM) -> tuple[int, int]:
+    """Calls into the tokenizer thread of ``process_chat``: with an image the processor cache
+    holds, and with a new one (which the pool preprocesses meanwhile)."""
+    calls = []
+    in_thread = llm._in_tokenizer_thread
+
+    async def counted(fn, *args, **kwargs):
+        calls.append(fn)
+        return await in_thread(fn, *args, **kwargs)
+
+    llm._in_tokenizer_thread = counted
+    await llm.process_chat(chat(EXAMPLE.read_bytes()), cache_salt="hops")
+    cached = len(calls)
+    await llm.process_chat(chat(warm_up_image(96)))
+    return cached, len(calls) - cached
 
 
 def test_warm_up_leaves_nothing_behind(checkpoint):
@@ -108,6 +127,9 @@ def test_warm_up_leaves_nothing_behind(checkpoint):
     assert result["finished"] == []  # no metrics for it
     assert result["user_cached_tokens"] == 0
     assert result["user_stats"].encoder_cache_queries == 1
+    # Render, tokenize and submit the images in one call; expand in a second one only when
+    # an image had to wait for the pool.
+    assert result["hops"][0] == 1 and result["hops"][1] <= 2
     assert result["finished_after_user"] == 1
 
 

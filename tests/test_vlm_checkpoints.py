@@ -24,7 +24,7 @@ from PIL import Image
 
 from mm_serve import LLM, SamplingParams
 from mm_serve.encoders.processors import read_chat_template
-from mm_serve.engine.processor import load_tokenizer
+from mm_serve.frontend.processor import load_tokenizer
 from mm_serve.testing.server import RemoteServer
 from mm_serve.testing.vlm_checkpoints import (
     QWEN_VL_CHAT_TEMPLATE,

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from mm_serve.engine.warm_up import BATCH_IMAGE_SIZE, warm_up_batch_size, warm_up_image_size
+from mm_serve.frontend.warm_up import BATCH_IMAGE_SIZE, warm_up_batch_size, warm_up_image_size
 
 
 def _config(device: str, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256):

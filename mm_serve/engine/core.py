@@ -6,8 +6,9 @@ import logging
 
 from mm_serve.config import EngineConfig
 from mm_serve.engine.step_timeline import install_from_env
+from mm_serve.outputs import EngineCoreOutput
 from mm_serve.request import Request, RequestStatus
-from mm_serve.sched.output import EngineCoreOutput, SchedulerOutput
+from mm_serve.sched.output import SchedulerOutput
 from mm_serve.sched.scheduler import Scheduler
 from mm_serve.stats import EngineStats
 from mm_serve.worker.model_runner import ModelRunner
@@ -22,9 +23,14 @@ class EngineCore:
     With ``async_scheduling`` (on by default on CUDA) a step launches the next forward pass
     before it reads the previous one's tokens, so scheduling and input preparation on the host
     overlap the device's work; each ``step()`` then returns the outputs of the step before.
+
+    Raises (from the constructor):
+        ValueError: ``config.parallel.tensor_parallel_size`` is not 1 (one device for now).
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        if config.parallel.tensor_parallel_size != 1:  # a config built by hand may ask for it
+            raise ValueError("tensor_parallel_size > 1 is not supported yet.")
         self.config = config
         self.model_runner = ModelRunner(config)
         self.model_runner.load_model()
@@ -39,6 +45,12 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
+
+    def add_requests(self, requests: list[Request]) -> None:
+        """Add requests in order: the ``n`` siblings of one user request (a remote engine core
+        receives them in one message)."""
+        for request in requests:
+            self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

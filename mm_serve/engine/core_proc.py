@@ -2,7 +2,7 @@
 
 Three threads:
 
-- input thread: receives multipart messages, decodes them (``wire.InputCodec``; image tensors
+- input thread: receives multipart messages, decodes them (``messages.InputCodec``; image tensors
   stay in their ZeroMQ frames) and puts them on ``input_queue``; it also watches the parent
   and ends the process when the parent is gone, so no orphan is left.
 - main thread (``run_busy_loop``): drains ``input_queue`` (add / abort / utility), runs
@@ -29,11 +29,9 @@ from typing import Any
 import torch
 import zmq
 
-from mm_serve.config import EngineArgs
+from mm_serve.config import EngineConfig
 from mm_serve.engine.core import EngineCore
-from mm_serve.engine.mm_processor import image_token_id
-from mm_serve.engine.processor import check_image_tokens
-from mm_serve.engine.wire import (
+from mm_serve.messages import (
     AbortRequests,
     EngineCoreOutputs,
     EngineFailed,
@@ -46,7 +44,7 @@ from mm_serve.engine.wire import (
     UtilityRequest,
     output_to_wire,
 )
-from mm_serve.request import Request
+from mm_serve.request import Request, check_image_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +53,7 @@ _SHUTDOWN = object()  # input/output queue marker: stop the loop / the output th
 
 
 def run_engine_core(
-    engine_args: EngineArgs,
+    config: EngineConfig,
     input_address: str,
     output_address: str,
     parent_pid: int,
@@ -66,7 +64,9 @@ def run_engine_core(
     Connects to the front end's sockets, builds the engine and answers ``EngineReady`` (or
     ``EngineFailed`` with the traceback, then exits with code 1), then serves until the
     parent dies. A fatal error in the loop is reported as ``EngineFailed`` before exiting 1.
-    ``log_setup``: the front end's ``log_setup()``, to log as it does.
+    ``config`` is the front end's, resolved once there and pickled with the process's
+    arguments: this process reads no ``config.json`` and builds no image processor for it.
+    ``log_setup``: the front end's (format, root level, ``mm_serve`` level), to log as it does.
     """
     if log_setup is not None:
         fmt, root_level, level = log_setup
@@ -77,17 +77,7 @@ def run_engine_core(
     # SIGTERM (the front end's shutdown) unwinds the main thread, so that exit handlers run.
     signal.signal(signal.SIGTERM, _raise_system_exit)
     proc = EngineCoreProc(input_address, output_address, parent_pid)
-    sys.exit(proc.serve(engine_args))
-
-
-def log_setup() -> tuple[str, int, int] | None:
-    """(format, root level, ``mm_serve`` level) of this process's logging, for an engine core
-    it starts to log alike; None when logging is not configured (a script stays quiet)."""
-    root = logging.getLogger()
-    if not root.handlers:
-        return None
-    fmt = getattr(root.handlers[0].formatter, "_fmt", None) or logging.BASIC_FORMAT
-    return fmt, root.level, logging.getLogger("mm_serve").getEffectiveLevel()
+    sys.exit(proc.serve(config))
 
 
 def limit_cpu_threads() -> None:
@@ -132,7 +122,7 @@ class EngineCoreProc:
         self.vocab_size = 0
         self.image_token_id: int | None = None
 
-    def serve(self, engine_args: EngineArgs) -> int:
+    def serve(self, config: EngineConfig) -> int:
         """Start up (answering ``EngineReady`` or ``EngineFailed``), then run the busy loop
         until the parent is gone or SIGTERM. Returns the process exit code."""
         # Both threads first: the parent is watched during the (long) model load too.
@@ -144,7 +134,7 @@ class EngineCoreProc:
             thread.start()
         exit_code = 0
         try:
-            self._start_engine(engine_args)
+            self._start_engine(config)
             self.run_busy_loop()
         except Exception as e:
             during_startup = self.engine_core is None
@@ -163,14 +153,13 @@ class EngineCoreProc:
             self.ctx.term()
         return exit_code
 
-    def _start_engine(self, engine_args: EngineArgs) -> None:
+    def _start_engine(self, config: EngineConfig) -> None:
         start = time.perf_counter()
-        config = engine_args.create_engine_config()
         if config.device.type == "cuda":
             limit_cpu_threads()
         self.engine_core = EngineCore(config)
         self.vocab_size = config.model.vocab_size
-        self.image_token_id = image_token_id(config.model.hf_config)
+        self.image_token_id = config.model.image_token_id
         kv = self.engine_core.scheduler.kv_cache_manager
         ready = EngineReady(
             pid=os.getpid(),
@@ -212,16 +201,16 @@ class EngineCoreProc:
             return True
 
     def _handle_input(self, item: Any) -> None:
-        if isinstance(item, Request):
-            error = self._add_request(item)
-            if error is not None:
-                self.output_queue.put(EngineCoreOutputs(errors=[error]))
+        if isinstance(item, list):  # an add-request's engine requests, or their errors
+            adds = [r for r in item if isinstance(r, Request)]
+            errors = [e for e in item if isinstance(e, RequestError)]
+            errors += [e for r in adds if (e := self._add_request(r)) is not None]
+            if errors:
+                self.output_queue.put(EngineCoreOutputs(errors=errors))
         elif isinstance(item, AbortRequests):
             self.engine_core.abort_requests(item.request_ids)
         elif isinstance(item, UtilityRequest):
             self.output_queue.put(self._call_utility(item))
-        elif isinstance(item, RequestError):
-            self.output_queue.put(EngineCoreOutputs(errors=[item]))
         elif isinstance(item, BaseException):
             raise RuntimeError("The engine core's input thread failed.") from item
 
@@ -297,10 +286,10 @@ class EngineCoreProc:
                 try:
                     item = codec.decode(frames)
                 except RequestDecodeError as e:
-                    if e.request_id is None:
+                    if not e.request_ids:
                         logger.error("Dropped a message that could not be decoded: %s", e)
                         continue
-                    item = RequestError(e.request_id, str(e))
+                    item = [RequestError(request_id, str(e)) for request_id in e.request_ids]
                 self.input_queue.put(item)
         except Exception as e:
             logger.exception("The engine core's input thread failed")

@@ -263,8 +263,8 @@ DEMO_MODEL_NAME = "mm-serve-demo-vlm"
 
 def serve(args: argparse.Namespace) -> int:
     """``mm-serve serve``: returns the exit code (1: bad options, failed start, engine died)."""
-    from mm_serve.engine.exceptions import EngineStartupError
     from mm_serve.entrypoints.openai.api_server import run_server
+    from mm_serve.frontend.exceptions import EngineStartupError
 
     try:
         return asyncio.run(run_server(engine_args_from(args), server_config_from(args)))

@@ -15,7 +15,6 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -23,57 +22,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from mm_serve.config import ModelConfig
+from mm_serve.hub import ModelLoadError
 from mm_serve.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
-
-# What serving needs from a hub repo: configs, weights, tokenizer and chat template files.
-ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
-
-
-class ModelLoadError(ValueError):
-    """The checkpoint cannot be found or does not fit the model; the message says why."""
-
-
-def resolve_model_path(model: str, revision: str | None = None) -> str:
-    """An existing folder -> its absolute path; otherwise a hub id, downloaded (or found in the
-    HF cache) with ``snapshot_download``. Raises ``ModelLoadError`` if neither works."""
-    path = os.path.expanduser(model)
-    if os.path.isdir(path):
-        return os.path.abspath(path)
-    if model.startswith((".", "/", "~")):
-        raise ModelLoadError(f"Model folder {model!r} does not exist.")
-    from huggingface_hub import constants, snapshot_download
-
-    try:
-        return snapshot_download(model, revision=revision, allow_patterns=ALLOW_PATTERNS)
-    except Exception as e:  # offline, unknown repo, gated, bad id: all mean "not available"
-        offline = constants.HF_HUB_OFFLINE or _env_true("HF_HUB_OFFLINE")
-        hint = (
-            "HF_HUB_OFFLINE is set and it is not in the local HF cache"
-            if offline
-            else "the Hugging Face Hub could not be reached or has no such repo/revision, "
-            "and it is not in the local HF cache"
-        )
-        raise ModelLoadError(
-            f"Cannot find model {model!r}"
-            + (f" (revision {revision!r})" if revision else "")
-            + f": it is not a local folder, and {hint} ({type(e).__name__}: {e}). "
-            "Pass the path of a downloaded checkpoint folder instead."
-        ) from e
-
-
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
-
-
-def load_hf_config(path: str) -> Any:
-    """The checkpoint's ``config.json`` as a transformers config (no remote code)."""
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ModelLoadError(f"No config.json in {path!r}: not a Hugging Face checkpoint folder.")
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(path)
 
 
 def safetensors_files(path: str) -> list[str]:

@@ -87,21 +87,3 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: list[tuple[list[int], list[float], int] | None]
     prompt_logprobs: dict[str, list[tuple[list[int], list[float], int]]]
-
-
-@dataclass
-class EngineCoreOutput:
-    """New tokens of one request after a step, for the front-end (detokenizer, stop strings)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[tuple[list[int], list[float], int]] | None = None
-    new_prompt_logprobs: list[tuple[list[int], list[float], int]] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    num_cached_images: int = 0  # see Request.num_cached_images
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from mm_serve.cache import KVCacheManager
 from mm_serve.cache.encoder_cache_manager import EncoderCacheManager
 from mm_serve.config import CacheConfig, SchedulerConfig
+from mm_serve.outputs import EngineCoreOutput
 from mm_serve.request import Request, RequestStatus
 from mm_serve.sched.output import (
     CachedRequestData,
-    EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -60,7 +60,7 @@ class Scheduler:
     Args:
         scheduler_config: the per-step budgets.
         cache_config: block size and prefix caching switch.
-        num_kv_blocks: size of the KV pool in blocks, found by the model runner's profiling.
+        num_kv_blocks: size of the KV pool in blocks (``ModelRunner.determine_num_kv_blocks``).
     """
 
     def __init__(

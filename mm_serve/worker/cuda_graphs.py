@@ -31,39 +31,16 @@ import bisect
 import functools
 import logging
 import time
-from collections.abc import Callable
-from typing import TypeVar
 
 import numpy as np
 import torch
 
 from mm_serve.attention import AttentionMetadata
 from mm_serve.config import EngineConfig
+from mm_serve.worker.graph_capture import capture_graph
+from mm_serve.worker.tower_graphs import EncoderCudaGraphs
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-def capture_graph(graph: torch.cuda.CUDAGraph, pool, fn: Callable[[], T]) -> T:
-    """Capture ``fn()`` into ``graph`` (memory from ``pool``) on a side stream; returns its
-    result, whose memory the graph owns.
-
-    ``torch.cuda.graph`` does the same but first synchronises the device and empties both
-    caching allocators (device and pinned host), which mid-run makes the next steps allocate
-    afresh; here nothing is synchronised or freed, so a graph can be captured while serving.
-    Only this thread is checked for unsafe calls (``thread_local``): the engine's other
-    threads may keep working.
-    """
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-        try:
-            result = fn()
-        finally:
-            graph.capture_end()
-    torch.cuda.current_stream().wait_stream(stream)
-    return result
 
 
 def padded_batch_size(num_reqs: int, sizes: tuple[int, ...] | list[int]) -> int | None:
@@ -335,8 +312,6 @@ def capture_graphs(
         )
         mixed.capture(pool)
     if hasattr(model, "tower_runner"):
-        from mm_serve.worker.tower_graphs import EncoderCudaGraphs
-
         model.tower_runner = EncoderCudaGraphs(model.visual)
         model.tower_runner.capture_photos()
     return decode, mixed

@@ -24,7 +24,7 @@ import time
 import torch
 from torch import nn
 
-from mm_serve.worker.cuda_graphs import capture_graph
+from mm_serve.worker.graph_capture import capture_graph
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,6 @@ from starlette.routing import Match, Mount
 from starlette.types import Scope
 
 from mm_serve.config import EngineArgs
-from mm_serve.engine.async_llm import AsyncLLM
 from mm_serve.entrypoints.openai.errors import engine_dead_error, install_error_handlers
 from mm_serve.entrypoints.openai.media import MediaConfig, MediaResolver
 from mm_serve.entrypoints.openai.metrics import ServerMetrics
@@ -39,6 +38,7 @@ from mm_serve.entrypoints.openai.protocol import (
 from mm_serve.entrypoints.openai.serving_chat import ServingChat
 from mm_serve.entrypoints.openai.serving_common import Admission, ModelInfo
 from mm_serve.entrypoints.openai.serving_completion import ServingCompletion
+from mm_serve.frontend.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
 

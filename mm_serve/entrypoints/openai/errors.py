@@ -36,8 +36,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from mm_serve.engine.exceptions import EngineDeadError, EngineRequestError
 from mm_serve.entrypoints.openai.protocol import error_body
+from mm_serve.frontend.exceptions import EngineDeadError, EngineRequestError
 
 logger = logging.getLogger(__name__)
 

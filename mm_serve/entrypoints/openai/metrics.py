@@ -16,8 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mm_serve.engine.stream_state import RequestStats
-from mm_serve.stats import EngineStats
+from mm_serve.stats import EngineStats, RequestStats
 
 PREFIX = "mm_serve_"
 # vLLM's buckets, in seconds.

@@ -9,7 +9,6 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from mm_serve.engine.async_llm import AsyncLLM
 from mm_serve.entrypoints.openai.errors import bad_request, user_errors
 from mm_serve.entrypoints.openai.media import MediaResolver
 from mm_serve.entrypoints.openai.protocol import (
@@ -34,6 +33,7 @@ from mm_serve.entrypoints.openai.serving_common import (
     stream_with_errors,
     usage_info,
 )
+from mm_serve.frontend.async_llm import AsyncLLM
 from mm_serve.outputs import CompletionOutput, RequestOutput
 
 
@@ -89,10 +89,7 @@ class ServingChat(ServingBase):
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
         messages = await self.media.resolve(messages)
         with user_errors():
-            prompt = await self.llm.apply_chat_template(messages)
-            if request.cache_salt is not None:
-                prompt["cache_salt"] = request.cache_salt
-            processed = await self.llm.process(prompt)
+            processed = await self.llm.process_chat(messages, request.cache_salt)
         params = self.fit_to_context(params, processed)
         reply = _Reply(
             f"chatcmpl-{uuid.uuid4().hex}", model, num_top, request.return_tokens_as_token_ids

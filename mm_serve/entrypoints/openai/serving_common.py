@@ -15,8 +15,6 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from mm_serve.engine.async_llm import AsyncLLM
-from mm_serve.engine.processor import ProcessedPrompt
 from mm_serve.entrypoints.openai.errors import (
     APIError,
     bad_request,
@@ -32,6 +30,8 @@ from mm_serve.entrypoints.openai.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from mm_serve.frontend.async_llm import AsyncLLM
+from mm_serve.frontend.processor import ProcessedPrompt
 from mm_serve.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
 from mm_serve.sampling_params import SamplingParams
 

@@ -1,9 +1,10 @@
 """The API server's front end of the engine: prompts in, streamed completions out (asyncio).
 
-``AsyncLLM`` ties the pieces of the offline ``LLM`` to an event loop: the ``InputProcessor`` (chat
-template, tokenization, image hashing) runs in one worker thread, never on the event loop; images
-are preprocessed by its process pool; the engine core runs in its own process behind an
-``AsyncEngineCoreClient``; outputs are detokenized incrementally on the loop as they arrive.
+``AsyncLLM`` ties the front end it shares with the offline ``LLM`` (``FrontEnd``) to an event
+loop: the ``InputProcessor`` (chat template, tokenization, image hashing) runs in one worker
+thread, never on the event loop; images are preprocessed by its process pool; the engine core
+runs in its own process behind an ``AsyncEngineCoreClient``; the ``OutputProcessor`` turns its
+outputs into streamed deltas on the loop as they arrive.
 """
 
 from __future__ import annotations
@@ -18,31 +19,25 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from mm_serve.config import EngineArgs
-from mm_serve.engine.core_client import AsyncEngineCoreClient
-from mm_serve.engine.output_processor import ParentRequest
-from mm_serve.engine.processor import (
-    InputProcessor,
-    ProcessedPrompt,
-    PromptType,
-    generation_config_defaults,
-    load_generation_config,
-    load_tokenizer,
-)
-from mm_serve.engine.stream_state import RequestStats, StreamedCompletion, request_output
-from mm_serve.engine.warm_up import (
+from mm_serve.frontend.base import FrontEnd
+from mm_serve.frontend.core_client import AsyncEngineCoreClient
+from mm_serve.frontend.output_processor import ParentRequest
+from mm_serve.frontend.processor import PendingPrompt, ProcessedPrompt, PromptType
+from mm_serve.frontend.warm_up import (
     WARM_UP_PARAMS,
     warm_up_batch_size,
     warm_up_image_size,
     warm_up_prompt,
 )
 from mm_serve.outputs import RequestOutput
+from mm_serve.request import Request
 from mm_serve.sampling_params import SamplingParams
-from mm_serve.stats import EngineStats
+from mm_serve.stats import EngineStats, RequestStats
 
 logger = logging.getLogger(__name__)
 
 
-class AsyncLLM:
+class AsyncLLM(FrontEnd):
     """The engine for one event loop: process prompts, generate, abort, read the counters.
 
     The constructor blocks while the engine core process starts and loads the model (seconds
@@ -64,21 +59,15 @@ class AsyncLLM:
         engine_args: EngineArgs,
         on_request_finished: Callable[[RequestStats], None] | None = None,
     ) -> None:
-        self.config = engine_args.create_engine_config()
-        self.tokenizer = load_tokenizer(self.config.model.tokenizer)
-        self.generation_config = load_generation_config(self.config.model.path)
-        self.input_processor = InputProcessor(
-            self.config.model, self.config.multimodal, self.tokenizer, self.generation_config
-        )
+        super().__init__(engine_args)
         # One thread: HF fast tokenizers are not safe to call from several threads at once.
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="mm_serve-tokenizer"
         )
-        mm_processor = self.input_processor.mm_processor
         try:
             # The preprocessing workers start (and warm up) while the engine core loads.
-            self._workers_ready = mm_processor.pool.start() if mm_processor else []
-            self.engine_core = AsyncEngineCoreClient(engine_args)
+            self._workers_ready = self.start_preprocessing()
+            self.engine_core = AsyncEngineCoreClient(self.config)
         except BaseException:
             self._tokenizer_thread.shutdown(wait=False)
             self.input_processor.shutdown()
@@ -92,7 +81,7 @@ class AsyncLLM:
         return await asyncio.to_thread(cls, engine_args, **kwargs)
 
     async def warm_up(self) -> None:
-        """Run the warm-up requests (``mm_serve.engine.warm_up``: a batch filling the largest
+        """Run the warm-up requests (``mm_serve.frontend.warm_up``: a batch filling the largest
         step on CUDA, one request elsewhere) once the preprocessing workers are warm, then
         reset the engine core; ``on_request_finished`` never hears of them.
 
@@ -137,10 +126,6 @@ class AsyncLLM:
         """Prompt + output length limit, in tokens."""
         return self.config.model.max_model_len
 
-    def default_sampling_overrides(self) -> dict[str, Any]:
-        """Sampling defaults from the checkpoint's ``generation_config.json`` (as ``LLM``'s)."""
-        return generation_config_defaults(self.generation_config)
-
     async def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> dict:
         """Render OpenAI-style messages into a prompt dict (``InputProcessor.apply_chat_
         template``), in the tokenizer thread.
@@ -149,30 +134,62 @@ class AsyncLLM:
             ValueError: the messages are malformed or the chat template rejects them (the
                 template's own message, e.g. roles that must alternate).
         """
-        from jinja2 import TemplateError
-
-        try:
-            return await self._in_tokenizer_thread(
-                self.input_processor.apply_chat_template, messages, **kwargs
-            )
-        except TemplateError as e:
-            raise ValueError(f"The chat template could not render the messages: {e}") from e
+        return await self._in_tokenizer_thread(self._render, messages, kwargs)
 
     async def process(self, prompt: PromptType) -> ProcessedPrompt:
-        """Tokenize a prompt (in the tokenizer thread), wait for its images to come out of the
-        preprocessing pool (without blocking the loop), and expand their placeholders.
+        """Tokenize a prompt and submit its images (in the tokenizer thread), wait for them to
+        come out of the preprocessing pool (without blocking the loop), and expand their
+        placeholders (in the tokenizer thread again, unless no image had to wait).
 
         Raises:
             ValueError: see ``InputProcessor.process`` and ``PendingPrompt.result``.
         """
-        pending = await self._in_tokenizer_thread(self.input_processor.process, prompt)
-        if pending.images is not None:
-            for item in pending.images.items:
-                if isinstance(item, concurrent.futures.Future):
-                    # Shielded: the pool's future may be shared with other requests, and a
-                    # cancelled waiter must not cancel it.
-                    await asyncio.shield(asyncio.wrap_future(item))
-        return await self._in_tokenizer_thread(pending.result)
+        return await self._finish_processing(
+            await self._in_tokenizer_thread(self._start_processing, prompt)
+        )
+
+    async def process_chat(
+        self, messages: list[dict[str, Any]], cache_salt: str | None = None, **kwargs: Any
+    ) -> ProcessedPrompt:
+        """``apply_chat_template`` and ``process`` in one: rendering, tokenizing and submitting
+        the images are one call in the tokenizer thread.
+
+        Raises:
+            ValueError: as ``apply_chat_template`` and ``process``.
+        """
+
+        def start() -> PendingPrompt | ProcessedPrompt:
+            prompt = self._render(messages, kwargs)
+            if cache_salt is not None:
+                prompt["cache_salt"] = cache_salt
+            return self._start_processing(prompt)
+
+        return await self._finish_processing(await self._in_tokenizer_thread(start))
+
+    def _render(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> dict:
+        """``InputProcessor.apply_chat_template``; a template error becomes a ValueError."""
+        from jinja2 import TemplateError
+
+        try:
+            return self.input_processor.apply_chat_template(messages, **kwargs)
+        except TemplateError as e:
+            raise ValueError(f"The chat template could not render the messages: {e}") from e
+
+    def _start_processing(self, prompt: PromptType) -> PendingPrompt | ProcessedPrompt:
+        """In the tokenizer thread: the processed prompt if no image has to wait, else the
+        pending one."""
+        pending = self.input_processor.process(prompt)
+        return pending.result() if pending.done() else pending
+
+    async def _finish_processing(self, item: PendingPrompt | ProcessedPrompt) -> ProcessedPrompt:
+        if isinstance(item, ProcessedPrompt):
+            return item
+        for image in item.images.items:
+            if isinstance(image, concurrent.futures.Future):
+                # Shielded: the pool's future may be shared with other requests, and a
+                # cancelled waiter must not cancel it.
+                await asyncio.shield(asyncio.wrap_future(image))
+        return await self._in_tokenizer_thread(item.result)
 
     async def generate(
         self,
@@ -194,69 +211,42 @@ class AsyncLLM:
         it); now when None.
 
         Raises:
+            ValueError: ``request_id`` is already in flight (raised before the first output).
             EngineRequestError: the engine refused the request (a ``ValueError``: a 4xx unless
                 its ``kind`` is "internal").
             EngineDeadError: the engine core process is gone (within ~0.1 s of its death).
         """
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        parent = ParentRequest(request_id, prompt.text, prompt.token_ids, params.n)
-        requests = self.input_processor.make_requests(request_id, prompt, params)
-        completions = {
-            r.request_id: StreamedCompletion(self.tokenizer, parent, i, r.sampling_params)
-            for i, r in enumerate(requests)
-        }
+        parent, requests = self.make_requests(request_id, prompt, params, stream=True)
         outcome = ""
-        forwarders: list[asyncio.Task] = []
         try:
-            queues = [await self.engine_core.add_request(r) for r in requests]
-            merged = queues[0] if len(queues) == 1 else asyncio.Queue()
-            if len(queues) > 1:
-                forwarders = [asyncio.ensure_future(_forward(q, merged)) for q in queues]
-            while any(c.finish_reason is None for c in completions.values()):
-                items = [await merged.get()]
-                while not merged.empty():
-                    items.append(merged.get_nowait())
-                await self._apply(items, completions, parent)
-                deltas = [d for c in completions.values() if (d := c.take_delta()) is not None]
-                if deltas:
-                    yield request_output(parent, deltas, completions)
+            engine_outputs = await self.engine_core.add_requests(requests)
+            while not parent.finished:
+                items = [await engine_outputs.get()]
+                while not engine_outputs.empty():
+                    items.append(engine_outputs.get_nowait())
+                for item in items:
+                    if isinstance(item, BaseException):
+                        raise item
+                outputs, to_abort = self.output_processor.process_outputs(items, time.monotonic())
+                if to_abort:
+                    await self.engine_core.abort_requests(to_abort)
+                for output in outputs:
+                    yield output
         except BaseException as e:
             cancelled = isinstance(e, (GeneratorExit, asyncio.CancelledError))
             outcome = "abort" if cancelled else "error"
             raise
         finally:
-            for task in forwarders:
-                task.cancel()
-            await self._finish(completions, parent, arrival_time, outcome)
-
-    async def _apply(
-        self, items: list[Any], completions: dict[str, StreamedCompletion], parent: ParentRequest
-    ) -> None:
-        """Feed engine outputs to their completions; raise an error item; abort the engine
-        requests that a stop string ended."""
-        now = time.monotonic()
-        to_abort = []
-        for item in items:
-            if isinstance(item, BaseException):
-                raise item
-            completion = completions[item.request_id]
-            if completion.finish_reason is not None:
-                continue  # ended by a stop string; the engine's last outputs are moot
-            parent.record_cache_hits(completion.state.index, item)
-            if completion.update(item, now):
-                to_abort.append(item.request_id)
-        if to_abort:
-            await self.engine_core.abort_requests(to_abort)
+            await self._finish(requests, parent, arrival_time, outcome)
 
     async def _finish(
-        self,
-        completions: dict[str, StreamedCompletion],
-        parent: ParentRequest,
-        arrival_time: float,
-        outcome: str,
+        self, requests: list[Request], parent: ParentRequest, arrival_time: float, outcome: str
     ) -> None:
         """Abort what is still running in the engine and report each completion's stats."""
-        unfinished = [rid for rid, c in completions.items() if c.finish_reason is None]
+        children = zip(requests, parent.children, strict=True)
+        unfinished = [request.request_id for request, child in children if not child.finished]
+        self.output_processor.abort_requests(unfinished)
         if unfinished and not self.engine_core.is_dead:
             # Never suspends (a socket send), as it must: this runs while the generator is
             # being closed, where an await that yields to the loop is an error.
@@ -264,14 +254,14 @@ class AsyncLLM:
         if self.on_request_finished is None:
             return
         now = time.monotonic()
-        for completion in completions.values():
+        for child in parent.children:
             stats = RequestStats(
-                index=completion.state.index,
-                finish_reason=completion.finish_reason or outcome or "abort",
+                index=child.index,
+                finish_reason=child.finish_reason or outcome or "abort",
                 num_prompt_tokens=len(parent.prompt_token_ids),
-                num_output_tokens=len(completion.state.token_ids),
+                num_output_tokens=len(child.token_ids),
                 arrival_time=arrival_time,
-                first_token_time=completion.first_token_time,
+                first_token_time=child.first_token_time,
                 finished_time=now,
             )
             self.on_request_finished(stats)
@@ -282,12 +272,7 @@ class AsyncLLM:
         Raises:
             EngineDeadError: the engine core is gone.
         """
-        stats = await self.engine_core.get_stats()
-        mm_processor = self.input_processor.mm_processor
-        if mm_processor is not None:
-            stats.processor_cache_queries = mm_processor.cache.queries
-            stats.processor_cache_hits = mm_processor.cache.hits
-        return stats
+        return self.add_front_end_stats(await self.engine_core.get_stats())
 
     def shutdown(self) -> None:
         """Stop the engine core process, the preprocessing pool and the tokenizer thread;
@@ -300,12 +285,3 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         call = functools.partial(fn, *args, **kwargs)
         return await loop.run_in_executor(self._tokenizer_thread, call)
-
-
-async def _forward(source: asyncio.Queue, sink: asyncio.Queue) -> None:
-    """Move one child's items onto its parent's queue until its last one (n > 1)."""
-    while True:
-        item = await source.get()
-        sink.put_nowait(item)
-        if isinstance(item, BaseException) or item.finished:
-            return

@@ -23,17 +23,8 @@ from mm_serve.cache.processor_cache import ProcessorCache
 from mm_serve.config import ModelConfig, MultiModalConfig
 from mm_serve.encoders.base import ProcessedImage
 from mm_serve.encoders.processors import get_image_processor
-from mm_serve.engine.preprocess_pool import PreprocessPool, PreprocessResult
+from mm_serve.preprocess.pool import PreprocessPool, PreprocessResult
 from mm_serve.request import MultiModalFeature, PlaceholderRange
-
-
-def image_token_id(hf_config: Any) -> int | None:
-    """The placeholder token id of a VLM config, None for a text-only model."""
-    for name in ("image_token_id", "image_token_index"):
-        value = getattr(hf_config, name, None)
-        if value is not None:
-            return value
-    return None
 
 
 def image_from_url(url: str) -> bytes | str:
@@ -116,7 +107,7 @@ class MultiModalProcessor:
     """
 
     def __init__(self, model_config: ModelConfig, mm_config: MultiModalConfig) -> None:
-        self.image_token_id = image_token_id(model_config.hf_config)
+        self.image_token_id = model_config.image_token_id
         processor = get_image_processor(
             model_config.path, model_config.hf_config, max_pixels=mm_config.processor_max_pixels
         )

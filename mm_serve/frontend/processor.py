@@ -13,13 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mm_serve.config import ModelConfig, MultiModalConfig
-from mm_serve.engine.mm_processor import (
-    MultiModalProcessor,
-    PendingImages,
-    image_token_id,
-    split_chat_images,
-)
-from mm_serve.request import MultiModalFeature, Request
+from mm_serve.frontend.mm_processor import MultiModalProcessor, PendingImages, split_chat_images
+from mm_serve.request import MultiModalFeature, Request, check_image_tokens
 from mm_serve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -76,7 +71,7 @@ class PendingPrompt:
         if self.images is not None:
             token_ids, features = self.images.result()
             check_token_ids(token_ids, self.model_config)
-        check_image_tokens(token_ids, features, image_token_id(self.model_config.hf_config))
+        check_image_tokens(token_ids, features, self.model_config.image_token_id)
         return ProcessedPrompt(self.text, token_ids, features, self.cache_salt)
 
 
@@ -94,20 +89,6 @@ def check_token_ids(token_ids: list[int], model_config: ModelConfig) -> None:
     vocab_size = model_config.vocab_size
     if min(token_ids) < 0 or max(token_ids) >= vocab_size:
         raise ValueError(f"Prompt token ids must be in [0, {vocab_size}).")
-
-
-def check_image_tokens(
-    token_ids: list[int], features: list[MultiModalFeature], image_token: int | None
-) -> None:
-    """Raises ValueError when the prompt holds image tokens that no image fills (its text may
-    spell the placeholder without passing an image; the model cannot run that)."""
-    if image_token is None:
-        return
-    if token_ids.count(image_token) != sum(f.placeholder.length for f in features):
-        raise ValueError(
-            "The prompt contains image placeholder tokens that no image fills; pass images "
-            "as image parts (or multi_modal_data), not as placeholder text."
-        )
 
 
 def load_tokenizer(path: str):
@@ -177,7 +158,7 @@ class InputProcessor:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.mm_processor = None
-        if image_token_id(model_config.hf_config) is not None:
+        if model_config.image_token_id is not None:
             self.mm_processor = MultiModalProcessor(model_config, mm_config)
         self.eos_token_id = tokenizer.eos_token_id
         eos = getattr(generation_config, "eos_token_id", None) if generation_config else None

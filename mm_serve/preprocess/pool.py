@@ -34,7 +34,7 @@ from mm_serve.config import ModelConfig, MultiModalConfig
 from mm_serve.encoders.base import ImageProcessor, ProcessedImage
 from mm_serve.encoders.image_io import load_image
 from mm_serve.encoders.processors import get_image_processor
-from mm_serve.engine.mp_context import no_main_context
+from mm_serve.mp_context import no_main_context
 
 logger = logging.getLogger(__name__)
 

@@ -3,9 +3,11 @@
 Front end → engine (one ZeroMQ multipart message each): frame 0 is the msgpack body of an
 ``AddRequest``, ``AbortRequests`` or ``UtilityRequest``; an ``AddRequest``'s image tensors
 follow as raw frames (frame ``MultiModalFeatureWire.frame``), sent and received without a
-copy. Engine → front end: one msgpack frame of ``EngineReady``, ``EngineCoreOutputs`` or
-``EngineFailed``. Nothing is pickled: the bodies are typed msgspec structs (``SamplingParams``
-and ``EngineStats`` are plain dataclasses, which msgspec encodes and decodes by field).
+copy. The ``n`` engine requests of an ``n > 1`` request share their prompt and images: one
+``AddRequest`` carries them all (``siblings``), so each image is sent once. Engine → front
+end: one msgpack frame of ``EngineReady``, ``EngineCoreOutputs`` or ``EngineFailed``. Nothing
+is pickled: the bodies are typed msgspec structs (``SamplingParams`` and ``EngineStats`` are
+plain dataclasses, which msgspec encodes and decodes by field).
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ import msgspec
 import torch
 
 from mm_serve.encoders.base import ProcessedImage
+from mm_serve.outputs import EngineCoreOutput
 from mm_serve.request import MultiModalFeature, PlaceholderRange, Request
 from mm_serve.sampling_params import SamplingParams
-from mm_serve.sched.output import EngineCoreOutput
 from mm_serve.stats import EngineStats
 
 # Tensor dtypes allowed on the wire, by name (never resolved with getattr on user input).
@@ -46,14 +48,15 @@ Buffer = Any  # anything with the buffer protocol: bytes, memoryview, zmq.Frame
 
 
 class RequestDecodeError(ValueError):
-    """A message from the front end that cannot become an engine request.
+    """A message from the front end that cannot become engine requests.
 
-    ``request_id`` is the id it carried, or None when not even that could be read.
+    ``request_ids``: the ids it carried (the first request's, then its siblings'), empty when
+    not even those could be read.
     """
 
-    def __init__(self, request_id: str | None, message: str) -> None:
+    def __init__(self, request_ids: list[str], message: str) -> None:
         super().__init__(message)
-        self.request_id = request_id
+        self.request_ids = request_ids
 
 
 # ---- front end → engine ------------------------------------------------------------------
@@ -74,7 +77,16 @@ class MultiModalFeatureWire(msgspec.Struct, omit_defaults=True):
     pixel_std: tuple[float, ...] = ()
 
 
+class Sibling(msgspec.Struct, array_like=True):
+    """Another engine request of the same user request (``n > 1``): what differs."""
+
+    request_id: str
+    sampling_params: SamplingParams
+
+
 class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
+    """One engine request, and its siblings, which share everything but id and sampling."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
@@ -82,6 +94,11 @@ class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
     eos_token_id: int | None = None
     cache_salt: str | None = None
     mm_features: list[MultiModalFeatureWire] = []
+    siblings: list[Sibling] = []
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [self.request_id, *(s.request_id for s in self.siblings)]
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -205,8 +222,24 @@ def tensor_from_buffer(buffer: Buffer, dtype: str, shape: Sequence[int]) -> torc
 # ---- conversions to and from the engine's own types --------------------------------------
 
 
-def request_to_wire(request: Request) -> tuple[AddRequest, list[memoryview]]:
-    """An engine ``Request`` → its message and the raw tensor frames that follow it."""
+def requests_to_wire(requests: Sequence[Request]) -> tuple[AddRequest, list[memoryview]]:
+    """Engine ``Request``s → their message and the raw tensor frames that follow it.
+
+    ``requests[1:]`` are siblings of ``requests[0]`` (``InputProcessor.make_requests``).
+
+    Raises:
+        ValueError: a sibling does not share the first request's prompt token ids and images
+            (the same objects), EOS id and cache salt.
+    """
+    request, siblings = requests[0], requests[1:]
+    for sibling in siblings:
+        if (
+            sibling.prompt_token_ids is not request.prompt_token_ids
+            or sibling.mm_features is not request.mm_features
+            or (sibling.eos_token_id, sibling.cache_salt)
+            != (request.eos_token_id, request.cache_salt)
+        ):
+            raise ValueError(f"Request {sibling.request_id!r} is no sibling of the first.")
     buffers: list[memoryview] = []
     features = []
     for feature in request.mm_features:
@@ -232,29 +265,36 @@ def request_to_wire(request: Request) -> tuple[AddRequest, list[memoryview]]:
         eos_token_id=request.eos_token_id,
         cache_salt=request.cache_salt,
         mm_features=features,
+        siblings=[Sibling(s.request_id, s.sampling_params) for s in siblings],
     )
     return message, buffers
 
 
-def request_from_wire(message: AddRequest, frames: Sequence[Buffer]) -> Request:
-    """The engine ``Request`` of an ``AddRequest`` whose tensor frames are ``frames``.
+def requests_from_wire(message: AddRequest, frames: Sequence[Buffer]) -> list[Request]:
+    """The engine ``Request``s of an ``AddRequest`` (the first, then its siblings, sharing
+    the prompt and the image tensors) whose tensor frames are ``frames``.
 
     Raises:
         RequestDecodeError: on a missing or malformed tensor frame or an invalid request.
     """
     try:
         features = [_feature_from_wire(f, frames) for f in message.mm_features]
-        return Request(
-            message.request_id,
-            message.prompt_token_ids,
-            message.sampling_params,
-            eos_token_id=message.eos_token_id,
-            mm_features=features,
-            cache_salt=message.cache_salt,
-            arrival_time=message.arrival_time,
-        )
+        children = [(message.request_id, message.sampling_params)]
+        children += [(s.request_id, s.sampling_params) for s in message.siblings]
+        return [
+            Request(
+                request_id,
+                message.prompt_token_ids,
+                sampling_params,
+                eos_token_id=message.eos_token_id,
+                mm_features=features,
+                cache_salt=message.cache_salt,
+                arrival_time=message.arrival_time,
+            )
+            for request_id, sampling_params in children
+        ]
     except (ValueError, IndexError) as e:
-        raise RequestDecodeError(message.request_id, str(e)) from e
+        raise RequestDecodeError(message.request_ids, str(e)) from e
 
 
 def _feature_from_wire(wire: MultiModalFeatureWire, frames: Sequence[Buffer]) -> MultiModalFeature:
@@ -270,29 +310,12 @@ def _feature_from_wire(wire: MultiModalFeatureWire, frames: Sequence[Buffer]) ->
 
 
 def output_to_wire(output: EngineCoreOutput) -> EngineCoreOutputWire:
-    return EngineCoreOutputWire(
-        output.request_id,
-        output.new_token_ids,
-        output.new_logprobs,
-        output.new_prompt_logprobs,
-        output.finish_reason,
-        output.stop_reason,
-        output.num_cached_tokens,
-        output.num_cached_images,
-    )
+    """The wire form of an engine output (the same fields; a field the wire lacks raises)."""
+    return EngineCoreOutputWire(**vars(output))
 
 
 def output_from_wire(wire: EngineCoreOutputWire) -> EngineCoreOutput:
-    return EngineCoreOutput(
-        request_id=wire.request_id,
-        new_token_ids=wire.new_token_ids,
-        new_logprobs=wire.new_logprobs,
-        new_prompt_logprobs=wire.new_prompt_logprobs,
-        finish_reason=wire.finish_reason,
-        stop_reason=wire.stop_reason,
-        num_cached_tokens=wire.num_cached_tokens,
-        num_cached_images=wire.num_cached_images,
-    )
+    return EngineCoreOutput(**msgspec.structs.asdict(wire))
 
 
 # ---- codecs ------------------------------------------------------------------------------
@@ -308,30 +331,37 @@ class InputCodec:
     def encode(self, message: AbortRequests | UtilityRequest) -> list[bytes]:
         return [self._encoder.encode(message)]
 
-    def encode_request(self, request: Request) -> list[Buffer]:
-        """Frames of an add-request: the msgpack body, then one raw frame per image tensor."""
-        message, buffers = request_to_wire(request)
+    def encode_request(self, request: Request, *siblings: Request) -> list[Buffer]:
+        """Frames of an add-request (of ``request`` and its ``siblings``, see
+        ``requests_to_wire``): the msgpack body, then one raw frame per image tensor."""
+        message, buffers = requests_to_wire([request, *siblings])
         return [self._encoder.encode(message), *buffers]
 
-    def decode(self, frames: Sequence[Buffer]) -> Request | AbortRequests | UtilityRequest:
-        """Raises ``RequestDecodeError`` on a malformed message (with its request id if any)."""
+    def decode(self, frames: Sequence[Buffer]) -> list[Request] | AbortRequests | UtilityRequest:
+        """An add-request's engine requests (see ``requests_from_wire``), or the message.
+
+        Raises ``RequestDecodeError`` on a malformed message (with its request ids if any).
+        """
         try:
             message = self._decoder.decode(frames[0])
         except msgspec.DecodeError as e:
-            raise RequestDecodeError(_request_id_of(frames[0]), f"Malformed request: {e}") from e
+            raise RequestDecodeError(_request_ids_of(frames[0]), f"Malformed request: {e}") from e
         if isinstance(message, AddRequest):
-            return request_from_wire(message, frames)
+            return requests_from_wire(message, frames)
         return message
 
 
-def _request_id_of(body: Buffer) -> str | None:
-    """The ``request_id`` of an add-request that failed typed decoding, if readable."""
+def _request_ids_of(body: Buffer) -> list[str]:
+    """The request ids of an add-request that failed typed decoding, as far as readable."""
     try:
         raw = msgspec.msgpack.decode(body)
     except msgspec.DecodeError:
-        return None
-    request_id = raw.get("request_id") if isinstance(raw, dict) else None
-    return request_id if isinstance(request_id, str) else None
+        return []
+    if not isinstance(raw, dict):
+        return []
+    siblings = raw.get("siblings") if isinstance(raw.get("siblings"), list) else []
+    ids = [raw.get("request_id"), *(s[0] for s in siblings if isinstance(s, list) and s)]
+    return [i for i in ids if isinstance(i, str)]
 
 
 class OutputCodec:

@@ -21,25 +21,20 @@ import atexit
 import concurrent.futures
 import itertools
 import logging
-import os
 import queue
-import shutil
 import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import zmq
 
-from mm_serve.config import EngineArgs
-from mm_serve.engine.core_proc import log_setup, run_engine_core
-from mm_serve.engine.delivery import Sink, deliver
-from mm_serve.engine.exceptions import EngineDeadError, EngineRequestError, EngineStartupError
-from mm_serve.engine.mp_context import no_main_context
-from mm_serve.engine.wire import (
+from mm_serve.config import EngineConfig
+from mm_serve.frontend.delivery import Sink, deliver
+from mm_serve.frontend.engine_process import POLL_INTERVAL_MS, ClientResources, engine_core_process
+from mm_serve.frontend.exceptions import EngineDeadError, EngineRequestError, EngineStartupError
+from mm_serve.messages import (
     AbortRequests,
     EngineCoreOutputs,
     EngineFailed,
@@ -55,34 +50,30 @@ from mm_serve.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
-POLL_INTERVAL_MS = 100  # the output thread's wake-up period (it notices shutdown within this)
-
 
 class _EngineCoreClientBase:
     """Process, sockets and output thread, shared by the sync and the async client.
+
+    ``config``: the engine config the front end resolved, sent to the engine core process as
+    it is (the engine core does not resolve it again).
 
     Raises (from the constructor):
         EngineStartupError: the process failed or exited during start-up, or did not report
             ready within ``startup_timeout_s`` seconds (None: no limit).
     """
 
-    def __init__(self, engine_args: EngineArgs, startup_timeout_s: float | None = None) -> None:
+    def __init__(self, config: EngineConfig, startup_timeout_s: float | None = None) -> None:
         ipc_dir = tempfile.mkdtemp(prefix="mm_serve-")
         tag = uuid.uuid4().hex[:12]
         self.ipc_paths = (f"{ipc_dir}/input-{tag}.sock", f"{ipc_dir}/output-{tag}.sock")
         self._ctx = zmq.Context()
         self._input = self._bind(zmq.PUSH, self.ipc_paths[0])
         self._output = self._bind(zmq.PULL, self.ipc_paths[1])
-        # Spawned without re-running the user's main script (no __main__ guard needed).
-        self._proc = no_main_context("spawn").Process(
-            target=run_engine_core,
-            args=(engine_args, *(f"ipc://{p}" for p in self.ipc_paths), os.getpid(), log_setup()),
-            name="mm_serve-engine-core",
-        )
+        self._proc = engine_core_process(config, self.ipc_paths)
         thread = threading.Thread(
             target=self._output_loop, name="mm_serve-engine-core-output", daemon=True
         )
-        self._resources = _Resources(
+        self._resources = ClientResources(
             self._proc, thread, self._ctx, (self._input, self._output), ipc_dir
         )
         self._lock = threading.Lock()  # guards the input socket, the codec and the tables
@@ -158,14 +149,16 @@ class _EngineCoreClientBase:
 
     # ---- requests in -------------------------------------------------------------------
 
-    def _add(self, request: Request, sink: Sink) -> None:
+    def _add(self, requests: list[Request], sink: Sink) -> None:
+        """Send ``requests`` (one, or the siblings of an ``n > 1`` request) in one message."""
         with self._lock:
             self._check_alive()
-            if request.request_id in self._sinks:
-                raise ValueError(f"Request id {request.request_id!r} is already in flight.")
-            frames = self._codec.encode_request(request)
-            self._send(frames)
-            self._sinks[request.request_id] = sink
+            for request in requests:
+                if request.request_id in self._sinks:
+                    raise ValueError(f"Request id {request.request_id!r} is already in flight.")
+            self._send(self._codec.encode_request(*requests))
+            for request in requests:
+                self._sinks[request.request_id] = sink
 
     def _abort(self, request_ids: list[str]) -> None:
         """Abort requests; unknown or finished ids are ignored. Their queues get no error and
@@ -283,38 +276,6 @@ class _EngineCoreClientBase:
                 future.set_exception(EngineDeadError(str(error)))
 
 
-@dataclass
-class _Resources:
-    """What the client must release; apart from it, so that the atexit hook does not hold it."""
-
-    proc: BaseProcess
-    thread: threading.Thread  # the output thread
-    ctx: zmq.Context
-    sockets: tuple[zmq.Socket, ...]
-    ipc_dir: str
-    closing: threading.Event = field(default_factory=threading.Event)
-
-    def release(self, timeout_s: float = 5.0) -> None:
-        """Stop the process (SIGTERM, SIGKILL after ``timeout_s``), the output thread and the
-        sockets; remove the ipc files. Safe to repeat, and on a process that never started."""
-        self.closing.set()
-        proc = self.proc
-        if proc.pid is not None:
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout_s)
-            if proc.is_alive():
-                logger.warning("The engine core (pid %d) ignored SIGTERM; killing it.", proc.pid)
-                proc.kill()
-            proc.join()
-        if self.thread.is_alive() and self.thread is not threading.current_thread():
-            self.thread.join(timeout=2 * POLL_INTERVAL_MS / 1000 + 1)
-        for socket in self.sockets:
-            socket.close(linger=0)
-        self.ctx.term()
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
-
-
 class EngineCoreClient(_EngineCoreClientBase):
     """Blocking client: ``add_request`` returns the request's ``queue.Queue`` (see module doc).
 
@@ -327,8 +288,16 @@ class EngineCoreClient(_EngineCoreClientBase):
         """Send ``request`` to the engine core; its outputs go to ``output_queue`` (which
         several requests may share: each output names its request) or to a new queue.
         Returns the queue. Raises ValueError on an id already in flight."""
+        return self.add_requests([request], output_queue)
+
+    def add_requests(
+        self, requests: list[Request], output_queue: queue.Queue | None = None
+    ) -> queue.Queue:
+        """``add_request`` for the ``n`` sibling requests of one user request (they share the
+        prompt and images, which are sent once), all to one queue. Raises ValueError on an id
+        already in flight, or requests that are no siblings (``messages.requests_to_wire``)."""
         sink = Sink(queue.Queue() if output_queue is None else output_queue, None)
-        self._add(request, sink)
+        self._add(requests, sink)
         return sink.queue
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -349,7 +318,7 @@ class EngineCoreClient(_EngineCoreClientBase):
 
 
 class AsyncEngineCoreClient(_EngineCoreClientBase):
-    """The API server's client: coroutine calls, a per-request ``asyncio.Queue``.
+    """The API server's client: coroutine calls, an ``asyncio.Queue`` per user request.
 
     The constructor blocks until the engine core is ready (seconds to minutes: the model
     loads); from a running loop, build it with ``await asyncio.to_thread(...)``. Requests may
@@ -362,8 +331,14 @@ class AsyncEngineCoreClient(_EngineCoreClientBase):
 
     async def add_request(self, request: Request) -> asyncio.Queue:
         """Send ``request``; returns its queue. Raises ValueError on an id already in flight."""
+        return await self.add_requests([request])
+
+    async def add_requests(self, requests: list[Request]) -> asyncio.Queue:
+        """Send the ``n`` sibling requests of one user request (they share the prompt and
+        images, which are sent once); returns their one queue, where each output names its
+        request. Raises ValueError as ``EngineCoreClient.add_requests``."""
         sink = Sink(asyncio.Queue(), asyncio.get_running_loop())
-        self._add(request, sink)
+        self._add(requests, sink)
         return sink.queue
 
     async def abort_requests(self, request_ids: list[str]) -> None:

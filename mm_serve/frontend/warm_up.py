@@ -17,9 +17,8 @@ import uuid
 from typing import Any
 
 from mm_serve.config import EngineConfig
-from mm_serve.engine.mm_processor import image_token_id
-from mm_serve.engine.preprocess_pool import warm_up_image
-from mm_serve.engine.processor import InputProcessor
+from mm_serve.frontend.processor import InputProcessor
+from mm_serve.preprocess.pool import warm_up_image
 from mm_serve.sampling_params import SamplingParams
 
 # A prefill and one decode step, whatever the model says first.
@@ -61,7 +60,7 @@ def warm_up_prompt(input_processor: InputProcessor, image_size: int = 224) -> di
     The image carries a fresh uuid, so no user image ever shares its cache entries.
     """
     hf_config = input_processor.model_config.hf_config
-    image_id = image_token_id(hf_config)
+    image_id = input_processor.model_config.image_token_id
     if image_id is None:
         content: Any = WARM_UP_QUESTION
     else:

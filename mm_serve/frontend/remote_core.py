@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import queue
 
-from mm_serve.config import EngineArgs
-from mm_serve.engine.core_client import EngineCoreClient
-from mm_serve.engine.exceptions import EngineRequestError
+from mm_serve.config import EngineConfig
+from mm_serve.frontend.core_client import EngineCoreClient
+from mm_serve.frontend.exceptions import EngineRequestError
+from mm_serve.outputs import EngineCoreOutput
 from mm_serve.request import Request
-from mm_serve.sched.output import EngineCoreOutput
 from mm_serve.stats import EngineStats
 
 # How long ``step()`` waits for an output before it returns none (the caller then adds the
@@ -24,7 +24,7 @@ POLL_S = 0.005
 
 
 class RemoteEngineCore:
-    """``add_request`` / ``abort_requests`` / ``step`` / ``has_unfinished_requests`` /
+    """``add_request(s)`` / ``abort_requests`` / ``step`` / ``has_unfinished_requests`` /
     ``get_stats`` / ``reset`` of ``EngineCore``, on an engine core process.
 
     Raises:
@@ -32,14 +32,18 @@ class RemoteEngineCore:
         EngineDeadError: from any call once the process is gone.
     """
 
-    def __init__(self, engine_args: EngineArgs) -> None:
-        self.client = EngineCoreClient(engine_args)
+    def __init__(self, config: EngineConfig) -> None:
+        self.client = EngineCoreClient(config)
         self._outputs: queue.Queue = queue.Queue()  # every request's outputs, in arrival order
         self._unfinished: set[str] = set()
 
     def add_request(self, request: Request) -> None:
-        self.client.add_request(request, self._outputs)
-        self._unfinished.add(request.request_id)
+        self.add_requests([request])
+
+    def add_requests(self, requests: list[Request]) -> None:
+        """The ``n`` siblings of one user request, in one message (see ``EngineCore``)."""
+        self.client.add_requests(requests, self._outputs)
+        self._unfinished.update(request.request_id for request in requests)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort requests; outputs of theirs already received still come from ``step()``."""

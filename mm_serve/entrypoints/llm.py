@@ -14,17 +14,9 @@ from tqdm.auto import tqdm
 
 from mm_serve.config import EngineArgs
 from mm_serve.engine.core import EngineCore
-from mm_serve.engine.output_processor import OutputProcessor, ParentRequest
-from mm_serve.engine.processor import (
-    InputProcessor,
-    PendingPrompt,
-    ProcessedPrompt,
-    PromptType,
-    generation_config_defaults,
-    load_generation_config,
-    load_tokenizer,
-)
-from mm_serve.engine.warm_up import (
+from mm_serve.frontend.base import FrontEnd
+from mm_serve.frontend.processor import PendingPrompt, ProcessedPrompt, PromptType
+from mm_serve.frontend.warm_up import (
     WARM_UP_PARAMS,
     warm_up_batch_size,
     warm_up_image_size,
@@ -35,7 +27,7 @@ from mm_serve.sampling_params import SamplingParams
 from mm_serve.stats import EngineStats
 
 if TYPE_CHECKING:
-    from mm_serve.engine.remote_core import RemoteEngineCore
+    from mm_serve.frontend.remote_core import RemoteEngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +35,7 @@ logger = logging.getLogger(__name__)
 SUBMIT_WINDOW = 32
 
 
-class LLM:
+class LLM(FrontEnd):
     """The engine over a batch of prompts, with vLLM's offline API.
 
     On CUDA the engine core runs in its own process (as vLLM V1's does), so that this
@@ -68,34 +60,26 @@ class LLM:
     """
 
     def __init__(self, model: str, multiprocess: bool | None = None, **engine_args: Any) -> None:
-        args = EngineArgs(model=model, **engine_args)
-        self.config = args.create_engine_config()
-        self.tokenizer = load_tokenizer(self.config.model.tokenizer)
-        self.generation_config = load_generation_config(self.config.model.path)
-        self.input_processor = InputProcessor(
-            self.config.model, self.config.multimodal, self.tokenizer, self.generation_config
-        )
+        super().__init__(EngineArgs(model=model, **engine_args))
         # Hold the parts, not self: they stop when this LLM is collected.
         self._finalizers = [weakref.finalize(self, self.input_processor.shutdown)]
-        if self.input_processor.mm_processor is not None:
-            self.input_processor.mm_processor.pool.start()  # workers warm up while loading
+        self.start_preprocessing()  # the workers warm up while the model loads
         if multiprocess is None:
             multiprocess = self.config.device.type == "cuda"
         self.engine_core: EngineCore | RemoteEngineCore
         if multiprocess:
-            from mm_serve.engine.remote_core import RemoteEngineCore  # ZeroMQ only when used
+            from mm_serve.frontend.remote_core import RemoteEngineCore  # ZeroMQ only when used
 
-            self.engine_core = RemoteEngineCore(args)
+            self.engine_core = RemoteEngineCore(self.config)
             self._finalizers.append(weakref.finalize(self, self.engine_core.shutdown))
         else:
             self.engine_core = EngineCore(self.config)
-        self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
         if self.config.device.type == "cuda":
             self._warm_up()
 
     def _warm_up(self) -> None:
-        """The start-up warm-up batch (``mm_serve.engine.warm_up``), then ``EngineCore.reset``:
+        """The start-up warm-up batch (``mm_serve.frontend.warm_up``), then ``EngineCore.reset``:
         the first ``generate`` runs at the speed of the next."""
         start = time.perf_counter()
         size = warm_up_image_size(self.config)
@@ -110,9 +94,6 @@ class LLM:
         self.engine_core.reset()
         logger.info("Warmed up: %d requests, %.1f s", num_prompts, time.perf_counter() - start)
 
-    def get_tokenizer(self):
-        return self.tokenizer
-
     def shutdown(self) -> None:
         """Stop the preprocessing pool's worker processes and the engine core process; safe
         to call more than once. Afterwards an image not in the processor cache raises
@@ -122,16 +103,11 @@ class LLM:
 
     def get_stats(self) -> EngineStats:
         """The engine core's counters plus the front end's processor-cache counters."""
-        stats = self.engine_core.get_stats()
-        mm_processor = self.input_processor.mm_processor
-        if mm_processor is not None:
-            stats.processor_cache_queries = mm_processor.cache.queries
-            stats.processor_cache_hits = mm_processor.cache.hits
-        return stats
+        return self.add_front_end_stats(self.engine_core.get_stats())
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's defaults, overridden by the checkpoint's ``generation_config.json``."""
-        return SamplingParams(**generation_config_defaults(self.generation_config))
+        return SamplingParams(**self.default_sampling_overrides())
 
     def generate(
         self,
@@ -199,14 +175,9 @@ class LLM:
     ) -> str:
         """Queue one prompt (``n`` engine requests); their ids are appended to ``added``."""
         request_id = str(next(self._request_counter))
-        parent = ParentRequest(request_id, prompt.text, prompt.token_ids, num_children=params.n)
-        requests = self.input_processor.make_requests(request_id, prompt, params)
-        for index, request in enumerate(requests):
-            self.engine_core.add_request(request)
-            added.append(request.request_id)
-            self.output_processor.add_request(
-                request.request_id, parent, index, request.sampling_params
-            )
+        _, requests = self.make_requests(request_id, prompt, params, stream=False)
+        added.extend(request.request_id for request in requests)  # an abort ignores the others
+        self.engine_core.add_requests(requests)
         return request_id
 
     def _run_engine(

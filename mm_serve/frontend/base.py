@@ -1,0 +1,83 @@
+"""What the offline ``LLM`` and the server's ``AsyncLLM`` share: the config, resolved once, the
+tokenizer, the input processor with its preprocessing pool, and the output processor."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any
+
+from mm_serve.config import EngineArgs
+from mm_serve.frontend.output_processor import OutputProcessor, ParentRequest
+from mm_serve.frontend.processor import (
+    InputProcessor,
+    ProcessedPrompt,
+    generation_config_defaults,
+    load_generation_config,
+    load_tokenizer,
+)
+from mm_serve.request import Request
+from mm_serve.sampling_params import SamplingParams
+from mm_serve.stats import EngineStats
+
+
+class FrontEnd:
+    """The front end of one engine; ``LLM`` and ``AsyncLLM`` add the engine core.
+
+    Builds, in order: the ``EngineConfig`` (``EngineArgs.create_engine_config``; the engine
+    core gets this one, it does not resolve its own), the tokenizer, the checkpoint's
+    ``generation_config.json``, the ``InputProcessor`` (for a VLM, with its preprocessing pool,
+    not started yet) and the ``OutputProcessor``. Call ``input_processor.shutdown()`` when done.
+
+    Raises:
+        ValueError: an unusable checkpoint or option.
+    """
+
+    def __init__(self, engine_args: EngineArgs) -> None:
+        self.config = engine_args.create_engine_config()
+        self.tokenizer = load_tokenizer(self.config.model.tokenizer)
+        self.generation_config = load_generation_config(self.config.model.path)
+        self.input_processor = InputProcessor(
+            self.config.model, self.config.multimodal, self.tokenizer, self.generation_config
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def default_sampling_overrides(self) -> dict[str, Any]:
+        """Sampling defaults from the checkpoint's ``generation_config.json`` (may be empty)."""
+        return generation_config_defaults(self.generation_config)
+
+    def start_preprocessing(self) -> list[concurrent.futures.Future[int]]:
+        """Start the preprocessing workers (they warm up while the engine core loads); one
+        future per worker, done when it is ready. None for a text-only model."""
+        mm_processor = self.input_processor.mm_processor
+        return mm_processor.pool.start() if mm_processor is not None else []
+
+    def add_front_end_stats(self, stats: EngineStats) -> EngineStats:
+        """``stats`` (the engine core's counters) with the processor cache's, which are ours."""
+        mm_processor = self.input_processor.mm_processor
+        if mm_processor is not None:
+            stats.processor_cache_queries = mm_processor.cache.queries
+            stats.processor_cache_hits = mm_processor.cache.hits
+        return stats
+
+    def make_requests(
+        self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, stream: bool
+    ) -> tuple[ParentRequest, list[Request]]:
+        """The engine requests of one user request (``n`` of them), tracked by the output
+        processor as the children of the returned parent (see ``InputProcessor.make_requests``).
+
+        Raises:
+            ValueError: an engine request id is already tracked (in flight).
+        """
+        requests = self.input_processor.make_requests(request_id, prompt, params)
+        in_flight = [r.request_id for r in requests if r.request_id in self.output_processor.states]
+        if in_flight:
+            raise ValueError(f"Request id {in_flight[0]!r} is already in flight.")
+        parent = ParentRequest(request_id, prompt.text, prompt.token_ids, params.n, stream=stream)
+        for index, request in enumerate(requests):
+            self.output_processor.add_request(
+                request.request_id, parent, index, request.sampling_params
+            )
+        return parent, requests

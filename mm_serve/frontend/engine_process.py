@@ -1,0 +1,87 @@
+"""The engine core process as its client starts and stops it.
+
+``engine_core_process`` makes the process object: "spawn" (never fork: the parent holds
+threads and maybe CUDA), without re-running the user's main script (``mp_context``), with a
+target that imports the engine core in the child only, so that the front end never loads the
+scheduler, the model runner or the models. ``ClientResources`` is what a client must release.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import zmq
+
+from mm_serve.config import EngineConfig
+from mm_serve.mp_context import no_main_context
+
+logger = logging.getLogger(__name__)
+
+POLL_INTERVAL_MS = 100  # the output thread's wake-up period (it notices shutdown within this)
+
+
+def log_setup() -> tuple[str, int, int] | None:
+    """(format, root level, ``mm_serve`` level) of this process's logging, for an engine core
+    it starts to log alike; None when logging is not configured (a script stays quiet)."""
+    root = logging.getLogger()
+    if not root.handlers:
+        return None
+    fmt = getattr(root.handlers[0].formatter, "_fmt", None) or logging.BASIC_FORMAT
+    return fmt, root.level, logging.getLogger("mm_serve").getEffectiveLevel()
+
+
+def _run_engine_core(*args: Any) -> None:
+    """The engine core process's target: ``run_engine_core`` is imported there only."""
+    from mm_serve.engine.core_proc import run_engine_core
+
+    run_engine_core(*args)
+
+
+def engine_core_process(config: EngineConfig, ipc_paths: tuple[str, str]) -> BaseProcess:
+    """The (unstarted) engine core process for ``config``, to connect to the client's input
+    and output sockets bound at ``ipc_paths``; the config travels pickled with its arguments
+    (the engine core does not resolve it again)."""
+    addresses = tuple(f"ipc://{path}" for path in ipc_paths)
+    return no_main_context("spawn").Process(
+        target=_run_engine_core,
+        args=(config, *addresses, os.getpid(), log_setup()),
+        name="mm_serve-engine-core",
+    )
+
+
+@dataclass
+class ClientResources:
+    """What the client must release; apart from it, so that the atexit hook does not hold it."""
+
+    proc: BaseProcess
+    thread: threading.Thread  # the output thread
+    ctx: zmq.Context
+    sockets: tuple[zmq.Socket, ...]
+    ipc_dir: str
+    closing: threading.Event = field(default_factory=threading.Event)
+
+    def release(self, timeout_s: float = 5.0) -> None:
+        """Stop the process (SIGTERM, SIGKILL after ``timeout_s``), the output thread and the
+        sockets; remove the ipc files. Safe to repeat, and on a process that never started."""
+        self.closing.set()
+        proc = self.proc
+        if proc.pid is not None:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout_s)
+            if proc.is_alive():
+                logger.warning("The engine core (pid %d) ignored SIGTERM; killing it.", proc.pid)
+                proc.kill()
+            proc.join()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout=2 * POLL_INTERVAL_MS / 1000 + 1)
+        for socket in self.sockets:
+            socket.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)

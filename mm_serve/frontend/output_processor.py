@@ -1,0 +1,228 @@
+"""Output processing, offline and streamed: engine outputs in, ``RequestOutput``s out.
+
+One ``RequestState`` per engine request accumulates its tokens and logprobs, detokenizes them
+incrementally and ends the text at a stop string (the engine core does not know stop strings:
+``OutputProcessor.process_outputs`` returns the requests it must abort). A ``ParentRequest`` is
+the user's request; with ``n > 1`` its ``n`` engine requests (its children) merge into one
+``RequestOutput``: whole once every child finished (the offline ``LLM``), or with ``stream``
+a delta of each child's news after each batch of outputs (``AsyncLLM``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mm_serve.frontend.detokenizer import IncrementalDetokenizer
+from mm_serve.outputs import (
+    CompletionOutput,
+    EngineCoreOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestOutput,
+)
+from mm_serve.sampling_params import SamplingParams
+
+
+@dataclass
+class ParentRequest:
+    """A user request; with ``n > 1`` it fans out into ``n`` engine requests (its children).
+
+    ``stream``: its outputs are deltas (see ``RequestState.take_delta``), else one whole output
+    once every child finished.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    num_children: int
+    stream: bool = False
+    children: list[RequestState] = field(default_factory=list)  # in index order
+    prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int = 0
+    num_cached_images: int = 0
+
+    @property
+    def finished(self) -> bool:
+        """Every child was added and has finished."""
+        children = self.children
+        return len(children) == self.num_children and all(c.finished for c in children)
+
+    def record_cache_hits(self, index: int, output: EngineCoreOutput) -> None:
+        """Cached prompt tokens: the most any child got. Cached images: those of the first child,
+        as its siblings (added after it) may reuse the embeddings it computes."""
+        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        if index == 0:
+            self.num_cached_images = max(self.num_cached_images, output.num_cached_images)
+
+    def make_output(self) -> RequestOutput | None:
+        """Whole: the final output once every child finished, else None. Streamed: the children's
+        deltas (None when none has news); ``finished`` on the last one."""
+        if self.stream:
+            completions = [d for c in self.children if (d := c.take_delta()) is not None]
+            prompt_logprobs = None
+        elif self.finished:
+            completions = [c.completion() for c in self.children]
+            prompt_logprobs = self.prompt_logprobs
+        else:
+            return None
+        if not completions:
+            return None
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            outputs=completions,
+            finished=self.finished,
+            num_cached_tokens=self.num_cached_tokens,
+            num_cached_images=self.num_cached_images,
+        )
+
+
+class RequestState:
+    """One engine request's accumulated output, and (streamed) what of it was sent.
+
+    ``first_token_time`` is the ``now`` of the first output with tokens (for TTFT).
+    """
+
+    def __init__(self, tokenizer, parent: ParentRequest, index: int, params: SamplingParams):
+        self.parent = parent
+        self.index = index
+        self.tokenizer = tokenizer
+        self.detokenizer = IncrementalDetokenizer(tokenizer, parent.prompt_token_ids, params)
+        self.token_ids: list[int] = []
+        self.logprobs = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0 if params.logprobs is not None else None
+        self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.first_token_time: float | None = None
+        # Streaming: what was sent, and how much text to hold back while it may still become
+        # the start of a stop string (streamed text is never taken back).
+        self.num_sent_chars = 0
+        self.num_sent_tokens = 0
+        self.finish_sent = False
+        stops = params.stop if not params.include_stop_str_in_output else []
+        self.holdback = max((len(s) for s in stops), default=1) - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def update(self, output: EngineCoreOutput, now: float) -> bool:
+        """Take one step's output; True when a stop string ended the text while the engine
+        request runs on (abort it: the engine core does not know stop strings)."""
+        if output.new_token_ids and self.first_token_time is None:
+            self.first_token_time = now
+        self.token_ids.extend(output.new_token_ids)
+        for entry in output.new_logprobs or []:
+            self.logprobs.append(self._to_logprob_dict(entry))
+            self.cumulative_logprob += entry[1][0]
+        for entry in output.new_prompt_logprobs or []:
+            self.prompt_logprobs.append(self._to_logprob_dict(entry))
+        stop_string = self.detokenizer.update(output.new_token_ids)
+        self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
+        if stop_string is None:
+            return False
+        self.finish_reason, self.stop_reason = "stop", stop_string
+        return output.finish_reason is None
+
+    def _to_logprob_dict(self, entry: tuple[list[int], list[float], int]) -> dict[int, Logprob]:
+        """Column 0 is the chosen token with its rank; the rest are the top-k, rank 1.."""
+        token_ids, logprobs, rank = entry
+        top = zip(token_ids[1:], logprobs[1:], strict=True)
+        result = {
+            token_id: Logprob(value, rank=k, decoded_token=self.tokenizer.decode([token_id]))
+            for k, (token_id, value) in enumerate(top, start=1)
+        }
+        result.setdefault(
+            token_ids[0],
+            Logprob(logprobs[0], rank=rank, decoded_token=self.tokenizer.decode([token_ids[0]])),
+        )
+        return result
+
+    def completion(self) -> CompletionOutput:
+        """Everything so far."""
+        return CompletionOutput(
+            index=self.index,
+            text=self.detokenizer.text,
+            token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+    def take_delta(self) -> CompletionOutput | None:
+        """New text, tokens and logprobs since the last call (the ``cumulative_logprob`` is the
+        running total); once more with the finish reason; None when there is nothing new."""
+        text = self.detokenizer.text
+        end = len(text) if self.finished else len(text) - self.holdback
+        end = max(end, self.num_sent_chars)
+        token_ids = self.token_ids
+        news = end > self.num_sent_chars or len(token_ids) > self.num_sent_tokens
+        if not news and (not self.finished or self.finish_sent):
+            return None
+        logprobs = self.logprobs
+        delta = CompletionOutput(
+            index=self.index,
+            text=text[self.num_sent_chars : end],
+            token_ids=token_ids[self.num_sent_tokens :],
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=None if logprobs is None else logprobs[self.num_sent_tokens :],
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+        self.num_sent_chars, self.num_sent_tokens = end, len(token_ids)
+        self.finish_sent = self.finished
+        return delta
+
+
+class OutputProcessor:
+    """Turns ``EngineCoreOutput``s into ``RequestOutput``s, for the offline ``LLM`` (whole
+    outputs) and ``AsyncLLM`` (streamed deltas) alike; the parent request says which."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+
+    def add_request(
+        self, engine_request_id: str, parent: ParentRequest, index: int, params: SamplingParams
+    ) -> RequestState:
+        """Track engine request ``engine_request_id``, child ``index`` of ``parent``."""
+        state = RequestState(self.tokenizer, parent, index, params)
+        parent.children.append(state)
+        self.states[engine_request_id] = state
+        return state
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.states)
+
+    def process_outputs(
+        self, outputs: list[EngineCoreOutput], now: float = 0.0
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the request outputs these engine outputs make (see
+        ``ParentRequest.make_output``), and the engine requests to abort (stop strings).
+        ``now``: the outputs' arrival time (``time.monotonic()``), for ``first_token_time``."""
+        parents: dict[int, ParentRequest] = {}  # by id(): in order, each once
+        to_abort: list[str] = []
+        for output in outputs:
+            state = self.states.get(output.request_id)
+            if state is None:
+                continue  # aborted, or ended by a stop string: its last outputs are moot
+            if state.update(output, now):
+                to_abort.append(output.request_id)
+            parent = state.parent
+            parent.record_cache_hits(state.index, output)
+            if state.prompt_logprobs is not None and state.index == 0:
+                parent.prompt_logprobs = state.prompt_logprobs
+            if state.finished:
+                del self.states[output.request_id]
+            parents[id(parent)] = parent
+        request_outputs = [o for p in parents.values() if (o := p.make_output()) is not None]
+        return request_outputs, to_abort
+
+    def abort_requests(self, engine_request_ids: list[str]) -> None:
+        """Stop tracking these engine requests (unknown ids are ignored)."""
+        for req_id in engine_request_ids:
+            self.states.pop(req_id, None)

@@ -1,0 +1,166 @@
+"""Folders are processes: the API server's process loads no scheduler, model runner or model;
+the engine core process loads no web stack; no module-level import cycle.
+
+The process checks import the module in a fresh interpreter and read ``sys.modules``; the
+graph checks read every library file's imports with ``ast`` (module level only: what an import
+of the module runs; ``if TYPE_CHECKING:`` blocks and imports inside functions are skipped).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+# Package -> folder, as in pyproject.toml's [tool.setuptools.package-dir].
+PACKAGE_DIRS = {
+    "mm_serve": "mm_serve",
+    "mm_serve.cache": "cache",
+    "mm_serve.encoders": "encoders",
+    "mm_serve.kernels": "kernels",
+}
+ENGINE_CORE_PACKAGES = ("mm_serve.sched", "mm_serve.worker", "mm_serve.models", "mm_serve.engine")
+WEB_STACK = ("fastapi", "starlette", "uvicorn", "pydantic")
+
+
+def loaded_modules(module: str, then: str = "pass") -> list[str]:
+    """The modules a fresh interpreter holds after ``import module`` and the statement ``then``."""
+    code = f"import json, sys; import {module}; {then}; print(json.dumps(sorted(sys.modules)))"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def _in(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def test_api_server_loads_no_engine_core_module() -> None:
+    modules = loaded_modules("mm_serve.entrypoints.openai.api_server")
+    assert "mm_serve.frontend.async_llm" in modules  # the import did reach the front end
+    assert [m for m in modules if _in(m, ENGINE_CORE_PACKAGES)] == []
+
+
+def test_resolving_the_config_loads_no_engine_core_module(tmp_path) -> None:
+    """The API server resolves the config (config.json, the image processor's token counts)
+    without the model loader; the engine core process gets the result."""
+    path = build_tiny_vlm_checkpoint(tmp_path, "qwen2_vl", seed=0)
+    resolve = (
+        f"from mm_serve.config import EngineArgs; EngineArgs(model={path!r}).create_engine_config()"
+    )
+    modules = loaded_modules("mm_serve.entrypoints.openai.api_server, mm_serve.config", resolve)
+    assert "mm_serve.hub" in modules
+    assert [m for m in modules if _in(m, ENGINE_CORE_PACKAGES)] == []
+
+
+@pytest.mark.parametrize("module", ["mm_serve.engine.core_proc", "mm_serve.entrypoints.llm"])
+def test_engine_core_loads_no_web_stack(module: str) -> None:
+    modules = loaded_modules(module)
+    assert "mm_serve.sched.scheduler" in modules
+    assert [m for m in modules if _in(m, WEB_STACK)] == []
+    assert [m for m in modules if _in(m, ("mm_serve.entrypoints.openai",))] == []
+
+
+def _module_files() -> dict[str, Path]:
+    files = {}
+    for package, folder in PACKAGE_DIRS.items():
+        for path in sorted((REPO / folder).rglob("*.py")):
+            parts = path.relative_to(REPO / folder).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            files.setdefault(".".join((package, *parts)), path)
+    return files
+
+
+def _imports(name: str, path: Path, known: set[str], lazy: bool) -> set[str]:
+    """Modules that module ``name`` imports: its module-level statements, not under
+    ``if TYPE_CHECKING:``, and with ``lazy`` those inside its functions too; ``from a import b``
+    names ``a.b`` if that is a module, else ``a``."""
+    found: set[str] = set()
+    is_package = path.name == "__init__.py"
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if not lazy and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.Import):
+                found.update(alias.name for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    parts = name.split(".")[: len(name.split(".")) - child.level + is_package]
+                    base = ".".join([*parts, *([child.module] if child.module else [])])
+                for alias in child.names:
+                    sub = f"{base}.{alias.name}"
+                    found.add(sub if sub in known else base)
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return found
+
+
+def import_graph(lazy: bool = False) -> dict[str, set[str]]:
+    """Library module -> the modules (library or not) it imports at module level (with
+    ``lazy``, in its functions too)."""
+    files = _module_files()
+    return {name: _imports(name, path, set(files), lazy) for name, path in files.items()}
+
+
+def _loads(graph: dict[str, set[str]], module: str) -> set[str]:
+    """Every module importing ``module`` runs: its imports, their parent packages, and theirs."""
+    seen, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        parts = name.split(".")
+        todo.extend(".".join(parts[:i]) for i in range(1, len(parts)))
+        todo.extend(graph.get(name, ()))
+    return seen
+
+
+def test_no_module_loads_both_the_scheduler_and_the_web_server() -> None:
+    graph = import_graph()
+    both = [
+        name
+        for name in graph
+        if "mm_serve.sched.scheduler" in (loads := _loads(graph, name))
+        and loads & {"fastapi", "uvicorn"}
+    ]
+    assert both == []
+
+
+# Folders whose function-level imports still form cycles (kernels: dispatch <-> activation and
+# linear; benchmarks: kernels <-> prefill_attention); their module-level imports form none.
+LAZY_CYCLES_LEFT = ("mm_serve.kernels", "mm_serve.benchmarks")
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["module-level", "with-lazy"])
+def test_no_import_cycle(lazy: bool) -> None:
+    graph = import_graph(lazy)
+    if lazy:
+        graph = {k: v for k, v in graph.items() if not _in(k, LAZY_CYCLES_LEFT)}
+    cycles = []
+    for start in graph:
+        # A cycle through ``start``: a path of library imports that leads back to it.
+        stack, seen = [(start, (start,))], set()
+        while stack:
+            name, path = stack.pop()
+            for target in graph.get(name, ()):
+                if target == start:
+                    cycles.append(path)
+                elif target in graph and target not in seen:
+                    seen.add(target)
+                    stack.append((target, (*path, target)))
+    assert cycles == []
