@@ -12,7 +12,9 @@ plain dataclasses, which msgspec encodes and decodes by field).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import typing
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -42,8 +44,6 @@ _DTYPES = {
     )
 }
 
-# One top-k entry of a step: (token ids, log-probs, rank of the sampled token).
-LogprobsEntry = tuple[list[int], list[float], int]
 Buffer = Any  # anything with the buffer protocol: bytes, memoryview, zmq.Frame
 
 
@@ -121,17 +121,21 @@ InputMessage = AddRequest | AbortRequests | UtilityRequest
 # ---- engine → front end ------------------------------------------------------------------
 
 
-class EngineCoreOutputWire(msgspec.Struct, array_like=True, omit_defaults=True):
-    """``EngineCoreOutput`` on the wire (same fields, same meaning)."""
+def _array_struct(cls: type, name: str) -> type[msgspec.Struct]:
+    """A msgspec struct with the fields (names, types, defaults) of dataclass ``cls``, encoded
+    as a msgpack array (no field names on the wire)."""
+    hints = typing.get_type_hints(cls)
+    fields = [
+        (f.name, hints[f.name])
+        if f.default is dataclasses.MISSING
+        else (f.name, hints[f.name], f.default)
+        for f in dataclasses.fields(cls)
+    ]
+    return msgspec.defstruct(name, fields, array_like=True, omit_defaults=True, module=__name__)
 
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[LogprobsEntry] | None = None
-    new_prompt_logprobs: list[LogprobsEntry] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    num_cached_images: int = 0
+
+# ``EngineCoreOutput`` on the wire: its fields are defined once, in ``mm_serve.outputs``.
+EngineCoreOutputWire = _array_struct(EngineCoreOutput, "EngineCoreOutputWire")
 
 
 class RequestError(msgspec.Struct):

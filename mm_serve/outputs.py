@@ -53,16 +53,22 @@ class RequestOutput:
     num_cached_images: int = 0
 
 
+# One position's log-probs: (token ids: the sampled token, then the top-k; their log-probs;
+# the rank of the sampled token).
+LogprobsEntry = tuple[list[int], list[float], int]
+
+
 @dataclass
 class EngineCoreOutput:
     """New tokens of one engine request after a step, for the front end (detokenizer, stop
-    strings). ``new_logprobs[i]`` is ``(token_ids, logprobs, rank)`` of the i-th new token: the
-    sampled token first, then the top-k."""
+    strings): one ``LogprobsEntry`` per new token in ``new_logprobs``, per prompt position in
+    ``new_prompt_logprobs``. Its wire form (``messages.EngineCoreOutputWire``) takes these
+    fields as they are."""
 
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: list[tuple[list[int], list[float], int]] | None = None
-    new_prompt_logprobs: list[tuple[list[int], list[float], int]] | None = None
+    new_logprobs: list[LogprobsEntry] | None = None
+    new_prompt_logprobs: list[LogprobsEntry] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0

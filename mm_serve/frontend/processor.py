@@ -19,12 +19,55 @@ from mm_serve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# A prompt: text, {"prompt": text}, or {"prompt_token_ids": [...]}; VLMs add
-# "multi_modal_data": {"image": [...]} and optionally "multi_modal_uuids": {"image": [...]};
-# any prompt may carry a "cache_salt" (str) that keeps its KV blocks from being shared.
+# A prompt as users give it (vLLM's forms): text, {"prompt": text}, or {"prompt_token_ids":
+# [...]}; VLMs add "multi_modal_data": {"image": [...]} and optionally "multi_modal_uuids":
+# {"image": [...]}; any prompt may carry a "cache_salt" (str) that keeps its KV blocks from
+# being shared. ``Prompt.parse`` checks it and makes it a ``Prompt``.
 PromptType = str | dict[str, Any]
 
 _PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data", "multi_modal_uuids", "cache_salt")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt, typed: what ``Prompt.parse`` makes of a ``PromptType``."""
+
+    text: str | None = None
+    token_ids: list[int] | None = None  # None: tokenize ``text``
+    images: list[Any] | None = None  # None: no images (not even an empty list)
+    image_uuids: list[str | None] | None = None  # None: images identified by their content
+    cache_salt: str | None = None
+
+    @classmethod
+    def parse(cls, prompt: PromptType | Prompt) -> Prompt:
+        """Raises ValueError: not a str, dict or ``Prompt``; unknown keys; a cache_salt that is
+        not a str; neither "prompt" nor "prompt_token_ids"."""
+        if isinstance(prompt, (str, Prompt)):
+            return cls(text=prompt) if isinstance(prompt, str) else prompt
+        if not isinstance(prompt, dict):
+            raise ValueError(f"A prompt must be a str or a dict, not {type(prompt).__name__}.")
+        unknown = sorted(set(prompt) - set(_PROMPT_KEYS))
+        if unknown:
+            raise ValueError(f"Unknown prompt keys {unknown}; expected some of {_PROMPT_KEYS}.")
+        cache_salt = prompt.get("cache_salt")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError("cache_salt must be a str.")
+        if "prompt" not in prompt and "prompt_token_ids" not in prompt:
+            raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
+        token_ids = prompt.get("prompt_token_ids")
+        images = (prompt.get("multi_modal_data") or {}).get("image")
+        uuids = (prompt.get("multi_modal_uuids") or {}).get("image")
+        return cls(
+            text=prompt.get("prompt"),
+            token_ids=None if "prompt_token_ids" not in prompt else list(token_ids),
+            images=None if images is None else _as_list(images),
+            image_uuids=None if uuids is None else _as_list(uuids),
+            cache_salt=cache_salt,
+        )
+
+
+def _as_list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 @dataclass
@@ -165,59 +208,37 @@ class InputProcessor:
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         self.extra_stop_token_ids = [t for t in eos if t != self.eos_token_id]
 
-    def process(self, prompt: PromptType) -> PendingPrompt:
+    def process(self, prompt: PromptType | Prompt) -> PendingPrompt:
         """Tokenize a prompt and start preprocessing its images; returns without waiting for
         the preprocessing pool (call ``result()`` on the returned prompt).
 
         Raises:
-            ValueError: on an empty prompt, unknown keys, a cache_salt that is not a str,
-                images for a text-only model, images and placeholders (or uuids) that differ
-                in number, token ids outside the vocabulary, or a prompt that leaves no room
-                for output within ``max_model_len``. Errors found while preprocessing (an
-                undecodable image, one above ``max_pixels``, the length after expansion)
-                are raised by ``result()``.
+            ValueError: on a malformed prompt (``Prompt.parse``), an empty one, images for a
+                text-only model, images and placeholders (or uuids) that differ in number,
+                token ids outside the vocabulary, or a prompt that leaves no room for output
+                within ``max_model_len``. Errors found while preprocessing (an undecodable
+                image, one above ``max_pixels``, the length after expansion) are raised by
+                ``result()``.
         """
-        if isinstance(prompt, str):
-            prompt = {"prompt": prompt}
-        if not isinstance(prompt, dict):
-            raise ValueError(f"A prompt must be a str or a dict, not {type(prompt).__name__}.")
-        unknown = sorted(set(prompt) - set(_PROMPT_KEYS))
-        if unknown:
-            raise ValueError(f"Unknown prompt keys {unknown}; expected some of {_PROMPT_KEYS}.")
-        cache_salt = prompt.get("cache_salt")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError("cache_salt must be a str.")
-        text, token_ids = self._tokenize(prompt)
+        prompt = Prompt.parse(prompt)
+        token_ids = prompt.token_ids
+        if token_ids is None:
+            token_ids = self.tokenizer(prompt.text, add_special_tokens=True).input_ids
         # Placeholders only grow on expansion: a prompt too long already fails here.
         check_token_ids(token_ids, self.model_config)
-        images = (prompt.get("multi_modal_data") or {}).get("image")
-        if images is None:
-            return PendingPrompt(self.model_config, text, token_ids, cache_salt, None)
-        if self.mm_processor is None:
-            raise ValueError(
-                f"The model {self.model_config.model!r} is text-only and takes no images."
-            )
-        images = images if isinstance(images, (list, tuple)) else [images]
-        uuids = (prompt.get("multi_modal_uuids") or {}).get("image")
-        if uuids is not None and not isinstance(uuids, (list, tuple)):
-            uuids = [uuids]
-        pending = self.mm_processor.submit(token_ids, list(images), uuids)
-        return PendingPrompt(self.model_config, text, token_ids, cache_salt, pending)
+        pending = None
+        if prompt.images is not None:
+            if self.mm_processor is None:
+                raise ValueError(
+                    f"The model {self.model_config.model!r} is text-only and takes no images."
+                )
+            pending = self.mm_processor.submit(token_ids, prompt.images, prompt.image_uuids)
+        return PendingPrompt(self.model_config, prompt.text, token_ids, prompt.cache_salt, pending)
 
     def shutdown(self) -> None:
         """Stop the preprocessing pool's processes, if any were started."""
         if self.mm_processor is not None:
             self.mm_processor.shutdown()
-
-    def _tokenize(self, prompt: dict[str, Any]) -> tuple[str | None, list[int]]:
-        if "prompt_token_ids" in prompt:
-            text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        elif "prompt" in prompt:
-            text = prompt["prompt"]
-            token_ids = self.tokenizer(text, add_special_tokens=True).input_ids
-        else:
-            raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
-        return text, token_ids
 
     def apply_chat_template(
         self,
