@@ -17,7 +17,6 @@ from test_llm_vs_hf import check_against_hf, random_prompts
 from test_vlm_vs_hf import HFVisionReference, prompt_cases
 
 from mm_serve import LLM, SamplingParams
-from mm_serve.attention import AttentionMetadata
 from mm_serve.config import EngineArgs, cuda_graph_batch_sizes, cuda_graph_num_tokens
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 from mm_serve.worker.cuda_graphs import (
@@ -118,18 +117,8 @@ class _EagerReplay:
 
     def replay(self) -> None:
         r, n = self.runner, self.size
-        metadata = AttentionMetadata(
-            num_reqs=n,
-            num_tokens=n,
-            slot_mapping=r.slot_mapping[:n],
-            query_start_loc=r.query_start_loc[: n + 1],
-            seq_lens=r.seq_lens[:n],
-            block_table=r.block_table[:n],
-            max_query_len=1,
-            max_seq_len=r.max_model_len,
-            query_start_loc_cpu=list(range(n + 1)),
-            seq_lens_cpu=r.seq_lens[:n].tolist(),
-        )
+        metadata = r._metadata(n)  # what the graph was captured with, and host copies
+        metadata.seq_lens_cpu = r.seq_lens[:n].tolist()
         positions = r.positions[:, :n] if r.uses_mrope else r.positions[:n]
         r.outputs[n].copy_(r.model(r.input_ids[:n], positions, metadata))
 
