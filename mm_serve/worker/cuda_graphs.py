@@ -59,19 +59,31 @@ def is_decode_only(num_scheduled: np.ndarray, has_images: bool, has_prompt_logpr
 
 class _GraphFamily:
     """Graphs of one kind, one per size (ascending ``sizes``), captured largest first into a
-    shared memory pool over the static buffers a subclass allocates; ``_call(size)`` is the
-    forward captured for ``size``, ``outputs[size]`` its ``[size, hidden]`` hidden states."""
+    shared memory pool; ``_call(size)`` is the forward captured for ``size``, ``outputs[size]``
+    its ``[size, hidden]`` hidden states.
+
+    The static buffers every kind shares are allocated here for ``T = max(sizes)`` tokens and
+    ``num_reqs`` requests: ``positions [T]`` (``[3, T]`` with M-RoPE), ``slot_mapping [T]``
+    (-1: no write), ``block_table [num_reqs, max_blocks_per_seq]``; a subclass adds its
+    ``query_start_loc`` and ``seq_lens``.
+    """
 
     kind = ""
 
-    def __init__(self, model: torch.nn.Module, sizes, max_model_len: int, device) -> None:
+    def __init__(
+        self, model: torch.nn.Module, sizes, max_model_len: int, block_size: int, num_reqs, device
+    ) -> None:
         self.model = model
         self.sizes = tuple(sorted(sizes))
         self.max_model_len = max_model_len
         self.device = device
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
-        pos_shape = (3, self.sizes[-1]) if self.uses_mrope else (self.sizes[-1],)
+        t = self.sizes[-1]
+        pos_shape = (3, t) if self.uses_mrope else (t,)
         self.positions = torch.zeros(pos_shape, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((t,), -1, dtype=torch.int64, device=device)
+        max_blocks = -(-max_model_len // block_size)
+        self.block_table = torch.zeros((num_reqs, max_blocks), dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # [size, hidden] hidden states, in the pool
         self.num_replays = 0
@@ -82,12 +94,20 @@ class _GraphFamily:
     def _positions(self, size: int) -> torch.Tensor:
         return self.positions[:, :size] if self.uses_mrope else self.positions[:size]
 
-    def _fill_positions(self, positions: torch.Tensor, num_tokens: int) -> None:
+    def _fill(self, positions: torch.Tensor, metadata: AttentionMetadata, size: int) -> None:
+        """Copy the step's positions, slot mapping (-1 up to ``size``), seq_lens and block
+        table into the static buffers."""
+        n, r = metadata.num_tokens, metadata.num_reqs
         if self.uses_mrope:
             mrope = positions if positions.ndim == 2 else positions.expand(3, -1)
-            self.positions[:, :num_tokens].copy_(mrope)
+            self.positions[:, :n].copy_(mrope)
         else:
-            self.positions[:num_tokens].copy_(positions)
+            self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(metadata.slot_mapping)
+        self.slot_mapping[n:size].fill_(-1)
+        self.seq_lens[:r].copy_(metadata.seq_lens)
+        width = metadata.block_table.shape[1]
+        self.block_table[:r, :width].copy_(metadata.block_table)
 
     @torch.inference_mode()
     def capture(self, pool=None) -> None:
@@ -134,13 +154,10 @@ class CudaGraphRunner(_GraphFamily):
         block_size: int,
         device: torch.device,
     ) -> None:
-        super().__init__(model, sizes, max_model_len, device)
-        n = self.sizes[-1]
-        max_blocks = -(-max_model_len // block_size)
+        n = max(sizes)
+        super().__init__(model, sizes, max_model_len, block_size, n, device)
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.block_table = torch.zeros((n, max_blocks), dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
 
     @property
@@ -179,14 +196,9 @@ class CudaGraphRunner(_GraphFamily):
         num_reqs = attn_metadata.num_reqs
         size = padded_batch_size(num_reqs, self.sizes)
         self.input_ids[:num_reqs].copy_(input_ids)
-        self._fill_positions(positions, num_reqs)
-        self.slot_mapping[:num_reqs].copy_(attn_metadata.slot_mapping)
-        self.seq_lens[:num_reqs].copy_(attn_metadata.seq_lens)
-        width = attn_metadata.block_table.shape[1]
-        self.block_table[:num_reqs, :width].copy_(attn_metadata.block_table)
-        # Rows num_reqs..size keep padding values: slot -1 and seq_len 1 (the block table
-        # rows may hold stale, still valid, block ids: only read, never written).
-        self.slot_mapping[num_reqs:size].fill_(-1)
+        self._fill(positions, attn_metadata, size)
+        # Rows num_reqs..size are padding: slot -1 and seq_len 1 (the block table rows may
+        # hold stale, still valid, block ids: only read, never written).
         self.seq_lens[num_reqs:size].fill_(1)
         return self._replay(size, num_reqs)
 
@@ -215,16 +227,13 @@ class MixedCudaGraphRunner(_GraphFamily):
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        super().__init__(model, sizes, max_model_len, device)
-        t = self.sizes[-1]
+        t = max(sizes)
         self.max_num_reqs = max_num_reqs
         r = self._num_reqs(t)
-        max_blocks = -(-max_model_len // block_size)
+        super().__init__(model, sizes, max_model_len, block_size, r, device)
         self.inputs_embeds = torch.zeros((t, hidden_size), dtype=dtype, device=device)
-        self.slot_mapping = torch.full((t,), -1, dtype=torch.int64, device=device)
         self.query_start_loc = torch.zeros(r + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(r, dtype=torch.int32, device=device)
-        self.block_table = torch.zeros((r, max_blocks), dtype=torch.int32, device=device)
 
     def _num_reqs(self, size: int) -> int:
         """The request capacity of the graph of ``size`` tokens."""
@@ -265,14 +274,9 @@ class MixedCudaGraphRunner(_GraphFamily):
         size = self.padded_size(n)
         capacity = self._num_reqs(size)
         self.inputs_embeds[:n].copy_(inputs_embeds)
-        self._fill_positions(positions, n)
-        self.slot_mapping[:n].copy_(attn_metadata.slot_mapping)
-        self.slot_mapping[n:size].fill_(-1)
+        self._fill(positions, attn_metadata, size)
         self.query_start_loc[: r + 1].copy_(attn_metadata.query_start_loc)
         self.query_start_loc[r + 1 : capacity + 1].fill_(n)  # empty padding requests
-        self.seq_lens[:r].copy_(attn_metadata.seq_lens)
-        width = attn_metadata.block_table.shape[1]
-        self.block_table[:r, :width].copy_(attn_metadata.block_table)
         return self._replay(size, n)
 
 
