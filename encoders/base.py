@@ -30,7 +30,8 @@ class ProcessedImage:
     Float32 pixels are final. uint8 pixels (``preprocess(..., defer_normalization=True)``) are
     resized but not yet normalised: the consumer computes ``(x - pixel_mean[c]) / pixel_std[c]``
     per channel ``c`` in float32 on the device, the same operations as on the CPU, so that a
-    quarter of the bytes cross processes and the host-to-device copy.
+    quarter of the bytes cross processes and the host-to-device copy. Qwen2-VL's uint8 form is
+    the resized image ``[C, H, W]``, patchified on the device (an eighth of the bytes).
     """
 
     pixel_values: torch.Tensor

@@ -208,8 +208,10 @@ class Qwen2VLImageProcessor(ImageProcessor):
     def preprocess(self, image: Image.Image, defer_normalization: bool = False) -> ProcessedImage:
         """PIL image (any mode) → patches; see the class docstring for shapes.
 
-        With ``defer_normalization`` (and a normalising config) the patches stay uint8 and
-        carry the folded mean and std; ``normalize_patches`` finishes them on the device.
+        With ``defer_normalization`` (and a normalising config) the result is the resized
+        image itself, uint8 ``[C, H, W]`` (half the bytes of its patches, whose two temporal
+        frames repeat it), carrying the folded mean and std: ``patchify`` then
+        ``normalize_patches`` finish it on the device.
 
         Raises:
             ValueError: zero-sized image, aspect ratio above 200, or (with ``do_resize`` off)
@@ -227,10 +229,10 @@ class Qwen2VLImageProcessor(ImageProcessor):
         mean_std = self.normalization.folded() if defer_normalization else None
         if mean_std is None:
             pixels = self.normalization(pixels)
-        patches = patchify(pixels, self.patch_size, self.temporal_patch_size, self.merge_size)
+            pixels = patchify(pixels, self.patch_size, self.temporal_patch_size, self.merge_size)
         grid_h, grid_w = height // self.patch_size, width // self.patch_size
         return ProcessedImage(
-            pixel_values=patches,
+            pixel_values=pixels,
             num_tokens=grid_h * grid_w // self.merge_size**2,
             image_grid_thw=(1, grid_h, grid_w),
             pixel_mean=mean_std[0] if mean_std else (),

@@ -1,21 +1,28 @@
 """uint8 pixels from the preprocessing pool, normalised on the engine's device.
 
-The Qwen2-VL processor can stop before normalising (``defer_normalization``): its patches stay
-uint8 (a quarter of float32's bytes across processes and to the device) and
-``normalize_patches`` finishes them with the same float32 operations, so the pixels the tower
-sees are bit-identical to normalising on the CPU first.
+The Qwen2-VL processor can stop before patchifying and normalising (``defer_normalization``):
+the resized image stays uint8 ``[C, H, W]`` (an eighth of float32 patches' bytes across
+processes and to the device), and ``patchify`` + ``normalize_patches`` finish it with the same
+float32 operations, so the pixels the tower sees are bit-identical to the CPU's patches.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from mm_serve.encoders.qwen2_vl_processor import Qwen2VLImageProcessor, normalize_patches
+from mm_serve.encoders.qwen2_vl_processor import (
+    Qwen2VLImageProcessor,
+    normalize_patches,
+    patchify,
+)
 from mm_serve.models.qwen2_vl import pixels_on_device
 
+VISION_CONFIG = SimpleNamespace(patch_size=14, temporal_patch_size=2, spatial_merge_size=2)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -34,7 +41,10 @@ def test_deferred_normalisation_is_bit_identical(device) -> None:
         assert final.pixel_values.dtype == torch.float32 and raw.pixel_values.dtype == torch.uint8
         assert raw.image_grid_thw == final.image_grid_thw and raw.num_tokens == final.num_tokens
         assert len(raw.pixel_mean) == len(raw.pixel_std) == 3 and final.pixel_mean == ()
-        out = normalize_patches(raw.pixel_values.to(device), raw.pixel_mean, raw.pixel_std)
+        h, w = (side * 14 for side in raw.image_grid_thw[1:])
+        assert raw.pixel_values.shape == (3, h, w)
+        patches = patchify(raw.pixel_values.to(device), 14, 2, 2)
+        out = normalize_patches(patches, raw.pixel_mean, raw.pixel_std)
         assert torch.equal(out.cpu(), final.pixel_values)
 
 
@@ -46,7 +56,7 @@ def test_pixels_on_device_concatenates_raw_and_final_images(device) -> None:
     raw = [processor.preprocess(image, defer_normalization=True) for image in images]
     expected = torch.cat([f.pixel_values for f in final])
     for batch in (raw, final, [raw[0], final[1], raw[2]]):
-        out = pixels_on_device(batch, torch.device(device))
+        out = pixels_on_device(batch, torch.device(device), VISION_CONFIG)
         assert out.device.type == device and out.dtype == torch.float32
         assert torch.equal(out.cpu(), expected)
 

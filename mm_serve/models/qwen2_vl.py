@@ -25,7 +25,7 @@ from torch import nn
 from mm_serve.encoders.base import ProcessedImage
 from mm_serve.encoders.qwen2_5_vl import Qwen2_5_VisionTransformer
 from mm_serve.encoders.qwen2_vl import Qwen2VisionTransformer, check_grid
-from mm_serve.encoders.qwen2_vl_processor import normalize_patches
+from mm_serve.encoders.qwen2_vl_processor import normalize_patches, patchify
 from mm_serve.models.llama import LlamaForCausalLM
 
 # Checkpoint name prefix -> ours, tried in order (first match wins).
@@ -84,23 +84,32 @@ def tie_embeddings_like(model: LlamaForCausalLM, hf_config: Any) -> None:
         model.lm_head.weight = model.model.embed_tokens.weight
 
 
-def pixels_on_device(images: list[ProcessedImage], device: torch.device) -> torch.Tensor:
+def pixels_on_device(
+    images: list[ProcessedImage], device: torch.device, vision_config: Any
+) -> torch.Tensor:
     """The images' patches concatenated on ``device``, float32 ``[sum of rows, C * K]``.
 
-    uint8 patches (see ``ProcessedImage``) are gathered into one pinned host buffer, copied
-    without blocking and normalised on the device; float32 ones are copied as they are.
+    uint8 images (resized ``[C, H, W]``, see ``ProcessedImage``) are gathered into one pinned
+    host buffer, copied without blocking, then patchified and normalised on the device;
+    float32 patches are copied as they are. ``vision_config`` gives ``patch_size``,
+    ``temporal_patch_size`` and ``spatial_merge_size``.
     """
     pixels = [image.pixel_values for image in images]
     if any(p.dtype != torch.uint8 for p in pixels):  # final pixels, or a mix: one at a time
         if len(images) > 1:
-            return torch.cat([pixels_on_device([image], device) for image in images])
+            return torch.cat([pixels_on_device([i], device, vision_config) for i in images])
         return pixels[0].to(device=device, dtype=torch.float32)
     pinned = device.type == "cuda"
-    rows = sum(p.shape[0] for p in pixels)
-    host = torch.empty((rows, pixels[0].shape[1]), dtype=torch.uint8, pin_memory=pinned)
-    torch.cat(pixels, out=host)
-    host = host.to(device, non_blocking=pinned)
-    return normalize_patches(host, images[0].pixel_mean, images[0].pixel_std)
+    sizes = [p.numel() for p in pixels]
+    host = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=pinned)
+    torch.cat([p.reshape(-1) for p in pixels], out=host)
+    flat = host.to(device, non_blocking=pinned)
+    c = vision_config
+    patches = [
+        patchify(chunk.view(p.shape), c.patch_size, c.temporal_patch_size, c.spatial_merge_size)
+        for chunk, p in zip(flat.split(sizes), pixels, strict=True)
+    ]
+    return normalize_patches(torch.cat(patches), images[0].pixel_mean, images[0].pixel_std)
 
 
 class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
@@ -130,13 +139,15 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
     def embed_images(self, images: list[ProcessedImage]) -> list[torch.Tensor]:
         """One ``[num_tokens, hidden]`` tensor per image, in order, from one tower call.
 
-        Each image's ``pixel_values`` is ``[t * h * w, C * T * P * P]`` with
-        ``image_grid_thw = (t, h, w)``; it gives ``t * h * w // merge**2`` rows.
+        Each image's ``pixel_values`` is ``[t * h * w, C * T * P * P]`` (or uint8 ``[C, H, W]``,
+        see ``pixels_on_device``) with ``image_grid_thw = (t, h, w)`` in patches; it gives
+        ``t * h * w // merge**2`` rows.
         """
         if not images:
             return []
         weight = self.visual.patch_embed.proj.weight
-        pixel_values = pixels_on_device(images, weight.device).to(weight.dtype)
+        pixel_values = pixels_on_device(images, weight.device, self.config.vision_config)
+        pixel_values = pixel_values.to(weight.dtype)
         grids = [tuple(image.image_grid_thw) for image in images]
         grid_thw = torch.tensor(grids, dtype=torch.long)  # stays on the host: read as a list
         if self.tower_runner is None:

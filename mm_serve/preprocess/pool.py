@@ -72,8 +72,9 @@ class PreprocessResult:
 
 
 def preprocess_image(source: Any, processor: ImageProcessor, max_pixels: int) -> ProcessedImage:
-    """Decode (EXIF-rotated), check the size limit, convert, resize, patchify; normalising is
-    left to the device where the family allows it (uint8 pixels, see ``ProcessedImage``).
+    """Decode (EXIF-rotated), check the size limit, convert, resize; patchifying and
+    normalising are left to the device where the family allows it (uint8 pixels, see
+    ``ProcessedImage``).
 
     ``source``: encoded bytes, a file path or a PIL image (see ``load_image``).
 
