@@ -15,6 +15,8 @@ import torch
 
 from mm_serve.attention import AttentionMetadata
 from mm_serve.config import EngineConfig
+from mm_serve.distributed import init_tensor_parallel
+from mm_serve.kernels.dispatch import configure_kernels
 from mm_serve.kernels.varlen_attention import plan_prefill_split, worth_splitting
 from mm_serve.models.loader import load_model
 from mm_serve.sched.output import SchedulerOutput
@@ -82,6 +84,10 @@ class ModelRunner:
         self.last_output: PendingOutput | None = None
 
     def load_model(self) -> None:
+        # This process's worker state, before the model is built: its tensor-parallel rank
+        # (one device: rank 0 of 1) and the kernels' mode and PDL.
+        init_tensor_parallel(0, self.config.parallel.tensor_parallel_size)
+        configure_kernels(self.config.kernels)
         model_config = self.config.model
         logger.info(
             "Loading weights of %s (%s) on %s", model_config.model, model_config.dtype, self.device
