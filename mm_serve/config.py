@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from mm_serve.families import find_family
 from mm_serve.hub import (
     load_hf_config,
     resolve_dtype,
@@ -318,10 +319,11 @@ class EngineArgs:
 
     def _multimodal_config(self, path: str, hf_config: Any) -> MultiModalConfig:
         """Image limits; for a VLM, the largest image's token count from its processor."""
-        from mm_serve.encoders.processors import SUPPORTED_MODEL_TYPES, get_image_processor
+        from mm_serve.encoders.processors import get_image_processor
 
         max_image_tokens = 0
-        if getattr(hf_config, "model_type", None) in SUPPORTED_MODEL_TYPES:
+        family = find_family(hf_config)
+        if family is not None and family.image_processor is not None:
             processor = get_image_processor(path, hf_config, self.processor_max_pixels)
             max_image_tokens = processor.max_num_tokens
         if self.mm_processor_cache_gb < 0:

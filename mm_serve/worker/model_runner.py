@@ -18,6 +18,7 @@ from mm_serve.config import EngineConfig
 from mm_serve.distributed import init_tensor_parallel
 from mm_serve.kernels.dispatch import configure_kernels
 from mm_serve.kernels.varlen_attention import plan_prefill_split, worth_splitting
+from mm_serve.models.interface import LanguageModel
 from mm_serve.models.loader import load_model
 from mm_serve.sched.output import SchedulerOutput
 from mm_serve.worker.cuda_graphs import (
@@ -71,7 +72,7 @@ class ModelRunner:
             vocab_size=config.model.vocab_size,
         )
         self.sampler = Sampler()
-        self.model: torch.nn.Module | None = None
+        self.model: LanguageModel | None = None
         self.kv_caches: list[torch.Tensor] = []
         # mm_hash -> [num_tokens, hidden] image embeddings; what enters and leaves is decided
         # by the scheduler's EncoderCacheManager.
@@ -186,7 +187,7 @@ class ModelRunner:
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
         )
-        if getattr(self.model, "uses_mrope", False):
+        if self.model.uses_mrope:
             from mm_serve.models.mrope import get_mrope_input_positions
 
             grids = [f.data.image_grid_thw for f in new.mm_features]
@@ -272,7 +273,7 @@ class ModelRunner:
             else None,
         )
         states = batch.states[:num_reqs]
-        if getattr(self.model, "uses_mrope", False):
+        if self.model.uses_mrope:
             positions = mrope_positions(states, positions, query_start_loc, num_computed)
         slices = scheduled_slices(states, num_computed, query_start_loc)
         image_embeddings = None
