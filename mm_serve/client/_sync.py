@@ -138,29 +138,11 @@ class Client(BaseClient):
         """The Prometheus text of ``GET /metrics``."""
         return parse_text(self._send(self._build_request(self._http, "GET", "/metrics")))
 
+    # The return type by ``stream`` (the other arguments: the implementation's).
     @overload
-    def chat(
-        self,
-        messages: list[dict[str, Any]] | None = None,
-        *,
-        text: str | None = None,
-        images: ImageInput | list[ImageInput] | tuple = (),
-        model: str | None = None,
-        stream: Literal[False] = False,
-        **params: Any,
-    ) -> ChatCompletion: ...
-
+    def chat(self, *args: Any, stream: Literal[False] = False, **kw: Any) -> ChatCompletion: ...
     @overload
-    def chat(
-        self,
-        messages: list[dict[str, Any]] | None = None,
-        *,
-        text: str | None = None,
-        images: ImageInput | list[ImageInput] | tuple = (),
-        model: str | None = None,
-        stream: Literal[True],
-        **params: Any,
-    ) -> Stream[ChatCompletionChunk]: ...
+    def chat(self, *args: Any, stream: Literal[True], **kw: Any) -> Stream[ChatCompletionChunk]: ...
 
     def chat(
         self,

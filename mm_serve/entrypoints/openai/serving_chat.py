@@ -59,11 +59,6 @@ class ServingChat(ServingBase):
     async def create(
         self, request: ChatCompletionRequest, arrival_time: float
     ) -> ChatCompletionResponse | AsyncIterator[str]:
-        """The response, or (``stream``) its SSE events ending with ``data: [DONE]``.
-
-        Raises:
-            APIError: see ``errors``.
-        """
         model = self.model_name(request.model)
         include_usage = stream_usage(request)
         if request.top_logprobs is not None and not request.logprobs:

@@ -155,7 +155,12 @@ class ServingBase:
         return EventStreamResponse(result, on_close=self.admission.leave)
 
     async def create(self, request: Any, arrival_time: float) -> BaseModel | AsyncIterator[str]:
-        """The response model, or the SSE strings of a streamed response (subclasses)."""
+        """The response model, or (``stream``) the SSE events of the streamed response, ending
+        with ``data: [DONE]`` (each subclass its endpoint's).
+
+        Raises:
+            APIError: see ``errors``.
+        """
         raise NotImplementedError
 
     def model_name(self, requested: str | None) -> str:

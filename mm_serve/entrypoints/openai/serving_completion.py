@@ -64,11 +64,6 @@ class ServingCompletion(ServingBase):
     async def create(
         self, request: CompletionRequest, arrival_time: float
     ) -> CompletionResponse | AsyncIterator[str]:
-        """The response, or (``stream``) its SSE events ending with ``data: [DONE]``.
-
-        Raises:
-            APIError: see ``errors``.
-        """
         model = self.model_name(request.model)
         include_usage = stream_usage(request)
         if request.echo:
