@@ -175,7 +175,7 @@ class Qwen2VLImageProcessor(ImageProcessor):
         return smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
 
     def num_tokens(self, height: int, width: int) -> int:
-        """Image tokens for an input of this size, without touching pixels (for profiling)."""
+        """Image tokens for an input of this size, computed without touching pixels."""
         resized_height, resized_width = self.target_size(height, width)
         return (resized_height // self.factor) * (resized_width // self.factor)
 
