@@ -1,15 +1,11 @@
 """Pick the implementation of each kernel per call: the Triton kernels (or flash_attn) for
-CUDA tensors, the pure-torch references otherwise.
+CUDA tensors, the pure-torch references otherwise (the CPU path runs only the references).
 
-The CPU path always runs the references, unchanged. The kernel mode, set once per process by
-``configure_kernels`` (the model runner, from ``EngineConfig.kernels``: ``--kernel-mode``,
-``--pdl``), overrides the choice for debugging: ``auto`` (default: flash_attn for attention
-when it can serve the cache, else Triton, with the fresh prefills of a step through torch's
-bundled FlashAttention-2 varlen kernel), ``triton`` (Triton alone, even where those could
-run), ``ref`` (the references on every device). A process that never calls it (a kernel
-benchmark, a test) gets the defaults of those flags (``KernelConfig.from_env``:
-``MM_SERVE_KERNELS``, ``MM_SERVE_PDL``), read on first use. Triton is imported only when a
-CUDA tensor first needs it.
+The kernel mode (``KernelConfig``, set once per process by ``configure_kernels``; until then
+from ``MM_SERVE_KERNELS``) overrides the choice: ``auto`` (flash_attn for attention when it can
+serve the cache, else Triton, with a step's fresh prefills through torch's FlashAttention-2
+varlen kernel), ``triton`` (Triton alone) or ``ref`` (the references everywhere). Triton is
+imported only when a CUDA tensor first needs it.
 """
 
 from __future__ import annotations

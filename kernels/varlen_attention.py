@@ -143,14 +143,9 @@ flash_varlen_causal = flash_varlen  # the name mm_serve.benchmarks.prefill_atten
 
 @dataclass(frozen=True)
 class Segments:
-    """Attention segments of one vision tower forward: rows ``[cu_seqlens[i], cu_seqlens[i +
-    1])`` attend only to each other. Built once per forward (``dispatch.varlen_segments``), so
-    that the attention layers need no host round trip.
-
-    ``cu_seqlens``: ``[num_segments + 1]`` int32 on the device; ``max_len``: the longest
-    segment; ``groups``: for the SDPA path, one ``[num_segments, length]`` row-index tensor per
-    distinct length (None where FlashAttention's varlen kernel runs instead).
-    """
+    """A vision tower forward's attention segments (``dispatch.varlen_segments``, once per
+    forward): rows ``[cu_seqlens[i], cu_seqlens[i + 1])`` (int32, device) attend to each other;
+    ``groups``: one ``[num_segments, length]`` row index per length for SDPA, or None."""
 
     cu_seqlens: torch.Tensor
     max_len: int

@@ -138,16 +138,8 @@ PDL_ENV = "MM_SERVE_PDL"  # "0": the default of --pdl is off
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """The forward's kernels, applied once in the engine core's process
-    (``kernels.dispatch.configure_kernels``).
-
-    ``mode``: ``auto`` (flash_attn, Triton, torch's FlashAttention-2 varlen where each serves),
-    ``triton`` (Triton alone), ``ref`` (the pure-torch references on every device). ``pdl``:
-    programmatic dependent launch of the Triton kernels (Hopper and newer; ``kernels/pdl.py``).
-
-    Raises:
-        ValueError: a mode not in ``KERNEL_MODES``.
-    """
+    """The forward's kernels (``kernels/dispatch.py``: ``mode``; ``kernels/pdl.py``: ``pdl``),
+    applied once by the model runner. ``ValueError`` for a mode not in ``KERNEL_MODES``."""
 
     mode: str = "auto"
     pdl: bool = True

@@ -1,12 +1,6 @@
-"""The model families mm_serve serves, in one registry: which model class, which image
-processor, found from a checkpoint's HF config.
-
-A config names its family by ``architectures`` (``config.json``, as the model loader reads it)
-or, where it has none (a config built in code, the preprocessing workers' dict), by
-``model_type``. Entries name their classes as ``"module:attribute"`` strings, imported on first
-use: the API server reads this registry for the image processor and must not import
-``mm_serve.models``.
-"""
+"""The one registry of model families: a checkpoint's ``architectures`` (else its
+``model_type``) -> its model class and image processor, named as ``"module:attribute"`` and
+imported on first use (the API server reads it, and imports nothing of ``mm_serve.models``)."""
 
 from __future__ import annotations
 
@@ -17,9 +11,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class ModelFamily:
-    """One family. ``model_class`` satisfies ``models.interface.LanguageModel`` (and
-    ``VisionLanguageModel`` for a VLM); ``image_processor`` is None for a text-only model, else
-    a factory ``(image processor settings, hf_config, max_pixels) -> ImageProcessor``."""
+    """``model_class``: a ``models.interface.LanguageModel``; ``image_processor``: None for a
+    text-only model, else ``(settings, hf_config, max_pixels) -> ImageProcessor``."""
 
     architectures: tuple[str, ...]
     model_types: tuple[str, ...]

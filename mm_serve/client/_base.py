@@ -64,12 +64,8 @@ class BaseClient:
         self._http: Any = http_client or self._http_class()
 
     def _retry_delay(self, error: httpx.TransportError, attempt: int, url: str) -> float:
-        """Seconds to wait before sending again after ``error`` on try ``attempt`` (0-based).
-
-        Raises:
-            APIConnectionError / APITimeoutError: ``error`` is not ``RETRYABLE``, or the
-                retries are spent.
-        """
+        """Seconds to wait before try ``attempt + 1`` after ``error``; raises the SDK's
+        ``connection_error`` when ``error`` is not ``RETRYABLE`` or the retries are spent."""
         if isinstance(error, RETRYABLE) and attempt < self.max_retries:
             return backoff_s(attempt)
         raise connection_error(error, url) from error
@@ -141,11 +137,7 @@ def parse_models(payload: Any) -> list[Model]:
 
 
 def parse_health(response: httpx.Response) -> bool:
-    """True for a 2xx ``GET /health``, False for 5xx (engine dead or overloaded).
-
-    Raises:
-        APIError: any other error status.
-    """
+    """True for a 2xx ``GET /health``, False for 5xx; ``APIError`` for another error."""
     if response.status_code >= 500:
         return False
     if response.is_error:

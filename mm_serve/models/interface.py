@@ -1,9 +1,5 @@
-"""What the engine calls on a model: the contract every class in ``mm_serve.families`` keeps.
-
-``LlamaForCausalLM`` is a ``LanguageModel``; the VLM classes (``models.vlm.VisionLanguageModelBase``
-and its subclasses) are ``VisionLanguageModel``s. The model runner, its CUDA graphs and the
-loader use only these members.
-"""
+"""What the engine calls on a model (``LlamaForCausalLM``: a ``LanguageModel``; the classes of
+``models/vlm.py``: ``VisionLanguageModel``s)."""
 
 from __future__ import annotations
 

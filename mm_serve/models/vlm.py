@@ -43,13 +43,9 @@ def load_tower_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> str 
 
 
 class VisionLanguageModelBase(LlamaForCausalLM):
-    """A ``VisionLanguageModel`` (``models.interface``): the LM interface inherited, plus
-    ``image_token_id`` and the subclass's ``embed_images``.
-
-    ``config`` is the HF VLM config. Subclasses set ``PREFIXES`` (checkpoint name prefix ->
-    ours, tried in order, first match wins) and ``VISION_PREFIXES`` (our names of the tower's
-    and projector's tensors, which ``load_tower_tensor`` loads; the rest go to the LM).
-    """
+    """A ``VisionLanguageModel`` (``models.interface``) of the HF VLM ``config``. Subclasses
+    add ``embed_images`` and set ``PREFIXES`` (checkpoint name prefix -> ours, first match
+    wins) and ``VISION_PREFIXES`` (our names that ``load_tower_tensor`` loads)."""
 
     PREFIXES: tuple[tuple[str, str], ...] = ()
     VISION_PREFIXES: tuple[str, ...] = ()
