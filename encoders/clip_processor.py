@@ -8,6 +8,7 @@ Resize (shortest edge, bicubic) → center crop → rescale → normalise, givin
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,6 +51,7 @@ def _size_dict(value: Any, square: bool) -> dict[str, int]:
     return {key: int(v) for key, v in dict(value).items() if v is not None}
 
 
+@dataclass(kw_only=True, eq=False)
 class CLIPImageProcessor(ImageProcessor):
     """Fixed-resolution processor; ``preprocess`` gives ``[3, crop_h, crop_w]`` float32.
 
@@ -58,37 +60,29 @@ class CLIPImageProcessor(ImageProcessor):
     plus one for the CLS token with ``vision_feature_select_strategy == "full"``).
     """
 
-    def __init__(
-        self,
-        *,
-        num_tokens: int,
-        size: Mapping[str, int] | None = None,
-        crop_size: Mapping[str, int] | None = None,
-        do_resize: bool = True,
-        do_center_crop: bool = True,
-        resample: int = 3,
-        normalization: Normalization | None = None,
-        do_convert_rgb: bool = True,
-    ) -> None:
-        self.size = dict(size or {"shortest_edge": 224})
+    num_tokens: int
+    size: Mapping[str, int] | None = None  # default {"shortest_edge": 224}
+    crop_size: Mapping[str, int] | None = None  # default 224 x 224
+    do_resize: bool = True
+    do_center_crop: bool = True
+    resample: int = 3
+    normalization: Normalization = field(default_factory=Normalization)
+    do_convert_rgb: bool = True
+
+    def __post_init__(self) -> None:
+        self.size = dict(self.size or {"shortest_edge": 224})
+        self.crop_size = dict(self.crop_size or {"height": 224, "width": 224})
         keys = self.size.keys()
         supported = "longest_edge" not in keys and (
             "shortest_edge" in keys or {"height", "width"} <= keys
         )
-        if do_resize and not supported:
+        if self.do_resize and not supported:
             raise ValueError(
                 f"Unsupported size {self.size}: expected 'shortest_edge' (without "
                 "'longest_edge'), or 'height' and 'width'."
             )
-        self.crop_size = dict(crop_size or {"height": 224, "width": 224})
-        if do_center_crop and not {"height", "width"} <= self.crop_size.keys():
+        if self.do_center_crop and not {"height", "width"} <= self.crop_size.keys():
             raise ValueError(f"crop_size must have 'height' and 'width', got {self.crop_size}.")
-        self.num_tokens = num_tokens
-        self.do_resize = do_resize
-        self.do_center_crop = do_center_crop
-        self.resample = resample
-        self.normalization = normalization or Normalization()
-        self.do_convert_rgb = do_convert_rgb
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], num_tokens: int) -> CLIPImageProcessor:

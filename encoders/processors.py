@@ -24,21 +24,12 @@ from typing import Any
 from mm_serve.encoders.base import ImageProcessor
 from mm_serve.encoders.clip_processor import CLIPImageProcessor
 from mm_serve.encoders.qwen2_vl_processor import Qwen2VLImageProcessor
+from mm_serve.families import VLM_MODEL_TYPES, config_get, find_family, resolve
 
 PROCESSOR_CONFIG = "processor_config.json"
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
 CHAT_TEMPLATE_JSON = "chat_template.json"  # the older processor layout's template file
 CHAT_TEMPLATE_JINJA = "chat_template.jinja"
-QWEN2_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
-LLAVA_TYPES = ("llava",)
-SUPPORTED_MODEL_TYPES = QWEN2_VL_TYPES + LLAVA_TYPES
-
-
-def _get(config: Any, key: str, default: Any = None) -> Any:
-    """Field of an HF config object or of its dict form."""
-    if isinstance(config, dict):
-        return config.get(key, default)
-    return getattr(config, key, default)
 
 
 def _read_json_object(path: Path) -> dict[str, Any] | None:
@@ -121,38 +112,49 @@ def llava_num_image_tokens(hf_config: Any) -> int:
     As HF's ``LlavaProcessor``: ``(image_size // patch_size) ** 2 + 1`` (patches + CLS), minus
     one for "default".
     """
-    vision_config = _get(hf_config, "vision_config")
+    vision_config = config_get(hf_config, "vision_config")
     if vision_config is None:
         raise ValueError("The LLaVA config has no vision_config.")
-    grid = int(_get(vision_config, "image_size")) // int(_get(vision_config, "patch_size"))
-    strategy = _get(hf_config, "vision_feature_select_strategy", "default")
+    grid = int(config_get(vision_config, "image_size")) // int(
+        config_get(vision_config, "patch_size")
+    )
+    strategy = config_get(hf_config, "vision_feature_select_strategy", "default")
     return grid * grid + (1 if strategy == "full" else 0)
+
+
+def qwen2_vl_image_processor(
+    config: dict[str, Any], hf_config: Any, max_pixels: int | None
+) -> Qwen2VLImageProcessor:
+    """Qwen2-VL and Qwen2.5-VL: ``max_pixels`` overrides the settings' bound on the resized
+    area (``min_pixels`` is clamped not to exceed it)."""
+    return Qwen2VLImageProcessor.from_config(config, max_pixels=max_pixels)
+
+
+def clip_image_processor(
+    config: dict[str, Any], hf_config: Any, max_pixels: int | None
+) -> CLIPImageProcessor:
+    """LLaVA: fixed resolution (``max_pixels`` does not apply), ``llava_num_image_tokens``."""
+    return CLIPImageProcessor.from_config(config, num_tokens=llava_num_image_tokens(hf_config))
 
 
 def get_image_processor(
     model_path: str | Path, hf_config: Any, max_pixels: int | None = None
 ) -> ImageProcessor:
-    """The image processor of the checkpoint at ``model_path`` (a local folder).
-
-    Dispatches on ``hf_config.model_type``: ``qwen2_vl`` and ``qwen2_5_vl`` →
-    ``Qwen2VLImageProcessor`` (``max_pixels`` overrides the config's bound on the resized
-    area, and ``min_pixels`` is clamped not to exceed it); ``llava`` →
-    ``CLIPImageProcessor`` (fixed resolution: ``max_pixels`` does not apply).
+    """The image processor of the checkpoint at ``model_path`` (a local folder), as its family
+    (``mm_serve.families``) builds it from ``read_image_processor_config``'s settings.
 
     Raises:
-        ValueError: an unsupported model type, or bad image processor settings.
+        ValueError: a family without images, or bad image processor settings.
         FileNotFoundError: no image processor settings in the folder (see
             ``read_image_processor_config``).
     """
-    model_type = _get(hf_config, "model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    family = find_family(hf_config)
+    if family is None or family.image_processor is None:
         raise ValueError(
-            f"No image processor for model type {model_type!r}; supported: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}."
+            f"No image processor for model type {config_get(hf_config, 'model_type')!r}; "
+            f"supported: {', '.join(VLM_MODEL_TYPES)}."
         )
     if max_pixels is not None and max_pixels <= 0:
         raise ValueError(f"max_pixels must be positive, got {max_pixels}.")
     config = read_image_processor_config(model_path)
-    if model_type in QWEN2_VL_TYPES:
-        return Qwen2VLImageProcessor.from_config(config, max_pixels=max_pixels)
-    return CLIPImageProcessor.from_config(config, num_tokens=llava_num_image_tokens(hf_config))
+    return resolve(family.image_processor)(config, hf_config, max_pixels)

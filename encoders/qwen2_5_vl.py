@@ -21,19 +21,17 @@ from torch import nn
 from mm_serve.encoders.qwen2_vl import (
     PatchEmbed,
     PatchMerger,
-    Segments,
     TowerPlan,
     VisionAttention,
-    VisionRotary,
     check_grid,
     frame_bounds,
     rope_theta,
     rotary_cos_sin,
-    varlen_segments,
-    vision_rotary,
 )
 from mm_serve.kernels.activation import get_activation
-from mm_serve.kernels.dispatch import silu_and_mul
+from mm_serve.kernels.dispatch import silu_and_mul, varlen_segments
+from mm_serve.kernels.rotary import VisionRotary, vision_rotary
+from mm_serve.kernels.varlen_attention import Segments
 from mm_serve.models.layers.layernorm import RMSNorm
 from mm_serve.transfer import host_to_device
 

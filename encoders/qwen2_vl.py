@@ -17,7 +17,6 @@ The pieces shared with Qwen2.5-VL (patch embedding, rotary, varlen attention, me
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mm_serve.kernels.activation import get_activation
-from mm_serve.kernels.dispatch import kernel_mode, use_kernels
+from mm_serve.kernels.dispatch import apply_vision_rotary, varlen_attention, varlen_segments
+from mm_serve.kernels.rotary import VisionRotary, vision_rotary
+from mm_serve.kernels.varlen_attention import Segments
 from mm_serve.models.layers.layernorm import RMSNorm
 from mm_serve.transfer import host_to_device
 
@@ -61,61 +62,6 @@ def frame_bounds(grids: list[list[int]]) -> list[int]:
     return bounds
 
 
-@dataclass(frozen=True)
-class Segments:
-    """Attention segments of one tower forward: rows ``[cu_seqlens[i], cu_seqlens[i + 1])``
-    attend only to each other. Built once per forward (``varlen_segments``), so that the
-    attention layers need no host round trip.
-
-    ``cu_seqlens``: ``[num_segments + 1]`` int32 on the device; ``max_len``: the longest
-    segment; ``groups``: for the SDPA path, one ``[num_segments, length]`` row-index tensor per
-    distinct length (None where FlashAttention's varlen kernel runs instead).
-    """
-
-    cu_seqlens: torch.Tensor
-    max_len: int
-    groups: list[torch.Tensor] | None
-
-
-@functools.cache
-def _flash_varlen():
-    """FlashAttention-2 over packed sequences, ``(q, k, v, cu_seqlens, max_len) -> out``, or
-    None where this torch lacks it. It calls ``aten._flash_attention_forward`` as
-    ``torch.nn.attention.varlen.varlen_attn`` does, without that wrapper's custom-op dispatch
-    and per-call allocation (host time paid once per tower block)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401 (this torch has it)
-    except ImportError:
-        return None
-    forward = torch.ops.aten._flash_attention_forward
-
-    def attend(q, k, v, cu_seqlens, max_len):
-        return forward(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, False, False)[0]
-
-    return attend
-
-
-def varlen_segments(bounds: list[int], device: torch.device, dtype: torch.dtype) -> Segments:
-    """The segments ``[bounds[i], bounds[i + 1])`` (empty ones dropped) for ``varlen_attention``
-    on ``device`` with ``dtype`` activations. FlashAttention's varlen kernel takes them on CUDA
-    in half precision; elsewhere they are grouped by length for batched SDPA calls."""
-    bounds = [b for i, b in enumerate(bounds) if i == 0 or b != bounds[i - 1]]
-    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
-    cu_seqlens = host_to_device(torch.tensor(bounds, dtype=torch.int32), device)
-    max_len = max(lengths, default=0)
-    flash = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-    if flash and _flash_varlen() is not None and kernel_mode() != "ref":
-        return Segments(cu_seqlens, max_len, None)
-    by_length: dict[int, list[int]] = {}
-    for start, length in zip(bounds[:-1], lengths, strict=True):
-        by_length.setdefault(length, []).append(start)
-    groups = [
-        host_to_device(torch.tensor(starts)[:, None] + torch.arange(length), device)
-        for length, starts in by_length.items()
-    ]
-    return Segments(cu_seqlens, max_len, groups)
-
-
 def rotary_cos_sin(
     grids: list[list[int]], merge: int, head_dim: int, theta: float, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,71 +84,6 @@ def rotary_cos_sin(
     freqs = (pos[:, :, None] * inv_freq).flatten(1)  # [N, 2 * head_dim // 4]: y | x
     emb = torch.cat([freqs, freqs], dim=-1)  # [N, head_dim]
     return emb.cos(), emb.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x: [N, num_heads, head_dim]`` by ``cos/sin: [N, head_dim]``, in float32 and cast
-    back to ``x.dtype`` (HF ``apply_rotary_pos_emb_vision``)."""
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
-
-
-@dataclass(frozen=True)
-class VisionRotary:
-    """One tower forward's 2-D rotary tables, built once (``vision_rotary``) for all blocks.
-
-    ``cos, sin``: ``[N, head_dim]`` float32 (``rotary_cos_sin``); ``table``: ``[N, head_dim]``
-    float32, the cos and sin of the ``head_dim // 2`` distinct angles side by side (the Triton
-    kernel's layout); ``positions``: ``[N]`` int64, row ``i`` reads table row ``i``.
-    """
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-    table: torch.Tensor
-    positions: torch.Tensor
-
-
-def vision_rotary(cos: torch.Tensor, sin: torch.Tensor) -> VisionRotary:
-    """The ``VisionRotary`` of ``rotary_cos_sin``'s tables (rows possibly permuted)."""
-    half = cos.shape[-1] // 2
-    table = torch.cat([cos[:, :half], sin[:, :half]], dim=-1)
-    positions = torch.arange(cos.shape[0], device=cos.device)
-    return VisionRotary(cos, sin, table, positions)
-
-
-def rotate_qk(
-    q: torch.Tensor, k: torch.Tensor, rotary: VisionRotary
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``apply_rotary`` on ``q`` and ``k`` ``[N, num_heads, head_dim]``; on CUDA one Triton
-    kernel does both, with the same float32 arithmetic (the tables' halves are equal)."""
-    if not use_kernels(q, k, rotary.table):
-        return apply_rotary(q, rotary.cos, rotary.sin), apply_rotary(k, rotary.cos, rotary.sin)
-    from mm_serve.kernels.triton_rotary import apply_rotary_triton
-
-    head_dim = rotary.table.shape[-1]
-    return apply_rotary_triton(rotary.positions, q, k, rotary.table, head_dim, round_products=False)
-
-
-def varlen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments
-) -> torch.Tensor:
-    """Bidirectional attention restricted to segments (``varlen_segments``).
-
-    ``q, k, v: [N, num_heads, head_dim]`` -> ``[N, num_heads, head_dim]``; scale
-    ``head_dim ** -0.5``. On CUDA FlashAttention's varlen kernel takes the packed rows as they
-    are. Elsewhere segments of equal length are gathered into one batched SDPA call (one call
-    per distinct length, e.g. per image size or Qwen2.5-VL window size), so no image is padded
-    to another's length and no ``N x N`` block-diagonal mask is ever built.
-    """
-    if segments.groups is None:
-        return _flash_varlen()(q, k, v, segments.cu_seqlens, segments.max_len)
-    out = torch.empty_like(q)
-    for idx in segments.groups:  # [num_segments, length] row indices
-        qs, ks, vs = (t[idx].transpose(1, 2) for t in (q, k, v))  # [B, heads, length, head_dim]
-        out[idx] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
-    return out
 
 
 @dataclass(frozen=True)
@@ -250,7 +131,7 @@ class VisionAttention(nn.Module):
     def forward(self, x: torch.Tensor, segments: Segments, rotary: VisionRotary) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)  # [N, heads, head_dim]
-        q, k = rotate_qk(q, k, rotary)
+        q, k = apply_vision_rotary(q, k, rotary)
         return self.proj(varlen_attention(q, k, v, segments).reshape(n, -1))
 
 

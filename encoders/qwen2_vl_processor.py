@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -103,6 +104,7 @@ def normalize_patches(
     return ((x - mean.view(1, -1, 1)) / std.view(1, -1, 1)).view(patches.shape)
 
 
+@dataclass(kw_only=True, eq=False)
 class Qwen2VLImageProcessor(ImageProcessor):
     """Resize (smart_resize, bicubic) → rescale → normalise → patchify; one image at a time.
 
@@ -112,32 +114,21 @@ class Qwen2VLImageProcessor(ImageProcessor):
     merge_size**2``.
     """
 
-    def __init__(
-        self,
-        *,
-        min_pixels: int = DEFAULT_MIN_PIXELS,
-        max_pixels: int = DEFAULT_MAX_PIXELS,
-        patch_size: int = 14,
-        temporal_patch_size: int = 2,
-        merge_size: int = 2,
-        normalization: Normalization | None = None,
-        do_resize: bool = True,
-        resample: int = 3,
-        do_convert_rgb: bool = True,
-    ) -> None:
-        if min_pixels > max_pixels:
+    min_pixels: int = DEFAULT_MIN_PIXELS
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    normalization: Normalization = field(default_factory=Normalization)
+    do_resize: bool = True
+    resample: int = 3
+    do_convert_rgb: bool = True
+
+    def __post_init__(self) -> None:
+        if self.min_pixels > self.max_pixels:
             raise ValueError(
-                f"min_pixels ({min_pixels}) must not exceed max_pixels ({max_pixels})."
+                f"min_pixels ({self.min_pixels}) must not exceed max_pixels ({self.max_pixels})."
             )
-        self.min_pixels = min_pixels
-        self.max_pixels = max_pixels
-        self.patch_size = patch_size
-        self.temporal_patch_size = temporal_patch_size
-        self.merge_size = merge_size
-        self.normalization = normalization or Normalization()
-        self.do_resize = do_resize
-        self.resample = resample
-        self.do_convert_rgb = do_convert_rgb
 
     @classmethod
     def from_config(
@@ -184,7 +175,7 @@ class Qwen2VLImageProcessor(ImageProcessor):
         return smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
 
     def num_tokens(self, height: int, width: int) -> int:
-        """Image tokens for an input of this size, without touching pixels (for profiling)."""
+        """Image tokens for an input of this size, computed without touching pixels."""
         resized_height, resized_width = self.target_size(height, width)
         return (resized_height // self.factor) * (resized_width // self.factor)
 

@@ -1,43 +1,65 @@
 """Pick the implementation of each kernel per call: the Triton kernels (or flash_attn) for
-CUDA tensors, the pure-torch references otherwise.
+CUDA tensors, the pure-torch references otherwise (the CPU path runs only the references).
 
-The CPU path always runs the references, unchanged. ``MM_SERVE_KERNELS`` (read at each call)
-overrides the choice for debugging: ``auto`` (default: flash_attn for attention when it can
-serve the cache, else Triton, with the fresh prefills of a step through torch's bundled
-FlashAttention-2 varlen kernel), ``triton`` (Triton alone, even where those could run),
-``ref`` (the references on every device). Triton is imported only when a CUDA tensor first
-needs it.
+The kernel mode (``KernelConfig``, set once per process by ``configure_kernels``; until then
+from ``MM_SERVE_KERNELS``) overrides the choice: ``auto`` (flash_attn for attention when it can
+serve the cache, else Triton, with a step's fresh prefills through torch's FlashAttention-2
+varlen kernel), ``triton`` (Triton alone) or ``ref`` (the references everywhere). Triton is
+imported only when a CUDA tensor first needs it.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from mm_serve.attention import AttentionMetadata
+from mm_serve.kernels import varlen_attention as varlen
 from mm_serve.kernels.activation import quick_gelu_ref, silu_and_mul_ref
 from mm_serve.kernels.attention import paged_attention_ref, reshape_and_cache_ref
 from mm_serve.kernels.linear import linear_ref
 from mm_serve.kernels.norm import rms_norm_ref
-from mm_serve.kernels.rotary import apply_mrotary_ref, apply_rotary_ref
+from mm_serve.kernels.rotary import (
+    VisionRotary,
+    apply_mrotary_ref,
+    apply_rotary_ref,
+    apply_vision_rotary_ref,
+)
+from mm_serve.kernels.varlen_attention import Segments
+
+if TYPE_CHECKING:
+    from mm_serve.config import KernelConfig
 
 logger = logging.getLogger(__name__)
 
-KERNELS_ENV = "MM_SERVE_KERNELS"
-KERNEL_MODES = ("auto", "triton", "ref")
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _logged: set[str] = set()
+# Set by configure_kernels; None until then, and ``KernelConfig.from_env()`` on first use.
+_config: KernelConfig | None = None
+
+
+def configure_kernels(config: KernelConfig) -> None:
+    """Set this process's kernel mode and PDL (``pdl.pdl_options``), once at start-up."""
+    global _config
+    _config = config
+
+
+def kernel_config() -> KernelConfig:
+    """This process's ``KernelConfig`` (``configure_kernels``, else the env defaults)."""
+    global _config
+    if _config is None:
+        from mm_serve.config import KernelConfig
+
+        _config = KernelConfig.from_env()
+    return _config
 
 
 def kernel_mode() -> str:
-    """The value of ``MM_SERVE_KERNELS`` (default ``auto``); ``ValueError`` for another."""
-    mode = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
-    if mode not in KERNEL_MODES:
-        raise ValueError(f"{KERNELS_ENV}={mode!r}: choose one of {', '.join(KERNEL_MODES)}.")
-    return mode
+    """``auto``, ``triton`` or ``ref``: see the module doc."""
+    return kernel_config().mode
 
 
 def _log_once(message: str, *args: object) -> None:
@@ -86,7 +108,7 @@ def paged_attention(
     from mm_serve.kernels.flash_attention import flash_attn_unusable_reason, paged_attention_flash
     from mm_serve.kernels.triton_attention import paged_attention_triton
 
-    reason = "MM_SERVE_KERNELS=triton" if kernel_mode() == "triton" else None
+    reason = "kernel mode triton" if kernel_mode() == "triton" else None
     reason = reason or flash_attn_unusable_reason(query, kv_cache)
     if reason is None:
         _log_once("Paged attention: flash_attn (flash_attn_varlen_func with block_table).")
@@ -103,7 +125,6 @@ def _prefill_split_attention(query, key, value, kv_cache, metadata, scale) -> to
     """``varlen_attention.paged_attention_split`` with the Triton kernel for the requests that
     need the cache; None (the reason logged once) where FlashAttention-2's varlen kernel cannot
     run."""
-    from mm_serve.kernels import varlen_attention as varlen
     from mm_serve.kernels.triton_attention import paged_attention_triton
 
     why_not = varlen.varlen_unusable_reason(query)
@@ -252,3 +273,37 @@ def apply_mrotary(
         head_shape = (key.shape[0], -1, head_dim)
         reshape_and_cache(key.view(head_shape), value.reshape(head_shape), kv_cache, slot_mapping)
     return query, key
+
+
+def varlen_segments(bounds: list[int], device: torch.device, dtype: torch.dtype) -> Segments:
+    """The segments ``[bounds[i], bounds[i + 1])`` of a vision tower forward for
+    ``varlen_attention``, with ``dtype`` activations on ``device``: for FlashAttention-2's
+    varlen kernel (torch's) on CUDA in fp16/bf16, else grouped by length for batched SDPA."""
+    flash = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+    flash = flash and varlen.has_flash_varlen() and kernel_mode() != "ref"
+    return varlen.make_segments(bounds, device, flash)
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments
+) -> torch.Tensor:
+    """Bidirectional attention within ``segments`` (``varlen_segments``): ``q, k, v: [N,
+    num_heads, head_dim]`` -> ``[N, num_heads, head_dim]``, scale ``head_dim ** -0.5``. The
+    packed rows go to the varlen kernel as they are, or to ``segment_attention_ref``."""
+    if segments.groups is None:
+        return varlen.flash_varlen(q, k, v, segments.cu_seqlens, segments.max_len, causal=False)
+    return varlen.segment_attention_ref(q, k, v, segments)
+
+
+def apply_vision_rotary(
+    q: torch.Tensor, k: torch.Tensor, rotary: VisionRotary
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_vision_rotary_ref`` on ``q`` and ``k`` ``[N, num_heads, head_dim]``; on CUDA one
+    Triton kernel does both, with the same float32 arithmetic (the tables' halves are equal)."""
+    if not use_kernels(q, k, rotary.table):
+        cos, sin = rotary.cos, rotary.sin
+        return apply_vision_rotary_ref(q, cos, sin), apply_vision_rotary_ref(k, cos, sin)
+    from mm_serve.kernels.triton_rotary import apply_rotary_triton
+
+    head_dim = rotary.table.shape[-1]
+    return apply_rotary_triton(rotary.positions, q, k, rotary.table, head_dim, round_products=False)

@@ -11,7 +11,8 @@ launching. Work before that call may only read what no kernel writes: the weight
 prefetches its first weight tile) and the step inputs that only host copies fill (attention
 metadata, positions, slot mapping). The edges are kept in CUDA graphs.
 
-``MM_SERVE_PDL=0`` turns it off; it is off on GPUs before Hopper and in the interpreter.
+``--no-pdl`` (``dispatch.configure_kernels``; ``MM_SERVE_PDL=0`` in a process that does not
+configure) turns it off; it is off on GPUs before Hopper and in the interpreter.
 """
 
 from __future__ import annotations
@@ -23,7 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
-PDL_ENV = "MM_SERVE_PDL"
+from mm_serve.config import PDL_ENV
+from mm_serve.kernels.dispatch import kernel_config
+
+__all__ = ["PDL_ENV", "pdl_enter", "pdl_options"]
+_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -41,12 +46,12 @@ def _device_supports_pdl(device: torch.device) -> bool:
 
 def pdl_options(device: torch.device) -> dict[str, bool]:
     """Launch options for a kernel taking ``USE_PDL``: ``USE_PDL`` and, when on,
-    ``launch_pdl``. On for CUDA devices of compute capability 9.0+ unless ``MM_SERVE_PDL=0``
-    or ``TRITON_INTERPRET=1``."""
+    ``launch_pdl``. On for CUDA devices of compute capability 9.0+ when PDL is enabled
+    (``dispatch.configure_kernels``), except under ``TRITON_INTERPRET=1``."""
     on = (
         device.type == "cuda"
-        and os.environ.get(PDL_ENV, "1") != "0"
-        and os.environ.get("TRITON_INTERPRET", "0") != "1"
+        and kernel_config().pdl
+        and not _INTERPRETER
         and _device_supports_pdl(device)
     )
     return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}

@@ -1,6 +1,9 @@
-"""Pure-torch reference of rotary position embedding (NeoX style, as HF Llama/Qwen2)."""
+"""Pure-torch references of rotary position embedding (NeoX style, as HF Llama/Qwen2), and
+of the Qwen2-VL vision tower's 2-D rotary in float32."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -57,3 +60,33 @@ def apply_mrotary_ref(
     # Each token now has its own row of the table: rotate token t by row t.
     rows = torch.arange(table.shape[0], device=table.device)
     return apply_rotary_ref(rows, query, key, table, head_dim)
+
+
+def apply_vision_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x: [N, num_heads, head_dim]`` by ``cos/sin: [N, head_dim]``, in float32 and cast
+    back to ``x.dtype`` (HF ``apply_rotary_pos_emb_vision``)."""
+    xf = x.float()
+    return (xf * cos[:, None] + _rotate_half(xf) * sin[:, None]).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class VisionRotary:
+    """One tower forward's 2-D rotary tables, built once (``vision_rotary``) for all blocks.
+
+    ``cos, sin``: ``[N, head_dim]`` float32; ``table``: ``[N, head_dim]`` float32, the cos and
+    sin of the ``head_dim // 2`` distinct angles side by side (the Triton kernel's layout);
+    ``positions``: ``[N]`` int64, row ``i`` reads table row ``i``.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    table: torch.Tensor
+    positions: torch.Tensor
+
+
+def vision_rotary(cos: torch.Tensor, sin: torch.Tensor) -> VisionRotary:
+    """The ``VisionRotary`` of ``[N, head_dim]`` tables whose halves are equal."""
+    half = cos.shape[-1] // 2
+    table = torch.cat([cos[:, :half], sin[:, :half]], dim=-1)
+    positions = torch.arange(cos.shape[0], device=cos.device)
+    return VisionRotary(cos, sin, table, positions)

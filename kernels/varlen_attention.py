@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from mm_serve.attention import AttentionMetadata
 from mm_serve.transfer import host_to_device
@@ -116,15 +117,16 @@ def has_flash_varlen() -> bool:
     return importlib.util.find_spec("torch.nn.attention.varlen") is not None
 
 
-def flash_varlen_causal(
+def flash_varlen(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     cu_seqlens: torch.Tensor,  # [num_seqs + 1] int32: sequence i is rows cu[i]:cu[i+1]
     max_len: int,
-    scale: float,
+    scale: float | None = None,  # None: head_dim ** -0.5
+    causal: bool = True,
 ) -> torch.Tensor:
-    """Causal attention within each packed sequence, ``[num_tokens, num_heads, head_dim]``.
+    """Attention within each packed sequence, ``[num_tokens, num_heads, head_dim]``.
 
     Calls ``aten._flash_attention_forward`` as ``torch.nn.attention.varlen.varlen_attn`` does,
     without that wrapper's custom-op dispatch and per-call allocations (paid once per layer),
@@ -133,7 +135,51 @@ def flash_varlen_causal(
     """
     forward = torch.ops.aten._flash_attention_forward
     lens = (cu_seqlens, cu_seqlens, max_len, max_len)
-    return forward(query, key, value, *lens, 0.0, True, False, scale=scale)[0]
+    return forward(query, key, value, *lens, 0.0, causal, False, scale=scale)[0]
+
+
+@dataclass(frozen=True)
+class Segments:
+    """A vision tower forward's attention segments (``dispatch.varlen_segments``, once per
+    forward): rows ``[cu_seqlens[i], cu_seqlens[i + 1])`` (int32, device) attend to each other;
+    ``groups``: one ``[num_segments, length]`` row index per length for SDPA, or None."""
+
+    cu_seqlens: torch.Tensor
+    max_len: int
+    groups: list[torch.Tensor] | None
+
+
+def make_segments(bounds: list[int], device: torch.device, flash: bool) -> Segments:
+    """The segments ``[bounds[i], bounds[i + 1])`` (empty ones dropped) on ``device``, grouped
+    by length unless ``flash``."""
+    bounds = [b for i, b in enumerate(bounds) if i == 0 or b != bounds[i - 1]]
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+    cu_seqlens = host_to_device(torch.tensor(bounds, dtype=torch.int32), device)
+    max_len = max(lengths, default=0)
+    if flash:
+        return Segments(cu_seqlens, max_len, None)
+    by_length: dict[int, list[int]] = {}
+    for start, length in zip(bounds[:-1], lengths, strict=True):
+        by_length.setdefault(length, []).append(start)
+    groups = [
+        host_to_device(torch.tensor(starts)[:, None] + torch.arange(length), device)
+        for length, starts in by_length.items()
+    ]
+    return Segments(cu_seqlens, max_len, groups)
+
+
+def segment_attention_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments
+) -> torch.Tensor:
+    """Bidirectional attention within segments, ``[N, num_heads, head_dim]`` each, scale
+    ``head_dim ** -0.5``: one batched SDPA call per distinct segment length (e.g. per image
+    size or Qwen2.5-VL window size), so no image is padded to another's length and no
+    ``N x N`` block-diagonal mask is ever built."""
+    out = torch.empty_like(q)
+    for idx in segments.groups:  # [num_segments, length] row indices
+        qs, ks, vs = (t[idx].transpose(1, 2) for t in (q, k, v))  # [B, heads, length, head_dim]
+        out[idx] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
+    return out
 
 
 @functools.lru_cache(maxsize=8)
@@ -168,7 +214,7 @@ def paged_attention_split(
 ) -> torch.Tensor:
     """Contract of ``paged_attention_ref``, for a step with ``metadata.prefill_split`` set.
 
-    One varlen call (:func:`flash_varlen_causal`) treats every request as if its keys were its
+    One varlen call (:func:`flash_varlen`) treats every request as if its keys were its
     new tokens, which is exact for the fresh prefills; the rows of the other requests are then
     overwritten with ``paged_kernel``'s result on their sub-batch (their wasted varlen work is
     their new tokens' self-attention: one token for a decode row). ``key``/``value`` may be
@@ -178,7 +224,7 @@ def paged_attention_split(
     """
     split = metadata.prefill_split
     num_tokens = metadata.num_tokens
-    attn = flash_varlen_causal(
+    attn = flash_varlen(
         query[:num_tokens], key[:num_tokens], value[:num_tokens],
         metadata.query_start_loc, metadata.max_query_len, scale,
     )  # fmt: skip

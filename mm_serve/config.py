@@ -9,7 +9,6 @@ explicitly; they are never written back into the config.
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,17 +16,13 @@ from typing import Any
 
 import torch
 
-from mm_serve.hub import load_hf_config, resolve_model_path
-
-logger = logging.getLogger(__name__)
-
-_STR_TO_DTYPE = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+from mm_serve.families import find_family
+from mm_serve.hub import (
+    load_hf_config,
+    resolve_dtype,
+    resolve_max_model_len,
+    resolve_model_path,
+)
 
 
 @dataclass(frozen=True)
@@ -136,6 +131,35 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
 
 
+KERNEL_MODES = ("auto", "triton", "ref")
+KERNELS_ENV = "MM_SERVE_KERNELS"  # the default of --kernel-mode
+PDL_ENV = "MM_SERVE_PDL"  # "0": the default of --pdl is off
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """The forward's kernels (``kernels/dispatch.py``: ``mode``; ``kernels/pdl.py``: ``pdl``),
+    applied once by the model runner. ``ValueError`` for a mode not in ``KERNEL_MODES``."""
+
+    mode: str = "auto"
+    pdl: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in KERNEL_MODES:
+            raise ValueError(
+                f"Kernel mode {self.mode!r} (--kernel-mode, {KERNELS_ENV}): choose one of "
+                f"{', '.join(KERNEL_MODES)}."
+            )
+
+    @classmethod
+    def from_env(cls, mode: str | None = None, pdl: bool | None = None) -> KernelConfig:
+        """``mode`` and ``pdl``, where None takes ``MM_SERVE_KERNELS`` (default ``auto``) and
+        ``MM_SERVE_PDL`` (off only for ``0``)."""
+        if mode is None:
+            mode = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
+        return cls(mode, os.environ.get(PDL_ENV, "1") != "0" if pdl is None else pdl)
+
+
 MAX_CUDA_GRAPH_BATCH_SIZE = 512
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # EngineArgs.max_num_batched_tokens when unset
 
@@ -195,6 +219,7 @@ class EngineConfig:
     device: torch.device
     multimodal: MultiModalConfig
     compilation: CompilationConfig = CompilationConfig(enforce_eager=True)
+    kernels: KernelConfig = KernelConfig()
 
 
 @dataclass
@@ -227,6 +252,8 @@ class EngineArgs:
     load_format: str = "auto"
     async_scheduling: bool | None = None  # on with CUDA (where it overlaps), off on CPU
     chat_template: str | None = None  # a Jinja file or the template text (vLLM's flag)
+    kernel_mode: str | None = None  # None: $MM_SERVE_KERNELS, else auto
+    pdl: bool | None = None  # None: on unless MM_SERVE_PDL=0
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the arguments (download, read config.json, pick dtype and lengths) once."""
@@ -236,12 +263,12 @@ class EngineArgs:
         path = resolve_model_path(self.model, self.revision)
         hf_config = load_hf_config(path)
         text_config = getattr(hf_config, "text_config", None) or hf_config
-        max_model_len = _resolve_max_model_len(text_config, self.max_model_len)
+        max_model_len = resolve_max_model_len(text_config, self.max_model_len)
         model = ModelConfig(
             model=self.model,
             path=path,
             hf_config=hf_config,
-            dtype=_resolve_dtype(self.dtype, text_config, hf_config, device),
+            dtype=resolve_dtype(self.dtype, text_config, hf_config, device),
             max_model_len=max_model_len,
             tokenizer=resolve_model_path(self.tokenizer, self.revision) if self.tokenizer else path,
             seed=self.seed,
@@ -277,14 +304,18 @@ class EngineArgs:
             cuda_graph_batch_sizes=cuda_graph_batch_sizes(self.max_num_seqs),
             cuda_graph_num_tokens=cuda_graph_num_tokens(batched_tokens),
         )
-        return EngineConfig(model, cache, scheduler, parallel, device, multimodal, compilation)
+        kernels = KernelConfig.from_env(self.kernel_mode, self.pdl)
+        return EngineConfig(
+            model, cache, scheduler, parallel, device, multimodal, compilation, kernels
+        )
 
     def _multimodal_config(self, path: str, hf_config: Any) -> MultiModalConfig:
         """Image limits; for a VLM, the largest image's token count from its processor."""
-        from mm_serve.encoders.processors import SUPPORTED_MODEL_TYPES, get_image_processor
+        from mm_serve.encoders.processors import get_image_processor
 
         max_image_tokens = 0
-        if getattr(hf_config, "model_type", None) in SUPPORTED_MODEL_TYPES:
+        family = find_family(hf_config)
+        if family is not None and family.image_processor is not None:
             processor = get_image_processor(path, hf_config, self.processor_max_pixels)
             max_image_tokens = processor.max_num_tokens
         if self.mm_processor_cache_gb < 0:
@@ -358,30 +389,3 @@ def _resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-def _resolve_dtype(
-    dtype: str, text_config: Any, hf_config: Any, device: torch.device
-) -> torch.dtype:
-    """``auto`` takes the checkpoint's dtype (float32 stays float32), else the named one."""
-    if dtype != "auto":
-        if dtype not in _STR_TO_DTYPE:
-            raise ValueError(f"Unknown dtype {dtype!r}; choose from {sorted(_STR_TO_DTYPE)}.")
-        return _STR_TO_DTYPE[dtype]
-    found = getattr(text_config, "dtype", None) or getattr(hf_config, "dtype", None)
-    if isinstance(found, str):
-        found = _STR_TO_DTYPE.get(found)
-    if found is None:
-        found = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return found
-
-
-def _resolve_max_model_len(text_config: Any, requested: int | None) -> int:
-    limit = getattr(text_config, "max_position_embeddings", None) or 4096
-    if requested is None:
-        return limit
-    if requested > limit:
-        logger.warning(
-            "max_model_len %d exceeds the model's max_position_embeddings %d", requested, limit
-        )
-    return requested

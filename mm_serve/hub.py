@@ -1,4 +1,5 @@
-"""Find a checkpoint (a local folder or a Hugging Face Hub id) and read its ``config.json``.
+"""Find a checkpoint (a local folder or a Hugging Face Hub id), read its ``config.json``, and
+resolve the dtype and the context length it implies.
 
 What resolving the config needs of a checkpoint, apart from the model loader
 (``mm_serve.models.loader``), so that the config imports nothing of the models.
@@ -6,11 +7,25 @@ What resolving the config needs of a checkpoint, apart from the model loader
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
+import torch
+
+logger = logging.getLogger(__name__)
+
 # What serving needs from a hub repo: configs, weights, tokenizer and chat template files.
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+
+
+_STR_TO_DTYPE = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
 
 
 class ModelLoadError(ValueError):
@@ -56,3 +71,32 @@ def load_hf_config(path: str) -> Any:
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(path)
+
+
+def resolve_dtype(
+    dtype: str, text_config: Any, hf_config: Any, device: torch.device
+) -> torch.dtype:
+    """``auto`` takes the checkpoint's dtype (float32 stays float32), else the named one."""
+    if dtype != "auto":
+        if dtype not in _STR_TO_DTYPE:
+            raise ValueError(f"Unknown dtype {dtype!r}; choose from {sorted(_STR_TO_DTYPE)}.")
+        return _STR_TO_DTYPE[dtype]
+    found = getattr(text_config, "dtype", None) or getattr(hf_config, "dtype", None)
+    if isinstance(found, str):
+        found = _STR_TO_DTYPE.get(found)
+    if found is None:
+        found = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return found
+
+
+def resolve_max_model_len(text_config: Any, requested: int | None) -> int:
+    """``requested``, else the checkpoint's ``max_position_embeddings`` (4096 if unset); a
+    request beyond it is kept, with a warning."""
+    limit = getattr(text_config, "max_position_embeddings", None) or 4096
+    if requested is None:
+        return limit
+    if requested > limit:
+        logger.warning(
+            "max_model_len %d exceeds the model's max_position_embeddings %d", requested, limit
+        )
+    return requested

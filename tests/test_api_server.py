@@ -20,7 +20,7 @@ import pytest
 from PIL import Image
 
 from mm_serve import LLM, SamplingParams
-from mm_serve.testing.server import RemoteServer, assert_group_gone, free_port, metric
+from mm_serve.testing.server import free_port, metric, serve_checked
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 API_KEY = "test-key"
@@ -135,10 +135,7 @@ def server(vlm_path, media_server, media_dir):
         "--max-pixels", "400000",
         "--max-concurrent-requests", "2",
     ]  # fmt: skip
-    remote = RemoteServer(vlm_path, args)
-    yield remote
-    assert remote.stop() == 0
-    assert_group_gone(remote.proc.pid)
+    yield from serve_checked(vlm_path, args)
 
 
 @pytest.fixture(scope="module")

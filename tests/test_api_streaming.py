@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from mm_serve.entrypoints.openai.errors import validation_error
 from mm_serve.entrypoints.openai.protocol import ChatCompletionRequest
-from mm_serve.testing.server import RemoteServer, assert_group_gone
+from mm_serve.testing.server import serve_checked
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint, tokenizer_size
 
 EXTRA_ROWS = 300  # embedding rows beyond the tokenizer: about 40% of the ids decode to nothing
@@ -58,10 +58,7 @@ def server(tmp_path_factory):
         tmp_path_factory.mktemp("wide_vocab"), "qwen2_vl", seed=2, vocab_size=vocab_size
     )
     args = ["--max-model-len", "256", "--num-kv-blocks", "64", "--mm-preprocess-workers", "1"]
-    remote = RemoteServer(path, args)
-    yield remote
-    assert remote.stop() == 0
-    assert_group_gone(remote.proc.pid)
+    yield from serve_checked(path, args)
 
 
 @pytest.fixture(scope="module")

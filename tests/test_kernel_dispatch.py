@@ -26,7 +26,8 @@ from test_kernels_triton import (
 )
 
 from mm_serve.attention import AttentionMetadata
-from mm_serve.kernels import paged_attention_ref, silu_and_mul_ref
+from mm_serve.config import KernelConfig
+from mm_serve.kernels import dispatch, paged_attention_ref, silu_and_mul_ref
 
 
 def _fake_flash_attn_varlen(
@@ -69,7 +70,9 @@ def test_flash_attn_wrapper_passes_cumulative_key_lengths(monkeypatch) -> None:
 def test_cpu_dispatch_runs_the_references(monkeypatch) -> None:
     from mm_serve import kernels
 
-    monkeypatch.setenv("MM_SERVE_KERNELS", "triton")  # no effect on CPU tensors
+    monkeypatch.setattr(
+        dispatch, "_config", KernelConfig(mode="triton")
+    )  # no effect on CPU tensors
     cpu = torch.device("cpu")
     query, kv_cache, metadata = _paged_batch(MIXED, 8, 2, 16, 4, torch.float32, seed=1)
     query, kv_cache = query.to(cpu), kv_cache.to(cpu)
@@ -86,7 +89,6 @@ def test_cpu_dispatch_runs_the_references(monkeypatch) -> None:
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 def test_cuda_dispatch_uses_triton_and_honours_ref_mode(monkeypatch, caplog) -> None:
     from mm_serve import kernels
-    from mm_serve.kernels import dispatch
 
     query, kv_cache, metadata = _paged_batch(MIXED_GPU, 28, 4, 128, 16, torch.bfloat16, seed=2)
     dispatch._logged.clear()
@@ -101,12 +103,14 @@ def test_cuda_dispatch_uses_triton_and_honours_ref_mode(monkeypatch, caplog) -> 
     def boom(*args, **kwargs):
         raise AssertionError("the Triton kernel ran in ref mode")
 
-    monkeypatch.setenv("MM_SERVE_KERNELS", "ref")
+    monkeypatch.setattr(dispatch, "_config", KernelConfig(mode="ref"))
     monkeypatch.setattr(_attn, "paged_attention_triton", boom)
     assert torch.equal(kernels.paged_attention(query, kv_cache, metadata, 0.1), ref)
-    monkeypatch.setenv("MM_SERVE_KERNELS", "bogus")
+    monkeypatch.setattr(
+        dispatch, "_config", KernelConfig(mode="bogus")
+    )  # the flag's default: checked at start-up
     with pytest.raises(ValueError, match="MM_SERVE_KERNELS"):
-        kernels.paged_attention(query, kv_cache, metadata, 0.1)
+        KernelConfig.from_env()
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
@@ -130,7 +134,7 @@ def test_cuda_linear_uses_the_gemv_for_one_half_precision_token(monkeypatch) -> 
         out = kernels.silu_and_mul_linear(x, weight.to(dtype))
         ref = kernels.silu_and_mul_linear_ref(x, weight.to(dtype))
         assert len(calls) == used and _rel_err(out, ref) <= 1e-2
-    monkeypatch.setenv("MM_SERVE_KERNELS", "ref")
+    monkeypatch.setattr(dispatch, "_config", KernelConfig(mode="ref"))
     calls.clear()
     kernels.linear(torch.randn(1, 128, device="cuda", dtype=torch.bfloat16), weight)
     assert not calls

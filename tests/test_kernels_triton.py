@@ -370,8 +370,9 @@ def test_rotary_with_kv_cache_write(mrope, dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_vision_rotary_in_float32(dtype) -> None:
     """``round_products=False``: float32 arithmetic, only the result rounded (HF's vision
-    rotary, as ``encoders.qwen2_vl.apply_rotary`` computes it)."""
-    from mm_serve.encoders.qwen2_vl import apply_rotary, rotary_cos_sin
+    rotary, as ``kernels.rotary.apply_vision_rotary_ref`` computes it)."""
+    from mm_serve.encoders.qwen2_vl import rotary_cos_sin
+    from mm_serve.kernels.rotary import apply_vision_rotary_ref as apply_rotary
 
     gen = torch.Generator().manual_seed(1)
     grids, head_dim, heads = [[1, 4, 6], [2, 2, 2]], 80, 3

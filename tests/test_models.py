@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from mm_serve.attention import AttentionMetadata
 from mm_serve.config import EngineArgs
 from mm_serve.hub import ModelLoadError, resolve_model_path
+from mm_serve.models.interface import LanguageModel, VisionLanguageModel
 from mm_serve.models.layers.rotary import get_rope, rope_params_from_config
 from mm_serve.models.loader import load_model
 from mm_serve.models.registry import get_model_class
@@ -140,6 +141,11 @@ def _run_steps(setup: Setup, sequences: dict[str, list[int]], steps: list[dict[s
         assert torch.equal(logits.argmax(-1), expected.argmax(-1))
         for req, n in step.items():
             fed[req] += n
+
+
+def test_text_model_is_a_language_model_and_no_vlm(setup: Setup) -> None:
+    assert isinstance(setup.model, LanguageModel)
+    assert not isinstance(setup.model, VisionLanguageModel)
 
 
 def test_batch_of_full_prefills(setup: Setup) -> None:

@@ -18,6 +18,7 @@ import torch
 from test_kernels_triton import ON_GPU, _metadata, _rel_err, _shuffled_tables
 
 from mm_serve import kernels
+from mm_serve.config import KernelConfig
 from mm_serve.kernels import dispatch, paged_attention_ref, reshape_and_cache_ref
 from mm_serve.kernels import varlen_attention as varlen
 from mm_serve.kernels.attention import causal_attention_ref
@@ -144,14 +145,12 @@ def test_reference_write_and_fused_value_agree() -> None:
 def test_cuda_split_matches_reference(heads, dtype, monkeypatch, caplog) -> None:
     """The real FlashAttention-2 varlen kernel (torch's) for the fresh prefills and the Triton
     kernel for the rest, through the dispatcher, on a mixed, an all-fresh and a decode-only
-    step, with a scale that is not the default; ``MM_SERVE_KERNELS=triton`` keeps the Triton
+    step, with a scale that is not the default; the kernel mode ``triton`` keeps the Triton
     kernel alone."""
     assert varlen.has_flash_varlen(), "this torch has no torch.nn.attention.varlen"
     calls = []
-    real = varlen.flash_varlen_causal
-    monkeypatch.setattr(
-        varlen, "flash_varlen_causal", lambda *a, **k: calls.append(1) or real(*a, **k)
-    )
+    real = varlen.flash_varlen
+    monkeypatch.setattr(varlen, "flash_varlen", lambda *a, **k: calls.append(1) or real(*a, **k))
     scale = 0.7 * heads[2] ** -0.5
     dispatch._logged.clear()
     steps = [(BATCH_GPU, 1), ([(0, 300), (0, 17), (0, 1000)], 1), ([(90, 1), (3, 1)], 0)]
@@ -165,7 +164,7 @@ def test_cuda_split_matches_reference(heads, dtype, monkeypatch, caplog) -> None
         assert _rel_err(out, ref) <= (1e-2 if dtype == torch.bfloat16 else 2e-3), reqs
         assert torch.all(out[md.num_tokens :] == 0)
     assert any("FlashAttention-2 varlen" in r.getMessage() for r in caplog.records)
-    monkeypatch.setenv("MM_SERVE_KERNELS", "triton")
+    monkeypatch.setattr(dispatch, "_config", KernelConfig(mode="triton"))
     query, key, value, kv_cache, md = _step(BATCH_GPU, heads, 16, dtype, "cuda")
     calls.clear()
     out = kernels.paged_attention(query, kv_cache, md, scale, key, value)

@@ -22,6 +22,7 @@ from PIL import Image
 from mm_serve.attention import AttentionMetadata
 from mm_serve.config import EngineArgs
 from mm_serve.encoders.base import ProcessedImage
+from mm_serve.models.interface import VisionLanguageModel
 from mm_serve.models.layers.rotary import MRotaryEmbedding
 from mm_serve.models.loader import load_model
 from mm_serve.models.mrope import get_mrope_input_positions
@@ -225,6 +226,7 @@ def test_text_only(setup: Setup) -> None:
 
 def test_interface(setup: Setup) -> None:
     model = setup.model
+    assert isinstance(model, VisionLanguageModel)
     assert model.uses_mrope == (setup.family != "llava")
     assert model.image_token_id == setup.config.hf_config.image_token_id
     assert model.embed_images([]) == []

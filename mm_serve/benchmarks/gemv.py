@@ -8,7 +8,7 @@ step and all the others in between, so every call here uses a different copy of 
 L2-resident loop. The calls of one case are captured in a CUDA graph and the graph is replayed;
 the figure is the mean per call in microseconds, with the weight bytes over that time in TB/s.
 ``--sweep`` times a grid of launch configs and prints the best three per shape. Each case
-runs with programmatic dependent launch off and on (``MM_SERVE_PDL``); qkv and gate_up also
+runs with programmatic dependent launch off and on (``KernelConfig.pdl``); qkv and gate_up also
 with the RMSNorm fused in front (PDL on), against the norm kernel followed by cuBLAS.
 A script, not a test: each case is checked against ``F.linear`` once before timing.
 """
@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from mm_serve.benchmarks.architectures import ARCHITECTURES
+from mm_serve.config import KernelConfig
 from mm_serve.kernels.activation import silu_and_mul_ref
-from mm_serve.kernels.pdl import PDL_ENV
+from mm_serve.kernels.dispatch import configure_kernels
 
 L2_BYTES = 50 * 2**20  # H100 and H200: 50 MiB
 
@@ -85,7 +86,7 @@ def run_case(shape, configs: list[dict | None], pdl: bool) -> list[dict]:
 
     name, n, k, bias, gated = shape
     weights, b, x, weight_bytes = make_case(n, k, bias, gated)
-    os.environ[PDL_ENV] = "1" if pdl else "0"
+    configure_kernels(KernelConfig(pdl=pdl))
 
     def cublas(i):
         return F.linear(silu_and_mul_ref(x) if gated else x, weights[i], b)
@@ -117,7 +118,7 @@ def run_norm_case(shape, configs: list[dict | None]) -> list[dict]:
     name, n, k, bias, _ = shape
     weights, b, x, weight_bytes = make_case(n, k, bias, False)
     residual, norm_weight = torch.randn_like(x), torch.rand(k, device="cuda", dtype=x.dtype)
-    os.environ[PDL_ENV] = "1"
+    configure_kernels(KernelConfig(pdl=True))
 
     def unfused(i):
         return F.linear(rms_norm_triton(x, norm_weight, 1e-6, residual)[0], weights[i], b)

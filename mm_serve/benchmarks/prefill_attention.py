@@ -160,7 +160,7 @@ def prefill_methods(q, kv, md, reqs, scale: float) -> list[Method]:
     methods += cudnn_methods(p, scale)
     args = (p.q, p.k, p.v, p.cu_seqlens)
     if varlen.has_flash_varlen():
-        run = lambda: varlen.flash_varlen_causal(*args, max(p.lens), scale)  # noqa: E731
+        run = lambda: varlen.flash_varlen(*args, max(p.lens), scale)  # noqa: E731
         methods.append(Method("FlashAttention-2 varlen (torch's)", p.rows, run))
     if (flash := flash_attn_varlen()) is not None:
         lens = (p.cu_seqlens, max(p.lens), max(p.lens))

@@ -4,20 +4,20 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator
 from typing import Any, Generic
 
 import httpx
 
 from mm_serve.client._base import (
-    DEFAULT_BASE_URL,
-    RETRYABLE,
     BaseClient,
     T,
-    backoff_s,
     connection_error,
+    parse_health,
     parse_models,
     parse_response,
+    parse_text,
 )
 from mm_serve.client.errors import error_from_response
 from mm_serve.client.images import ImageInput
@@ -64,30 +64,15 @@ class AsyncClient(BaseClient):
     ``httpx.AsyncClient``). Use ``async with AsyncClient(...) as client`` or ``await
     client.close()``."""
 
-    def __init__(
-        self,
-        base_url: str = DEFAULT_BASE_URL,
-        api_key: str | None = None,
-        timeout: float = 60.0,
-        max_retries: int = 2,
-        http_client: httpx.AsyncClient | None = None,
-    ) -> None:
-        super().__init__(base_url, api_key, timeout, max_retries)
-        self._owns_http = http_client is None
-        self._http = http_client or httpx.AsyncClient()
+    _http_class = httpx.AsyncClient
 
     async def _send(self, request: httpx.Request, stream: bool = False) -> httpx.Response:
         """Send with retries on connection errors only."""
-        for attempt in range(self.max_retries + 1):
+        for attempt in itertools.count():
             try:
                 return await self._http.send(request, stream=stream)
-            except RETRYABLE as e:
-                if attempt == self.max_retries:
-                    raise connection_error(e, str(request.url)) from e
-                await asyncio.sleep(backoff_s(attempt))
             except httpx.TransportError as e:
-                raise connection_error(e, str(request.url)) from e
-        raise AssertionError("unreachable")
+                await asyncio.sleep(self._retry_delay(e, attempt, str(request.url)))
 
     async def _request(
         self, method: str, path: str, cls: type[T] | None = None, **kwargs: Any
@@ -118,19 +103,11 @@ class AsyncClient(BaseClient):
 
     async def health(self) -> bool:
         """True when ``GET /health`` answers 2xx, False on 5xx; raises as ``Client.health``."""
-        response = await self._send(self._build_request(self._http, "GET", "/health"))
-        if response.status_code >= 500:
-            return False
-        if response.is_error:
-            raise error_from_response(response)
-        return True
+        return parse_health(await self._send(self._build_request(self._http, "GET", "/health")))
 
     async def metrics(self) -> str:
         """The Prometheus text of ``GET /metrics``."""
-        response = await self._send(self._build_request(self._http, "GET", "/metrics"))
-        if response.is_error:
-            raise error_from_response(response)
-        return response.text
+        return parse_text(await self._send(self._build_request(self._http, "GET", "/metrics")))
 
     async def chat(
         self,

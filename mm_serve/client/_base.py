@@ -41,8 +41,15 @@ def connection_error(error: httpx.TransportError, url: str) -> APIConnectionErro
 class BaseClient:
     """Configuration and request building common to ``Client`` and ``AsyncClient``."""
 
+    _http_class: type[httpx.Client] | type[httpx.AsyncClient]
+
     def __init__(
-        self, base_url: str, api_key: str | None, timeout: float, max_retries: int
+        self,
+        base_url: str = DEFAULT_BASE_URL,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        max_retries: int = 2,
+        http_client: httpx.Client | httpx.AsyncClient | None = None,
     ) -> None:
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}.")
@@ -53,6 +60,15 @@ class BaseClient:
         self.timeout = httpx.Timeout(timeout)
         self.max_retries = max_retries
         self._model_id: str | None = None
+        self._owns_http = http_client is None
+        self._http: Any = http_client or self._http_class()
+
+    def _retry_delay(self, error: httpx.TransportError, attempt: int, url: str) -> float:
+        """Seconds to wait before try ``attempt + 1`` after ``error``; raises the SDK's
+        ``connection_error`` when ``error`` is not ``RETRYABLE`` or the retries are spent."""
+        if isinstance(error, RETRYABLE) and attempt < self.max_retries:
+            return backoff_s(attempt)
+        raise connection_error(error, url) from error
 
     def _url(self, path: str) -> str:
         return f"{self.base_url}{path}"
@@ -118,6 +134,22 @@ def parse_models(payload: Any) -> list[Model]:
         return [Model.model_validate(entry) for entry in payload["data"]]
     except (KeyError, TypeError, ValidationError) as e:
         raise APIResponseValidationError(f"Unexpected /v1/models body: {payload!r}") from e
+
+
+def parse_health(response: httpx.Response) -> bool:
+    """True for a 2xx ``GET /health``, False for 5xx; ``APIError`` for another error."""
+    if response.status_code >= 500:
+        return False
+    if response.is_error:
+        raise error_from_response(response)
+    return True
+
+
+def parse_text(response: httpx.Response) -> str:
+    """The body of a read response as text. Raises ``APIError`` for an error status."""
+    if response.is_error:
+        raise error_from_response(response)
+    return response.text
 
 
 def parse_response(response: httpx.Response, cls: type[T] | None = None) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from typing import Any, Generic, Literal, overload
@@ -9,14 +10,13 @@ from typing import Any, Generic, Literal, overload
 import httpx
 
 from mm_serve.client._base import (
-    DEFAULT_BASE_URL,
-    RETRYABLE,
     BaseClient,
     T,
-    backoff_s,
     connection_error,
+    parse_health,
     parse_models,
     parse_response,
+    parse_text,
 )
 from mm_serve.client.errors import error_from_response
 from mm_serve.client.images import ImageInput
@@ -87,32 +87,17 @@ class Client(BaseClient):
         APIResponseValidationError: a 2xx body of an unexpected shape.
     """
 
-    def __init__(
-        self,
-        base_url: str = DEFAULT_BASE_URL,
-        api_key: str | None = None,
-        timeout: float = 60.0,
-        max_retries: int = 2,
-        http_client: httpx.Client | None = None,
-    ) -> None:
-        super().__init__(base_url, api_key, timeout, max_retries)
-        self._owns_http = http_client is None
-        self._http = http_client or httpx.Client()
+    _http_class = httpx.Client
 
     # ---- transport --------------------------------------------------------------------------
 
     def _send(self, request: httpx.Request, stream: bool = False) -> httpx.Response:
         """Send with retries on connection errors only."""
-        for attempt in range(self.max_retries + 1):
+        for attempt in itertools.count():
             try:
                 return self._http.send(request, stream=stream)
-            except RETRYABLE as e:
-                if attempt == self.max_retries:
-                    raise connection_error(e, str(request.url)) from e
-                time.sleep(backoff_s(attempt))
             except httpx.TransportError as e:
-                raise connection_error(e, str(request.url)) from e
-        raise AssertionError("unreachable")
+                time.sleep(self._retry_delay(e, attempt, str(request.url)))
 
     def _request(self, method: str, path: str, cls: type[T] | None = None, **kwargs: Any) -> Any:
         response = self._send(self._build_request(self._http, method, path, **kwargs))
@@ -147,43 +132,17 @@ class Client(BaseClient):
             APIConnectionError: the server is unreachable after the retries.
             APIError: any other error status.
         """
-        response = self._send(self._build_request(self._http, "GET", "/health"))
-        if response.status_code >= 500:
-            return False
-        if response.is_error:
-            raise error_from_response(response)
-        return True
+        return parse_health(self._send(self._build_request(self._http, "GET", "/health")))
 
     def metrics(self) -> str:
         """The Prometheus text of ``GET /metrics``."""
-        response = self._send(self._build_request(self._http, "GET", "/metrics"))
-        if response.is_error:
-            raise error_from_response(response)
-        return response.text
+        return parse_text(self._send(self._build_request(self._http, "GET", "/metrics")))
 
+    # The return type by ``stream`` (the other arguments: the implementation's).
     @overload
-    def chat(
-        self,
-        messages: list[dict[str, Any]] | None = None,
-        *,
-        text: str | None = None,
-        images: ImageInput | list[ImageInput] | tuple = (),
-        model: str | None = None,
-        stream: Literal[False] = False,
-        **params: Any,
-    ) -> ChatCompletion: ...
-
+    def chat(self, *args: Any, stream: Literal[False] = False, **kw: Any) -> ChatCompletion: ...
     @overload
-    def chat(
-        self,
-        messages: list[dict[str, Any]] | None = None,
-        *,
-        text: str | None = None,
-        images: ImageInput | list[ImageInput] | tuple = (),
-        model: str | None = None,
-        stream: Literal[True],
-        **params: Any,
-    ) -> Stream[ChatCompletionChunk]: ...
+    def chat(self, *args: Any, stream: Literal[True], **kw: Any) -> Stream[ChatCompletionChunk]: ...
 
     def chat(
         self,

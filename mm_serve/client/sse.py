@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Iterator
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -71,8 +71,23 @@ def parse_event(data: str, cls: type[T]) -> T:
         raise APIResponseValidationError(f"Unexpected stream event: {e}") from e
 
 
-def _cut_off() -> APIConnectionError:
-    return APIConnectionError(f"The stream ended before 'data: {DONE}'.")
+class _Chunks(Generic[T]):
+    """The chunks of ``cls`` in a stream's lines: ``feed`` each line; ``done`` once
+    ``[DONE]`` came; ``end`` when the lines ran out first."""
+
+    def __init__(self, cls: type[T]) -> None:
+        self.cls = cls
+        self.decoder = SSEDecoder()
+        self.done = False
+
+    def feed(self, line: str) -> list[T]:
+        data = self.decoder.feed(line)
+        self.done = data == DONE
+        return [] if data is None or self.done else [parse_event(data, self.cls)]
+
+    def end(self) -> None:
+        if self.decoder.flush() != DONE:
+            raise APIConnectionError(f"The stream ended before 'data: {DONE}'.")
 
 
 def iter_events(lines: Iterator[str], cls: type[T]) -> Iterator[T]:
@@ -82,29 +97,20 @@ def iter_events(lines: Iterator[str], cls: type[T]) -> Iterator[T]:
         APIConnectionError: the stream ended without ``[DONE]``.
         APIError, APIResponseValidationError: as ``parse_event``.
     """
-    decoder = SSEDecoder()
+    chunks = _Chunks(cls)
     for line in lines:
-        data = decoder.feed(line)
-        if data is None:
-            continue
-        if data == DONE:
+        yield from chunks.feed(line)
+        if chunks.done:
             return
-        yield parse_event(data, cls)
-    data = decoder.flush()
-    if data != DONE:
-        raise _cut_off()
+    chunks.end()
 
 
 async def aiter_events(lines: AsyncIterator[str], cls: type[T]) -> AsyncIterator[T]:
     """The async twin of ``iter_events``."""
-    decoder = SSEDecoder()
+    chunks = _Chunks(cls)
     async for line in lines:
-        data = decoder.feed(line)
-        if data is None:
-            continue
-        if data == DONE:
+        for chunk in chunks.feed(line):
+            yield chunk
+        if chunks.done:
             return
-        yield parse_event(data, cls)
-    data = decoder.flush()
-    if data != DONE:
-        raise _cut_off()
+    chunks.end()

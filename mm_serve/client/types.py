@@ -6,6 +6,8 @@ an older client; fields the server may omit default to None.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict
 
 
@@ -27,12 +29,9 @@ class TopLogprob(_Model):
     bytes: list[int] | None = None
 
 
-class TokenLogprob(_Model):
+class TokenLogprob(TopLogprob):
     """One sampled token, its log-probability and the ``top_logprobs`` most likely tokens."""
 
-    token: str
-    logprob: float  # natural log
-    bytes: list[int] | None = None
     top_logprobs: list[TopLogprob] = []
 
 
@@ -45,22 +44,33 @@ class ChatMessage(_Model):
     content: str | None = None
 
 
-class Choice(_Model):
+class _Choice(_Model):
     index: int = 0
-    message: ChatMessage
-    logprobs: ChoiceLogprobs | None = None
+    logprobs: Any = None
     finish_reason: str | None = None  # "stop", "length", ...
 
 
-class ChatCompletion(_Model):
-    """The answer of ``POST /v1/chat/completions`` without streaming."""
+class _Response(_Model):
+    """A response or chunk; subclasses narrow ``object`` and ``choices``."""
 
     id: str = ""
-    object: str = "chat.completion"
+    object: str = ""
     created: int = 0  # Unix seconds
     model: str = ""
-    choices: list[Choice] = []
+    choices: list = []
     usage: Usage | None = None
+
+
+class Choice(_Choice):
+    message: ChatMessage
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletion(_Response):
+    """The answer of ``POST /v1/chat/completions`` without streaming."""
+
+    object: str = "chat.completion"
+    choices: list[Choice] = []
 
 
 class Delta(_Model):
@@ -68,23 +78,17 @@ class Delta(_Model):
     content: str | None = None
 
 
-class ChunkChoice(_Model):
-    index: int = 0
+class ChunkChoice(_Choice):
     delta: Delta = Delta()
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: str | None = None
 
 
-class ChatCompletionChunk(_Model):
+class ChatCompletionChunk(_Response):
     """One server-sent event of a streamed chat completion. With
     ``stream_options={"include_usage": True}`` the last chunk has no choices and a ``usage``."""
 
-    id: str = ""
     object: str = "chat.completion.chunk"
-    created: int = 0
-    model: str = ""
     choices: list[ChunkChoice] = []
-    usage: Usage | None = None
 
 
 class CompletionLogprobs(_Model):
@@ -94,22 +98,16 @@ class CompletionLogprobs(_Model):
     text_offset: list[int] = []
 
 
-class CompletionChoice(_Model):
-    index: int = 0
+class CompletionChoice(_Choice):
     text: str = ""
     logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
 
 
-class Completion(_Model):
+class Completion(_Response):
     """The answer of ``POST /v1/completions`` (also each streamed chunk of it)."""
 
-    id: str = ""
     object: str = "text_completion"
-    created: int = 0
-    model: str = ""
     choices: list[CompletionChoice] = []
-    usage: Usage | None = None
 
 
 class Model(_Model):

@@ -90,6 +90,8 @@ _ENGINE_ARG_HELP = {
     "load_format": "auto (the checkpoint's weights) or dummy (random weights, for benchmarks).",
     "async_scheduling": "Schedule the next step while the GPU runs this one.",
     "chat_template": "Chat template for chat requests: a Jinja file, or the template text.",
+    "kernel_mode": "Kernels of the forward: auto, triton (Triton alone) or ref (pure torch).",
+    "pdl": "Programmatic dependent launch of the Triton kernels (Hopper and newer).",
 }
 # What an EngineArgs field whose default is None resolves to, shown as its default.
 _UNSET_DEFAULTS = {
@@ -104,6 +106,8 @@ _UNSET_DEFAULTS = {
     "encoder_cache_size": "max(token budget, largest image)",
     "async_scheduling": "on with CUDA, off on CPU",
     "chat_template": "the checkpoint's",
+    "kernel_mode": "$MM_SERVE_KERNELS, else auto",
+    "pdl": "on, off with MM_SERVE_PDL=0",
 }
 
 

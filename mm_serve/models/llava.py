@@ -14,39 +14,16 @@ names accepted: llava-hf's ``vision_tower.vision_model.*``, ``multi_modal_projec
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
 from mm_serve.encoders.base import ProcessedImage
 from mm_serve.encoders.clip import CLIPVisionTower, LlavaMultiModalProjector, tower_weight_name
-from mm_serve.models.llama import LlamaForCausalLM
-from mm_serve.models.qwen2_vl import load_tower_tensor, tie_embeddings_like
-
-# Checkpoint name prefix -> ours, tried in order (first match wins).
-_PREFIXES = (
-    ("model.vision_tower.", "vision_tower."),
-    ("model.multi_modal_projector.", "multi_modal_projector."),
-    ("model.language_model.", "model."),
-    ("language_model.model.", "model."),
-    ("language_model.lm_head.", "lm_head."),
-)
+from mm_serve.models.vlm import VisionLanguageModelBase
 
 
-def _rename(ckpt_name: str) -> str:
-    """Checkpoint tensor name -> our parameter name (unknown names are returned unchanged)."""
-    name = ckpt_name
-    for old, new in _PREFIXES:
-        if name.startswith(old):
-            name = new + name[len(old) :]
-            break
-    if name.startswith("vision_tower."):  # with or without the vision_model level
-        return "vision_tower." + tower_weight_name(name.removeprefix("vision_tower."))
-    return name
-
-
-class LlavaForConditionalGeneration(LlamaForCausalLM):
+class LlavaForConditionalGeneration(VisionLanguageModelBase):
     """LLaVA: ``vision_tower`` + ``multi_modal_projector`` + the Llama LM (1-D RoPE).
 
     ``config`` is the HF ``LlavaConfig``. Inherits the LM interface (``get_input_embeddings``,
@@ -55,12 +32,17 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     """
 
     uses_mrope = False
+    PREFIXES = (
+        ("model.vision_tower.", "vision_tower."),
+        ("model.multi_modal_projector.", "multi_modal_projector."),
+        ("model.language_model.", "model."),
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+    )
+    VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
 
     def __init__(self, config: Any) -> None:
-        super().__init__(config.text_config)
-        tie_embeddings_like(self, config)
-        self.config = config
-        self.image_token_id: int = config.image_token_id
+        super().__init__(config)
         self.vision_tower = CLIPVisionTower(
             config.vision_config,
             config.vision_feature_layer,
@@ -82,20 +64,8 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         features = self.vision_tower(pixel_values)  # [N, num_tokens, vision_hidden]
         return list(self.multi_modal_projector(features).unbind(0))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load the tower's and projector's tensors here, pass the LM's to
-        ``LlamaForCausalLM.load_weights``. Returns the fully loaded parameter names; raises
-        ``ValueError`` for a tensor of the wrong shape."""
-        loaded: set[str] = set()
-
-        def language_model_weights() -> Iterator[tuple[str, torch.Tensor]]:
-            for ckpt_name, tensor in weights:
-                name = _rename(ckpt_name)
-                vision = name.startswith(("vision_tower.", "multi_modal_projector."))
-                written = load_tower_tensor(self, name, tensor) if vision else None
-                if written is not None:
-                    loaded.add(written)
-                else:
-                    yield name, tensor  # the LM's loader skips unknown names with a warning
-
-        return loaded | super().load_weights(language_model_weights())
+    def rename(self, ckpt_name: str) -> str:
+        name = super().rename(ckpt_name)
+        if name.startswith("vision_tower."):  # with or without the vision_model level
+            return "vision_tower." + tower_weight_name(name.removeprefix("vision_tower."))
+        return name

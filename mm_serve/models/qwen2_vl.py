@@ -16,7 +16,7 @@ Checkpoints name the tensors either so (Qwen/Qwen2-VL-*, and what transformers 5
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,62 +26,7 @@ from mm_serve.encoders.base import ProcessedImage
 from mm_serve.encoders.qwen2_5_vl import Qwen2_5_VisionTransformer
 from mm_serve.encoders.qwen2_vl import Qwen2VisionTransformer, check_grid
 from mm_serve.encoders.qwen2_vl_processor import normalize_patches, patchify
-from mm_serve.models.llama import LlamaForCausalLM
-
-# Checkpoint name prefix -> ours, tried in order (first match wins).
-_PREFIXES = (
-    ("model.visual.", "visual."),
-    ("model.language_model.", "model."),
-    ("visual.", "visual."),
-    ("model.", "model."),
-    ("lm_head.", "lm_head."),
-)
-
-
-def _rename(ckpt_name: str) -> str:
-    """Checkpoint tensor name -> our parameter name (unknown names are returned unchanged)."""
-    for old, new in _PREFIXES:
-        if ckpt_name.startswith(old):
-            return new + ckpt_name[len(old) :]
-    return ckpt_name
-
-
-def load_tower_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> str | None:
-    """Copy a vision tensor into ``model``'s parameter ``name`` (plain, unsharded copy), or,
-    when a module on its path has ``load_hf_tensor`` (a layout of its own, e.g. merged
-    projections), hand it the tensor.
-
-    Returns the name of the parameter written, or None, copying nothing, if there is no such
-    parameter; raises ``ValueError`` naming the tensor if the shapes differ.
-    """
-    parts = name.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        try:
-            module = model.get_submodule(".".join(parts[:cut]))
-        except AttributeError:
-            continue
-        if hasattr(module, "load_hf_tensor"):
-            written = module.load_hf_tensor(".".join(parts[cut:]), tensor)
-            if written is not None:
-                return ".".join(parts[:cut] + [written])
-    try:
-        param = model.get_parameter(name)
-    except AttributeError:
-        return None
-    if param.shape != tensor.shape:
-        raise ValueError(
-            f"Cannot load {name!r}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
-        )
-    param.data.copy_(tensor)
-    return name
-
-
-def tie_embeddings_like(model: LlamaForCausalLM, hf_config: Any) -> None:
-    """transformers 5 keeps a VLM's ``tie_word_embeddings`` on the outer config, not in
-    ``text_config``: apply it to the LM built from ``text_config``."""
-    if getattr(hf_config, "tie_word_embeddings", False) and not model.tie_word_embeddings:
-        model.tie_word_embeddings = True
-        model.lm_head.weight = model.model.embed_tokens.weight
+from mm_serve.models.vlm import VisionLanguageModelBase
 
 
 def pixels_on_device(
@@ -112,7 +57,7 @@ def pixels_on_device(
     return normalize_patches(torch.cat(patches), images[0].pixel_mean, images[0].pixel_std)
 
 
-class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
+class Qwen2VLForConditionalGeneration(VisionLanguageModelBase):
     """Qwen2-VL: ``visual`` (``Qwen2VisionTransformer``) + the Qwen2 LM with M-RoPE.
 
     ``config`` is the HF ``Qwen2VLConfig``. Inherits the LM interface (``get_input_embeddings``,
@@ -121,12 +66,17 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
     """
 
     uses_mrope = True
+    PREFIXES = (
+        ("model.visual.", "visual."),
+        ("model.language_model.", "model."),
+        ("visual.", "visual."),
+        ("model.", "model."),
+        ("lm_head.", "lm_head."),
+    )
+    VISION_PREFIXES = ("visual.",)
 
     def __init__(self, config: Any) -> None:
-        super().__init__(config.text_config)
-        tie_embeddings_like(self, config)
-        self.config = config
-        self.image_token_id: int = config.image_token_id
+        super().__init__(config)
         self.spatial_merge_size: int = config.vision_config.spatial_merge_size
         self.visual = self._build_tower(config.vision_config)
         # ``(pixel_values, grids) -> embeddings`` in place of ``visual``'s forward: the model
@@ -157,27 +107,6 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
             embeddings = self.tower_runner(pixel_values, grids)
         sizes = [t * h * w // self.spatial_merge_size**2 for t, h, w in grids]
         return list(embeddings.split(sizes))
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load the tower's tensors here and pass the LM's to ``LlamaForCausalLM.load_weights``.
-
-        Returns the fully loaded parameter names; raises ``ValueError`` for a tensor of the
-        wrong shape. Tensors matching no parameter are skipped with a warning.
-        """
-        loaded: set[str] = set()
-
-        def language_model_weights() -> Iterator[tuple[str, torch.Tensor]]:
-            for ckpt_name, tensor in weights:
-                name = _rename(ckpt_name)
-                written = (
-                    load_tower_tensor(self, name, tensor) if name.startswith("visual.") else None
-                )
-                if written is not None:
-                    loaded.add(written)
-                else:
-                    yield name, tensor  # the LM's loader skips unknown names with a warning
-
-        return loaded | super().load_weights(language_model_weights())
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):

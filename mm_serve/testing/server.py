@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,3 +115,12 @@ class RemoteServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def serve_checked(model: str, args: list[str]) -> Iterator[RemoteServer]:
+    """The body of a pytest fixture (``yield from``): a started server, then, on teardown,
+    the checks that it exited with 0 and left no process behind."""
+    remote = RemoteServer(model, args)
+    yield remote
+    assert remote.stop() == 0
+    assert_group_gone(remote.proc.pid)

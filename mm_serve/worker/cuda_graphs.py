@@ -287,14 +287,14 @@ def capture_graphs(
     pool, and send its vision tower, if it has one, through the tower's graphs
     (``tower_runner``, ``worker.tower_graphs``). ``(None, None)`` on CPU, with
     ``enforce_eager``, or when the kernels are forced to the host-looping references
-    (``MM_SERVE_KERNELS=ref``)."""
+    (``--kernel-mode ref``)."""
     from mm_serve.kernels import kernel_mode
 
     compilation, model_config, device = config.compilation, config.model, config.device
     if compilation.enforce_eager or device.type != "cuda":
         return None, None
     if kernel_mode() == "ref":
-        logger.info("No CUDA graphs: MM_SERVE_KERNELS=ref runs host-side loops.")
+        logger.info("No CUDA graphs: kernel mode ref runs host-side loops.")
         return None, None
     pool = torch.cuda.graph_pool_handle()
     max_model_len, block_size = model_config.max_model_len, config.cache.block_size

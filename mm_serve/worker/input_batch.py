@@ -169,10 +169,6 @@ class InputBatch:
         self.block_table[row, start : start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
 
-    def append_token(self, row: int, token_id: int) -> None:
-        self.token_ids[row, self.num_tokens[row]] = token_id
-        self.num_tokens[row] += 1
-
     def sampling_metadata(self, rows: np.ndarray, device: torch.device) -> SamplingMetadata:
         """Gather the sampling settings of ``rows`` (those that produce a token this step)."""
         states = [self.states[row] for row in rows]

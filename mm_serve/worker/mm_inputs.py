@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from mm_serve.models.interface import VisionLanguageModel
 from mm_serve.worker.input_batch import CachedRequestState, to_device
 
 
@@ -28,7 +29,7 @@ class EmbeddingSlice:
 
 
 def encode_images(
-    model: torch.nn.Module,
+    model: VisionLanguageModel,
     requests: dict[str, CachedRequestState],
     scheduled_encoder_inputs: dict[str, list[int]],
     encoder_cache: dict[str, torch.Tensor],

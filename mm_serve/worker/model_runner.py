@@ -15,7 +15,10 @@ import torch
 
 from mm_serve.attention import AttentionMetadata
 from mm_serve.config import EngineConfig
+from mm_serve.distributed import init_tensor_parallel
+from mm_serve.kernels.dispatch import configure_kernels
 from mm_serve.kernels.varlen_attention import plan_prefill_split, worth_splitting
+from mm_serve.models.interface import LanguageModel
 from mm_serve.models.loader import load_model
 from mm_serve.sched.output import SchedulerOutput
 from mm_serve.worker.cuda_graphs import (
@@ -69,7 +72,7 @@ class ModelRunner:
             vocab_size=config.model.vocab_size,
         )
         self.sampler = Sampler()
-        self.model: torch.nn.Module | None = None
+        self.model: LanguageModel | None = None
         self.kv_caches: list[torch.Tensor] = []
         # mm_hash -> [num_tokens, hidden] image embeddings; what enters and leaves is decided
         # by the scheduler's EncoderCacheManager.
@@ -82,6 +85,10 @@ class ModelRunner:
         self.last_output: PendingOutput | None = None
 
     def load_model(self) -> None:
+        # This process's worker state, before the model is built: its tensor-parallel rank
+        # (one device: rank 0 of 1) and the kernels' mode and PDL.
+        init_tensor_parallel(0, self.config.parallel.tensor_parallel_size)
+        configure_kernels(self.config.kernels)
         model_config = self.config.model
         logger.info(
             "Loading weights of %s (%s) on %s", model_config.model, model_config.dtype, self.device
@@ -180,7 +187,7 @@ class ModelRunner:
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
         )
-        if getattr(self.model, "uses_mrope", False):
+        if self.model.uses_mrope:
             from mm_serve.models.mrope import get_mrope_input_positions
 
             grids = [f.data.image_grid_thw for f in new.mm_features]
@@ -266,7 +273,7 @@ class ModelRunner:
             else None,
         )
         states = batch.states[:num_reqs]
-        if getattr(self.model, "uses_mrope", False):
+        if self.model.uses_mrope:
             positions = mrope_positions(states, positions, query_start_loc, num_computed)
         slices = scheduled_slices(states, num_computed, query_start_loc)
         image_embeddings = None

@@ -10,6 +10,7 @@ in images), preemptions and encoder tokens computed. The hit rate is ``hits / qu
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -82,46 +83,38 @@ class ServerMetrics:
     """The server's metrics; ``render(stats)`` gives the Prometheus text exposition."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        registry = self.registry
-        self.http_requests = Counter(
+        self.registry = registry = CollectorRegistry()
+        counter = functools.partial(Counter, registry=registry)
+        histogram = functools.partial(Histogram, registry=registry)
+        self.http_requests = counter(
             PREFIX + "http_requests",
             "HTTP responses of the API, by endpoint and status code.",
             ["endpoint", "status"],
-            registry=registry,
         )
-        self.completions = Counter(
+        self.completions = counter(
             PREFIX + "request_finished",
             "Finished completions (one per choice), by finish reason: stop, length, abort "
             "(client went away) or error.",
             ["finish_reason"],
-            registry=registry,
         )
-        self.prompt_tokens = Counter(
-            PREFIX + "prompt_tokens",
-            "Prompt tokens of the requests (image tokens included).",
-            registry=registry,
+        self.prompt_tokens = counter(
+            PREFIX + "prompt_tokens", "Prompt tokens of the requests (image tokens included)."
         )
-        self.generation_tokens = Counter(
-            PREFIX + "generation_tokens", "Generated tokens.", registry=registry
-        )
-        self.ttft = Histogram(
+        self.generation_tokens = counter(PREFIX + "generation_tokens", "Generated tokens.")
+        self.ttft = histogram(
             PREFIX + "time_to_first_token_seconds",
             "Time to first token (TTFT): arrival to the first output token, in seconds.",
             buckets=TTFT_BUCKETS,
-            registry=registry,
         )
-        self.tpot = Histogram(
+        self.tpot = histogram(
             PREFIX + "time_per_output_token_seconds",
             "Time per output token (TPOT) after the first, in seconds.",
             buckets=TPOT_BUCKETS,
-            registry=registry,
         )
-        self.e2e = Histogram(
+        self.e2e = histogram(
             PREFIX + "e2e_request_latency_seconds",
             "End-to-end latency of a completion, arrival to last token, in seconds.",
             buckets=E2E_BUCKETS,
-            registry=registry,
         )
         self._engine = _EngineStatsCollector()
         registry.register(self._engine)

@@ -9,7 +9,7 @@ are accepted and ignored with a warning in the server log.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Generic, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -142,24 +142,39 @@ class ChatResponseMessage(BaseModel):
     content: str | None = None
 
 
-class ChatCompletionChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None  # vLLM's: the stop token id or string that ended it
-
-
 def _now() -> int:
     return int(time.time())
 
 
-class ChatCompletionResponse(BaseModel):
+L = TypeVar("L", bound=BaseModel)  # a choice's logprobs
+C = TypeVar("C", bound=BaseModel)  # a response's choice
+
+
+class _Choice(BaseModel, Generic[L]):
+    index: int
+    logprobs: L | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or string that ended it
+
+
+class _Response(BaseModel, Generic[C]):
+    """A response or chunk; subclasses narrow ``object`` (a field redeclared keeps its place
+    in the JSON)."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str
     created: int = Field(default_factory=_now)
     model: str
-    choices: list[ChatCompletionChoice]
+    choices: list[C]
+    usage: UsageInfo | None = None
+
+
+class ChatCompletionChoice(_Choice[ChatLogprobs]):
+    message: ChatResponseMessage
+
+
+class ChatCompletionResponse(_Response[ChatCompletionChoice]):
+    object: Literal["chat.completion"] = "chat.completion"
     usage: UsageInfo
 
 
@@ -176,21 +191,12 @@ class DeltaMessage(BaseModel):
         return {key: value for key, value in handler(self).items() if value is not None}
 
 
-class ChatCompletionStreamChoice(BaseModel):
-    index: int
+class ChatCompletionStreamChoice(_Choice[ChatLogprobs]):
     delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Response[ChatCompletionStreamChoice]):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatCompletionStreamChoice]
-    usage: UsageInfo | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -200,23 +206,14 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
-    index: int
+class CompletionChoice(_Choice[CompletionLogprobs]):
     text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(_Response[CompletionChoice]):
     """A text completion, or (streaming) one chunk of it: the same object."""
 
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
 
 
 class ModelCard(BaseModel):

@@ -4,10 +4,8 @@ out."""
 from __future__ import annotations
 
 import contextlib
-import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 from mm_serve.entrypoints.openai.errors import bad_request, user_errors
 from mm_serve.entrypoints.openai.media import MediaResolver
@@ -24,6 +22,7 @@ from mm_serve.entrypoints.openai.protocol import (
 from mm_serve.entrypoints.openai.serving_common import (
     Admission,
     ModelInfo,
+    Reply,
     ServingBase,
     chat_logprobs,
     collect,
@@ -37,16 +36,7 @@ from mm_serve.frontend.async_llm import AsyncLLM
 from mm_serve.outputs import CompletionOutput, RequestOutput
 
 
-@dataclass
-class _Reply:
-    """What the response of one chat request needs besides the outputs."""
-
-    request_id: str
-    model: str
-    num_top_logprobs: int | None  # None: no logprobs
-    tokens_as_ids: bool
-    created: int = field(default_factory=lambda: int(time.time()))
-
+class _Reply(Reply):
     def logprobs(self, output: CompletionOutput) -> ChatLogprobs | None:
         if self.num_top_logprobs is None:
             return None
@@ -69,11 +59,6 @@ class ServingChat(ServingBase):
     async def create(
         self, request: ChatCompletionRequest, arrival_time: float
     ) -> ChatCompletionResponse | AsyncIterator[str]:
-        """The response, or (``stream``) its SSE events ending with ``data: [DONE]``.
-
-        Raises:
-            APIError: see ``errors``.
-        """
         model = self.model_name(request.model)
         include_usage = stream_usage(request)
         if request.top_logprobs is not None and not request.logprobs:
@@ -119,9 +104,7 @@ def _response(output: RequestOutput, reply: _Reply) -> ChatCompletionResponse:
         output.num_cached_tokens,
         output.num_cached_images,
     )
-    return ChatCompletionResponse(
-        id=reply.request_id, created=reply.created, model=reply.model, choices=choices, usage=usage
-    )
+    return reply.response(ChatCompletionResponse, choices, usage)
 
 
 async def _stream(
@@ -141,9 +124,10 @@ async def _stream(
                     started.add(delta.index)
                     role = DeltaMessage(role="assistant", content="")
                     choice = ChatCompletionStreamChoice(index=delta.index, delta=role)
-                    yield sse_event(_chunk(reply, [choice]))
+                    yield sse_event(reply.response(ChatCompletionChunk, [choice]))
                 for piece in per_token(delta):
-                    yield sse_event(_chunk(reply, [_stream_choice(piece, reply)]))
+                    choice = _stream_choice(piece, reply)
+                    yield sse_event(reply.response(ChatCompletionChunk, [choice]))
                 num_completion += len(delta.token_ids)
     if include_usage and last is not None:
         usage = usage_info(
@@ -152,7 +136,7 @@ async def _stream(
             last.num_cached_tokens,
             last.num_cached_images,
         )
-        yield sse_event(_chunk(reply, [], usage))
+        yield sse_event(reply.response(ChatCompletionChunk, [], usage))
 
 
 def _stream_choice(piece: CompletionOutput, reply: _Reply) -> ChatCompletionStreamChoice:
@@ -164,10 +148,4 @@ def _stream_choice(piece: CompletionOutput, reply: _Reply) -> ChatCompletionStre
         logprobs=reply.logprobs(piece),
         finish_reason=piece.finish_reason,
         stop_reason=piece.stop_reason,
-    )
-
-
-def _chunk(reply: _Reply, choices: list[ChatCompletionStreamChoice], usage=None):
-    return ChatCompletionChunk(
-        id=reply.request_id, created=reply.created, model=reply.model, choices=choices, usage=usage
     )

@@ -7,9 +7,10 @@ import contextlib
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
@@ -105,6 +106,24 @@ def sse_event(data: BaseModel | dict) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+R = TypeVar("R", bound=BaseModel)
+
+
+@dataclass
+class Reply:
+    """What one request's response (or each of its chunks) needs besides the outputs."""
+
+    request_id: str
+    model: str
+    num_top_logprobs: int | None  # None: no logprobs
+    tokens_as_ids: bool
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()), kw_only=True)
+
+    def response(self, cls: type[R], choices: list, usage: UsageInfo | None = None) -> R:
+        """A ``cls`` (a response or chunk model) of ``choices`` with this reply's header."""
+        return cls(
+            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
 
 
 class ServingBase:
@@ -136,7 +155,12 @@ class ServingBase:
         return EventStreamResponse(result, on_close=self.admission.leave)
 
     async def create(self, request: Any, arrival_time: float) -> BaseModel | AsyncIterator[str]:
-        """The response model, or the SSE strings of a streamed response (subclasses)."""
+        """The response model, or (``stream``) the SSE events of the streamed response, ending
+        with ``data: [DONE]`` (each subclass its endpoint's).
+
+        Raises:
+            APIError: see ``errors``.
+        """
         raise NotImplementedError
 
     def model_name(self, requested: str | None) -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from mm_serve.entrypoints.openai.protocol import (
     CompletionResponse,
 )
 from mm_serve.entrypoints.openai.serving_common import (
+    Reply,
     ServingBase,
     collect,
     completion_logprobs,
@@ -33,13 +33,8 @@ from mm_serve.outputs import CompletionOutput, RequestOutput
 
 
 @dataclass
-class _Reply:
-    request_id: str
-    model: str
-    n: int
-    num_top_logprobs: int | None
-    tokens_as_ids: bool
-    created: int = field(default_factory=lambda: int(time.time()))
+class _Reply(Reply):
+    n: int = 1
     # choice index -> text offset of its next token (for logprobs.text_offset)
     offsets: dict[int, int] = field(default_factory=dict)
 
@@ -69,11 +64,6 @@ class ServingCompletion(ServingBase):
     async def create(
         self, request: CompletionRequest, arrival_time: float
     ) -> CompletionResponse | AsyncIterator[str]:
-        """The response, or (``stream``) its SSE events ending with ``data: [DONE]``.
-
-        Raises:
-            APIError: see ``errors``.
-        """
         model = self.model_name(request.model)
         include_usage = stream_usage(request)
         if request.echo:
@@ -93,7 +83,7 @@ class ServingCompletion(ServingBase):
             for i, p in enumerate(processed)
         ]
         reply = _Reply(
-            base_id, model, params.n, request.logprobs, request.return_tokens_as_token_ids
+            base_id, model, request.logprobs, request.return_tokens_as_token_ids, params.n
         )
         if request.stream:
             return stream_with_errors(_stream(streams, reply, include_usage))
@@ -124,13 +114,8 @@ async def _collect_all(streams: list[AsyncIterator[RequestOutput]]) -> list[Requ
 
 def _response(outputs: list[RequestOutput], reply: _Reply) -> CompletionResponse:
     choices = [reply.choice(i, c) for i, output in enumerate(outputs) for c in output.outputs]
-    return CompletionResponse(
-        id=reply.request_id,
-        created=reply.created,
-        model=reply.model,
-        choices=choices,
-        usage=_usage(outputs, sum(len(c.token_ids) for o in outputs for c in o.outputs)),
-    )
+    num_completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return reply.response(CompletionResponse, choices, _usage(outputs, num_completion))
 
 
 def _usage(outputs: list[RequestOutput], num_completion: int):
@@ -151,15 +136,11 @@ async def _stream(
             for delta in output.outputs:
                 num_completion += len(delta.token_ids)
                 for piece in per_token(delta):
-                    yield sse_event(_chunk(reply, [reply.choice(prompt_index, piece)]))
+                    choice = reply.choice(prompt_index, piece)
+                    yield sse_event(reply.response(CompletionResponse, [choice]))
     if include_usage:
-        yield sse_event(_chunk(reply, [], _usage(list(last.values()), num_completion)))
-
-
-def _chunk(reply: _Reply, choices: list[CompletionChoice], usage=None) -> CompletionResponse:
-    return CompletionResponse(
-        id=reply.request_id, created=reply.created, model=reply.model, choices=choices, usage=usage
-    )
+        usage = _usage(list(last.values()), num_completion)
+        yield sse_event(reply.response(CompletionResponse, [], usage))
 
 
 async def _merge(

@@ -47,8 +47,9 @@ class Attention(nn.Module):
         q and k are rotated by ``positions`` first.
         With metadata and a bound cache: writes this step's K/V to ``slot_mapping`` (in the
         same kernel as the rotation), then each request attends to its ``seq_lens[i]`` cached
-        tokens. Without either (profiling, or a plain run): causal attention within each
-        request's new tokens only (no cached prefix); no metadata means one sequence.
+        tokens. Without either (a model run outside the engine, as in the tests): causal
+        attention within each request's new tokens only (no cached prefix); no metadata means
+        one sequence.
         """
         cached = attn_metadata is not None and self.kv_cache.numel() > 0
         kv_write = (v, self.kv_cache, attn_metadata.slot_mapping) if cached else None
@@ -69,7 +70,7 @@ class Attention(nn.Module):
         v: torch.Tensor,
         attn_metadata: AttentionMetadata | None,
     ) -> torch.Tensor:
-        # SDPA (memory-efficient on GPU) so that a profiling run measures a realistic peak.
+        # SDPA: memory-efficient on GPU, one call per request.
         num_tokens = q.shape[0]
         starts = [0, num_tokens] if attn_metadata is None else attn_metadata.query_start_loc_cpu
         out = torch.zeros_like(q)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mm_serve.kernels import apply_mrotary, apply_rotary
+from mm_serve.kernels import apply_mrotary
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
@@ -36,6 +36,8 @@ class RotaryEmbedding(nn.Module):
     style). The table is a non-persistent buffer: after materialising a ``meta``-built model,
     call ``rebuild_buffers()``.
     """
+
+    mrope_section: list[int] | None = None  # M-RoPE's split of the frequencies (subclass)
 
     def __init__(self, head_dim: int, max_position: int, base: float) -> None:
         super().__init__()
@@ -71,7 +73,9 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``kv_write = (value, kv_cache, slot_mapping)``: also write the rotated key and the
         value to the cache (see ``apply_rotary``)."""
-        return apply_rotary(positions, query, key, self.cos_sin_cache, self.head_dim, kv_write)
+        return apply_mrotary(
+            positions, query, key, self.cos_sin_cache, self.head_dim, self.mrope_section, kv_write
+        )
 
 
 class LinearScalingRotaryEmbedding(RotaryEmbedding):
@@ -156,17 +160,6 @@ class MRotaryEmbedding(RotaryEmbedding):
             )
         self.mrope_section = [int(n) for n in mrope_section]
         super().__init__(head_dim, max_position, base)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return apply_mrotary(
-            positions, query, key, self.cos_sin_cache, self.head_dim, self.mrope_section, kv_write
-        )
 
 
 def get_rope(

@@ -1,0 +1,59 @@
+"""What the engine calls on a model (``LlamaForCausalLM``: a ``LanguageModel``; the classes of
+``models/vlm.py``: ``VisionLanguageModel``s)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from mm_serve.attention import AttentionMetadata
+from mm_serve.encoders.base import ProcessedImage
+
+
+@runtime_checkable
+class LanguageModel(Protocol):
+    """A decoder over the flattened batch of all scheduled tokens (no padding)."""
+
+    # True: ``forward`` takes M-RoPE positions ``[3, T]`` (``models.mrope``), else ``[T]``.
+    uses_mrope: bool
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors in; the names of the parameters now fully loaded."""
+        ...
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T] -> [T, hidden]``."""
+        ...
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,  # [T]
+        positions: torch.Tensor,  # [T], or [3, T] with uses_mrope
+        attn_metadata: AttentionMetadata | None,
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden], replaces input_ids
+    ) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]``."""
+        ...
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden] -> [N, vocab]`` float32."""
+        ...
+
+    def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
+        """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer."""
+        ...
+
+
+@runtime_checkable
+class VisionLanguageModel(LanguageModel, Protocol):
+    """A ``LanguageModel`` whose prompts hold images: ``image_token_id`` placeholder tokens
+    whose embeddings ``embed_images`` replaces (the model runner writes its rows into
+    ``get_input_embeddings(input_ids)`` and calls ``forward`` with ``inputs_embeds``)."""
+
+    image_token_id: int
+
+    def embed_images(self, images: list[ProcessedImage]) -> list[torch.Tensor]:
+        """One ``[num_tokens, hidden]`` tensor per image, in order."""
+        ...
