@@ -7,6 +7,7 @@ order, and the device time of one decode CUDA graph replay plus logits and sampl
 With async scheduling a step costs about max(host, device); without, their sum.
 
     python -m mm_serve.benchmarks.step_profile --model-arch qwen2-vl-2b --batch-size 1
+    python -m mm_serve.benchmarks.step_profile --batch-size 63 --mixed 512  # + a mixed step
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -83,6 +85,44 @@ def kernel_table(core, batch_size: int, rows: int = 25) -> str:
     return prof.key_averages().table(
         sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70
     )
+
+
+def mixed_step(core, prompt_len: int, repeats: int = 20) -> tuple[float, float]:
+    """A mixed step: one ``prompt_len``-token prompt prefilled with the running decodes.
+
+    Returns the median ms from ``execute_model`` to the sampled tokens on the host (the step's
+    launch and device time; under async scheduling, schedule and update overlap the step
+    before) and the median sum of the step's device kernel and copy times (torch profiler),
+    each over ``repeats`` fresh prompts, timed and profiled in alternate steps.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    if core._in_flight is not None:  # finish the async pipeline: these steps run in order
+        scheduler_output, pending = core._in_flight
+        core._in_flight = None
+        core.scheduler.update_from_output(scheduler_output, pending.get())
+    gen = torch.Generator().manual_seed(1)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    walls, kernels = [], []
+    for i in range(2 * repeats + 4):
+        ids = torch.randint(0, 150000, (prompt_len,), generator=gen).tolist()
+        core.add_request(Request(f"mixed{i}", ids, params))
+        scheduler_output = core.scheduler.schedule()
+        assert scheduler_output.num_scheduled_tokens[f"mixed{i}"] == prompt_len
+        torch.cuda.synchronize()
+        timer = profile(activities=[ProfilerActivity.CUDA]) if i % 2 else nullcontext()
+        with timer as prof:
+            start = time.perf_counter()
+            output = core.model_runner.execute_model(scheduler_output).get()
+            wall = time.perf_counter() - start
+        core.scheduler.update_from_output(scheduler_output, output)
+        if i < 4:
+            continue  # warm-up
+        if prof is None:
+            walls.append(wall * 1e3)
+        else:
+            kernels.append(sum(e.self_device_time_total for e in prof.key_averages()) / 1e3)
+    return statistics.median(walls), statistics.median(kernels)
 
 
 def throughput_breakdown(llm, num_prompts: int) -> str:
@@ -161,6 +201,9 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true", help="Print the kernel table.")
     parser.add_argument("--encode", action="store_true", help="Profile an image prefill.")
     parser.add_argument(
+        "--mixed", type=int, default=0, help="Also time a mixed step: this many prompt tokens."
+    )
+    parser.add_argument(
         "--throughput", type=int, default=0, help="Also break down N image requests' run."
     )
     args = parser.parse_args()
@@ -181,6 +224,13 @@ def main() -> None:
     print(f"device ms per decode step (graph replay + logits + argmax): {gpu_ms:.3f}")
     if args.kernels:
         print(kernel_table(core, args.batch_size))
+    if args.mixed:
+        wall, kernel_sum = mixed_step(core, args.mixed)
+        print(
+            f"mixed step ({args.mixed}-token prefill + {args.batch_size} decodes): "
+            f"{wall:.3f} ms launch to tokens, kernels {kernel_sum:.3f} ms, "
+            f"ratio {wall / kernel_sum:.2f}"
+        )
     if args.encode:
         print(encode_step_table(llm))
     if args.throughput:
