@@ -22,7 +22,7 @@ from mm_serve.encoders.qwen2_vl import (
     PatchEmbed,
     PatchMerger,
     TowerPlan,
-    VisionAttention,
+    VisionBlock,
     check_grid,
     frame_bounds,
     rope_theta,
@@ -30,9 +30,7 @@ from mm_serve.encoders.qwen2_vl import (
 )
 from mm_serve.kernels.activation import get_activation
 from mm_serve.kernels.dispatch import silu_and_mul, varlen_segments
-from mm_serve.kernels.rotary import VisionRotary, vision_rotary
-from mm_serve.kernels.varlen_attention import Segments
-from mm_serve.models.layers.layernorm import RMSNorm
+from mm_serve.kernels.rotary import vision_rotary
 from mm_serve.transfer import host_to_device
 
 
@@ -151,22 +149,6 @@ class Qwen2_5_VisionMLP(nn.Module):
         state_dict.update({prefix + name: t for name, t in merged.items()})
 
 
-class Qwen2_5_VisionBlock(nn.Module):
-    """Pre-RMSNorm block: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``."""
-
-    def __init__(self, vision_config) -> None:
-        super().__init__()
-        dim = vision_config.hidden_size
-        self.norm1 = RMSNorm(dim, eps=1e-6)
-        self.norm2 = RMSNorm(dim, eps=1e-6)
-        self.attn = VisionAttention(dim, vision_config.num_heads)
-        self.mlp = Qwen2_5_VisionMLP(dim, vision_config.intermediate_size, vision_config.hidden_act)
-
-    def forward(self, x: torch.Tensor, segments: Segments, rotary: VisionRotary) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), segments, rotary)
-        return x + self.mlp(self.norm2(x))
-
-
 class Qwen2_5_VisionTransformer(nn.Module):
     """The Qwen2.5-VL vision tower, from ``vision_config`` (``Qwen2_5_VLVisionConfig``).
 
@@ -188,7 +170,11 @@ class Qwen2_5_VisionTransformer(nn.Module):
         self.patch_embed = PatchEmbed(
             cfg.patch_size, cfg.temporal_patch_size, cfg.in_channels, cfg.hidden_size
         )
-        self.blocks = nn.ModuleList([Qwen2_5_VisionBlock(cfg) for _ in range(cfg.depth)])
+        dim = cfg.hidden_size
+        mlps = [
+            Qwen2_5_VisionMLP(dim, cfg.intermediate_size, cfg.hidden_act) for _ in range(cfg.depth)
+        ]
+        self.blocks = nn.ModuleList(VisionBlock(dim, cfg.num_heads, m, rms_norm=True) for m in mlps)
         self.merger = PatchMerger(
             cfg.hidden_size, cfg.out_hidden_size, cfg.spatial_merge_size, rms_norm=True
         )

@@ -169,17 +169,16 @@ class VisionMlp(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
-class Qwen2VisionBlock(nn.Module):
-    """Pre-LayerNorm transformer block: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``."""
+class VisionBlock(nn.Module):
+    """Pre-norm block: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``; the norms are
+    LayerNorm (Qwen2-VL) or RMSNorm (Qwen2.5-VL, weight only), eps 1e-6."""
 
-    def __init__(self, vision_config) -> None:
+    def __init__(self, dim: int, num_heads: int, mlp: nn.Module, rms_norm: bool = False) -> None:
         super().__init__()
-        dim = vision_config.embed_dim
-        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.attn = VisionAttention(dim, vision_config.num_heads)
-        hidden = int(dim * vision_config.mlp_ratio)
-        self.mlp = VisionMlp(dim, hidden, vision_config.hidden_act)
+        norm = RMSNorm if rms_norm else nn.LayerNorm
+        self.norm1, self.norm2 = norm(dim, eps=1e-6), norm(dim, eps=1e-6)
+        self.attn = VisionAttention(dim, num_heads)
+        self.mlp = mlp
 
     def forward(self, x: torch.Tensor, segments: Segments, rotary: VisionRotary) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), segments, rotary)
@@ -204,7 +203,11 @@ class Qwen2VisionTransformer(nn.Module):
         self.patch_embed = PatchEmbed(
             cfg.patch_size, cfg.temporal_patch_size, cfg.in_channels, cfg.embed_dim
         )
-        self.blocks = nn.ModuleList([Qwen2VisionBlock(cfg) for _ in range(cfg.depth)])
+        dim, hidden = cfg.embed_dim, int(cfg.embed_dim * cfg.mlp_ratio)
+        self.blocks = nn.ModuleList(
+            VisionBlock(dim, cfg.num_heads, VisionMlp(dim, hidden, cfg.hidden_act))
+            for _ in range(cfg.depth)
+        )
         self.merger = PatchMerger(cfg.embed_dim, cfg.hidden_size, cfg.spatial_merge_size)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:

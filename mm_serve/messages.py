@@ -29,20 +29,9 @@ from mm_serve.sampling_params import SamplingParams
 from mm_serve.stats import EngineStats
 
 # Tensor dtypes allowed on the wire, by name (never resolved with getattr on user input).
-_DTYPES = {
-    str(dtype).removeprefix("torch."): dtype
-    for dtype in (
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.float64,
-        torch.uint8,
-        torch.int8,
-        torch.int32,
-        torch.int64,
-        torch.bool,
-    )
-}
+_WIRE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8,
+                torch.int8, torch.int32, torch.int64, torch.bool)  # fmt: skip
+_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in _WIRE_DTYPES}
 
 Buffer = Any  # anything with the buffer protocol: bytes, memoryview, zmq.Frame
 
@@ -285,17 +274,11 @@ def requests_from_wire(message: AddRequest, frames: Sequence[Buffer]) -> list[Re
         features = [_feature_from_wire(f, frames) for f in message.mm_features]
         children = [(message.request_id, message.sampling_params)]
         children += [(s.request_id, s.sampling_params) for s in message.siblings]
+        shared = {"mm_features": features, "cache_salt": message.cache_salt}
+        shared["arrival_time"] = message.arrival_time
+        prompt, eos = message.prompt_token_ids, message.eos_token_id
         return [
-            Request(
-                request_id,
-                message.prompt_token_ids,
-                sampling_params,
-                eos_token_id=message.eos_token_id,
-                mm_features=features,
-                cache_salt=message.cache_salt,
-                arrival_time=message.arrival_time,
-            )
-            for request_id, sampling_params in children
+            Request(request_id, prompt, params, eos, **shared) for request_id, params in children
         ]
     except (ValueError, IndexError) as e:
         raise RequestDecodeError(message.request_ids, str(e)) from e

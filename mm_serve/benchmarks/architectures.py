@@ -151,17 +151,6 @@ def architecture_names() -> list[str]:
     return sorted(ARCHITECTURES)
 
 
-def _qwen2_vl_tokenizer() -> Any:
-    """The tests' byte-level BPE with Qwen2's and Qwen2-VL's special tokens and chat template."""
-    from mm_serve.testing.checkpoints import build_tokenizer
-    from mm_serve.testing.vlm_checkpoints import QWEN_VL_CHAT_TEMPLATE, QWEN_VL_SPECIALS
-
-    tokenizer = build_tokenizer("qwen2")
-    tokenizer.add_tokens(QWEN_VL_SPECIALS, special_tokens=True)
-    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
-    return tokenizer
-
-
 def _token_ids(tokenizer: Any) -> dict[str, Any]:
     """The special token ids of ``config.json``, as the tokenizer encodes them."""
     ids = tokenizer.convert_tokens_to_ids
@@ -208,7 +197,10 @@ def write_architecture(name: str, folder: str | os.PathLike) -> str:
     """
     from transformers import GenerationConfig
 
-    tokenizer = _qwen2_vl_tokenizer()
+    from mm_serve.testing.vlm_checkpoints import vlm_tokenizer
+
+    # The tests' byte-level BPE with Qwen2's and Qwen2-VL's special tokens and chat template.
+    tokenizer = vlm_tokenizer("qwen2_vl")
     ids = _token_ids(tokenizer)
     config = _build_config(name, ids)
     os.makedirs(folder, exist_ok=True)

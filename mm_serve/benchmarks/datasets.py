@@ -70,10 +70,3 @@ def openai_messages(request: BenchRequest) -> list[dict]:
     from mm_serve.client.images import user_message
 
     return [user_message(request.prompt, request.images)]
-
-
-def llm_messages(request: BenchRequest) -> list[dict]:
-    """The request as messages for ``LLM.chat`` (PIL images passed as they are)."""
-    parts: list[dict] = [{"type": "image", "image": image} for image in request.images]
-    parts.append({"type": "text", "text": request.prompt})
-    return [{"role": "user", "content": parts}]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -195,9 +196,7 @@ async def run_load(bodies: list[bytes], config: LoadConfig) -> tuple[list[Reques
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
 
         async def one(body: bytes) -> RequestResult:
-            if slots is None:
-                return await send_request(client, config.url, body, config.headers)
-            async with slots:
+            async with slots or contextlib.nullcontext():
                 return await send_request(client, config.url, body, config.headers)
 
         start = time.perf_counter()
@@ -356,24 +355,20 @@ def main(args: argparse.Namespace) -> dict:
     return summary
 
 
+# The flags a result records as they are.
+_SETTINGS = ("num_prompts", "input_len", "output_len", "num_images", "seed", "burstiness",
+             "max_concurrency", "num_warmups", "temperature", "ignore_eos")  # fmt: skip
+
+
 def _settings(args: argparse.Namespace, url: str, model: str) -> dict:
     """The run's settings, JSON-safe (an infinite rate becomes the string "inf")."""
     rate = args.request_rate
     return {
         "base_url": url,
         "model": model,
-        "num_prompts": args.num_prompts,
-        "input_len": args.input_len,
-        "output_len": args.output_len,
+        **{name: getattr(args, name) for name in _SETTINGS},
         "image_size": list(args.image_size),
-        "num_images": args.num_images,
-        "seed": args.seed,
         "request_rate": "inf" if math.isinf(rate) else rate,
-        "burstiness": args.burstiness,
-        "max_concurrency": args.max_concurrency,
-        "num_warmups": args.num_warmups,
-        "temperature": args.temperature,
-        "ignore_eos": args.ignore_eos,
     }
 
 

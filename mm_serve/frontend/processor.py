@@ -80,25 +80,18 @@ class ProcessedPrompt:
     cache_salt: str | None = None
 
 
+@dataclass
 class PendingPrompt:
     """A tokenized prompt whose images may still be in the preprocessing pool.
 
     ``done()`` says whether ``result()`` would return without waiting.
     """
 
-    def __init__(
-        self,
-        model_config: ModelConfig,
-        text: str | None,
-        token_ids: list[int],
-        cache_salt: str | None,
-        images: PendingImages | None,
-    ) -> None:
-        self.model_config = model_config
-        self.text = text
-        self.token_ids = token_ids
-        self.cache_salt = cache_salt
-        self.images = images
+    model_config: ModelConfig
+    text: str | None
+    token_ids: list[int]
+    cache_salt: str | None
+    images: PendingImages | None
 
     def done(self) -> bool:
         return self.images is None or self.images.done()
@@ -171,12 +164,10 @@ DEFAULTS_FROM_GENERATION_CONFIG = ("temperature", "top_p", "top_k", "repetition_
 
 def generation_config_defaults(generation_config: Any) -> dict[str, Any]:
     """The sampling defaults a checkpoint's ``generation_config.json`` sets (may be empty)."""
-    defaults = {}
-    for name in DEFAULTS_FROM_GENERATION_CONFIG:
-        value = getattr(generation_config, name, None)
-        if value is not None:
-            defaults[name] = value
-    return defaults
+    values = {
+        name: getattr(generation_config, name, None) for name in DEFAULTS_FROM_GENERATION_CONFIG
+    }
+    return {name: value for name, value in values.items() if value is not None}
 
 
 class InputProcessor:
@@ -192,11 +183,7 @@ class InputProcessor:
     """
 
     def __init__(
-        self,
-        model_config: ModelConfig,
-        mm_config: MultiModalConfig,
-        tokenizer,
-        generation_config,
+        self, model_config: ModelConfig, mm_config: MultiModalConfig, tokenizer, generation_config
     ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -287,21 +274,11 @@ class InputProcessor:
         stop_token_ids = params.stop_token_ids + [
             t for t in self.extra_stop_token_ids if t not in params.stop_token_ids
         ]
+        shared = {"mm_features": prompt.mm_features, "cache_salt": prompt.cache_salt}
         requests = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
-            child_params = dataclasses.replace(
-                params, n=1, seed=seed, stop_token_ids=stop_token_ids
-            )
+            child = dataclasses.replace(params, n=1, seed=seed, stop_token_ids=stop_token_ids)
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
-            requests.append(
-                Request(
-                    child_id,
-                    prompt.token_ids,
-                    child_params,
-                    eos_token_id=self.eos_token_id,
-                    mm_features=prompt.mm_features,
-                    cache_salt=prompt.cache_salt,
-                )
-            )
+            requests.append(Request(child_id, prompt.token_ids, child, self.eos_token_id, **shared))
         return requests

@@ -15,6 +15,7 @@ file descriptors) and become torch tensors in the caller (``PreprocessResult.to_
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import io
 import logging
 import multiprocessing
@@ -65,10 +66,8 @@ class PreprocessResult:
 
     def to_processed_image(self) -> ProcessedImage:
         """The torch form, sharing the array's memory (no copy)."""
-        pixels = torch.from_numpy(self.pixel_values)
-        return ProcessedImage(
-            pixels, self.num_tokens, self.image_grid_thw, self.pixel_mean, self.pixel_std
-        )
+        pixels, grid = torch.from_numpy(self.pixel_values), self.image_grid_thw
+        return ProcessedImage(pixels, self.num_tokens, grid, self.pixel_mean, self.pixel_std)
 
 
 def preprocess_image(source: Any, processor: ImageProcessor, max_pixels: int) -> ProcessedImage:
@@ -142,8 +141,7 @@ class PreprocessPool:
 
     The processes start with ``start()``, or else with the first ``submit`` (a text-only model
     never starts them), and stop on ``shutdown()``, when the pool is garbage-collected, or at
-    interpreter exit; the kernel kills them if the owner dies. They never import the owner's
-    main module, so a script needs no ``if __name__ == "__main__":`` guard.
+    interpreter exit; they exit when the owner dies.
 
     Raises (from ``submit``'s future):
         ValueError: the image is undecodable, missing, or above ``mm_config.max_pixels``;
@@ -229,8 +227,10 @@ class PreprocessPool:
                 initializer=_init_worker,
                 initargs=self._init_args,
             )
-            # Holds the executor, not the pool: runs when the pool is collected or at exit.
-            self._finalizer = weakref.finalize(self, _shutdown_executor, executor)
+            # Holds the executor, not the pool: runs when the pool is collected or at exit. Never
+            # waits: a finalizer may run in any thread, including the executor's own manager.
+            stop = functools.partial(executor.shutdown, wait=False, cancel_futures=True)
+            self._finalizer = weakref.finalize(self, stop)
             self._executor = executor
         return self._executor
 
@@ -240,8 +240,3 @@ class PreprocessPool:
         self._finalizer.detach()
         self._executor.shutdown(wait=wait, cancel_futures=True)
         self._executor = None
-
-
-def _shutdown_executor(executor: concurrent.futures.ProcessPoolExecutor) -> None:
-    # Never waits: a finalizer may run in any thread, including the executor's own manager.
-    executor.shutdown(wait=False, cancel_futures=True)

@@ -81,7 +81,7 @@ QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 28 * 28 * 4, 28 * 28 * 64
 LLAVA_IMAGE_SIZE = 56  # 4 x 4 patches of 14 -> 16 image tokens
 
 
-def _tokenizer(family: str) -> Any:
+def vlm_tokenizer(family: str) -> Any:
     """The text builder's tokenizer plus the family's image tokens and chat template."""
     if family == "llava":
         tokenizer = build_tokenizer("llama")
@@ -208,7 +208,7 @@ def _processor_class(family: str) -> type:
 
 def tokenizer_size(family: str) -> int:
     """``len(tokenizer)`` of ``family``'s checkpoint tokenizer (its ids are ``0..size-1``)."""
-    return len(_tokenizer(family))
+    return len(vlm_tokenizer(family))
 
 
 def _model_class(family: str) -> type:
@@ -254,7 +254,7 @@ def build_tiny_vlm_checkpoint(
         raise ValueError(f"Unknown family {family!r}; choose from {FAMILIES}.")
     if layout not in LAYOUTS:
         raise ValueError(f"Unknown layout {layout!r}; choose from {LAYOUTS}.")
-    tokenizer = _tokenizer(family)
+    tokenizer = vlm_tokenizer(family)
     if vocab_size is None:
         vocab_size = len(tokenizer)
     elif vocab_size < len(tokenizer):

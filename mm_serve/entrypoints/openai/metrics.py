@@ -28,7 +28,7 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 
-# EngineStats field -> (metric name, help); gauges are current values, counters cumulative.
+# EngineStats field -> (metric name, help): current values.
 _ENGINE_GAUGES = {
     "num_running_reqs": ("num_requests_running", "Requests in the engine's running batch."),
     "num_waiting_reqs": ("num_requests_waiting", "Requests waiting to be scheduled."),
@@ -39,27 +39,15 @@ _ENGINE_GAUGES = {
     ),
     "num_encoder_cache_entries": ("encoder_cache_entries", "Images held by the encoder cache."),
 }
-_ENGINE_COUNTERS = {
-    "num_preemptions": ("num_preemptions", "Requests preempted (their KV blocks freed)."),
-    "prefix_cache_queries": (
-        "prefix_cache_queries",
-        "Prompt tokens looked up in the prefix cache.",
-    ),
-    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
-    "encoder_cache_queries": ("encoder_cache_queries", "Images looked up in the encoder cache."),
-    "encoder_cache_hits": ("encoder_cache_hits", "Images found in the encoder cache."),
-    "encoder_tokens_computed": (
-        "encoder_tokens_computed",
-        "Image embedding tokens run through the vision encoder.",
-    ),
-    "processor_cache_queries": (
-        "processor_cache_queries",
-        "Images looked up in the front end's processor cache.",
-    ),
-    "processor_cache_hits": (
-        "processor_cache_hits",
-        "Images found in the processor cache (no preprocessing).",
-    ),
+_ENGINE_COUNTERS = {  # EngineStats field (the metric name too) -> help: cumulative
+    "num_preemptions": "Requests preempted (their KV blocks freed).",
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+    "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
+    "encoder_cache_queries": "Images looked up in the encoder cache.",
+    "encoder_cache_hits": "Images found in the encoder cache.",
+    "encoder_tokens_computed": "Image embedding tokens run through the vision encoder.",
+    "processor_cache_queries": "Images looked up in the front end's processor cache.",
+    "processor_cache_hits": "Images found in the processor cache (no preprocessing).",
 }
 
 
@@ -75,8 +63,8 @@ class _EngineStatsCollector(Collector):
             return
         for field, (name, help_text) in _ENGINE_GAUGES.items():
             yield GaugeMetricFamily(PREFIX + name, help_text, value=getattr(stats, field))
-        for field, (name, help_text) in _ENGINE_COUNTERS.items():
-            yield CounterMetricFamily(PREFIX + name, help_text, value=getattr(stats, field))
+        for field, help_text in _ENGINE_COUNTERS.items():
+            yield CounterMetricFamily(PREFIX + field, help_text, value=getattr(stats, field))
 
 
 class ServerMetrics:
