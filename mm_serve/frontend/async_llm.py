@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from mm_serve.config import EngineArgs
 from mm_serve.frontend.base import FrontEnd
@@ -35,6 +35,7 @@ from mm_serve.sampling_params import SamplingParams
 from mm_serve.stats import EngineStats, RequestStats
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class AsyncLLM(FrontEnd):
@@ -135,6 +136,10 @@ class AsyncLLM(FrontEnd):
                 template's own message, e.g. roles that must alternate).
         """
         return await self._in_tokenizer_thread(self._render, messages, kwargs)
+
+    async def with_tokenizer(self, fn: Callable[[Any], T]) -> T:
+        """``fn(tokenizer)`` in the tokenizer thread (HF fast tokenizers are not thread-safe)."""
+        return await self._in_tokenizer_thread(fn, self.input_processor.tokenizer)
 
     async def process(self, prompt: PromptType) -> ProcessedPrompt:
         """Tokenize a prompt and submit its images (in the tokenizer thread), wait for them to

@@ -4,12 +4,14 @@
 Ctrl-C, or until the engine core dies: then in-flight requests fail at once (503 / an SSE
 error event), ``/health`` answers 503 for ``ENGINE_DEAD_GRACE_S``, and the server exits with
 code 1. Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics``, and the web page ``web/`` at ``/`` when it exists.
+``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics``, vLLM's ``POST /tokenize``,
+``POST /detokenize`` and ``GET /version``, and the web page ``web/`` at ``/`` when it exists.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import signal
 import time
@@ -32,12 +34,18 @@ from mm_serve.entrypoints.openai.middleware import RequestGuard, until_disconnec
 from mm_serve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
 )
 from mm_serve.entrypoints.openai.serving_chat import ServingChat
 from mm_serve.entrypoints.openai.serving_common import Admission, ModelInfo
 from mm_serve.entrypoints.openai.serving_completion import ServingCompletion
+from mm_serve.entrypoints.openai.serving_tokenization import ServingTokenization
 from mm_serve.frontend.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
@@ -47,7 +55,7 @@ ENGINE_WATCH_INTERVAL_S = 0.1
 GRACEFUL_SHUTDOWN_S = 5.0  # in-flight responses get this long after SIGTERM
 STATS_TIMEOUT_S = 5.0
 WEB_DIR = Path(__file__).resolve().parents[3] / "web"
-API_PATHS = ("/v1/", "/health", "/metrics")
+API_PATHS = ("/v1/", "/health", "/metrics", "/tokenize", "/detokenize", "/version")
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,7 @@ def build_app(
     admission = Admission(config.max_concurrent_requests)
     chat = ServingChat(llm, model, admission, media)
     completion = ServingCompletion(llm, model, admission)
+    tokenization = ServingTokenization(llm, model, media)
     app = FastAPI(title="mm_serve", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
 
@@ -94,11 +103,28 @@ def build_app(
         arrival_time = time.monotonic()
         return await until_disconnected(request, completion.handle(body, arrival_time))
 
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=model.root, max_model_len=llm.max_model_len)
+
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        max_len = llm.max_model_len
-        cards = [ModelCard(id=name, root=model.root, max_model_len=max_len) for name in model.names]
-        return ModelList(data=cards)
+        return ModelList(data=[card(name) for name in model.names])
+
+    @app.get("/v1/models/{name:path}")
+    async def retrieve_model(name: str) -> ModelCard:
+        return card(model.name_for(name))  # 404 for a model not served
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeChatRequest | TokenizeCompletionRequest) -> TokenizeResponse:
+        return await tokenization.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return await tokenization.detokenize(body)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": importlib.metadata.version("mm_serve")}
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -2,8 +2,9 @@
 
 Requests check types and shapes only; the *values* (a negative temperature, ``max_tokens`` of
 0, a prompt beyond the context) are checked by the serving code and ``SamplingParams``, as vLLM
-does. Either violation is a 400 naming the field, as OpenAI answers. Unknown request fields
-are accepted and ignored with a warning in the server log.
+does. Either violation is a 400 naming the field, as OpenAI answers; so is a field a request
+model does not declare (``serving_common.reject_undeclared_fields``): nothing is silently
+ignored.
 """
 
 from __future__ import annotations
@@ -106,7 +107,42 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
 
 
+class TokenizeCompletionRequest(_Request):
+    """vLLM's ``/tokenize`` of a text prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Request):
+    """vLLM's ``/tokenize`` of chat messages, rendered by the chat template, images expanded."""
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
 # ---- responses ---------------------------------------------------------------------------
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class PromptTokensDetails(BaseModel):

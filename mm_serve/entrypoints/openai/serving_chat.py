@@ -59,7 +59,7 @@ class ServingChat(ServingBase):
     async def create(
         self, request: ChatCompletionRequest, arrival_time: float
     ) -> ChatCompletionResponse | AsyncIterator[str]:
-        model = self.model_name(request.model)
+        model = self.model.name_for(request.model)
         include_usage = stream_usage(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true.", param="top_logprobs")

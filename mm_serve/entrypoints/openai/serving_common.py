@@ -55,6 +55,30 @@ class ModelInfo:
     names: tuple[str, ...]
     root: str
 
+    def name_for(self, requested: str | None) -> str:
+        """The name to report; raises APIError (404) for a model this server does not serve."""
+        if requested is None:
+            return self.names[0]
+        if requested not in self.names:
+            raise APIError(
+                404,
+                f"The model {requested!r} does not exist; this server serves {list(self.names)}.",
+                "model_not_found",
+                "model",
+            )
+        return requested
+
+
+def reject_undeclared_fields(request: BaseModel) -> None:
+    """A field the request's model does not declare is refused, never silently ignored.
+
+    Raises:
+        APIError: (400) naming the first such field.
+    """
+    if request.model_extra:
+        name = sorted(request.model_extra)[0]
+        raise bad_request(f"Unsupported field {name!r}.", param=name)
+
 
 class Admission:
     """Caps the generation requests in flight; beyond ``limit``, a 429."""
@@ -163,20 +187,6 @@ class ServingBase:
         """
         raise NotImplementedError
 
-    def model_name(self, requested: str | None) -> str:
-        """The name to report; raises APIError (404) for a model this server does not serve."""
-        if requested is None:
-            return self.model.names[0]
-        if requested not in self.model.names:
-            raise APIError(
-                404,
-                f"The model {requested!r} does not exist; this server serves "
-                f"{list(self.model.names)}.",
-                "model_not_found",
-                "model",
-            )
-        return requested
-
     def sampling_params(
         self, request: SamplingRequest, max_tokens: int | None, logprobs: int | None
     ) -> SamplingParams:
@@ -186,9 +196,7 @@ class ServingBase:
         Raises:
             APIError: (400) a value out of range, naming the field.
         """
-        if request.model_extra:  # a field we would not honour is refused, never ignored
-            name = sorted(request.model_extra)[0]
-            raise bad_request(f"Unsupported field {name!r}.", param=name)
+        reject_undeclared_fields(request)
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}].", param="logprobs")
         self._check_engine_limits(request)

@@ -64,7 +64,7 @@ class ServingCompletion(ServingBase):
     async def create(
         self, request: CompletionRequest, arrival_time: float
     ) -> CompletionResponse | AsyncIterator[str]:
-        model = self.model_name(request.model)
+        model = self.model.name_for(request.model)
         include_usage = stream_usage(request)
         if request.echo:
             raise bad_request("echo is not supported.", param="echo")
