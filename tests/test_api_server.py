@@ -260,6 +260,23 @@ def test_completions_matches_offline_llm(client, llm):
     assert "".join(c.choices[0].text for c in stream if c.choices) == refs[0].outputs[0].text
 
 
+def test_completion_logprobs_zero_gives_the_sampled_token(client):
+    """logprobs=0: each top_logprobs entry is the sampled token alone (vLLM's reading); with
+    logprobs=2 under greedy sampling the sampled token is the best of the two."""
+    for num in (0, 2):
+        reply = client.completions.create(
+            model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=4,
+            logprobs=num,
+        )  # fmt: skip
+        logprobs = reply.choices[0].logprobs
+        assert len(logprobs.tokens) == 4
+        for token, logprob, top in zip(
+            logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+        ):
+            assert top[token] == logprob and len(top) == max(num, 1)
+            assert logprob == max(top.values())
+
+
 def test_models_health_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL, "other-name"]
     assert httpx.get(f"{server.url}/health").status_code == 200

@@ -339,7 +339,8 @@ def completion_logprobs(
     token_ids: list[int], logprobs: SampleLogprobs, num_top: int, as_ids: bool, offset: int
 ) -> tuple[CompletionLogprobs, int]:
     """OpenAI completions ``logprobs``, and the text offset after the last token;
-    ``offset``: the text offset of the first token (in characters)."""
+    ``offset``: the text offset of the first token (in characters). Each ``top_logprobs``
+    entry holds the ``num_top`` most likely tokens and the sampled one (vLLM's reading)."""
     result = CompletionLogprobs()
     for token_id, step in zip(token_ids, logprobs, strict=True):
         chosen = step[token_id]
@@ -349,6 +350,7 @@ def completion_logprobs(
         result.text_offset.append(offset)
         offset += len(chosen.decoded_token or "")
         top = {_token_text(i, lp, as_ids): lp.logprob for i, lp in _top(step, num_top)}
+        top.setdefault(text, chosen.logprob)  # the sampled token too, as vLLM (logprobs=0: alone)
         result.top_logprobs.append(top)
     return result, offset
 
