@@ -166,6 +166,13 @@ CASES = [
     Bad("top_logprobs_negative", chat(logprobs=True, top_logprobs=-1), "logprobs"),
     Bad("top_logprobs_above_20", chat(logprobs=True, top_logprobs=50), "logprobs"),
     Bad("unsupported_field", chat(tool_choice="auto"), "tool_choice"),
+    Bad("response_format", chat(response_format={"type": "json_object"}), "response_format"),
+    Bad("logit_bias", chat(logit_bias={"1": 100}), "logit_bias"),
+    Bad("use_beam_search", chat(use_beam_search=True), "use_beam_search"),
+    Bad("structured_outputs", chat(structured_outputs={"choice": ["a"]}), "structured_outputs"),
+    Bad("chat_echo", chat(echo=True), "echo"),
+    Bad("chat_suffix", chat(suffix="!"), "suffix"),
+    Bad("continue_final_message", chat(continue_final_message=True), "continue_final_message"),
     # --- model and media locations ---
     Bad("unknown_model", chat() | {"model": "no-such-model"}, "no-such-model", (404,)),
     Bad("http_host_not_allowed", chat(with_image("http://example.com/cat.png")), DISALLOWED),
@@ -272,6 +279,16 @@ def test_body_too_large_without_content_length(http, model_id):
 
     response = http.post(CHAT, content=chunks(), headers={"Content-Type": "application/json"})
     assert_error(response, (413,), "large|limit|exceed")
+
+
+def test_field_unknown_to_openai_and_vllm_is_ignored(http, model_id):
+    """Not a parameter of OpenAI's API nor a vLLM extension: ignored (and logged), as vLLM
+    does; the ones this server does not implement are 400s (``test_bad_request``)."""
+    response = send(
+        http, CHAT, chat(max_tokens=2, ignore_eos=True, no_such_field={"x": 1}), model_id
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2
 
 
 def test_unknown_path_is_404(http):

@@ -101,7 +101,7 @@ def test_tokenize_chat_with_an_image_as_hf_processor(base_url, vlm_path) -> None
     [
         ("/tokenize", {"prompt": "hi", "echo": True}, "echo"),
         ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
-        ("/detokenize", {"tokens": [1], "skip_special_tokens": True}, "skip_special_tokens"),
+        ("/tokenize", {"prompt": "hi", "chat_template_kwargs": {}}, "chat_template_kwargs"),
         ("/detokenize", {"tokens": [10**9]}, "tokens"),
         ("/tokenize", {"messages": []}, "messages"),
     ],
@@ -110,6 +110,14 @@ def test_bad_requests_name_their_field(base_url, path, body, param) -> None:
     reply = httpx.post(f"{base_url}{path}", json=body)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
+
+
+def test_fields_unknown_to_openai_and_vllm_are_ignored(base_url) -> None:
+    body = {"model": MODEL, "prompt": "hi", "no_such_field": 1}
+    reply = httpx.post(f"{base_url}/tokenize", json=body)
+    assert reply.status_code == 200, reply.text
+    plain = httpx.post(f"{base_url}/tokenize", json={"model": MODEL, "prompt": "hi"})
+    assert reply.json() == plain.json()
 
 
 def test_unknown_model_is_404(base_url) -> None:

@@ -2,9 +2,10 @@
 
 Requests check types and shapes only; the *values* (a negative temperature, ``max_tokens`` of
 0, a prompt beyond the context) are checked by the serving code and ``SamplingParams``, as vLLM
-does. Either violation is a 400 naming the field, as OpenAI answers; so is a field a request
-model does not declare (``serving_common.reject_undeclared_fields``): nothing is silently
-ignored.
+does. Either violation is a 400 naming the field, as OpenAI answers; so is a parameter of
+OpenAI's API or a vLLM extension that this server does not implement (``UNSUPPORTED_FIELDS``).
+A field unknown to both is ignored with a warning in the server log, as vLLM does
+(``serving_common.reject_undeclared_fields``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,27 @@ from pydantic import (
 )
 
 # ---- requests ----------------------------------------------------------------------------
+
+# Parameters of OpenAI's chat-completions and completions APIs, and vLLM extensions, that this
+# server does not implement: a request setting one gets a 400 naming it. (README: "API fields".)
+UNSUPPORTED_FIELDS = frozenset(
+    {
+        # OpenAI
+        "audio", "best_of", "function_call", "functions", "logit_bias", "metadata",
+        "modalities", "parallel_tool_calls", "prediction", "reasoning_effort",
+        "response_format", "service_tier", "store", "tool_choice", "tools", "verbosity",
+        "web_search_options",
+        # vLLM's extensions
+        "add_generation_prompt", "add_special_tokens", "allowed_token_ids", "bad_words",
+        "chat_template", "chat_template_kwargs", "continue_final_message", "documents",
+        "guided_choice", "guided_decoding_backend", "guided_grammar", "guided_json",
+        "guided_regex", "guided_whitespace_pattern", "kv_transfer_params", "length_penalty",
+        "logits_processors", "mm_processor_kwargs", "priority", "prompt_embeds",
+        "prompt_logprobs", "request_id", "return_token_ids", "echo", "suffix",
+        "spaces_between_special_tokens", "structured_outputs", "truncate_prompt_tokens",
+        "use_beam_search", "vllm_xargs",
+    }
+)  # fmt: skip
 
 
 class _Request(BaseModel):

@@ -24,6 +24,7 @@ from mm_serve.entrypoints.openai.errors import (
     user_errors,
 )
 from mm_serve.entrypoints.openai.protocol import (
+    UNSUPPORTED_FIELDS,
     CompletionLogprobs,
     PromptTokensDetails,
     SamplingRequest,
@@ -70,14 +71,24 @@ class ModelInfo:
 
 
 def reject_undeclared_fields(request: BaseModel) -> None:
-    """A field the request's model does not declare is refused, never silently ignored.
+    """A field of OpenAI's API or of vLLM's extensions that this server does not implement
+    (``protocol.UNSUPPORTED_FIELDS``) is refused; any other undeclared field is unknown to
+    both and ignored, with one warning per field name in the server's log (as vLLM does).
 
     Raises:
-        APIError: (400) naming the first such field.
+        APIError: (400) naming the first unsupported field.
     """
-    if request.model_extra:
-        name = sorted(request.model_extra)[0]
-        raise bad_request(f"Unsupported field {name!r}.", param=name)
+    extra = sorted(request.model_extra or ())
+    for name in extra:
+        if name in UNSUPPORTED_FIELDS:
+            raise bad_request(f"Unsupported field {name!r}.", param=name)
+    for name in extra:
+        if name not in _logged_unknown_fields:
+            _logged_unknown_fields.add(name)
+            logger.warning("Ignoring the unknown request field %r.", name)
+
+
+_logged_unknown_fields: set[str] = set()
 
 
 class Admission:
