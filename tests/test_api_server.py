@@ -260,6 +260,37 @@ def test_completions_matches_offline_llm(client, llm):
     assert "".join(c.choices[0].text for c in stream if c.choices) == refs[0].outputs[0].text
 
 
+def test_return_token_ids_as_offline_llm(client, llm):
+    """vLLM's return_token_ids: the prompt's ids (image placeholders expanded) once, and each
+    choice's generated ids, in a response and across a stream's chunks."""
+    messages = CONVERSATIONS[0]
+    (ref,) = llm.chat(messages, greedy(), use_tqdm=False)
+    body = dict(model=MODEL, messages=messages, temperature=0, max_tokens=MAX_TOKENS)
+    extra = {"return_token_ids": True}
+    reply = client.chat.completions.create(**body, extra_body=extra)
+    assert reply.prompt_token_ids == ref.prompt_token_ids
+    assert reply.choices[0].token_ids == ref.outputs[0].token_ids
+    chunks = list(client.chat.completions.create(**body, stream=True, extra_body=extra))
+    assert [c.prompt_token_ids for c in chunks if c.prompt_token_ids] == [ref.prompt_token_ids]
+    streamed = [t for c in chunks for choice in c.choices for t in choice.token_ids or ()]
+    assert streamed == ref.outputs[0].token_ids
+    plain = client.chat.completions.create(**body)
+    assert plain.prompt_token_ids is None and plain.choices[0].token_ids is None
+
+    prompt = "The capital of France is"
+    (ref,) = llm.generate([prompt], greedy(), use_tqdm=False)
+    body = dict(model=MODEL, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS)
+    (choice,) = client.completions.create(**body, extra_body=extra).choices
+    assert (choice.prompt_token_ids, choice.token_ids) == (
+        ref.prompt_token_ids,
+        ref.outputs[0].token_ids,
+    )
+    chunks = list(client.completions.create(**body, stream=True, extra_body=extra))
+    assert [c.choices[0].prompt_token_ids for c in chunks][0] == ref.prompt_token_ids
+    assert all(c.choices[0].prompt_token_ids is None for c in chunks[1:])
+    assert [t for c in chunks for t in c.choices[0].token_ids] == ref.outputs[0].token_ids
+
+
 def test_completion_logprobs_zero_gives_the_sampled_token(client):
     """logprobs=0: each top_logprobs entry is the sampled token alone (vLLM's reading); with
     logprobs=2 under greedy sampling the sampled token is the best of the two."""

@@ -38,7 +38,7 @@ UNSUPPORTED_FIELDS = frozenset(
         "guided_choice", "guided_decoding_backend", "guided_grammar", "guided_json",
         "guided_regex", "guided_whitespace_pattern", "kv_transfer_params", "length_penalty",
         "logits_processors", "mm_processor_kwargs", "priority", "prompt_embeds",
-        "prompt_logprobs", "request_id", "return_token_ids", "echo", "suffix",
+        "prompt_logprobs", "request_id", "echo", "suffix",
         "spaces_between_special_tokens", "structured_outputs", "truncate_prompt_tokens",
         "use_beam_search", "vllm_xargs",
     }
@@ -110,6 +110,8 @@ class SamplingRequest(_Request):
     cache_salt: str | None = None
     # Logprob entries name tokens as "token_id:<id>" (exact, also for partial UTF-8 tokens).
     return_tokens_as_token_ids: bool = False
+    # The prompt's token ids (images expanded) and each choice's generated ids in the response.
+    return_token_ids: bool = False
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -213,6 +215,7 @@ class _Choice(BaseModel, Generic[L]):
     logprobs: L | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop token id or string that ended it
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: this choice's (chunk's) ids
 
 
 class _Response(BaseModel, Generic[C]):
@@ -234,6 +237,7 @@ class ChatCompletionChoice(_Choice[ChatLogprobs]):
 class ChatCompletionResponse(_Response[ChatCompletionChoice]):
     object: Literal["chat.completion"] = "chat.completion"
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
 class DeltaMessage(BaseModel):
@@ -255,6 +259,7 @@ class ChatCompletionStreamChoice(_Choice[ChatLogprobs]):
 
 class ChatCompletionChunk(_Response[ChatCompletionStreamChoice]):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in the first chunk
 
 
 class CompletionLogprobs(BaseModel):
@@ -266,6 +271,7 @@ class CompletionLogprobs(BaseModel):
 
 class CompletionChoice(_Choice[CompletionLogprobs]):
     text: str
+    prompt_token_ids: list[int] | None = None  # return_token_ids (a stream: its first chunk)
 
 
 class CompletionResponse(_Response[CompletionChoice]):

@@ -77,7 +77,11 @@ class ServingChat(ServingBase):
             processed = await self.llm.process_chat(messages, request.cache_salt)
         params = self.fit_to_context(params, processed)
         reply = _Reply(
-            f"chatcmpl-{uuid.uuid4().hex}", model, num_top, request.return_tokens_as_token_ids
+            f"chatcmpl-{uuid.uuid4().hex}",
+            model,
+            num_top,
+            request.return_tokens_as_token_ids,
+            return_token_ids=request.return_token_ids,
         )
         outputs = self.llm.generate(processed, params, reply.request_id, arrival_time)
         if request.stream:
@@ -94,6 +98,7 @@ def _response(output: RequestOutput, reply: _Reply) -> ChatCompletionResponse:
             logprobs=reply.logprobs(c),
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
+            token_ids=reply.token_ids(c.token_ids),
         )
         for c in output.outputs
     ]
@@ -104,7 +109,8 @@ def _response(output: RequestOutput, reply: _Reply) -> ChatCompletionResponse:
         output.num_cached_tokens,
         output.num_cached_images,
     )
-    return reply.response(ChatCompletionResponse, choices, usage)
+    prompt_token_ids = reply.token_ids(output.prompt_token_ids)
+    return reply.response(ChatCompletionResponse, choices, usage, prompt_token_ids=prompt_token_ids)
 
 
 async def _stream(
@@ -121,10 +127,14 @@ async def _stream(
         async for last in outputs:
             for delta in last.outputs:
                 if delta.index not in started:
+                    prompt_token_ids = None if started else reply.token_ids(last.prompt_token_ids)
                     started.add(delta.index)
                     role = DeltaMessage(role="assistant", content="")
                     choice = ChatCompletionStreamChoice(index=delta.index, delta=role)
-                    yield sse_event(reply.response(ChatCompletionChunk, [choice]))
+                    chunk = reply.response(
+                        ChatCompletionChunk, [choice], prompt_token_ids=prompt_token_ids
+                    )
+                    yield sse_event(chunk)
                 for piece in per_token(delta):
                     choice = _stream_choice(piece, reply)
                     yield sse_event(reply.response(ChatCompletionChunk, [choice]))
@@ -148,4 +158,5 @@ def _stream_choice(piece: CompletionOutput, reply: _Reply) -> ChatCompletionStre
         logprobs=reply.logprobs(piece),
         finish_reason=piece.finish_reason,
         stop_reason=piece.stop_reason,
+        token_ids=reply.token_ids(piece.token_ids),
     )

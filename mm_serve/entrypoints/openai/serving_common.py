@@ -153,12 +153,25 @@ class Reply:
     num_top_logprobs: int | None  # None: no logprobs
     tokens_as_ids: bool
     created: int = dataclasses.field(default_factory=lambda: int(time.time()), kw_only=True)
+    return_token_ids: bool = dataclasses.field(default=False, kw_only=True)
 
-    def response(self, cls: type[R], choices: list, usage: UsageInfo | None = None) -> R:
-        """A ``cls`` (a response or chunk model) of ``choices`` with this reply's header."""
+    def response(
+        self, cls: type[R], choices: list, usage: UsageInfo | None = None, **fields: Any
+    ) -> R:
+        """A ``cls`` (a response or chunk model) of ``choices`` with this reply's header (and
+        ``fields``)."""
         return cls(
-            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+            **fields,
         )
+
+    def token_ids(self, token_ids: list[int]) -> list[int] | None:
+        """``token_ids`` when the request asked for them (``return_token_ids``), else None."""
+        return list(token_ids) if self.return_token_ids else None
 
 
 class ServingBase:

@@ -38,7 +38,11 @@ class _Reply(Reply):
     # choice index -> text offset of its next token (for logprobs.text_offset)
     offsets: dict[int, int] = field(default_factory=dict)
 
-    def choice(self, prompt_index: int, output: CompletionOutput) -> CompletionChoice:
+    def choice(
+        self, prompt_index: int, output: CompletionOutput, prompt_token_ids: list[int] | None
+    ) -> CompletionChoice:
+        """Choice ``prompt_index * n + output.index``; ``prompt_token_ids`` are reported (with
+        ``return_token_ids``) when given: in a stream, in the choice's first chunk only."""
         index = prompt_index * self.n + output.index
         logprobs = None
         if self.num_top_logprobs is not None:
@@ -55,6 +59,8 @@ class _Reply(Reply):
             logprobs=logprobs,
             finish_reason=output.finish_reason,
             stop_reason=output.stop_reason,
+            token_ids=self.token_ids(output.token_ids),
+            prompt_token_ids=None if prompt_token_ids is None else self.token_ids(prompt_token_ids),
         )
 
 
@@ -83,7 +89,12 @@ class ServingCompletion(ServingBase):
             for i, p in enumerate(processed)
         ]
         reply = _Reply(
-            base_id, model, request.logprobs, request.return_tokens_as_token_ids, params.n
+            base_id,
+            model,
+            request.logprobs,
+            request.return_tokens_as_token_ids,
+            params.n,
+            return_token_ids=request.return_token_ids,
         )
         if request.stream:
             return stream_with_errors(_stream(streams, reply, include_usage))
@@ -113,7 +124,11 @@ async def _collect_all(streams: list[AsyncIterator[RequestOutput]]) -> list[Requ
 
 
 def _response(outputs: list[RequestOutput], reply: _Reply) -> CompletionResponse:
-    choices = [reply.choice(i, c) for i, output in enumerate(outputs) for c in output.outputs]
+    choices = [
+        reply.choice(i, c, output.prompt_token_ids)
+        for i, output in enumerate(outputs)
+        for c in output.outputs
+    ]
     num_completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return reply.response(CompletionResponse, choices, _usage(outputs, num_completion))
 
@@ -129,6 +144,7 @@ async def _stream(
     """One chunk per choice and token (text empty for a token without text of its own), in
     the order the prompts' outputs arrive; the last token's chunk has the finish reason."""
     last: dict[int, RequestOutput] = {}
+    started: set[tuple[int, int]] = set()  # (prompt, completion) pairs with a chunk sent
     num_completion = 0
     async with contextlib.aclosing(_merge(streams)) as merged:
         async for prompt_index, output in merged:
@@ -136,7 +152,10 @@ async def _stream(
             for delta in output.outputs:
                 num_completion += len(delta.token_ids)
                 for piece in per_token(delta):
-                    choice = reply.choice(prompt_index, piece)
+                    first = (prompt_index, piece.index) not in started
+                    started.add((prompt_index, piece.index))
+                    prompt_ids = output.prompt_token_ids if first else None
+                    choice = reply.choice(prompt_index, piece, prompt_ids)
                     yield sse_event(reply.response(CompletionResponse, [choice]))
     if include_usage:
         usage = _usage(list(last.values()), num_completion)
