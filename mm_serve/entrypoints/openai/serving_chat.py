@@ -8,6 +8,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from mm_serve.entrypoints.openai.errors import bad_request, user_errors
+from mm_serve.entrypoints.openai.logprobs import chat_logprobs
 from mm_serve.entrypoints.openai.media import MediaResolver
 from mm_serve.entrypoints.openai.protocol import (
     ChatCompletionChoice,
@@ -24,7 +25,6 @@ from mm_serve.entrypoints.openai.serving_common import (
     ModelInfo,
     Reply,
     ServingBase,
-    chat_logprobs,
     collect,
     per_token,
     sse_event,

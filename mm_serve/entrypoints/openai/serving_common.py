@@ -1,5 +1,5 @@
 """What chat and text completions share: model check, admission, sampling parameters,
-context-length fitting, logprobs in OpenAI's shapes, usage, and the SSE response."""
+context-length fitting, usage, and the SSE response (logprobs: ``logprobs.py``)."""
 
 from __future__ import annotations
 
@@ -25,16 +25,13 @@ from mm_serve.entrypoints.openai.errors import (
 )
 from mm_serve.entrypoints.openai.protocol import (
     UNSUPPORTED_FIELDS,
-    CompletionLogprobs,
     PromptTokensDetails,
     SamplingRequest,
-    TokenLogprob,
-    TopLogprob,
     UsageInfo,
 )
 from mm_serve.frontend.async_llm import AsyncLLM
 from mm_serve.frontend.processor import ProcessedPrompt
-from mm_serve.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
+from mm_serve.outputs import CompletionOutput, RequestOutput
 from mm_serve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -325,58 +322,6 @@ def usage_info(
         total_tokens=num_prompt + num_completion,
         prompt_tokens_details=details,
     )
-
-
-def _token_text(token_id: int, logprob: Logprob, as_ids: bool) -> str:
-    return f"token_id:{token_id}" if as_ids else logprob.decoded_token or ""
-
-
-def _top(step: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
-    """The ``num`` most likely tokens of one step, most likely first."""
-    ranked = [(t, lp) for t, lp in step.items() if lp.rank is not None and lp.rank <= num]
-    return sorted(ranked, key=lambda item: item[1].rank)
-
-
-def chat_logprobs(
-    token_ids: list[int], logprobs: SampleLogprobs, num_top: int, as_ids: bool
-) -> list[TokenLogprob]:
-    """OpenAI chat ``logprobs.content``: one entry per token, with its ``num_top`` best."""
-    entries = []
-    for token_id, step in zip(token_ids, logprobs, strict=True):
-        chosen = step[token_id]
-        text = _token_text(token_id, chosen, as_ids)
-        top = [
-            TopLogprob(token=(t := _token_text(i, lp, as_ids)), logprob=lp.logprob, bytes=_b(t))
-            for i, lp in _top(step, num_top)
-        ]
-        entries.append(
-            TokenLogprob(token=text, logprob=chosen.logprob, bytes=_b(text), top_logprobs=top)
-        )
-    return entries
-
-
-def _b(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
-
-
-def completion_logprobs(
-    token_ids: list[int], logprobs: SampleLogprobs, num_top: int, as_ids: bool, offset: int
-) -> tuple[CompletionLogprobs, int]:
-    """OpenAI completions ``logprobs``, and the text offset after the last token;
-    ``offset``: the text offset of the first token (in characters). Each ``top_logprobs``
-    entry holds the ``num_top`` most likely tokens and the sampled one (vLLM's reading)."""
-    result = CompletionLogprobs()
-    for token_id, step in zip(token_ids, logprobs, strict=True):
-        chosen = step[token_id]
-        text = _token_text(token_id, chosen, as_ids)
-        result.tokens.append(text)
-        result.token_logprobs.append(chosen.logprob)
-        result.text_offset.append(offset)
-        offset += len(chosen.decoded_token or "")
-        top = {_token_text(i, lp, as_ids): lp.logprob for i, lp in _top(step, num_top)}
-        top.setdefault(text, chosen.logprob)  # the sampled token too, as vLLM (logprobs=0: alone)
-        result.top_logprobs.append(top)
-    return result, offset
 
 
 async def stream_with_errors(events: AsyncIterator[str]) -> AsyncIterator[str]:

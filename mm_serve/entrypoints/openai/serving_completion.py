@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from mm_serve.entrypoints.openai.errors import bad_request, user_errors
+from mm_serve.entrypoints.openai.logprobs import completion_logprobs
 from mm_serve.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -22,7 +23,6 @@ from mm_serve.entrypoints.openai.serving_common import (
     Reply,
     ServingBase,
     collect,
-    completion_logprobs,
     per_token,
     sse_event,
     stream_usage,
