@@ -157,14 +157,8 @@ class Reply:
     ) -> R:
         """A ``cls`` (a response or chunk model) of ``choices`` with this reply's header (and
         ``fields``)."""
-        return cls(
-            id=self.request_id,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=usage,
-            **fields,
-        )
+        header = {"id": self.request_id, "created": self.created, "model": self.model}
+        return cls(**header, choices=choices, usage=usage, **fields)
 
     def token_ids(self, token_ids: list[int]) -> list[int] | None:
         """``token_ids`` when the request asked for them (``return_token_ids``), else None."""
