@@ -291,6 +291,34 @@ def test_return_token_ids_as_offline_llm(client, llm):
     assert [t for c in chunks for t in c.choices[0].token_ids] == ref.outputs[0].token_ids
 
 
+def test_prompt_logprobs_as_offline_llm(client, llm):
+    """vLLM's prompt_logprobs: None for the first prompt token, then each token's logprob with
+    the top 2, equal to the offline LLM's; on chat (images expanded) and completions."""
+
+    def same(got: list, expected: list) -> None:
+        assert len(got) == len(expected) and got[0] is None and expected[0] is None
+        for step, ref_step in zip(got[1:], expected[1:], strict=True):
+            assert {int(t) for t in step} == set(ref_step)
+            for token_id, entry in step.items():
+                ref = ref_step[int(token_id)]
+                assert entry["logprob"] == pytest.approx(ref.logprob, abs=1e-4)
+                assert entry["rank"] == ref.rank
+
+    params = greedy(prompt_logprobs=2)
+    prompt = "The capital of France is"
+    (ref,) = llm.generate([prompt], params, use_tqdm=False)
+    body = dict(model=MODEL, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS)
+    (choice,) = client.completions.create(**body, extra_body={"prompt_logprobs": 2}).choices
+    same(choice.prompt_logprobs, ref.prompt_logprobs)
+    messages = CONVERSATIONS[0]
+    (ref,) = llm.chat(messages, params, use_tqdm=False)
+    body = dict(model=MODEL, messages=messages, temperature=0, max_tokens=MAX_TOKENS)
+    reply = client.chat.completions.create(**body, extra_body={"prompt_logprobs": 2})
+    same(reply.prompt_logprobs, ref.prompt_logprobs)
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.chat.completions.create(**body, stream=True, extra_body={"prompt_logprobs": 2})
+
+
 def test_completion_logprobs_zero_gives_the_sampled_token(client):
     """logprobs=0: each top_logprobs entry is the sampled token alone (vLLM's reading); with
     logprobs=2 under greedy sampling the sampled token is the best of the two."""

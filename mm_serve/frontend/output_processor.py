@@ -38,6 +38,7 @@ class ParentRequest:
     stream: bool = False
     children: list[RequestState] = field(default_factory=list)  # in index order
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_sent: bool = False  # streamed: with the first output that has tokens
     num_cached_tokens: int = 0
     num_cached_images: int = 0
 
@@ -60,6 +61,8 @@ class ParentRequest:
         if self.stream:
             completions = [d for c in self.children if (d := c.take_delta()) is not None]
             prompt_logprobs = None
+            if completions and not self.prompt_logprobs_sent:  # complete once tokens come
+                prompt_logprobs, self.prompt_logprobs_sent = self.prompt_logprobs, True
         elif self.finished:
             completions = [c.completion() for c in self.children]
             prompt_logprobs = self.prompt_logprobs

@@ -1,9 +1,15 @@
-"""Logprobs in OpenAI's shapes: chat's ``logprobs.content`` and completions' ``logprobs``."""
+"""Logprobs in OpenAI's shapes (chat's ``logprobs.content``, completions' ``logprobs``) and
+vLLM's ``prompt_logprobs``."""
 
 from __future__ import annotations
 
-from mm_serve.entrypoints.openai.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
-from mm_serve.outputs import Logprob, SampleLogprobs
+from mm_serve.entrypoints.openai.protocol import (
+    CompletionLogprobs,
+    PromptLogprob,
+    TokenLogprob,
+    TopLogprob,
+)
+from mm_serve.outputs import Logprob, PromptLogprobs, SampleLogprobs
 
 
 def _token_text(token_id: int, logprob: Logprob, as_ids: bool) -> str:
@@ -56,3 +62,20 @@ def completion_logprobs(
         top.setdefault(text, chosen.logprob)  # the sampled token too, as vLLM (logprobs=0: alone)
         result.top_logprobs.append(top)
     return result, offset
+
+
+def prompt_logprobs_field(prompt_logprobs: PromptLogprobs | None) -> list | None:
+    """vLLM's ``prompt_logprobs`` response field from the engine's (None when not asked)."""
+    if prompt_logprobs is None:
+        return None
+    return [
+        None
+        if step is None
+        else {
+            token_id: PromptLogprob(
+                logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token
+            )
+            for token_id, lp in step.items()
+        }
+        for step in prompt_logprobs
+    ]

@@ -38,7 +38,7 @@ UNSUPPORTED_FIELDS = frozenset(
         "guided_choice", "guided_decoding_backend", "guided_grammar", "guided_json",
         "guided_regex", "guided_whitespace_pattern", "kv_transfer_params", "length_penalty",
         "logits_processors", "mm_processor_kwargs", "priority", "prompt_embeds",
-        "prompt_logprobs", "request_id", "echo", "suffix",
+        "request_id", "echo", "suffix",
         "spaces_between_special_tokens", "structured_outputs", "truncate_prompt_tokens",
         "use_beam_search", "vllm_xargs",
     }
@@ -112,6 +112,8 @@ class SamplingRequest(_Request):
     return_tokens_as_token_ids: bool = False
     # The prompt's token ids (images expanded) and each choice's generated ids in the response.
     return_token_ids: bool = False
+    # Each prompt token's logprob and its top-k (the first token has none); not with stream.
+    prompt_logprobs: int | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -234,10 +236,21 @@ class ChatCompletionChoice(_Choice[ChatLogprobs]):
     message: ChatResponseMessage
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt token, None for the first, else {token id: its logprob}.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class ChatCompletionResponse(_Response[ChatCompletionChoice]):
     object: Literal["chat.completion"] = "chat.completion"
     usage: UsageInfo
     prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -272,6 +285,7 @@ class CompletionLogprobs(BaseModel):
 class CompletionChoice(_Choice[CompletionLogprobs]):
     text: str
     prompt_token_ids: list[int] | None = None  # return_token_ids (a stream: its first chunk)
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(_Response[CompletionChoice]):

@@ -8,7 +8,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from mm_serve.entrypoints.openai.errors import bad_request, user_errors
-from mm_serve.entrypoints.openai.logprobs import chat_logprobs
+from mm_serve.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_field
 from mm_serve.entrypoints.openai.media import MediaResolver
 from mm_serve.entrypoints.openai.protocol import (
     ChatCompletionChoice,
@@ -109,8 +109,13 @@ def _response(output: RequestOutput, reply: _Reply) -> ChatCompletionResponse:
         output.num_cached_tokens,
         output.num_cached_images,
     )
-    prompt_token_ids = reply.token_ids(output.prompt_token_ids)
-    return reply.response(ChatCompletionResponse, choices, usage, prompt_token_ids=prompt_token_ids)
+    return reply.response(
+        ChatCompletionResponse,
+        choices,
+        usage,
+        prompt_token_ids=reply.token_ids(output.prompt_token_ids),
+        prompt_logprobs=prompt_logprobs_field(output.prompt_logprobs),
+    )
 
 
 async def _stream(

@@ -42,7 +42,7 @@ MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 _SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-    "include_stop_str_in_output", "skip_special_tokens",
+    "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs",
 )  # fmt: skip
 
 
@@ -212,6 +212,12 @@ class ServingBase:
             APIError: (400) a value out of range, naming the field.
         """
         reject_undeclared_fields(request)
+        if request.prompt_logprobs is not None:
+            if request.stream:
+                raise bad_request("prompt_logprobs cannot be streamed.", param="prompt_logprobs")
+            if not 0 <= request.prompt_logprobs <= MAX_LOGPROBS:
+                message = f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]."
+                raise bad_request(message, param="prompt_logprobs")
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}].", param="logprobs")
         self._check_engine_limits(request)
@@ -333,9 +339,10 @@ async def stream_with_errors(events: AsyncIterator[str]) -> AsyncIterator[str]:
 async def collect(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
     """The whole request from the deltas of ``AsyncLLM.generate``, completions in order."""
     merged: dict[int, CompletionOutput] = {}
-    last = None
+    last = prompt_logprobs = None
     async with contextlib.aclosing(outputs):
         async for last in outputs:
+            prompt_logprobs = prompt_logprobs or last.prompt_logprobs
             for delta in last.outputs:
                 whole = merged.get(delta.index)
                 if whole is None:
@@ -352,4 +359,5 @@ async def collect(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
                 whole.cumulative_logprob = delta.cumulative_logprob
                 whole.finish_reason, whole.stop_reason = delta.finish_reason, delta.stop_reason
     assert last is not None, "generate() yields at least the finish of every completion"
-    return dataclasses.replace(last, outputs=[merged[i] for i in sorted(merged)])
+    outputs_in_order = [merged[i] for i in sorted(merged)]
+    return dataclasses.replace(last, outputs=outputs_in_order, prompt_logprobs=prompt_logprobs)

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from mm_serve.entrypoints.openai.errors import bad_request, user_errors
-from mm_serve.entrypoints.openai.logprobs import completion_logprobs
+from mm_serve.entrypoints.openai.logprobs import completion_logprobs, prompt_logprobs_field
 from mm_serve.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -39,10 +39,11 @@ class _Reply(Reply):
     offsets: dict[int, int] = field(default_factory=dict)
 
     def choice(
-        self, prompt_index: int, output: CompletionOutput, prompt_token_ids: list[int] | None
+        self, prompt_index: int, output: CompletionOutput, prompt: RequestOutput | None
     ) -> CompletionChoice:
-        """Choice ``prompt_index * n + output.index``; ``prompt_token_ids`` are reported (with
-        ``return_token_ids``) when given: in a stream, in the choice's first chunk only."""
+        """Choice ``prompt_index * n + output.index``, with ``prompt``'s token ids (when asked:
+        ``return_token_ids``) and prompt logprobs when given: in a stream, in the choice's
+        first chunk only."""
         index = prompt_index * self.n + output.index
         logprobs = None
         if self.num_top_logprobs is not None:
@@ -60,7 +61,8 @@ class _Reply(Reply):
             finish_reason=output.finish_reason,
             stop_reason=output.stop_reason,
             token_ids=self.token_ids(output.token_ids),
-            prompt_token_ids=None if prompt_token_ids is None else self.token_ids(prompt_token_ids),
+            prompt_token_ids=self.token_ids(prompt.prompt_token_ids) if prompt else None,
+            prompt_logprobs=prompt_logprobs_field(prompt.prompt_logprobs) if prompt else None,
         )
 
 
@@ -125,9 +127,7 @@ async def _collect_all(streams: list[AsyncIterator[RequestOutput]]) -> list[Requ
 
 def _response(outputs: list[RequestOutput], reply: _Reply) -> CompletionResponse:
     choices = [
-        reply.choice(i, c, output.prompt_token_ids)
-        for i, output in enumerate(outputs)
-        for c in output.outputs
+        reply.choice(i, c, output) for i, output in enumerate(outputs) for c in output.outputs
     ]
     num_completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return reply.response(CompletionResponse, choices, _usage(outputs, num_completion))
@@ -154,8 +154,7 @@ async def _stream(
                 for piece in per_token(delta):
                     first = (prompt_index, piece.index) not in started
                     started.add((prompt_index, piece.index))
-                    prompt_ids = output.prompt_token_ids if first else None
-                    choice = reply.choice(prompt_index, piece, prompt_ids)
+                    choice = reply.choice(prompt_index, piece, output if first else None)
                     yield sse_event(reply.response(CompletionResponse, [choice]))
     if include_usage:
         usage = _usage(list(last.values()), num_completion)
