@@ -319,6 +319,25 @@ def test_prompt_logprobs_as_offline_llm(client, llm):
         client.chat.completions.create(**body, stream=True, extra_body={"prompt_logprobs": 2})
 
 
+def test_completion_echo(client, llm, vlm_path):
+    """echo: each choice's text starts with its prompt (token-id prompts decoded), in a
+    response and in a stream's first chunk; not with logprobs (a 400 naming echo)."""
+    from transformers import AutoTokenizer
+
+    prompt = "The capital of France is"
+    (ref,) = llm.generate([prompt], greedy(), use_tqdm=False)
+    body = dict(model=MODEL, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS, echo=True)
+    assert client.completions.create(**body).choices[0].text == prompt + ref.outputs[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**body, stream=True))
+    assert streamed == prompt + ref.outputs[0].text
+    tokenizer = AutoTokenizer.from_pretrained(vlm_path)
+    ids = tokenizer("def fibonacci(n):").input_ids
+    reply = client.completions.create(**{**body, "prompt": ids})
+    assert reply.choices[0].text.startswith(tokenizer.decode(ids))
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(**body, logprobs=1)
+
+
 def test_completion_logprobs_zero_gives_the_sampled_token(client):
     """logprobs=0: each top_logprobs entry is the sampled token alone (vLLM's reading); with
     logprobs=2 under greedy sampling the sampled token is the best of the two."""

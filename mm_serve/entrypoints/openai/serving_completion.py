@@ -29,6 +29,7 @@ from mm_serve.entrypoints.openai.serving_common import (
     stream_with_errors,
     usage_info,
 )
+from mm_serve.frontend.processor import ProcessedPrompt
 from mm_serve.outputs import CompletionOutput, RequestOutput
 
 
@@ -37,13 +38,14 @@ class _Reply(Reply):
     n: int = 1
     # choice index -> text offset of its next token (for logprobs.text_offset)
     offsets: dict[int, int] = field(default_factory=dict)
+    echo_texts: list[str] | None = None  # echo: each prompt's text, before its completions
 
     def choice(
         self, prompt_index: int, output: CompletionOutput, prompt: RequestOutput | None
     ) -> CompletionChoice:
         """Choice ``prompt_index * n + output.index``, with ``prompt``'s token ids (when asked:
-        ``return_token_ids``) and prompt logprobs when given: in a stream, in the choice's
-        first chunk only."""
+        ``return_token_ids``), prompt logprobs and echoed text when given: in a stream, in the
+        choice's first chunk only."""
         index = prompt_index * self.n + output.index
         logprobs = None
         if self.num_top_logprobs is not None:
@@ -54,9 +56,10 @@ class _Reply(Reply):
                 self.tokens_as_ids,
                 self.offsets.get(index, 0),
             )
+        echo = self.echo_texts[prompt_index] if self.echo_texts and prompt else ""
         return CompletionChoice(
             index=index,
-            text=output.text,
+            text=echo + output.text,
             logprobs=logprobs,
             finish_reason=output.finish_reason,
             stop_reason=output.stop_reason,
@@ -74,8 +77,8 @@ class ServingCompletion(ServingBase):
     ) -> CompletionResponse | AsyncIterator[str]:
         model = self.model.name_for(request.model)
         include_usage = stream_usage(request)
-        if request.echo:
-            raise bad_request("echo is not supported.", param="echo")
+        if request.echo and request.logprobs is not None:
+            raise bad_request("echo is not supported with logprobs.", param="echo")
         if request.suffix:
             raise bad_request("suffix is not supported.", param="suffix")
         params = self.sampling_params(request, request.max_tokens, request.logprobs)
@@ -98,10 +101,19 @@ class ServingCompletion(ServingBase):
             params.n,
             return_token_ids=request.return_token_ids,
         )
+        if request.echo:
+            reply.echo_texts = [await self._prompt_text(p) for p in processed]
         if request.stream:
             return stream_with_errors(_stream(streams, reply, include_usage))
         with user_errors():
             return _response(await _collect_all(streams), reply)
+
+    async def _prompt_text(self, prompt: ProcessedPrompt) -> str:
+        """The prompt as ``echo`` repeats it: its text, or its token ids decoded."""
+        if prompt.text is not None:
+            return prompt.text
+        token_ids = prompt.token_ids
+        return await self.llm.with_tokenizer(lambda tokenizer: tokenizer.decode(token_ids))
 
 
 def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[dict]:
