@@ -6,6 +6,7 @@ from __future__ import annotations
 from mm_serve.entrypoints.openai.protocol import (
     CompletionLogprobs,
     PromptLogprob,
+    PromptLogprobList,
     TokenLogprob,
     TopLogprob,
 )
@@ -64,7 +65,7 @@ def completion_logprobs(
     return result, offset
 
 
-def prompt_logprobs_field(prompt_logprobs: PromptLogprobs | None) -> list | None:
+def prompt_logprobs_field(prompt_logprobs: PromptLogprobs | None) -> PromptLogprobList | None:
     """vLLM's ``prompt_logprobs`` response field from the engine's (None when not asked)."""
     if prompt_logprobs is None:
         return None

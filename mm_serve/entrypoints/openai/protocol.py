@@ -243,14 +243,14 @@ class PromptLogprob(BaseModel):
 
 
 # vLLM's prompt_logprobs: per prompt token, None for the first, else {token id: its logprob}.
-PromptLogprobs = list[dict[int, PromptLogprob] | None]
+PromptLogprobList = list[dict[int, PromptLogprob] | None]
 
 
 class ChatCompletionResponse(_Response[ChatCompletionChoice]):
     object: Literal["chat.completion"] = "chat.completion"
     usage: UsageInfo
     prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids
-    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs: PromptLogprobList | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -285,7 +285,7 @@ class CompletionLogprobs(BaseModel):
 class CompletionChoice(_Choice[CompletionLogprobs]):
     text: str
     prompt_token_ids: list[int] | None = None  # return_token_ids (a stream: its first chunk)
-    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs: PromptLogprobList | None = None
 
 
 class CompletionResponse(_Response[CompletionChoice]):
