@@ -107,6 +107,8 @@ class Request:
     stop_reason: int | str | None = field(default=None, init=False)
     # Prefix-cache hashes of the full blocks of all_token_ids, extended by the KVCacheManager.
     block_hashes: list[Any] = field(default_factory=list, init=False)
+    # Structured outputs: its grammar and matcher (``sched/structured_output.RequestGrammar``).
+    grammar: Any = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

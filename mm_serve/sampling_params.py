@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mm_serve.structured_outputs import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
     """How to sample the output of one prompt.
 
     Logits are processed in this order (vLLM's): repetition, frequency and presence penalties;
-    stop tokens masked until ``min_tokens``; temperature; min-p; top-k; top-p. ``temperature ==
+    ``logit_bias`` added; stop tokens masked until ``min_tokens``; the structured-output
+    grammar's mask (``structured_outputs``); temperature; min-p; top-k; top-p. ``temperature ==
     0`` is greedy (argmax after penalties). ``logprobs`` / ``prompt_logprobs`` report the raw
     model log-probabilities (log-softmax of the logits before any of these steps).
 
@@ -37,6 +40,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,6 +76,10 @@ class SamplingParams:
                 "prompt_logprobs must be non-negative",
             ),
             (all(s for s in self.stop), "stop strings must be non-empty"),
+            (
+                all(-100.0 <= b <= 100.0 for b in (self.logit_bias or {}).values()),
+                "logit_bias values must be in [-100, 100]",
+            ),
             (
                 self.seed is None or -(2**63) <= self.seed < 2**63,
                 "seed must be a signed 64-bit integer",

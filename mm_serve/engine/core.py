@@ -10,6 +10,7 @@ from mm_serve.outputs import EngineCoreOutput
 from mm_serve.request import Request, RequestStatus
 from mm_serve.sched.output import SchedulerOutput
 from mm_serve.sched.scheduler import Scheduler
+from mm_serve.sched.structured_output import StructuredOutputManager
 from mm_serve.stats import EngineStats
 from mm_serve.worker.model_runner import ModelRunner
 from mm_serve.worker.step_output import PendingOutput
@@ -37,7 +38,8 @@ class EngineCore:
         self.num_kv_blocks = self.model_runner.determine_num_kv_blocks()
         self.model_runner.initialize_kv_cache(self.num_kv_blocks)
         self.model_runner.capture_cuda_graphs()  # a no-op on CPU / enforce_eager
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks)
+        self.structured_output = StructuredOutputManager(config.model)
+        self.scheduler = self._make_scheduler()
         self.async_scheduling = config.scheduler.async_scheduling
         # The launched step whose output has not been read yet (async scheduling only).
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
@@ -69,6 +71,8 @@ class EngineCore:
         scheduler treated as placeholders while it scheduled this one.
         """
         scheduler_output = self.scheduler.schedule()
+        if scheduler_output.structured_output_request_ids:
+            return self._step_with_grammars(scheduler_output)
         pending = self.model_runner.execute_model(scheduler_output)
         if not self.async_scheduling:
             return self.scheduler.update_from_output(scheduler_output, pending.get())
@@ -76,6 +80,22 @@ class EngineCore:
         if previous is None:
             return []
         return self.scheduler.update_from_output(previous[0], previous[1].get())
+
+    def _step_with_grammars(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
+        """A step in which grammar requests sample: their bitmask needs every earlier token, so
+        the previous step's output is read between this step's forward pass and its sampling
+        (the forward pass keeps the device busy meanwhile)."""
+        self.model_runner.launch_forward(scheduler_output)
+        outputs = []
+        if self._in_flight is not None:
+            previous, self._in_flight = self._in_flight, None
+            outputs = self.scheduler.update_from_output(previous[0], previous[1].get())
+        bitmask = self.structured_output.grammar_bitmask(scheduler_output, self.scheduler.requests)
+        pending = self.model_runner.sample_tokens(bitmask)
+        if not self.async_scheduling:
+            return outputs + self.scheduler.update_from_output(scheduler_output, pending.get())
+        self._in_flight = (scheduler_output, pending)
+        return outputs
 
     def reset(self) -> None:
         """Forget what finished requests left behind, as after start-up: the prefix cache's
@@ -94,4 +114,8 @@ class EngineCore:
         # An empty step hands the runner the finished requests, whose states it then drops.
         self.model_runner.execute_model(self.scheduler.schedule())
         self.model_runner.encoder_cache.clear()
-        self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.num_kv_blocks)
+        self.scheduler = self._make_scheduler()
+
+    def _make_scheduler(self) -> Scheduler:
+        config = self.config
+        return Scheduler(config.scheduler, config.cache, self.num_kv_blocks, self.structured_output)

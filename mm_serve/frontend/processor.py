@@ -16,6 +16,7 @@ from mm_serve.config import ModelConfig, MultiModalConfig
 from mm_serve.frontend.mm_processor import MultiModalProcessor, PendingImages, split_chat_images
 from mm_serve.request import MultiModalFeature, Request, check_image_tokens
 from mm_serve.sampling_params import SamplingParams
+from mm_serve.structured_outputs import check_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +126,15 @@ def check_token_ids(token_ids: list[int], model_config: ModelConfig) -> None:
     vocab_size = model_config.vocab_size
     if min(token_ids) < 0 or max(token_ids) >= vocab_size:
         raise ValueError(f"Prompt token ids must be in [0, {vocab_size}).")
+
+
+def check_sampling_params(params: SamplingParams, vocab_size: int) -> None:
+    """What ``SamplingParams`` cannot check alone: ``logit_bias`` ids in the vocabulary, and a
+    ``structured_outputs`` constraint that compiles. Raises ValueError."""
+    if any(not 0 <= token < vocab_size for token in params.logit_bias or {}):
+        raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}).")
+    if params.structured_outputs is not None:
+        check_grammar(params.structured_outputs)
 
 
 def load_tokenizer(path: str):
@@ -270,7 +280,12 @@ class InputProcessor:
         Children share the prompt's KV blocks through the prefix cache, and its cache_salt. A
         seeded request's child ``i`` uses seed ``seed + i`` so the ``n`` samples differ but are
         reproducible.
+
+        Raises:
+            ValueError: a ``logit_bias`` id outside the vocabulary, or a ``structured_outputs``
+                constraint that does not compile (the compiler's message).
         """
+        check_sampling_params(params, self.model_config.vocab_size)
         stop_token_ids = params.stop_token_ids + [
             t for t in self.extra_stop_token_ids if t not in params.stop_token_ids
         ]

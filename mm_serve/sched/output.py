@@ -71,6 +71,8 @@ class SchedulerOutput:
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     # mm_hashes whose encoder outputs the runner may free.
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
+    # Requests with a grammar that sample a token this step (``Scheduler.grammar_bitmask``).
+    structured_output_request_ids: list[str] = field(default_factory=list)
 
 
 @dataclass

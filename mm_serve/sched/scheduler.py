@@ -18,6 +18,10 @@ whose window reaches its end gets an output placeholder, counted as a token to c
 step; ``update_from_output`` replaces it with the real token and applies the stop conditions.
 A request whose last allowed token is in flight gets no more work, and one preempted with a
 token in flight waits until that token is known.
+
+Structured outputs: a request with a grammar waits until it is compiled
+(``StructuredOutputManager``); its matcher follows every token ``update_from_output`` appends,
+and the manager's ``grammar_bitmask`` gives the tokens it may sample next.
 """
 
 from __future__ import annotations
@@ -31,12 +35,18 @@ from mm_serve.cache.encoder_cache_manager import EncoderCacheManager
 from mm_serve.config import CacheConfig, SchedulerConfig
 from mm_serve.outputs import EngineCoreOutput
 from mm_serve.request import Request, RequestStatus
+from mm_serve.sched.encoder_inputs import (
+    check_images_fit,
+    free_consumed_encoder_inputs,
+    schedule_encoder_inputs,
+)
 from mm_serve.sched.output import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
+from mm_serve.sched.structured_output import StructuredOutputManager
 from mm_serve.stats import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -61,10 +71,15 @@ class Scheduler:
         scheduler_config: the per-step budgets.
         cache_config: block size and prefix caching switch.
         num_kv_blocks: size of the KV pool in blocks (``ModelRunner.determine_num_kv_blocks``).
+        structured_output: compiles grammars; None refuses requests with ``structured_outputs``.
     """
 
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_kv_blocks: int
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_kv_blocks: int,
+        structured_output: StructuredOutputManager | None = None,
     ) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
@@ -77,8 +92,12 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.structured_output = structured_output
         # Finished since the last schedule(); the runner drops their state.
         self.finished_req_ids: set[str] = set()
+        # Requests that failed before running (their grammar did not compile): reported by the
+        # next update_from_output.
+        self.failed_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0  # since start-up, for stats and tests
         self.prefix_cache_queries = 0  # tokens, since start-up
         self.prefix_cache_hits = 0
@@ -103,23 +122,13 @@ class Scheduler:
                 f"The prompt needs {blocks_needed} KV blocks but the cache holds only "
                 f"{self.kv_cache_manager.num_blocks}; raise the KV cache size."
             )
-        self._check_images_fit(request)
+        check_images_fit(self.config, request)
+        if request.sampling_params.structured_outputs is not None:
+            if self.structured_output is None:
+                raise ValueError("This engine does not serve structured outputs.")
+            self.structured_output.add_request(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
-
-    def _check_images_fit(self, request: Request) -> None:
-        """Every image must fit the encoder budget and cache; without chunked prefill, all of a
-        prompt's images must fit one step's encoder budget."""
-        budget = min(self.config.max_num_encoder_input_tokens, self.config.encoder_cache_size)
-        lengths = [f.placeholder.length for f in request.mm_features]
-        if not self.config.enable_chunked_prefill:
-            lengths.append(sum(lengths))
-        if lengths and max(lengths) > budget:
-            raise ValueError(
-                f"The prompt's images need {max(lengths)} encoder tokens in one step, above the "
-                f"encoder budget of {budget} tokens (max_num_encoder_input_tokens, "
-                "encoder_cache_size)."
-            )
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         """Finish (usually abort) requests wherever they are; unknown ids are ignored."""
@@ -131,7 +140,7 @@ class Scheduler:
             self._free_request(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.failed_outputs)
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -156,6 +165,8 @@ class Scheduler:
             request.num_computed_tokens += num_tokens
             if request.num_computed_tokens == request.num_tokens_with_placeholders:
                 request.num_output_placeholders += 1
+                if request.grammar is not None:
+                    output.structured_output_request_ids.append(req_id)
             request.count_cached_images()
         self.finished_req_ids = set()
         return output
@@ -173,8 +184,12 @@ class Scheduler:
                 request.num_tokens_with_placeholders - request.num_computed_tokens,
                 step.token_budget,
             )
-            to_encode, num_new = self._schedule_encoder_inputs(
-                request, request.num_computed_tokens, num_new, step.encoder_budget
+            to_encode, num_new = schedule_encoder_inputs(
+                self.encoder_cache_manager,
+                request,
+                request.num_computed_tokens,
+                num_new,
+                step.encoder_budget,
             )
             if num_new == 0:  # its next image waits for encoder budget or cache space
                 index += 1
@@ -209,18 +224,27 @@ class Scheduler:
 
     def _schedule_waiting(self, step: _Step) -> None:
         kv = self.kv_cache_manager
+        compiling: list[Request] = []  # set aside while their grammars compile, order kept
         while (
             self.waiting and step.token_budget > 0 and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
             if request.num_output_placeholders:
                 break  # preempted with a token in flight: it resumes once the token is known
+            if request.grammar is not None and not self._grammar_ready(request):
+                if not request.is_finished:  # (one that failed to compile is gone)
+                    compiling.append(self.waiting.popleft())
+                continue
             computed_blocks, num_computed = kv.get_computed_blocks(request)
             num_wanted = request.num_tokens - num_computed
             if not self.config.enable_chunked_prefill and num_wanted > step.token_budget:
                 break
-            to_encode, num_new = self._schedule_encoder_inputs(
-                request, num_computed, min(num_wanted, step.token_budget), step.encoder_budget
+            to_encode, num_new = schedule_encoder_inputs(
+                self.encoder_cache_manager,
+                request,
+                num_computed,
+                min(num_wanted, step.token_budget),
+                step.encoder_budget,
             )
             if num_new == 0 or (not self.config.enable_chunked_prefill and num_new < num_wanted):
                 break  # Its first image must wait for the encoder; the queue stays in order.
@@ -238,37 +262,18 @@ class Scheduler:
                 step.new_reqs.append(NewRequestData.from_request(request, block_ids))
             request.status = RequestStatus.RUNNING
             self._commit(step, request, num_new, to_encode)
+        self.waiting.extendleft(reversed(compiling))
 
-    def _schedule_encoder_inputs(
-        self, request: Request, num_computed: int, num_new: int, encoder_budget: int
-    ) -> tuple[list[int], int]:
-        """Which of ``request``'s images to encode for the window
-        ``[num_computed, num_computed + num_new)``, and the window's (possibly cut) length.
-
-        An image is skipped when its range lies before ``num_computed`` (its KV exists, e.g. a
-        prefix-cache hit) or its embeddings are cached (the request then references them). The
-        first image that does not fit the encoder budget or cache cuts the window just before
-        it (to 0 tokens when the window starts inside that image).
-        """
-        cache = self.encoder_cache_manager
-        to_encode: list[int] = []
-        chosen: set[str] = set()
-        pending = 0  # encoder tokens chosen for this request, not yet allocated
-        for input_id, feature in enumerate(request.mm_features):
-            start, length = feature.placeholder.offset, feature.placeholder.length
-            if start >= num_computed + num_new:
-                break  # mm_features are in prompt order
-            if start + length <= num_computed or feature.mm_hash in chosen:
-                continue
-            if cache.check_and_update_cache(request, input_id):
-                continue
-            if not cache.can_allocate(length, encoder_budget - pending, pending):
-                num_new = max(0, start - num_computed)
-                break
-            to_encode.append(input_id)
-            chosen.add(feature.mm_hash)
-            pending += length
-        return to_encode, num_new
+    def _grammar_ready(self, request: Request) -> bool:
+        """Whether its grammar is compiled; one that failed to compile finishes the request."""
+        try:
+            return self.structured_output.is_ready(request)
+        except ValueError as e:
+            logger.error("Request %s: its grammar did not compile: %s", request.request_id, e)
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._free_request(request)
+            self.failed_outputs.append(self._make_output(request, [], None, None))
+            return False
 
     def _commit(self, step: _Step, request: Request, num_new: int, to_encode: list[int]) -> None:
         """Record a scheduled request: its tokens, and the images it encodes this step."""
@@ -298,7 +303,7 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, free finished requests."""
-        outputs: list[EngineCoreOutput] = []
+        outputs, self.failed_outputs = self.failed_outputs, []
         for index, req_id in enumerate(runner_output.req_ids):
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
@@ -314,26 +319,19 @@ class Scheduler:
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
             if request.mm_features:
                 scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
-                self._free_consumed_encoder_inputs(request, scheduled)
+                free_consumed_encoder_inputs(self.encoder_cache_manager, request, scheduled)
             if new_token_ids or prompt_logprobs or request.is_finished:
                 outputs.append(self._make_output(request, new_token_ids, logprobs, prompt_logprobs))
             if request.is_finished:
                 self._free_request(request)
         return outputs
 
-    def _free_consumed_encoder_inputs(self, request: Request, num_scheduled: int) -> None:
-        """Release the images whose whole range is now computed (their KV holds them); none
-        can newly be once a step began past the last image (features are in prompt order)."""
-        if request.num_computed_tokens - num_scheduled >= request.mm_features[-1].placeholder.end:
-            return
-        cache = self.encoder_cache_manager
-        for input_id in cache.get_cached_input_ids(request):
-            if request.mm_features[input_id].placeholder.end <= request.num_computed_tokens:
-                cache.free_encoder_input(request, input_id)
-
     def _check_stop(self, request: Request) -> bool:
         params = request.sampling_params
         last = request.output_token_ids[-1]
+        if request.grammar is not None and self.structured_output.accept_token(request, last):
+            request.status = RequestStatus.FINISHED_STOPPED  # the output is complete
+            return True
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and last == request.eos_token_id:
                 request.status = RequestStatus.FINISHED_STOPPED

@@ -206,6 +206,7 @@ class InputBatch:
             banned_token_ids={
                 i: banned for i, s in enumerate(states) if (banned := _banned_tokens(s))
             },
+            logit_bias={i: p.logit_bias for i, p in enumerate(params) if p.logit_bias},
         )
 
     def _padded_prompts(self, rows: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -21,6 +21,7 @@ from mm_serve.kernels.varlen_attention import plan_prefill_split, worth_splittin
 from mm_serve.models.interface import LanguageModel
 from mm_serve.models.loader import load_model
 from mm_serve.sched.output import SchedulerOutput
+from mm_serve.sched.structured_output import GrammarBitmask
 from mm_serve.worker.cuda_graphs import (
     CudaGraphRunner,
     MixedCudaGraphRunner,
@@ -37,6 +38,7 @@ from mm_serve.worker.mm_inputs import (
 )
 from mm_serve.worker.prompt_logprobs import PromptLogprobsJob, compute_prompt_logprobs
 from mm_serve.worker.sampler import Sampler
+from mm_serve.worker.sampling_metadata import GrammarMask
 from mm_serve.worker.step_output import PendingOutput, SampledTokens
 
 logger = logging.getLogger(__name__)
@@ -83,6 +85,8 @@ class ModelRunner:
         # The last launched step's sampled tokens (on the device) and its output in flight.
         self.last_sampled: SampledTokens | None = None
         self.last_output: PendingOutput | None = None
+        # The step whose forward pass is launched and whose tokens are not yet sampled.
+        self._launched: tuple[StepInputs, torch.Tensor] | None = None
 
     def load_model(self) -> None:
         # This process's worker state, before the model is built: its tensor-parallel rank
@@ -113,27 +117,45 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput:
-        """Launch one step. Its output comes back as a ``PendingOutput``: the device work is
-        queued, and ``get()`` waits for it. Tokens the previous step sampled may still be on
-        their way to the host; this step's inputs take them from the device."""
+        """Launch one step: ``launch_forward``, then ``sample_tokens`` with no grammar."""
+        self.launch_forward(scheduler_output)
+        return self.sample_tokens()
+
+    @torch.inference_mode()
+    def launch_forward(self, scheduler_output: SchedulerOutput) -> None:
+        """Launch the step's forward pass (the device work is queued); ``sample_tokens`` then
+        samples from it. Tokens the previous step sampled may still be on their way to the
+        host; this step's inputs take them from the device."""
         for mm_hash in scheduler_output.free_encoder_mm_hashes:
             self.encoder_cache.pop(mm_hash, None)
         self._update_states(scheduler_output)
+        self._launched = None
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return PendingOutput([])
+            return
         if self.last_output is not None and self._needs_output_ids():
             self.last_output.get()  # penalties count the output ids: wait for the last ones
         encode_images(
             self.model, self.requests, scheduler_output.scheduled_encoder_inputs, self.encoder_cache
         )
         inputs = self._prepare_inputs(scheduler_output)
-        hidden_states = self._forward(inputs)
+        self._launched = (inputs, self._forward(inputs))
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_bitmask: GrammarBitmask | None = None) -> PendingOutput:
+        """Sample the tokens of the step ``launch_forward`` launched, the grammar requests'
+        within ``grammar_bitmask``. The output comes back as a ``PendingOutput``: the device
+        work is queued, and ``get()`` waits for it."""
+        if self._launched is None:
+            return PendingOutput([])
+        (inputs, hidden_states), self._launched = self._launched, None
         sampler_output = None
         if len(inputs.sample_rows):  # none while every request is mid-prompt
             logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
             metadata = self.input_batch.sampling_metadata(inputs.sample_rows, self.device)
+            if grammar_bitmask is not None:
+                req_ids = [self.input_batch.req_ids[row] for row in inputs.sample_rows]
+                metadata.grammar = GrammarMask.for_rows(grammar_bitmask, req_ids, self.device)
             sampler_output = self.sampler(logits, metadata)
         prompt_logprobs = compute_prompt_logprobs(
             self.model, hidden_states, inputs.prompt_logprobs_jobs

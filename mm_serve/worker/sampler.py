@@ -2,8 +2,8 @@
 
 Pipeline, in vLLM's order (documented on ``SamplingParams``):
 
-    raw logprobs (reported) -> repetition / frequency / presence penalties -> banned tokens
-    -> greedy rows: argmax
+    raw logprobs (reported) -> repetition / frequency / presence penalties -> logit bias
+    -> banned tokens -> grammar bitmask (structured outputs) -> greedy rows: argmax
     -> random rows: temperature -> min-p -> top-k -> top-p -> exponential-race sample
 
 Every tensor stays on the logits' device. The only host round trip is in mixed greedy/random
@@ -44,7 +44,10 @@ class Sampler(nn.Module):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
         logits = apply_penalties(logits, metadata)
+        logits = apply_logit_bias(logits, metadata.logit_bias)
         logits = apply_banned_tokens(logits, metadata.banned_token_ids)
+        if metadata.grammar is not None:
+            logits = apply_token_bitmask(logits, metadata.grammar.rows, metadata.grammar.bitmask)
         sampled = self._sample(logits, metadata)
 
         logprobs = None
@@ -135,6 +138,39 @@ def apply_banned_tokens(logits: torch.Tensor, banned: dict[int, list[int]]) -> t
     index = torch.tensor([rows, cols], dtype=torch.int64, device=logits.device)
     neg_inf = torch.tensor(_NEG_INF, dtype=logits.dtype, device=logits.device)
     return logits.index_put((index[0], index[1]), neg_inf)
+
+
+def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, dict[int, float]]) -> torch.Tensor:
+    """Add ``logit_bias[row][token]`` to ``logits[row, token]`` (OpenAI's ``logit_bias``);
+    returns a copy when there is any bias."""
+    if not logit_bias:
+        return logits
+    rows = [row for row, biases in logit_bias.items() for _ in biases]
+    cols = [token for biases in logit_bias.values() for token in biases]
+    values = [bias for biases in logit_bias.values() for bias in biases.values()]
+    index = torch.tensor([rows, cols], dtype=torch.int64, device=logits.device)
+    bias = torch.tensor(values, dtype=logits.dtype, device=logits.device)
+    return logits.index_put((index[0], index[1]), bias, accumulate=True)
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
+) -> torch.Tensor:
+    """Set to -inf every token a row's grammar forbids, for all grammar rows in one pass.
+
+    Args:
+        logits: ``[num_rows, vocab_size]``.
+        rows: ``[k]`` int64, the rows with a grammar.
+        bitmask: ``[k, ceil(vocab_size / 32)]`` int32; bit ``j`` of word ``w`` of row ``i``
+            allows token ``32 * w + j`` in row ``rows[i]`` (xgrammar's layout).
+
+    Returns:
+        A copy of ``logits`` with the forbidden tokens of those rows at -inf.
+    """
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)[:, : logits.shape[1]]
+    masked = logits[rows].masked_fill(~allowed, _NEG_INF)
+    return logits.index_put((rows,), masked)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

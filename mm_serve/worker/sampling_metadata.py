@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from mm_serve.sched.structured_output import GrammarBitmask
 
 
 @dataclass
@@ -35,6 +37,34 @@ class SamplingMetadata:
     output_token_ids: list[list[int]]  # per row, the tokens generated so far
     # Row -> token ids to forbid this step (stop tokens and EOS while below min_tokens).
     banned_token_ids: dict[int, list[int]]
+    # Row -> {token id: bias added to its logit} (``SamplingParams.logit_bias``).
+    logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)
+    # The rows with a grammar and the tokens each may sample (``structured_outputs``).
+    grammar: GrammarMask | None = None
+
+
+@dataclass
+class GrammarMask:
+    """The grammar requests' rows of the logits, and the tokens each may sample."""
+
+    rows: torch.Tensor  # [k] int64, rows of the logits
+    bitmask: torch.Tensor  # [k, ceil(vocab_size / 32)] int32, xgrammar's layout
+
+    @classmethod
+    def for_rows(
+        cls, grammar_bitmask: GrammarBitmask, row_req_ids: list[str], device: torch.device
+    ) -> GrammarMask | None:
+        """The mask of the step whose logits row ``i`` belongs to ``row_req_ids[i]``; requests
+        of ``grammar_bitmask`` not among them (finished meanwhile) are left out."""
+        row_of = {req_id: row for row, req_id in enumerate(row_req_ids)}
+        pairs = [(row_of[r], i) for i, r in enumerate(grammar_bitmask.req_ids) if r in row_of]
+        if not pairs:
+            return None
+        rows, masks = zip(*pairs, strict=True)
+        return cls(
+            rows=torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
+            bitmask=grammar_bitmask.bitmask[list(masks)].to(device, non_blocking=True),
+        )
 
 
 @dataclass

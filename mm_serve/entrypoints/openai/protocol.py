@@ -28,9 +28,9 @@ from pydantic import (
 UNSUPPORTED_FIELDS = frozenset(
     {
         # OpenAI
-        "audio", "best_of", "function_call", "functions", "logit_bias", "metadata",
+        "audio", "best_of", "function_call", "functions", "metadata",
         "modalities", "parallel_tool_calls", "prediction", "reasoning_effort",
-        "response_format", "service_tier", "store", "tool_choice", "tools", "verbosity",
+        "service_tier", "store", "tool_choice", "tools", "verbosity",
         "web_search_options",
         # vLLM's extensions
         "add_generation_prompt", "add_special_tokens", "allowed_token_ids", "bad_words",
@@ -39,7 +39,7 @@ UNSUPPORTED_FIELDS = frozenset(
         "guided_regex", "guided_whitespace_pattern", "kv_transfer_params", "length_penalty",
         "logits_processors", "mm_processor_kwargs", "priority", "prompt_embeds",
         "request_id", "echo", "suffix",
-        "spaces_between_special_tokens", "structured_outputs", "truncate_prompt_tokens",
+        "spaces_between_special_tokens", "truncate_prompt_tokens",
         "use_beam_search", "vllm_xargs",
     }
 )  # fmt: skip
@@ -73,6 +73,32 @@ class ChatMessage(BaseModel):
     role: str  # "system", "user", "assistant", ...: what the chat template accepts
     content: str | list[ContentPart] | None = None
     name: str | None = None
+
+
+class JSONSchemaFormat(BaseModel):
+    name: str
+    description: str | None = None
+    json_schema: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced exactly (xgrammar's strict mode)
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text``, ``json_object``, or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of these (``mm_serve.structured_outputs``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict | str | None = Field(default=None, alias="json")  # a JSON schema
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (GBNF), rule "root"
+    json_object: bool | None = None
 
 
 class StreamOptions(BaseModel):
@@ -114,6 +140,10 @@ class SamplingRequest(_Request):
     return_token_ids: bool = False
     # Each prompt token's logprob and its top-k (the first token has none); not with stream.
     prompt_logprobs: int | None = None
+    # OpenAI's: token id (a string) -> bias in [-100, 100] added to its logit.
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None  # vLLM's
 
 
 class ChatCompletionRequest(SamplingRequest):

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from mm_serve.entrypoints.openai.constraints import output_constraints
 from mm_serve.entrypoints.openai.errors import (
     APIError,
     bad_request,
@@ -226,6 +227,7 @@ class ServingBase:
             value = getattr(request, name)
             if value is not None:
                 kwargs[name] = value
+        kwargs |= output_constraints(request, self.llm.config.model.vocab_size)
         with user_errors():
             return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs)
 

@@ -1,0 +1,78 @@
+"""Which images the scheduler sends to the vision encoder, and when it lets them go.
+
+Images are scheduled like tokens (see ``scheduler.py``): these functions decide, for one
+request's window of tokens, which of its images to encode within the step's encoder budget and
+the encoder cache's space, and release the images whose placeholder ranges are computed.
+"""
+
+from __future__ import annotations
+
+from mm_serve.cache.encoder_cache_manager import EncoderCacheManager
+from mm_serve.config import SchedulerConfig
+from mm_serve.request import Request
+
+
+def check_images_fit(config: SchedulerConfig, request: Request) -> None:
+    """Every image must fit the encoder budget and cache; without chunked prefill, all of a
+    prompt's images must fit one step's encoder budget.
+
+    Raises:
+        ValueError: naming the tokens needed and the budget.
+    """
+    budget = min(config.max_num_encoder_input_tokens, config.encoder_cache_size)
+    lengths = [f.placeholder.length for f in request.mm_features]
+    if not config.enable_chunked_prefill:
+        lengths.append(sum(lengths))
+    if lengths and max(lengths) > budget:
+        raise ValueError(
+            f"The prompt's images need {max(lengths)} encoder tokens in one step, above the "
+            f"encoder budget of {budget} tokens (max_num_encoder_input_tokens, "
+            "encoder_cache_size)."
+        )
+
+
+def schedule_encoder_inputs(
+    cache: EncoderCacheManager,
+    request: Request,
+    num_computed: int,
+    num_new: int,
+    encoder_budget: int,
+) -> tuple[list[int], int]:
+    """Which of ``request``'s images to encode for the window
+    ``[num_computed, num_computed + num_new)``, and the window's (possibly cut) length.
+
+    An image is skipped when its range lies before ``num_computed`` (its KV exists, e.g. a
+    prefix-cache hit) or its embeddings are cached (the request then references them). The
+    first image that does not fit the encoder budget or cache cuts the window just before
+    it (to 0 tokens when the window starts inside that image).
+    """
+    to_encode: list[int] = []
+    chosen: set[str] = set()
+    pending = 0  # encoder tokens chosen for this request, not yet allocated
+    for input_id, feature in enumerate(request.mm_features):
+        start, length = feature.placeholder.offset, feature.placeholder.length
+        if start >= num_computed + num_new:
+            break  # mm_features are in prompt order
+        if start + length <= num_computed or feature.mm_hash in chosen:
+            continue
+        if cache.check_and_update_cache(request, input_id):
+            continue
+        if not cache.can_allocate(length, encoder_budget - pending, pending):
+            num_new = max(0, start - num_computed)
+            break
+        to_encode.append(input_id)
+        chosen.add(feature.mm_hash)
+        pending += length
+    return to_encode, num_new
+
+
+def free_consumed_encoder_inputs(
+    cache: EncoderCacheManager, request: Request, num_scheduled: int
+) -> None:
+    """Release the images whose whole range is now computed (their KV holds them); none can
+    newly be once a step began past the last image (features are in prompt order)."""
+    if request.num_computed_tokens - num_scheduled >= request.mm_features[-1].placeholder.end:
+        return
+    for input_id in cache.get_cached_input_ids(request):
+        if request.mm_features[input_id].placeholder.end <= request.num_computed_tokens:
+            cache.free_encoder_input(request, input_id)

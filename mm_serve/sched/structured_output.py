@@ -1,0 +1,145 @@
+"""The engine's side of structured outputs: compiled grammars, one matcher per request, and
+each step's token bitmask (see ``mm_serve/structured_outputs.py`` for the method).
+
+Grammars compile on a worker thread, never on the engine loop, through one xgrammar
+``GrammarCompiler`` that caches compiled grammars by their text (a schema sent with every
+request compiles once). The scheduler leaves a request waiting until its grammar is ready.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mm_serve.config import ModelConfig
+from mm_serve.request import Request
+from mm_serve.sched.output import SchedulerOutput
+from mm_serve.structured_outputs import compiler_message
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GrammarBitmask:
+    """The tokens each grammar request may sample this step.
+
+    ``bitmask[i]`` belongs to ``req_ids[i]``: ``[ceil(vocab_size / 32)]`` int32 words, bit
+    ``j`` of word ``w`` set when token ``32 * w + j`` is allowed (xgrammar's layout).
+    """
+
+    req_ids: list[str]
+    bitmask: torch.Tensor  # [len(req_ids), ceil(vocab_size / 32)] int32, on the CPU
+
+
+@dataclass
+class RequestGrammar:
+    """One request's grammar: compiling (``compiled``), then followed by ``matcher``."""
+
+    compiled: Future
+    matcher: Any = None  # xgrammar.GrammarMatcher, once compiled
+
+
+class StructuredOutputManager:
+    """Compiles grammars off the engine loop and fills the bitmask of each step.
+
+    Args:
+        model_config: its tokenizer defines the vocabulary; its ``vocab_size`` (the logits'
+            width, which may exceed the tokenizer's) the bitmask's.
+    """
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        self.model_config = model_config
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compiler")
+        self._compiler: Any = None  # made on the executor's thread, with the first grammar
+
+    def add_request(self, request: Request) -> None:
+        """Start compiling the request's grammar (``request.grammar``)."""
+        key = request.sampling_params.structured_outputs.key
+        request.grammar = RequestGrammar(self._executor.submit(self._compile, key))
+
+    def is_ready(self, request: Request) -> bool:
+        """Whether the request's grammar is compiled (it then gets its matcher).
+
+        Raises:
+            ValueError: the grammar did not compile (the front end checks first, so only a
+                request that bypassed it gets here).
+        """
+        grammar = request.grammar
+        if grammar.matcher is None:
+            if not grammar.compiled.done():
+                return False
+            import xgrammar
+
+            try:
+                compiled = grammar.compiled.result()
+            except Exception as e:  # xgrammar raises RuntimeError; the loader OSError
+                raise ValueError(compiler_message(e)) from e
+            grammar.matcher = xgrammar.GrammarMatcher(compiled)
+        return True
+
+    def accept_token(self, request: Request, token_id: int) -> bool:
+        """Advance the request's matcher; True when its output is complete (the grammar
+        accepted a stop token) or cannot continue (a token the grammar forbids)."""
+        matcher = request.grammar.matcher
+        if not matcher.accept_token(token_id):
+            logger.warning("Request %s sampled token %d, which its grammar forbids; it stops.",
+                           request.request_id, token_id)  # fmt: skip
+            return True
+        return matcher.is_terminated()
+
+    def grammar_bitmask(
+        self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
+    ) -> GrammarBitmask | None:
+        """The tokens each grammar request sampling in the step may sample, from its matcher's
+        state: call it once the tokens of earlier steps are appended (the scheduler's
+        ``update_from_output``). None when the step has none (finished ones are left out).
+
+        Args:
+            requests: the scheduler's requests, by id.
+        """
+        ids = scheduler_output.structured_output_request_ids
+        requests = [requests[i] for i in ids if i in requests]
+        if not requests:
+            return None
+        import xgrammar
+
+        bitmask = xgrammar.allocate_token_bitmask(len(requests), self.model_config.vocab_size)
+        for row, request in enumerate(requests):
+            if not request.grammar.matcher.is_terminated():
+                request.grammar.matcher.fill_next_token_bitmask(bitmask, row)
+        return GrammarBitmask([r.request_id for r in requests], bitmask)
+
+    # ---- on the compiler thread ------------------------------------------------------------
+
+    def _compile(self, key: tuple[str, str]) -> Any:
+        compiler = self._compiler or self._make_compiler()
+        kind, text = key
+        if kind == "json":
+            return compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+        if kind == "regex":
+            return compiler.compile_regex(text)
+        return compiler.compile_grammar(text)
+
+    def _make_compiler(self) -> Any:
+        """The compiler for the model's tokenizer. Its stop tokens (allowed once the output is
+        complete) are the tokenizer's EOS and those of ``generation_config.json``."""
+        import xgrammar
+        from transformers import AutoTokenizer, GenerationConfig
+
+        path = self.model_config.tokenizer
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        stop_ids = {tokenizer.eos_token_id} - {None}
+        try:
+            eos = GenerationConfig.from_pretrained(self.model_config.path).eos_token_id
+            stop_ids |= {eos} if isinstance(eos, int) else set(eos or ())
+        except OSError:  # no generation_config.json
+            pass
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=self.model_config.vocab_size, stop_token_ids=sorted(stop_ids)
+        )
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=4, cache_enabled=True)
+        return self._compiler
