@@ -193,9 +193,11 @@ def _run_bench(args: list[str], tmp_path) -> tuple[dict, str]:
 def test_bench_throughput_cli(tmp_path) -> None:
     args = ["throughput", "--num-prompts", "5", "--input-len", "8", "--output-len", "4"]
     args += ["--image-size", "56", "56", "--hf-batch-sizes", "2", "--compare-prefix-caching"]
-    result, stdout = _run_bench(args, tmp_path)
-    assert "mm_serve / HF best (batch 2)" in stdout
-    for key in ("mm_serve", "mm_serve_prefix_caching_off"):
+    result, stdout = _run_bench([*args, "--compare-structured-outputs"], tmp_path)
+    assert "mm_serve / HF best (batch 2)" in stdout and "JSON schema / none" in stdout
+    assert result["mm_serve_json_schema"]["structured_outputs"] is True
+    assert result["json_schema_over_none"] > 0
+    for key in ("mm_serve", "mm_serve_prefix_caching_off", "mm_serve_json_schema"):
         run = result[key]
         assert run["num_requests"] == 5 and run["output_tokens"] == 5 * 4
         assert run["prompt_tokens"] > 5 * (8 + 4)  # words, then 4 image tokens + 2 markers

@@ -10,7 +10,10 @@ The clock starts after the engine is built (weights, KV cache, CUDA graphs) and 
 call on other requests; it covers ``LLM.generate`` on all requests, image preprocessing
 included. Unless ``--no-hf``, HF transformers ``generate`` runs first in the same process on
 the same requests at ``--hf-batch-sizes`` and is freed before our engine starts.
-``--compare-prefix-caching`` runs the workload again with prefix caching off. ``--peer vllm``
+``--compare-prefix-caching`` runs the workload again with prefix caching off;
+``--compare-structured-outputs`` again with ``LONG_SCHEMA`` constraining every output (a JSON
+array of objects no request can complete within ``--output-len``, so every request still
+gives exactly that many tokens). ``--peer vllm``
 runs vLLM on the same requests in a subprocess (``peer_vllm``) and reports mm_serve / vLLM.
 On CUDA, the workload's roofline (``roofline``) follows from matmul and copy rates measured in
 this process after the engines are gone, with each engine's percentage of it.
@@ -22,6 +25,7 @@ this process after the engines are gone, with each engine's percentage of it.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import tempfile
 import time
@@ -35,6 +39,15 @@ from mm_serve.benchmarks.datasets import BenchRequest, random_image_dataset
 logger = logging.getLogger(__name__)
 
 NUM_WARMUP_REQUESTS = 4
+LONG_SCHEMA = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "value": {"type": "integer"}},
+        "required": ["name", "value"],
+    },
+    "minItems": 1000,
+}
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +76,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Also run the engine with prefix caching off and report on/off.",
     )
     group.add_argument(
+        "--compare-structured-outputs",
+        action="store_true",
+        help="Also run the engine with a JSON schema on every request and report with/without.",
+    )
+    group.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -84,17 +102,23 @@ def run_engine(
     texts: list[str],
     warmup: list[BenchRequest],
     warmup_texts: list[str],
+    structured: bool = False,
 ) -> dict[str, Any]:
     """Build an ``LLM``, warm it up, time ``generate`` on all requests; frees it after.
+    ``structured``: every request's output is constrained by ``LONG_SCHEMA``.
 
     Returns requests/s, output and total tok/s, token counts and the prefix-cache counters of
     the timed call. Raises ``RuntimeError`` if a request did not give exactly its
     ``output_len`` tokens or the prefix cache hit.
     """
     from mm_serve import LLM, SamplingParams
+    from mm_serve.structured_outputs import StructuredOutputsParams
 
     output_len = requests[0].output_len
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    constraint = StructuredOutputsParams(json=json.dumps(LONG_SCHEMA)) if structured else None
+    params = SamplingParams(
+        temperature=0.0, max_tokens=output_len, ignore_eos=True, structured_outputs=constraint
+    )
     llm = LLM(folder, **engine_kwargs)
     try:
         llm.generate(common.llm_prompts(warmup, warmup_texts), params, use_tqdm=False)
@@ -115,6 +139,7 @@ def run_engine(
     _check(hits == 0, f"{hits} prefix-cache hit tokens; the workload must have none")
     return {
         "enable_prefix_caching": engine_kwargs["enable_prefix_caching"],
+        "structured_outputs": structured,
         **figures,
         "prefix_cache_queries": after.prefix_cache_queries - before.prefix_cache_queries,
         "prefix_cache_hits": hits,
@@ -169,6 +194,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             configs["mm_serve_prefix_caching_off"] = common.engine_kwargs(
                 args, load_format, enable_prefix_caching=False
             )
+        if args.compare_structured_outputs:
+            configs["mm_serve_json_schema"] = kwargs
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
         peer = None
         if args.peer:  # the same requests, written once for the peer's subprocesses
@@ -177,8 +204,11 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             runs["vllm"] = []
         for _ in range(args.repeats):  # configurations alternate: neither always goes first
             for name, engine_kwargs in configs.items():
+                structured = name == "mm_serve_json_schema"
                 runs[name].append(
-                    run_engine(folder, engine_kwargs, requests, texts, warmup, warmup_texts)
+                    run_engine(
+                        folder, engine_kwargs, requests, texts, warmup, warmup_texts, structured
+                    )
                 )
             if peer:
                 runs["vllm"].append(peer.run(runs["mm_serve"][-1]["prompt_tokens"]))
@@ -213,6 +243,9 @@ def _add_ratios(result: dict[str, Any]) -> None:
     off = result.get("mm_serve_prefix_caching_off")
     if off:
         result["prefix_caching_on_over_off"] = ours / off["output_tokens_per_s"]
+    schema = result.get("mm_serve_json_schema")
+    if schema:
+        result["json_schema_over_none"] = schema["output_tokens_per_s"] / ours
     if result.get("vllm"):
         result["mm_serve_over_vllm"] = ours / result["vllm"]["output_tokens_per_s"]
     best = (result["hf"] or {}).get("best")
@@ -229,6 +262,7 @@ def print_summary(result: dict[str, Any]) -> None:
           f"{w['output_len']} tokens")  # fmt: skip
     print(f"{'run':<28} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>12} {'prompt tok':>11}")
     runs = (("mm_serve", "mm_serve"), ("mm_serve_prefix_caching_off", "  prefix caching off"),
+            ("mm_serve_json_schema", "  JSON schema on every request"),
             ("vllm", f"vLLM {result.get('vllm', {}).get('vllm_version', '')}"))  # fmt: skip
     for key, label in runs:
         r = result.get(key)
@@ -241,6 +275,8 @@ def print_summary(result: dict[str, Any]) -> None:
         print(f"{label:<28} {'':>8} {figure:>10}")
     if "prefix_caching_on_over_off" in result:
         print(f"prefix caching on / off: {result['prefix_caching_on_over_off']:.3f}x")
+    if "json_schema_over_none" in result:
+        print(f"JSON schema / none: {result['json_schema_over_none']:.3f}x")
     if "mm_serve_over_hf_best" in result:
         best = result["hf"]["best"]["batch_size"]
         print(f"mm_serve / HF best (batch {best}): {result['mm_serve_over_hf_best']:.2f}x")
