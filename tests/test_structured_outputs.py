@@ -39,6 +39,10 @@ def test_token_bitmask_matches_xgrammar() -> None:
     expected = logits.clone()
     xgrammar.apply_token_bitmask_inplace(expected, bitmask, indices=rows.tolist())
     assert torch.equal(apply_token_bitmask(logits, rows, bitmask[rows]), expected)
+    # A vocabulary padded beyond the bitmask's 64 tokens: the padding is never allowed.
+    narrow = apply_token_bitmask(logits, rows, bitmask[rows, :2])
+    assert torch.equal(narrow[:, :64], expected[:, :64])
+    assert (narrow[rows, 64:] == float("-inf")).all() and torch.equal(narrow[1], logits[1])
 
 
 def test_logit_bias_adds_to_its_tokens() -> None:

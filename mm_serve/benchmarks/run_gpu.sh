@@ -2,10 +2,13 @@
 # The GPU measurements behind BENCHMARKS.md, one stage per argument, each writing its log and
 # JSON into $OUT (default ./bench-out). Run from the repository root on a CUDA machine:
 #   bash mm_serve/benchmarks/run_gpu.sh tests latency throughput serve kernels
-# tests:      the CUDA tests (kernels vs references, CUDA graphs, outputs vs HF, async scheduling)
+# tests:      the CUDA tests (kernels vs references, CUDA graphs, outputs vs HF, async scheduling,
+#             pixel path, structured outputs); tests-kernels and tests-engine run its two halves
+#             (each within the GPU machine's 10 minutes per command on a fresh machine)
 # latency:    bench latency, Qwen2-VL-2B, batch 1: default, without PDL, without async
 #             scheduling, eager; then step_profile (the engine loop's step, kernel table)
 # throughput: bench throughput, Qwen2-VL-2B, 256 requests, HF baseline, prefix caching on/off
+# structured: bench throughput, Qwen2-VL-2B, 256 requests, with and without a JSON schema on each
 # serve:      mm-serve serve (Qwen2-VL-2B, random weights) driven by bench serve
 # kernels:    the Triton kernel benchmark
 # gemv:       the batch-1 linear layers, Triton GEMV against cuBLAS, PDL off and on
@@ -23,11 +26,13 @@ bench() { $PY -m mm_serve.entrypoints.cli bench "$@"; }
 for stage in "$@"; do
   echo "=== $stage ($(date +%T))"
   case $stage in
-    tests)
-      $PY -m pytest -q -x tests/test_kernels_triton.py tests/test_cuda_graphs.py \
-        tests/test_kernel_dispatch.py tests/test_varlen_prefill.py tests/test_async_scheduling.py tests/test_llm_vs_hf.py \
-        tests/test_vlm_vs_hf.py \
-        2>&1 | tee "$OUT/tests.log" | tail -5 ;;
+    tests|tests-kernels|tests-engine)
+      files=()
+      [ "$stage" != tests-engine ] && files+=(tests/test_kernels_triton.py tests/test_cuda_graphs.py
+        tests/test_kernel_dispatch.py tests/test_varlen_prefill.py)
+      [ "$stage" != tests-kernels ] && files+=(tests/test_async_scheduling.py tests/test_llm_vs_hf.py
+        tests/test_vlm_vs_hf.py tests/test_pixel_path.py tests/test_structured_outputs.py)
+      $PY -m pytest -q -x "${files[@]}" 2>&1 | tee "$OUT/$stage.log" | tail -5 ;;
     latency)
       for mode in "" "no-pdl" "--no-async-scheduling" "--enforce-eager"; do
         name=latency${mode//-/_}
@@ -43,6 +48,10 @@ for stage in "$@"; do
         --output-len 128 --image-size 448 448 --hf-batch-sizes 16 32 64 128 256 \
         --compare-prefix-caching --repeats 3 --output-json "$OUT/throughput.json" \
         2>&1 | tee "$OUT/throughput.log" | tail -25 ;;
+    structured)
+      bench throughput --model-arch qwen2-vl-2b --num-prompts 256 --input-len 50 \
+        --output-len 128 --image-size 448 448 --no-hf --compare-structured-outputs --repeats 2 \
+        --output-json "$OUT/structured.json" 2>&1 | tee "$OUT/structured.log" | tail -12 ;;
     serve)
       folder=$(mktemp -d)
       $PY -c "from mm_serve.benchmarks.architectures import write_architecture as w; \

@@ -38,7 +38,9 @@ class EngineCore:
         self.num_kv_blocks = self.model_runner.determine_num_kv_blocks()
         self.model_runner.initialize_kv_cache(self.num_kv_blocks)
         self.model_runner.capture_cuda_graphs()  # a no-op on CPU / enforce_eager
-        self.structured_output = StructuredOutputManager(config.model)
+        self.structured_output = StructuredOutputManager(
+            config.model, pin_memory=config.device.type == "cuda"
+        )
         self.scheduler = self._make_scheduler()
         self.async_scheduling = config.scheduler.async_scheduling
         # The launched step whose output has not been read yet (async scheduling only).

@@ -27,12 +27,13 @@ logger = logging.getLogger(__name__)
 class GrammarBitmask:
     """The tokens each grammar request may sample this step.
 
-    ``bitmask[i]`` belongs to ``req_ids[i]``: ``[ceil(vocab_size / 32)]`` int32 words, bit
-    ``j`` of word ``w`` set when token ``32 * w + j`` is allowed (xgrammar's layout).
+    ``bitmask[i]`` belongs to ``req_ids[i]``: ``[ceil(tokenizer_size / 32)]`` int32 words, bit
+    ``j`` of word ``w`` set when token ``32 * w + j`` is allowed (xgrammar's layout). Logits
+    past the tokenizer's size (the model's padding of its vocabulary) are never allowed.
     """
 
     req_ids: list[str]
-    bitmask: torch.Tensor  # [len(req_ids), ceil(vocab_size / 32)] int32, on the CPU
+    bitmask: torch.Tensor  # [len(req_ids), ceil(tokenizer_size / 32)] int32, on the CPU
 
 
 @dataclass
@@ -47,14 +48,17 @@ class StructuredOutputManager:
     """Compiles grammars off the engine loop and fills the bitmask of each step.
 
     Args:
-        model_config: its tokenizer defines the vocabulary; its ``vocab_size`` (the logits'
-            width, which may exceed the tokenizer's) the bitmask's.
+        model_config: its tokenizer defines the vocabulary (the bitmask's width is the
+            tokenizer's size: xgrammar's work per token grows with the ids it does not know).
+        pin_memory: the bitmask buffer is pinned, for an asynchronous copy to the device.
     """
 
-    def __init__(self, model_config: ModelConfig) -> None:
+    def __init__(self, model_config: ModelConfig, pin_memory: bool = False) -> None:
         self.model_config = model_config
+        self.pin_memory = pin_memory
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compiler")
         self._compiler: Any = None  # made on the executor's thread, with the first grammar
+        self._tokenizer_size = 0  # the bitmask's width in tokens, set with the compiler
         self._bitmask: torch.Tensor | None = None  # [rows, ceil(vocab_size / 32)] int32
         self._batch_matcher: Any = None  # xgrammar.BatchGrammarMatcher
 
@@ -111,10 +115,14 @@ class StructuredOutputManager:
         if not live:
             return None
         if self._bitmask is None or len(self._bitmask) < len(live):
-            # Allocating costs more than filling (about 50 us per row at a 152k vocabulary):
-            # one buffer, grown as needed. The runner copies its rows before the next step.
+            # Allocating costs more than filling: one buffer, grown as needed. Its copy to the
+            # device is queued before the step's sampling, whose tokens the engine reads before
+            # it fills the buffer again.
             rows = max(len(live), 2 * len(self._bitmask if self._bitmask is not None else ()))
-            self._bitmask = xgrammar.allocate_token_bitmask(rows, self.model_config.vocab_size)
+            words = -(-self._tokenizer_size // 32)
+            self._bitmask = torch.empty((rows, words), dtype=torch.int32)
+            if self.pin_memory:
+                self._bitmask = self._bitmask.pin_memory()
             self._batch_matcher = self._batch_matcher or xgrammar.BatchGrammarMatcher()
         bitmask = self._bitmask[: len(live)]
         matchers = [r.grammar.matcher for r in live]
@@ -146,8 +154,9 @@ class StructuredOutputManager:
             stop_ids |= {eos} if isinstance(eos, int) else set(eos or ())
         except OSError:  # no generation_config.json
             pass
+        self._tokenizer_size = len(tokenizer)
         info = xgrammar.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=self.model_config.vocab_size, stop_token_ids=sorted(stop_ids)
+            tokenizer, vocab_size=self._tokenizer_size, stop_token_ids=sorted(stop_ids)
         )
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=4, cache_enabled=True)
         return self._compiler

@@ -161,14 +161,18 @@ def apply_token_bitmask(
     Args:
         logits: ``[num_rows, vocab_size]``.
         rows: ``[k]`` int64, the rows with a grammar.
-        bitmask: ``[k, ceil(vocab_size / 32)]`` int32; bit ``j`` of word ``w`` of row ``i``
-            allows token ``32 * w + j`` in row ``rows[i]`` (xgrammar's layout).
+        bitmask: ``[k, words]`` int32; bit ``j`` of word ``w`` of row ``i`` allows token
+            ``32 * w + j`` in row ``rows[i]`` (xgrammar's layout). Tokens past ``32 * words``
+            (a vocabulary padded beyond the tokenizer's) are forbidden.
 
     Returns:
         A copy of ``logits`` with the forbidden tokens of those rows at -inf.
     """
+    vocab_size = logits.shape[1]
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)[:, : logits.shape[1]]
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
+    if allowed.shape[1] < vocab_size:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
     masked = logits[rows].masked_fill(~allowed, _NEG_INF)
     return logits.index_put((rows,), masked)
 

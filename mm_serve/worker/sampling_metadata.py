@@ -48,7 +48,7 @@ class GrammarMask:
     """The grammar requests' rows of the logits, and the tokens each may sample."""
 
     rows: torch.Tensor  # [k] int64, rows of the logits
-    bitmask: torch.Tensor  # [k, ceil(vocab_size / 32)] int32, xgrammar's layout
+    bitmask: torch.Tensor  # [k, words] int32, xgrammar's layout (``GrammarBitmask``)
 
     @classmethod
     def for_rows(
@@ -60,11 +60,11 @@ class GrammarMask:
         pairs = [(row_of[r], i) for i, r in enumerate(grammar_bitmask.req_ids) if r in row_of]
         if not pairs:
             return None
-        rows, masks = zip(*pairs, strict=True)
-        return cls(
-            rows=torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
-            bitmask=grammar_bitmask.bitmask[list(masks)].to(device, non_blocking=True),
-        )
+        rows, kept = zip(*pairs, strict=True)
+        bitmask = grammar_bitmask.bitmask.to(device, non_blocking=True)
+        if len(kept) < len(bitmask):
+            bitmask = bitmask[torch.tensor(kept).to(device, non_blocking=True)]
+        return cls(torch.tensor(rows).to(device, non_blocking=True), bitmask)
 
 
 @dataclass
