@@ -38,11 +38,12 @@ def test_token_bitmask_matches_xgrammar() -> None:
     rows = torch.tensor([4, 0, 2])  # xgrammar takes a bitmask row per logits row
     expected = logits.clone()
     xgrammar.apply_token_bitmask_inplace(expected, bitmask, indices=rows.tolist())
-    assert torch.equal(apply_token_bitmask(logits, rows, bitmask[rows]), expected)
-    # A vocabulary padded beyond the bitmask's 64 tokens: the padding is never allowed.
-    narrow = apply_token_bitmask(logits, rows, bitmask[rows, :2])
-    assert torch.equal(narrow[:, :64], expected[:, :64])
-    assert (narrow[rows, 64:] == float("-inf")).all() and torch.equal(narrow[1], logits[1])
+    assert torch.equal(apply_token_bitmask(logits, rows, bitmask[rows], 70), expected)
+    # A tokenizer of 50 tokens, the vocabulary padded to 70: whatever the bits past token 50
+    # say, the tokens past it are never allowed.
+    narrow = apply_token_bitmask(logits, rows, bitmask[rows, :2], 50)
+    assert torch.equal(narrow[:, :50], expected[:, :50])
+    assert (narrow[rows, 50:] == float("-inf")).all() and torch.equal(narrow[1], logits[1])
 
 
 def test_logit_bias_adds_to_its_tokens() -> None:

@@ -27,13 +27,14 @@ logger = logging.getLogger(__name__)
 class GrammarBitmask:
     """The tokens each grammar request may sample this step.
 
-    ``bitmask[i]`` belongs to ``req_ids[i]``: ``[ceil(tokenizer_size / 32)]`` int32 words, bit
+    ``bitmask[i]`` belongs to ``req_ids[i]``: ``[ceil(num_tokens / 32)]`` int32 words, bit
     ``j`` of word ``w`` set when token ``32 * w + j`` is allowed (xgrammar's layout). Logits
     past the tokenizer's size (the model's padding of its vocabulary) are never allowed.
     """
 
     req_ids: list[str]
-    bitmask: torch.Tensor  # [len(req_ids), ceil(tokenizer_size / 32)] int32, on the CPU
+    bitmask: torch.Tensor  # [len(req_ids), ceil(num_tokens / 32)] int32, on the CPU
+    num_tokens: int  # the tokenizer's size: the bits past it are not xgrammar's
 
 
 @dataclass
@@ -127,7 +128,7 @@ class StructuredOutputManager:
         bitmask = self._bitmask[: len(live)]
         matchers = [r.grammar.matcher for r in live]
         self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)  # threaded
-        return GrammarBitmask([r.request_id for r in live], bitmask)
+        return GrammarBitmask([r.request_id for r in live], bitmask, self._tokenizer_size)
 
     # ---- on the compiler thread ------------------------------------------------------------
 

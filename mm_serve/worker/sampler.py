@@ -47,7 +47,8 @@ class Sampler(nn.Module):
         logits = apply_logit_bias(logits, metadata.logit_bias)
         logits = apply_banned_tokens(logits, metadata.banned_token_ids)
         if metadata.grammar is not None:
-            logits = apply_token_bitmask(logits, metadata.grammar.rows, metadata.grammar.bitmask)
+            grammar = metadata.grammar
+            logits = apply_token_bitmask(logits, grammar.rows, grammar.bitmask, grammar.num_tokens)
         sampled = self._sample(logits, metadata)
 
         logprobs = None
@@ -154,7 +155,7 @@ def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, dict[int, float
 
 
 def apply_token_bitmask(
-    logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
+    logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor, num_tokens: int
 ) -> torch.Tensor:
     """Set to -inf every token a row's grammar forbids, for all grammar rows in one pass.
 
@@ -162,15 +163,17 @@ def apply_token_bitmask(
         logits: ``[num_rows, vocab_size]``.
         rows: ``[k]`` int64, the rows with a grammar.
         bitmask: ``[k, words]`` int32; bit ``j`` of word ``w`` of row ``i`` allows token
-            ``32 * w + j`` in row ``rows[i]`` (xgrammar's layout). Tokens past ``32 * words``
-            (a vocabulary padded beyond the tokenizer's) are forbidden.
+            ``32 * w + j`` in row ``rows[i]`` (xgrammar's layout).
+        num_tokens: the tokens the bitmask covers (the tokenizer's); the bits past it and the
+            logits past it (a vocabulary padded beyond the tokenizer's) are forbidden.
 
     Returns:
         A copy of ``logits`` with the forbidden tokens of those rows at -inf.
     """
     vocab_size = logits.shape[1]
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)
+    allowed = allowed[:, : min(num_tokens, vocab_size)]
     if allowed.shape[1] < vocab_size:
         allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
     masked = logits[rows].masked_fill(~allowed, _NEG_INF)

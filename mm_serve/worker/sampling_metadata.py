@@ -49,6 +49,7 @@ class GrammarMask:
 
     rows: torch.Tensor  # [k] int64, rows of the logits
     bitmask: torch.Tensor  # [k, words] int32, xgrammar's layout (``GrammarBitmask``)
+    num_tokens: int  # tokens the bitmask covers; every later one is forbidden
 
     @classmethod
     def for_rows(
@@ -64,7 +65,8 @@ class GrammarMask:
         bitmask = grammar_bitmask.bitmask.to(device, non_blocking=True)
         if len(kept) < len(bitmask):
             bitmask = bitmask[torch.tensor(kept).to(device, non_blocking=True)]
-        return cls(torch.tensor(rows).to(device, non_blocking=True), bitmask)
+        rows = torch.tensor(rows).to(device, non_blocking=True)
+        return cls(rows, bitmask, grammar_bitmask.num_tokens)
 
 
 @dataclass
