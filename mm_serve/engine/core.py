@@ -88,12 +88,15 @@ class EngineCore:
         the previous step's output is read between this step's forward pass and its sampling
         (the forward pass keeps the device busy meanwhile)."""
         self.model_runner.launch_forward(scheduler_output)
-        outputs = []
+        requests, previous = self.scheduler.requests, None
         if self._in_flight is not None:
-            previous, self._in_flight = self._in_flight, None
-            outputs = self.scheduler.update_from_output(previous[0], previous[1].get())
-        bitmask = self.structured_output.grammar_bitmask(scheduler_output, self.scheduler.requests)
+            # Its tokens into the matchers now; the rest of its update once sampling is queued.
+            (previous_output, pending), self._in_flight = self._in_flight, None
+            previous = (previous_output, pending.get())
+            self.structured_output.accept_tokens(previous[1], requests)
+        bitmask = self.structured_output.grammar_bitmask(scheduler_output, requests)
         pending = self.model_runner.sample_tokens(bitmask)
+        outputs = [] if previous is None else self.scheduler.update_from_output(*previous)
         if not self.async_scheduling:
             return outputs + self.scheduler.update_from_output(scheduler_output, pending.get())
         self._in_flight = (scheduler_output, pending)

@@ -17,7 +17,7 @@ import torch
 
 from mm_serve.config import ModelConfig
 from mm_serve.request import Request
-from mm_serve.sched.output import SchedulerOutput
+from mm_serve.sched.output import ModelRunnerOutput, SchedulerOutput
 from mm_serve.structured_outputs import compiler_message
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,8 @@ class RequestGrammar:
 
     compiled: Future
     matcher: Any = None  # xgrammar.GrammarMatcher, once compiled
+    num_accepted: int = 0  # output tokens the matcher has taken
+    done: bool = False  # the output is complete, or took a token the grammar forbids
 
 
 class StructuredOutputManager:
@@ -88,15 +90,47 @@ class StructuredOutputManager:
             grammar.matcher = xgrammar.GrammarMatcher(compiled)
         return True
 
+    def accept_tokens(self, runner_output: ModelRunnerOutput, requests: dict[str, Request]) -> None:
+        """Advance the matchers of the grammar requests by the tokens they sampled in a step,
+        all at once (xgrammar's threads), ahead of ``update_from_output``: the engine then
+        fills the next bitmask before that update."""
+        grammars, tokens = [], []
+        outputs = zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
+        for req_id, sampled in outputs:
+            request = requests.get(req_id)
+            if request is not None and request.grammar is not None and sampled:
+                grammar = request.grammar
+                # One token per step and request (no speculative decoding).
+                if not grammar.done and grammar.num_accepted == request.num_output_tokens:
+                    grammars.append(grammar)
+                    tokens.append(sampled[0])
+        if grammars:
+            accepted = self._batch().batch_accept_token([g.matcher for g in grammars], tokens)
+            for grammar, ok, token in zip(grammars, accepted, tokens, strict=True):
+                self._record(grammar, ok, token)
+
     def accept_token(self, request: Request, token_id: int) -> bool:
-        """Advance the request's matcher; True when its output is complete (the grammar
-        accepted a stop token) or cannot continue (a token the grammar forbids)."""
-        matcher = request.grammar.matcher
-        if not matcher.accept_token(token_id):
-            logger.warning("Request %s sampled token %d, which its grammar forbids; it stops.",
-                           request.request_id, token_id)  # fmt: skip
-            return True
-        return matcher.is_terminated()
+        """Advance the request's matcher by its last output token (unless ``accept_tokens``
+        did); True when its output is complete (the grammar accepted a stop token) or cannot
+        continue (a token the grammar forbids)."""
+        grammar = request.grammar
+        if not grammar.done and grammar.num_accepted < request.num_output_tokens:
+            self._record(grammar, grammar.matcher.accept_token(token_id), token_id)
+        return grammar.done
+
+    @staticmethod
+    def _record(grammar: RequestGrammar, accepted: bool, token_id: int) -> None:
+        grammar.num_accepted += 1
+        grammar.done = not accepted or grammar.matcher.is_terminated()
+        if not accepted:
+            logger.warning("A request sampled token %d, which its grammar forbids.", token_id)
+
+    def _batch(self) -> Any:
+        if self._batch_matcher is None:
+            import xgrammar
+
+            self._batch_matcher = xgrammar.BatchGrammarMatcher()
+        return self._batch_matcher
 
     def grammar_bitmask(
         self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
@@ -108,11 +142,9 @@ class StructuredOutputManager:
         Args:
             requests: the scheduler's requests, by id.
         """
-        import xgrammar
-
         ids = scheduler_output.structured_output_request_ids
         live = [requests[i] for i in ids if i in requests]
-        live = [r for r in live if not r.grammar.matcher.is_terminated()]
+        live = [r for r in live if not r.grammar.done]
         if not live:
             return None
         if self._bitmask is None or len(self._bitmask) < len(live):
@@ -124,10 +156,8 @@ class StructuredOutputManager:
             self._bitmask = torch.empty((rows, words), dtype=torch.int32)
             if self.pin_memory:
                 self._bitmask = self._bitmask.pin_memory()
-            self._batch_matcher = self._batch_matcher or xgrammar.BatchGrammarMatcher()
         bitmask = self._bitmask[: len(live)]
-        matchers = [r.grammar.matcher for r in live]
-        self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)  # threaded
+        self._batch().batch_fill_next_token_bitmask([r.grammar.matcher for r in live], bitmask)
         return GrammarBitmask([r.request_id for r in live], bitmask, self._tokenizer_size)
 
     # ---- on the compiler thread ------------------------------------------------------------
