@@ -1,4 +1,5 @@
-"""The server's Prometheus metrics (``GET /metrics``) against what its responses reported.
+"""The server's Prometheus metrics (``GET /metrics``) against what its responses reported, and
+the Grafana dashboard in ``samples/`` against the metrics a real server exposes.
 
 One real ``mm-serve serve`` subprocess (a tiny Qwen2-VL) is shared by the module; each test
 compares the metrics before and after its own requests.
@@ -8,8 +9,11 @@ from __future__ import annotations
 
 import base64
 import io
+import json
+import re
 import time
 from collections import Counter
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -30,6 +34,8 @@ from mm_serve.testing.server import serve_checked
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 MODEL = "tiny-vlm"
+ROOT = Path(__file__).resolve().parents[1]
+DASHBOARD = ROOT / "samples" / "grafana_dashboard.json"
 # Histograms observed once per completion that finished with "stop" or "length".
 PER_COMPLETION = [
     f"mm_serve_{name}_count"
@@ -220,3 +226,31 @@ def test_cache_hit_counters(server) -> None:
     cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached > 0
     assert cached <= delta("prefix_cache_hits") <= delta("prefix_cache_queries")
+
+
+def dashboard_metric_names() -> set[str]:
+    """Every metric name in the PromQL of the dashboard's panels."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert exprs, "the dashboard has no queries"
+    return {name for expr in exprs for name in re.findall(r"\bmm_serve_\w+", expr)}
+
+
+def test_dashboard_uses_only_exposed_metrics(server) -> None:
+    """Each metric a dashboard query names is in a real server's ``/metrics`` (after a
+    request, so that labelled counters have samples); panels use the ``DS_PROMETHEUS``
+    datasource variable; the README lists every metric family."""
+    chat(server, user("Hello."), max_tokens=2)
+    families = metric_families(server)
+    exposed = {sample.name for family in families for sample in family.samples}
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert [i["name"] for i in dashboard["__inputs"]] == ["DS_PROMETHEUS"]
+    for panel in dashboard["panels"]:
+        if panel["type"] != "row":
+            assert panel["datasource"]["uid"] == "${DS_PROMETHEUS}", panel["title"]
+    missing = dashboard_metric_names() - exposed
+    assert not missing, f"the dashboard queries metrics the server lacks: {sorted(missing)}"
+    readme = (ROOT / "README.md").read_text()
+    names = {f.name for f in families if not f.name.endswith("_created")}  # creation times
+    undocumented = {name for name in names if name not in readme}
+    assert not undocumented, f"the README does not list {sorted(undocumented)}"
