@@ -145,9 +145,14 @@ class KVCacheInfo(msgspec.Struct):
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", omit_defaults=True):
-    """What one step produced, and/or the answer to a ``UtilityRequest`` (``call_id``)."""
+    """What one step produced, and/or the answer to a ``UtilityRequest`` (``call_id``).
+
+    ``timestamp``: the engine's ``time.monotonic()`` when the step's outputs were ready (the
+    front end copies it into each ``EngineCoreOutput.timestamp``).
+    """
 
     outputs: list[EngineCoreOutputWire] = []
+    timestamp: float | None = None
     errors: list[RequestError] = []
     stats: EngineStats | None = None
     kv_cache: KVCacheInfo | None = None

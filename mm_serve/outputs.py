@@ -63,7 +63,12 @@ class EngineCoreOutput:
     """New tokens of one engine request after a step, for the front end (detokenizer, stop
     strings): one ``LogprobsEntry`` per new token in ``new_logprobs``, per prompt position in
     ``new_prompt_logprobs``. Its wire form (``messages.EngineCoreOutputWire``) takes these
-    fields as they are."""
+    fields as they are.
+
+    For the metrics (``time.monotonic()`` seconds): ``scheduled_time``, when the engine first
+    scheduled the request, comes with its first output only; ``timestamp``, when the engine
+    step that made the output ended, is sent once per step (``EngineCoreOutputs.timestamp``)
+    and set here by the front end's client."""
 
     request_id: str
     new_token_ids: list[int]
@@ -73,6 +78,8 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     num_cached_images: int = 0  # see Request.num_cached_images
+    scheduled_time: float | None = None
+    timestamp: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -136,10 +136,10 @@ def test_concurrent_streams_with_cancellations(server):
     before, results, after = asyncio.run(run())
     for result, cancel in zip(results, cancelled, strict=True):
         assert result == (None if cancel else "length")
-    aborted = 'mm_serve_request_finished_total{finish_reason="abort"}'
+    aborted = 'mm_serve_request_success_total{finished_reason="abort"}'
     num_aborted = sum(cancelled) + num_given_up
     assert metric(after, aborted) - metric(before, aborted) == num_aborted
-    length = 'mm_serve_request_finished_total{finish_reason="length"}'
+    length = 'mm_serve_request_success_total{finished_reason="length"}'
     assert metric(after, length) - metric(before, length) == NUM_REQUESTS - sum(cancelled)
     closed = 'mm_serve_http_requests_total{endpoint="/v1/chat/completions",status="499"}'
     assert metric(after, closed) == num_given_up

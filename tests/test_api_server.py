@@ -271,7 +271,7 @@ def test_models_health_metrics(server, client):
     client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
     after = httpx.get(f"{server.url}/metrics").text
     for name in (
-        "mm_serve_request_finished_total",
+        "mm_serve_request_success_total",
         "mm_serve_prompt_tokens_total",
         "mm_serve_time_to_first_token_seconds_count",
         "mm_serve_e2e_request_latency_seconds_count",

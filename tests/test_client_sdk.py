@@ -35,7 +35,7 @@ from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 API_KEY = "sdk-test-key"
 MAX_TOKENS = 6
 QUESTION = "What is in this picture?"
-ABORT = 'finish_reason="abort"'
+ABORT = 'finished_reason="abort"'
 
 
 def photo_path() -> Path:
@@ -164,18 +164,18 @@ def metric(client: Client, name_part: str, label: str = "", default: float | Non
 def test_stream_closed_early_aborts_the_request(client, greedy_reply):
     """Closing a stream drops the connection: the server aborts the request (counted with
     finish_reason "abort") and frees its KV blocks."""
-    aborted = metric(client, "request_finished_total", ABORT, 0.0)
+    aborted = metric(client, "request_success_total", ABORT, 0.0)
     params = dict(stream=True, max_tokens=800, ignore_eos=True)
     stream = client.chat(text=QUESTION, images=[photo_path()], **params)
     next(iter(stream))
     stream.close()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and (
-        metric(client, "request_finished_total", ABORT, 0.0) == aborted
+        metric(client, "request_success_total", ABORT, 0.0) == aborted
         or metric(client, "kv_cache_usage") > 0
     ):
         time.sleep(0.1)
-    assert metric(client, "request_finished_total", ABORT, 0.0) == aborted + 1
+    assert metric(client, "request_success_total", ABORT, 0.0) == aborted + 1
     assert metric(client, "kv_cache_usage") == 0.0
     reply = client.chat(text=QUESTION, images=[photo_path()], temperature=0, max_tokens=MAX_TOKENS)
     assert reply.choices[0].message.content == greedy_reply.choices[0].message.content

@@ -163,7 +163,7 @@ def test_server_logs_each_phase_and_is_ready_only_once_warm(checkpoint, tmp_path
         assert reply.status_code == 200
         assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
-        assert metric(metrics, "mm_serve_request_finished_total") == 1  # not the warm-up
+        assert metric(metrics, "mm_serve_request_success_total") == 1  # not the warm-up
         assert metric(metrics, "mm_serve_time_to_first_token_seconds_count") == 1
         # SIGTERM to the server alone: it must take its engine core and workers with it.
         server.proc.terminate()

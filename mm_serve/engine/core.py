@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from mm_serve.config import EngineConfig
 from mm_serve.engine.step_timeline import install_from_env
@@ -11,7 +12,7 @@ from mm_serve.request import Request, RequestStatus
 from mm_serve.sched.output import SchedulerOutput
 from mm_serve.sched.scheduler import Scheduler
 from mm_serve.sched.structured_output import StructuredOutputManager
-from mm_serve.stats import EngineStats
+from mm_serve.stats import EngineStats, IterationTokens
 from mm_serve.worker.model_runner import ModelRunner
 from mm_serve.worker.step_output import PendingOutput
 
@@ -45,6 +46,10 @@ class EngineCore:
         self.async_scheduling = config.scheduler.async_scheduling
         # The launched step whose output has not been read yet (async scheduling only).
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
+        # For the metrics: when each request was first scheduled (until its first output
+        # carries it to the front end), and the tokens scheduled per step.
+        self._scheduled_times: dict[str, float] = {}
+        self.iteration_tokens = IterationTokens()
         install_from_env(self)  # MM_SERVE_STEP_TIMELINE: a step timeline for benchmarks
 
     def add_request(self, request: Request) -> None:
@@ -58,13 +63,16 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for request_id in request_ids:
+            self._scheduled_times.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     def get_stats(self) -> EngineStats:
-        """Counters of the scheduler and its caches (processor-cache counts are the front end's)."""
-        return self.scheduler.make_stats()
+        """Counters of the scheduler and its caches, and the tokens per step (processor-cache
+        counts are the front end's)."""
+        return self.iteration_tokens.add_to(self.scheduler.make_stats())
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, execute, update: one forward pass over the batch the scheduler chose.
@@ -73,15 +81,34 @@ class EngineCore:
         scheduler treated as placeholders while it scheduled this one.
         """
         scheduler_output = self.scheduler.schedule()
+        self._record_scheduled(scheduler_output)
         if scheduler_output.structured_output_request_ids:
-            return self._step_with_grammars(scheduler_output)
+            return self._add_scheduled_times(self._step_with_grammars(scheduler_output))
         pending = self.model_runner.execute_model(scheduler_output)
         if not self.async_scheduling:
-            return self.scheduler.update_from_output(scheduler_output, pending.get())
+            outputs = self.scheduler.update_from_output(scheduler_output, pending.get())
+            return self._add_scheduled_times(outputs)
         previous, self._in_flight = self._in_flight, (scheduler_output, pending)
         if previous is None:
             return []
-        return self.scheduler.update_from_output(previous[0], previous[1].get())
+        outputs = self.scheduler.update_from_output(previous[0], previous[1].get())
+        return self._add_scheduled_times(outputs)
+
+    def _record_scheduled(self, scheduler_output: SchedulerOutput) -> None:
+        """Note the step's tokens and when its new requests were first scheduled (now)."""
+        if scheduler_output.total_num_scheduled_tokens:
+            self.iteration_tokens.observe(scheduler_output.total_num_scheduled_tokens)
+        if scheduler_output.scheduled_new_reqs:
+            now = time.monotonic()
+            for new_request in scheduler_output.scheduled_new_reqs:
+                self._scheduled_times[new_request.req_id] = now
+
+    def _add_scheduled_times(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Give each request's first output the time it was first scheduled."""
+        if self._scheduled_times:
+            for output in outputs:
+                output.scheduled_time = self._scheduled_times.pop(output.request_id, None)
+        return outputs
 
     def _step_with_grammars(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
         """A step in which grammar requests sample: their bitmask needs every earlier token, so
@@ -120,6 +147,8 @@ class EngineCore:
         self.model_runner.execute_model(self.scheduler.schedule())
         self.model_runner.encoder_cache.clear()
         self.scheduler = self._make_scheduler()
+        self._scheduled_times.clear()
+        self.iteration_tokens = IterationTokens()
 
     def _make_scheduler(self) -> Scheduler:
         config = self.config

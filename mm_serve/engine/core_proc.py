@@ -186,7 +186,8 @@ class EngineCoreProc:
                 outputs = engine_core.step()
                 if outputs:
                     wire = [output_to_wire(o) for o in outputs]
-                    self.output_queue.put(EngineCoreOutputs(outputs=wire))
+                    message = EngineCoreOutputs(outputs=wire, timestamp=time.monotonic())
+                    self.output_queue.put(message)
 
     def _process_input_queue(self, block: bool) -> bool:
         """Handle every queued input (waiting for one if ``block``); False on shutdown."""

@@ -49,6 +49,8 @@ class AsyncLLM(FrontEnd):
         engine_args: every engine option (``mm_serve.config.EngineArgs``).
         on_request_finished: called on the loop with each completion's ``RequestStats`` when
             it finishes, is cancelled or fails (for metrics); must not raise.
+        on_inter_token_latency: called on the loop with each inter-token latency (ITL, in
+            seconds: between two outputs of a completion that bring tokens); must not raise.
 
     Raises:
         ValueError: an unusable checkpoint or option.
@@ -59,6 +61,7 @@ class AsyncLLM(FrontEnd):
         self,
         engine_args: EngineArgs,
         on_request_finished: Callable[[RequestStats], None] | None = None,
+        on_inter_token_latency: Callable[[float], None] | None = None,
     ) -> None:
         super().__init__(engine_args)
         # One thread: HF fast tokenizers are not safe to call from several threads at once.
@@ -74,6 +77,7 @@ class AsyncLLM(FrontEnd):
             self.input_processor.shutdown()
             raise
         self.on_request_finished = on_request_finished
+        self.output_processor.on_inter_token_latency = on_inter_token_latency
         logger.info("The engine core is running (pid %s).", self.engine_core.pid)
 
     @classmethod
@@ -84,7 +88,7 @@ class AsyncLLM(FrontEnd):
     async def warm_up(self) -> None:
         """Run the warm-up requests (``mm_serve.frontend.warm_up``: a batch filling the largest
         step on CUDA, one request elsewhere) once the preprocessing workers are warm, then
-        reset the engine core; ``on_request_finished`` never hears of them.
+        reset the engine core; the metrics' callbacks never hear of them.
 
         Raises:
             BrokenProcessPool: a preprocessing worker failed to start.
@@ -109,11 +113,13 @@ class AsyncLLM(FrontEnd):
         num_prompts = warm_up_batch_size(self.config, len(first.token_ids))
         logger.info("Warming up: %d request(s) through the whole path", num_prompts)
         prompts = [first, *await asyncio.gather(*(one_prompt() for _ in range(num_prompts - 1)))]
-        callback, self.on_request_finished = self.on_request_finished, None
+        processor = self.output_processor
+        callbacks = self.on_request_finished, processor.on_inter_token_latency
+        self.on_request_finished = processor.on_inter_token_latency = None
         try:
             await asyncio.gather(*(run(prompt) for prompt in prompts))
         finally:
-            self.on_request_finished = callback
+            self.on_request_finished, processor.on_inter_token_latency = callbacks
         await self.engine_core.reset()
         logger.info("Warmed up in %.1f s", time.perf_counter() - start)
 
@@ -266,8 +272,8 @@ class AsyncLLM(FrontEnd):
                 num_prompt_tokens=len(parent.prompt_token_ids),
                 num_output_tokens=len(child.token_ids),
                 arrival_time=arrival_time,
-                first_token_time=child.first_token_time,
                 finished_time=now,
+                times=child.times,
             )
             self.on_request_finished(stats)
 

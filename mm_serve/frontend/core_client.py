@@ -239,6 +239,7 @@ class _EngineCoreClientBase:
                 if sink is None:
                     continue  # aborted meanwhile
                 output = output_from_wire(wire)
+                output.timestamp = message.timestamp
                 if output.finished:
                     del self._sinks[wire.request_id]
                 deliveries.append((sink, output))

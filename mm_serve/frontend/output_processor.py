@@ -10,6 +10,7 @@ a delta of each child's news after each batch of outputs (``AsyncLLM``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mm_serve.frontend.detokenizer import IncrementalDetokenizer
@@ -21,6 +22,7 @@ from mm_serve.outputs import (
     RequestOutput,
 )
 from mm_serve.sampling_params import SamplingParams
+from mm_serve.stats import RequestTimes
 
 
 @dataclass
@@ -85,7 +87,7 @@ class ParentRequest:
 class RequestState:
     """One engine request's accumulated output, and (streamed) what of it was sent.
 
-    ``first_token_time`` is the ``now`` of the first output with tokens (for TTFT).
+    ``times``: when its milestones came (for the metrics: TTFT, ITL, queue and prefill time).
     """
 
     def __init__(self, tokenizer, parent: ParentRequest, index: int, params: SamplingParams):
@@ -99,7 +101,7 @@ class RequestState:
         self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.first_token_time: float | None = None
+        self.times = RequestTimes()
         # Streaming: what was sent, and how much text to hold back while it may still become
         # the start of a stop string (streamed text is never taken back).
         self.num_sent_chars = 0
@@ -112,11 +114,9 @@ class RequestState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def update(self, output: EngineCoreOutput, now: float) -> bool:
+    def update(self, output: EngineCoreOutput) -> bool:
         """Take one step's output; True when a stop string ended the text while the engine
         request runs on (abort it: the engine core does not know stop strings)."""
-        if output.new_token_ids and self.first_token_time is None:
-            self.first_token_time = now
         self.token_ids.extend(output.new_token_ids)
         for entry in output.new_logprobs or []:
             self.logprobs.append(self._to_logprob_dict(entry))
@@ -183,11 +183,16 @@ class RequestState:
 
 class OutputProcessor:
     """Turns ``EngineCoreOutput``s into ``RequestOutput``s, for the offline ``LLM`` (whole
-    outputs) and ``AsyncLLM`` (streamed deltas) alike; the parent request says which."""
+    outputs) and ``AsyncLLM`` (streamed deltas) alike; the parent request says which.
+
+    ``on_inter_token_latency``: called with each inter-token latency (ITL, seconds; see
+    ``RequestTimes.record``), for the metrics; None: not measured.
+    """
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
+        self.on_inter_token_latency: Callable[[float], None] | None = None
 
     def add_request(
         self, engine_request_id: str, parent: ParentRequest, index: int, params: SamplingParams
@@ -206,14 +211,17 @@ class OutputProcessor:
     ) -> tuple[list[RequestOutput], list[str]]:
         """Returns the request outputs these engine outputs make (see
         ``ParentRequest.make_output``), and the engine requests to abort (stop strings).
-        ``now``: the outputs' arrival time (``time.monotonic()``), for ``first_token_time``."""
+        ``now``: the outputs' arrival time (``time.monotonic()``), for ``RequestState.times``."""
         parents: dict[int, ParentRequest] = {}  # by id(): in order, each once
         to_abort: list[str] = []
         for output in outputs:
             state = self.states.get(output.request_id)
             if state is None:
                 continue  # aborted, or ended by a stop string: its last outputs are moot
-            if state.update(output, now):
+            latency = state.times.record(output, now)
+            if latency is not None and self.on_inter_token_latency is not None:
+                self.on_inter_token_latency(latency)
+            if state.update(output):
                 to_abort.append(output.request_id)
             parent = state.parent
             parent.record_cache_hits(state.index, output)

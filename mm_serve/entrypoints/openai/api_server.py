@@ -174,7 +174,11 @@ async def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
         EngineStartupError: the engine core failed to start.
     """
     metrics = ServerMetrics()
-    llm = await AsyncLLM.create(engine_args, on_request_finished=metrics.observe_request)
+    llm = await AsyncLLM.create(
+        engine_args,
+        on_request_finished=metrics.observe_request,
+        on_inter_token_latency=metrics.observe_inter_token_latency,
+    )
     media = MediaResolver(config.media)
     try:
         await llm.warm_up()  # before /health answers: the first request is as fast as the next

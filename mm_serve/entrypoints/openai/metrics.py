@@ -1,23 +1,39 @@
 """Prometheus metrics of the API server (``GET /metrics``), in one registry per server.
 
+The names follow vLLM's (``vllm:`` becomes ``mm_serve_``), so its dashboards carry over;
+``samples/grafana_dashboard.json`` charts them and the README lists them.
+
 Front-end metrics are recorded as requests go: HTTP responses by endpoint and status,
-completions by finish reason, prompt and generated tokens, and the latency histograms (TTFT,
-TPOT, e2e; seconds). Engine metrics are read from ``AsyncLLM.get_stats()`` at each scrape:
-running and waiting requests, KV-cache and encoder-cache usage (fractions 0..1), and the
-prefix-, encoder- and processor-cache query/hit counters (prefix cache in tokens, the others
-in images), preemptions and encoder tokens computed. The hit rate is ``hits / queries``.
+completions by finish reason, prompt and generated tokens, the inter-token latency (ITL) of
+every output, and, per completion that finished with "stop" or "length", its prompt and
+generated tokens and the latency histograms (seconds): TTFT, TPOT, end-to-end, and its
+phases from the engine's timestamps (queue: arrival to first scheduled; prefill: to the
+engine's first token; decode: first to last token; inference: prefill and decode).
+
+Engine metrics are read from ``AsyncLLM.get_stats()`` at each scrape: running and waiting
+requests, KV-cache and encoder-cache usage (fractions 0..1), the tokens scheduled per engine
+step (a histogram), preemptions, encoder tokens computed, and the prefix-, encoder- and
+processor-cache query/hit counters (prefix cache in tokens, the others in images). A cache's
+hit rate is ``rate(hits) / rate(queries)``.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
-from mm_serve.stats import EngineStats, RequestStats
+from mm_serve.stats import ITERATION_TOKENS_BUCKETS, EngineStats, RequestStats
 
 PREFIX = "mm_serve_"
 # vLLM's buckets, in seconds.
@@ -27,6 +43,8 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+# Tokens per request: 1, 2, 5, 10, 20, 50, ... up to 500000.
+TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
 
 # EngineStats field -> (metric name, help): current values.
 _ENGINE_GAUGES = {
@@ -65,6 +83,19 @@ class _EngineStatsCollector(Collector):
             yield GaugeMetricFamily(PREFIX + name, help_text, value=getattr(stats, field))
         for field, help_text in _ENGINE_COUNTERS.items():
             yield CounterMetricFamily(PREFIX + field, help_text, value=getattr(stats, field))
+        yield _iteration_tokens(stats)
+
+
+def _iteration_tokens(stats: EngineStats) -> HistogramMetricFamily:
+    """The engine's tokens-per-step histogram (vLLM's ``iteration_tokens_total``)."""
+    counts = stats.iteration_tokens_counts or [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+    bounds = [*map(floatToGoString, ITERATION_TOKENS_BUCKETS), "+Inf"]
+    return HistogramMetricFamily(
+        PREFIX + "iteration_tokens_total",
+        "Tokens scheduled per engine step (prompt and generated tokens of the batch).",
+        buckets=list(zip(bounds, itertools.accumulate(counts), strict=True)),
+        sum_value=stats.iteration_tokens_sum,
+    )
 
 
 class ServerMetrics:
@@ -73,53 +104,104 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = registry = CollectorRegistry()
         counter = functools.partial(Counter, registry=registry)
-        histogram = functools.partial(Histogram, registry=registry)
         self.http_requests = counter(
             PREFIX + "http_requests",
             "HTTP responses of the API, by endpoint and status code.",
             ["endpoint", "status"],
         )
-        self.completions = counter(
-            PREFIX + "request_finished",
+        self.request_success = counter(
+            PREFIX + "request_success",
             "Finished completions (one per choice), by finish reason: stop, length, abort "
             "(client went away) or error.",
-            ["finish_reason"],
+            ["finished_reason"],
         )
         self.prompt_tokens = counter(
             PREFIX + "prompt_tokens", "Prompt tokens of the requests (image tokens included)."
         )
         self.generation_tokens = counter(PREFIX + "generation_tokens", "Generated tokens.")
-        self.ttft = histogram(
-            PREFIX + "time_to_first_token_seconds",
-            "Time to first token (TTFT): arrival to the first output token, in seconds.",
-            buckets=TTFT_BUCKETS,
+        self.inter_token_latency = self._histogram(
+            "inter_token_latency_seconds",
+            "Inter-token latency (ITL): between two outputs of a completion that bring tokens.",
+            TPOT_BUCKETS,
         )
-        self.tpot = histogram(
-            PREFIX + "time_per_output_token_seconds",
-            "Time per output token (TPOT) after the first, in seconds.",
-            buckets=TPOT_BUCKETS,
-        )
-        self.e2e = histogram(
-            PREFIX + "e2e_request_latency_seconds",
-            "End-to-end latency of a completion, arrival to last token, in seconds.",
-            buckets=E2E_BUCKETS,
-        )
+        self._define_request_histograms()
         self._engine = _EngineStatsCollector()
         registry.register(self._engine)
 
+    def _histogram(self, name: str, help_text: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(PREFIX + name, help_text, buckets=buckets, registry=self.registry)
+
+    def _define_request_histograms(self) -> None:
+        """Observed once per completion that finished with "stop" or "length"."""
+        histogram = self._histogram
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens of a completion's request.", TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Tokens generated by a completion.", TOKEN_BUCKETS
+        )
+        self.ttft = histogram(
+            "time_to_first_token_seconds",
+            "Time to first token (TTFT): arrival to the first output token, in seconds.",
+            TTFT_BUCKETS,
+        )
+        self.tpot = histogram(
+            "time_per_output_token_seconds",
+            "Time per output token (TPOT) after the first, in seconds.",
+            TPOT_BUCKETS,
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds",
+            "End-to-end latency of a completion, arrival to last token, in seconds.",
+            E2E_BUCKETS,
+        )
+        self.queue_time = histogram(
+            "request_queue_time_seconds",
+            "Arrival to the engine's first scheduling of the completion, in seconds.",
+            TTFT_BUCKETS,
+        )
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds",
+            "First scheduled to the engine's first token (prefill), in seconds.",
+            TTFT_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "request_decode_time_seconds",
+            "The engine's first token to its last token (decode), in seconds.",
+            E2E_BUCKETS,
+        )
+        self.inference_time = histogram(
+            "request_inference_time_seconds",
+            "First scheduled to the engine's last token (prefill and decode), in seconds.",
+            E2E_BUCKETS,
+        )
+
     def observe_request(self, stats: RequestStats) -> None:
         """Record one finished completion (``AsyncLLM``'s ``on_request_finished``)."""
-        self.completions.labels(stats.finish_reason).inc()
+        self.request_success.labels(stats.finish_reason).inc()
         if stats.index == 0:  # the n completions of a request share its prompt
             self.prompt_tokens.inc(stats.num_prompt_tokens)
         self.generation_tokens.inc(stats.num_output_tokens)
         if stats.finish_reason in ("abort", "error"):
             return  # their latencies say nothing about the engine
-        if stats.ttft is not None:
-            self.ttft.observe(stats.ttft)
-        if stats.tpot is not None:
-            self.tpot.observe(stats.tpot)
+        self.request_prompt_tokens.observe(stats.num_prompt_tokens)
+        self.request_generation_tokens.observe(stats.num_output_tokens)
         self.e2e.observe(stats.e2e_latency)
+        for histogram, value in (
+            (self.ttft, stats.ttft),
+            (self.tpot, stats.tpot),
+            (self.queue_time, stats.queue_time),
+            (self.prefill_time, stats.prefill_time),
+            (self.decode_time, stats.decode_time),
+            (self.inference_time, stats.inference_time),
+        ):
+            if value is not None:
+                histogram.observe(value)
+
+    def observe_inter_token_latency(self, latency: float) -> None:
+        """Record one inter-token latency in seconds (``AsyncLLM``'s
+        ``on_inter_token_latency``)."""
+        self.inter_token_latency.observe(latency)
 
     def observe_response(self, endpoint: str, status: int) -> None:
         """Count one HTTP response of ``endpoint`` with ``status``."""
