@@ -1,8 +1,8 @@
 """vLLM's chat extensions over HTTP: ``add_generation_prompt``, ``continue_final_message``,
-``echo``, ``mm_processor_kwargs`` (per request and ``--mm-processor-kwargs``), OpenAI's
-``detail`` of an image and its ``temperature`` range, against a real ``mm-serve serve``
-subprocess (a tiny Qwen2-VL). Prompts are checked against HF's processor on the same
-checkpoint, which takes the same ``max_pixels``/``min_pixels`` keywords."""
+``echo``, ``chat_template_kwargs``, ``mm_processor_kwargs`` (per request and
+``--mm-processor-kwargs``), OpenAI's ``detail`` of an image and its ``temperature`` range,
+against a real ``mm-serve serve`` subprocess (a tiny Qwen2-VL). Prompts are checked against
+HF's processor on the same checkpoint, which takes the same ``max_pixels``/``min_pixels``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,11 @@ import pytest
 from PIL import Image
 
 from mm_serve.testing.server import serve_checked
-from mm_serve.testing.vlm_checkpoints import QWEN_MIN_PIXELS, build_tiny_vlm_checkpoint
+from mm_serve.testing.vlm_checkpoints import (
+    QWEN_MIN_PIXELS,
+    QWEN_VL_CHAT_TEMPLATE,
+    build_tiny_vlm_checkpoint,
+)
 
 MODEL = "tiny-vlm"
 MAX_MODEL_LEN = 1024
@@ -24,6 +28,11 @@ MAX_MODEL_LEN = 1024
 SERVER_MAX_PIXELS = 28 * 28 * 512
 LOW_DETAIL_MAX_PIXELS = 448 * 448
 QUESTION = "What is in this picture?"
+# The checkpoint's template, and Qwen3's way to skip thinking when told (enable_thinking).
+TEMPLATE = QWEN_VL_CHAT_TEMPLATE + (
+    "{%- if add_generation_prompt and enable_thinking is defined and not enable_thinking -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +41,11 @@ def vlm_path(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def http(vlm_path):
+def http(vlm_path, tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "template.jinja"
+    template.write_text(TEMPLATE)
     args = ["--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "256"]
+    args += ["--chat-template", str(template)]
     args += ["--served-model-name", MODEL]
     args += ["--mm-processor-kwargs", json.dumps({"max_pixels": SERVER_MAX_PIXELS})]
     for server in serve_checked(vlm_path, args):
@@ -145,6 +157,25 @@ def test_without_a_generation_prompt_the_reply_continues_the_last_role(http, pro
     default = ok(chat(http, messages))["choices"][0]["message"]
     assert ok(chat(http, messages, echo=True))["choices"][0]["message"] == default
     assert default["role"] == "assistant"
+
+
+def test_chat_template_kwargs_reach_the_template_as_hf(http, processor):
+    messages = [{"role": "user", "content": "Hello"}]
+    kwargs = {"enable_thinking": False}
+    reply = ok(chat(http, messages, chat_template_kwargs=kwargs, return_token_ids=True))
+    text = processor.apply_chat_template(
+        messages, chat_template=TEMPLATE, add_generation_prompt=True, tokenize=False, **kwargs
+    )
+    assert text.endswith("<think>\n\n</think>\n\n")
+    assert prompt_ids(reply) == processor.tokenizer(text).input_ids
+    plain = ok(chat(http, messages, chat_template_kwargs={}, return_token_ids=True))
+    assert prompt_ids(plain) == prompt_ids(reply)[: len(prompt_ids(plain))]
+    assert len(prompt_ids(plain)) < len(prompt_ids(reply))
+    for taken in ({"add_generation_prompt": False}, {"messages": []}, {"tokenize": True}):
+        response = chat(http, messages, chat_template_kwargs=taken)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "chat_template_kwargs" and next(iter(taken)) in error["message"]
 
 
 # ---- mm_processor_kwargs and detail --------------------------------------------------------

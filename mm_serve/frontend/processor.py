@@ -8,11 +8,13 @@ asyncio here: the offline API calls it directly, a server from a worker thread.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from mm_serve.config import ModelConfig, MultiModalConfig
+from mm_serve.frontend.exceptions import InvalidParamError
 from mm_serve.frontend.mm_processor import MultiModalProcessor, PendingImages, split_chat_images
 from mm_serve.request import MultiModalFeature, Request, check_image_tokens
 from mm_serve.sampling_params import SamplingParams
@@ -253,17 +255,25 @@ class InputProcessor:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
         **template_kwargs: Any,
     ) -> dict[str, Any]:
         """Render a conversation with ``chat_template`` (else the engine's ``chat_template``
-        option, else the checkpoint's) into a prompt dict.
+        option, else the checkpoint's) into a prompt dict. ``chat_template_kwargs`` (vLLM's)
+        and ``template_kwargs`` are further variables of the template (e.g. Qwen3's
+        ``enable_thinking``).
 
         Image parts (``image_url`` with a data/file URL or path, or ``image``) become the
         template's image placeholder and the prompt's ``multi_modal_data``; their ``uuid`` keys
         its ``multi_modal_uuids``, an ``image_url``'s ``detail`` its ``multi_modal_detail``.
         BOS is added as HF's processors do, unless the template already wrote it (no double
         BOS).
+
+        Raises:
+            InvalidParamError: a ``chat_template_kwargs`` key that the rendering sets itself
+                (``messages``, ``add_generation_prompt``, ``tokenize``, ...).
         """
+        template_kwargs |= self._checked_template_kwargs(chat_template_kwargs or {})
         messages, images, uuids, details = split_chat_images(messages)
         text = self.tokenizer.apply_chat_template(
             messages,
@@ -284,6 +294,19 @@ class InputProcessor:
         if any(detail is not None for detail in details):
             prompt["multi_modal_detail"] = {"image": details}
         return prompt
+
+    def _checked_template_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``kwargs`` unless one of them is set by the rendering (an argument of the
+        tokenizer's ``apply_chat_template``, or a variable it passes the template)."""
+        signature = inspect.signature(self.tokenizer.apply_chat_template).parameters.values()
+        reserved = {p.name for p in signature if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        taken = sorted(set(kwargs) & (reserved | {"messages", "tools", "documents"}))
+        if taken:
+            raise InvalidParamError(
+                "chat_template_kwargs",
+                f"chat_template_kwargs may not set {taken}: the request's own fields do.",
+            )
+        return kwargs
 
     def make_requests(
         self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams

@@ -135,6 +135,8 @@ class ChatCompletionRequest(SamplingRequest):
     echo: bool = False
     # Image processor settings for this request's images (Qwen2-VL: min_pixels, max_pixels).
     mm_processor_kwargs: dict[str, Any] | None = None
+    # Further variables of the chat template (e.g. Qwen3's enable_thinking).
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingRequest):

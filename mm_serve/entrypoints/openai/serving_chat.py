@@ -89,6 +89,7 @@ class ServingChat(ServingBase):
                 request.mm_processor_kwargs,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
+                chat_template_kwargs=request.chat_template_kwargs,
             )
         params = self.fit_to_context(params, processed)
         # vLLM's: the reply is the assistant's unless no generation prompt opened its turn.
