@@ -256,6 +256,7 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
         **template_kwargs: Any,
     ) -> dict[str, Any]:
         """Render a conversation with ``chat_template`` (else the engine's ``chat_template``
@@ -267,7 +268,7 @@ class InputProcessor:
         template's image placeholder and the prompt's ``multi_modal_data``; their ``uuid`` keys
         its ``multi_modal_uuids``, an ``image_url``'s ``detail`` its ``multi_modal_detail``.
         BOS is added as HF's processors do, unless the template already wrote it (no double
-        BOS).
+        BOS); ``add_special_tokens`` adds the tokenizer's special tokens regardless (vLLM's).
 
         Raises:
             InvalidParamError: a ``chat_template_kwargs`` key that the rendering sets itself
@@ -284,7 +285,7 @@ class InputProcessor:
             **template_kwargs,
         )
         bos = self.tokenizer.bos_token
-        add_special_tokens = not (bos and text.startswith(bos))
+        add_special_tokens = add_special_tokens or not (bos and text.startswith(bos))
         token_ids = self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
         prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": token_ids}
         if images:

@@ -137,6 +137,9 @@ class ChatCompletionRequest(SamplingRequest):
     mm_processor_kwargs: dict[str, Any] | None = None
     # Further variables of the chat template (e.g. Qwen3's enable_thinking).
     chat_template_kwargs: dict[str, Any] | None = None
+    # The tokenizer's special tokens (BOS) added to the rendered text even where the template
+    # wrote them (vLLM's); false: BOS only where the template did not (as HF's processors).
+    add_special_tokens: bool = False
 
 
 class CompletionRequest(SamplingRequest):
@@ -146,6 +149,8 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    # vLLM's: the tokenizer's special tokens (BOS) added to a text prompt.
+    add_special_tokens: bool = True
 
 
 class TokenizeCompletionRequest(_Request):

@@ -90,6 +90,7 @@ class ServingChat(ServingBase):
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 chat_template_kwargs=request.chat_template_kwargs,
+                add_special_tokens=request.add_special_tokens,
             )
         params = self.fit_to_context(params, processed)
         # vLLM's: the reply is the assistant's unless no generation prompt opened its turn.
