@@ -12,7 +12,9 @@ An image goes through two steps owned by its family:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from PIL import Image
@@ -58,6 +60,25 @@ class ImageProcessor:
     def max_num_tokens(self) -> int:
         """The most placeholder tokens one image can expand to (sizes the encoder cache)."""
         raise NotImplementedError
+
+    def with_kwargs(self, kwargs: Mapping[str, Any]) -> ImageProcessor:
+        """This processor with vLLM's ``mm_processor_kwargs`` applied (the family's keys, e.g.
+        Qwen2-VL's ``min_pixels``/``max_pixels``); ``self`` for an empty mapping.
+
+        Raises:
+            ValueError: a key the family does not take (here: any), or an invalid value.
+        """
+        if kwargs:
+            raise ValueError(
+                f"Unknown mm_processor_kwargs {sorted(kwargs)}: this model's image processor "
+                "takes none."
+            )
+        return self
+
+    def low_detail(self) -> ImageProcessor:
+        """This processor for an ``image_url`` part with ``detail: "low"``: a smaller pixel
+        budget where the family resizes (fewer image tokens), else ``self``."""
+        return self
 
     def hash_kwargs(self) -> dict[str, str]:
         """Every setting that changes ``preprocess``'s result, for the image content hash."""

@@ -138,13 +138,18 @@ def clip_image_processor(
 
 
 def get_image_processor(
-    model_path: str | Path, hf_config: Any, max_pixels: int | None = None
+    model_path: str | Path,
+    hf_config: Any,
+    max_pixels: int | None = None,
+    mm_processor_kwargs: dict[str, Any] | None = None,
 ) -> ImageProcessor:
     """The image processor of the checkpoint at ``model_path`` (a local folder), as its family
-    (``mm_serve.families``) builds it from ``read_image_processor_config``'s settings.
+    (``mm_serve.families``) builds it from ``read_image_processor_config``'s settings, then
+    ``mm_processor_kwargs`` applied (``ImageProcessor.with_kwargs``: the server's defaults).
 
     Raises:
-        ValueError: a family without images, or bad image processor settings.
+        ValueError: a family without images, bad image processor settings, or
+            ``mm_processor_kwargs`` the family does not take.
         FileNotFoundError: no image processor settings in the folder (see
             ``read_image_processor_config``).
     """
@@ -157,4 +162,5 @@ def get_image_processor(
     if max_pixels is not None and max_pixels <= 0:
         raise ValueError(f"max_pixels must be positive, got {max_pixels}.")
     config = read_image_processor_config(model_path)
-    return resolve(family.image_processor)(config, hf_config, max_pixels)
+    processor = resolve(family.image_processor)(config, hf_config, max_pixels)
+    return processor.with_kwargs(mm_processor_kwargs or {})

@@ -9,6 +9,7 @@ image tokens. Pixels equal those of transformers' default ``Qwen2VLImageProcesso
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,11 @@ from mm_serve.transfer import host_to_device
 DEFAULT_MIN_PIXELS = 56 * 56
 DEFAULT_MAX_PIXELS = 28 * 28 * 1280
 MAX_ASPECT_RATIO = 200
+# The resized area of an image_url part with detail "low": at most 448 x 448 pixels, that is
+# 256 image tokens (one per 28 x 28 pixels), about a fifth of the default budget's 1280.
+LOW_DETAIL_MAX_PIXELS = 448 * 448
+# vLLM's mm_processor_kwargs for Qwen2-VL and Qwen2.5-VL images: bounds on the resized area.
+MM_PROCESSOR_KWARGS = ("min_pixels", "max_pixels")
 
 
 def smart_resize(
@@ -162,6 +168,41 @@ class Qwen2VLImageProcessor(ImageProcessor):
             resample=int(config.get("resample", 3)),
             do_convert_rgb=bool(config.get("do_convert_rgb", True)),
         )
+
+    def with_kwargs(self, kwargs: Mapping[str, Any]) -> Qwen2VLImageProcessor:
+        """This processor with ``min_pixels`` and/or ``max_pixels`` (positive ints) replaced,
+        as vLLM's ``mm_processor_kwargs``; ``max_pixels`` alone also lowers ``min_pixels`` to
+        it where it was above (as ``from_config``'s override does).
+
+        Raises:
+            ValueError: another key, a value that is not a positive int, or ``min_pixels``
+                above ``max_pixels``.
+        """
+        if not kwargs:
+            return self
+        unknown = sorted(set(kwargs) - set(MM_PROCESSOR_KWARGS))
+        if unknown:
+            raise ValueError(
+                f"Unknown mm_processor_kwargs {unknown}: this model takes "
+                f"{list(MM_PROCESSOR_KWARGS)}."
+            )
+        for name, value in kwargs.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(
+                    f"mm_processor_kwargs.{name} must be a positive int, got {value!r}."
+                )
+        high = kwargs.get("max_pixels", self.max_pixels)
+        low = kwargs.get("min_pixels", min(self.min_pixels, high))
+        if low > high:
+            raise ValueError(
+                f"mm_processor_kwargs: min_pixels ({low}) must not exceed max_pixels ({high})."
+            )
+        return dataclasses.replace(self, min_pixels=low, max_pixels=high)
+
+    def low_detail(self) -> Qwen2VLImageProcessor:
+        """At most ``LOW_DETAIL_MAX_PIXELS`` (448 x 448) resized pixels: 256 image tokens."""
+        high = min(self.max_pixels, LOW_DETAIL_MAX_PIXELS)
+        return dataclasses.replace(self, min_pixels=min(self.min_pixels, high), max_pixels=high)
 
     @property
     def factor(self) -> int:

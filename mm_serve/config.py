@@ -113,7 +113,9 @@ class MultiModalConfig:
     """Image limits and preprocessing.
 
     ``max_pixels`` caps an input image's width x height (larger ones are rejected);
-    ``processor_max_pixels`` overrides the processor's resize target; ``max_image_tokens`` is
+    ``processor_max_pixels`` overrides the processor's resize target, then
+    ``mm_processor_kwargs`` (vLLM's, e.g. Qwen2-VL's ``{"max_pixels": ...}``) apply to every
+    image (a request's own apply on top); ``max_image_tokens`` is
     the most placeholder tokens one image can expand to (0 for a text-only model).
     ``mm_processor_cache_gb`` bounds the processor cache (0 turns it off) and
     ``mm_preprocess_workers`` is the size of the preprocessing process pool.
@@ -121,6 +123,7 @@ class MultiModalConfig:
 
     max_pixels: int = 8192 * 8192
     processor_max_pixels: int | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
     max_image_tokens: int = 0
     mm_processor_cache_gb: float = 4.0
     mm_preprocess_workers: int = 1
@@ -244,6 +247,7 @@ class EngineArgs:
     device: str = "auto"
     max_pixels: int = 8192 * 8192
     processor_max_pixels: int | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # JSON on the command line (vLLM's flag)
     mm_processor_cache_gb: float = 4.0
     mm_preprocess_workers: int | None = None
     max_num_encoder_input_tokens: int | None = None
@@ -316,7 +320,9 @@ class EngineArgs:
         max_image_tokens = 0
         family = find_family(hf_config)
         if family is not None and family.image_processor is not None:
-            processor = get_image_processor(path, hf_config, self.processor_max_pixels)
+            processor = get_image_processor(
+                path, hf_config, self.processor_max_pixels, self.mm_processor_kwargs
+            )
             max_image_tokens = processor.max_num_tokens
         if self.mm_processor_cache_gb < 0:
             raise ValueError("mm_processor_cache_gb must not be negative.")
@@ -328,6 +334,7 @@ class EngineArgs:
         return MultiModalConfig(
             max_pixels=self.max_pixels,
             processor_max_pixels=self.processor_max_pixels,
+            mm_processor_kwargs=self.mm_processor_kwargs,
             max_image_tokens=max_image_tokens,
             mm_processor_cache_gb=self.mm_processor_cache_gb,
             mm_preprocess_workers=workers,

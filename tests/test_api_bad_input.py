@@ -174,7 +174,13 @@ CASES = [
     Bad("logit_bias_beyond_vocab", chat(logit_bias={"100000000": 1}), "logit_bias"),
     Bad("use_beam_search", chat(use_beam_search=True), "use_beam_search"),
     Bad("structured_outputs_empty_choice", chat(structured_outputs={"choice": []}), "choice"),
-    Bad("chat_echo", chat(echo=True), "echo"),
+    Bad("temperature_above_two", chat(temperature=2.5), "temperature"),
+    Bad(
+        "completions_chat_template_option",
+        {"prompt": "hi", "echo": True, "continue_final_message": True},
+        "continue_final_message",
+        path=COMPLETIONS,
+    ),
     Bad("chat_suffix", chat(suffix="!"), "suffix"),
     Bad("continue_final_message", chat(continue_final_message=True), "continue_final_message"),
     # --- model and media locations ---

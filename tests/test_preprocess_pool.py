@@ -174,8 +174,8 @@ def test_engine_steps_while_the_last_prompt_preprocesses(qwen2_vl_path, monkeypa
     pool = llm.input_processor.mm_processor.pool
     real_submit = pool.submit
 
-    def gated_submit(source):
-        future = real_submit(source)
+    def gated_submit(source, processor=None):
+        future = real_submit(source, processor)
         if source is not last:
             return future
         gated: Future = Future()

@@ -82,6 +82,8 @@ _ENGINE_ARG_HELP = {
     "device": "auto, cpu or cuda.",
     "max_pixels": "Largest input image accepted, in pixels (width x height); larger: 400.",
     "processor_max_pixels": "Override of the image processor's resize target, in pixels.",
+    "mm_processor_kwargs": "Image processor settings as JSON (vLLM's), e.g. "
+    "'{\"max_pixels\": 802816}' for Qwen2-VL; a request's own mm_processor_kwargs apply on top.",
     "mm_processor_cache_gb": "Processor cache size (preprocessed images) in GiB; 0: off.",
     "mm_preprocess_workers": "Image preprocessing processes.",
     "max_num_encoder_input_tokens": "Image embedding tokens encoded per step.",
@@ -101,6 +103,7 @@ _UNSET_DEFAULTS = {
     "num_kv_blocks": "what the KV-cache budget holds",
     "max_num_batched_tokens": str(DEFAULT_MAX_NUM_BATCHED_TOKENS),
     "processor_max_pixels": "the checkpoint's",
+    "mm_processor_kwargs": "none",
     "mm_preprocess_workers": "half the CPU cores, 1 to 8",
     "max_num_encoder_input_tokens": "max(token budget, largest image)",
     "encoder_cache_size": "max(token budget, largest image)",
@@ -145,6 +148,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         kind = _scalar_type(hints[field.name])
         if kind is bool:
             kwargs: dict[str, Any] = {"action": argparse.BooleanOptionalAction}
+        elif typing.get_origin(kind) is dict:
+            kwargs = {"type": _json_object}
         else:
             kwargs = {"type": kind}
         if field.default is None:
@@ -158,6 +163,17 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
     """The ``EngineArgs`` of parsed ``serve`` flags."""
     names = [f.name for f in dataclasses.fields(EngineArgs) if f.name != "model"]
     return EngineArgs(model=args.model, **{name: getattr(args, name) for name in names})
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object, e.g. ``--mm-processor-kwargs '{"max_pixels": 802816}'``."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"invalid JSON {text!r}: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, not {text!r}")
+    return value
 
 
 def _images_limit(text: str) -> int:

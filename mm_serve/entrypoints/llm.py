@@ -144,7 +144,7 @@ class LLM(FrontEnd):
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
-                **(chat_template_kwargs or {}),
+                chat_template_kwargs=chat_template_kwargs,
             )
             for conversation in conversations
         ]

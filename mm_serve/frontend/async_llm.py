@@ -160,10 +160,15 @@ class AsyncLLM(FrontEnd):
         )
 
     async def process_chat(
-        self, messages: list[dict[str, Any]], cache_salt: str | None = None, **kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        cache_salt: str | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
     ) -> ProcessedPrompt:
-        """``apply_chat_template`` and ``process`` in one: rendering, tokenizing and submitting
-        the images are one call in the tokenizer thread.
+        """``apply_chat_template`` (with ``kwargs``) and ``process`` in one: rendering,
+        tokenizing and submitting the images are one call in the tokenizer thread. The
+        prompt's images are preprocessed with ``mm_processor_kwargs`` on top of the server's.
 
         Raises:
             ValueError: as ``apply_chat_template`` and ``process``.
@@ -173,6 +178,8 @@ class AsyncLLM(FrontEnd):
             prompt = self._render(messages, kwargs)
             if cache_salt is not None:
                 prompt["cache_salt"] = cache_salt
+            if mm_processor_kwargs is not None:
+                prompt["mm_processor_kwargs"] = mm_processor_kwargs
             return self._start_processing(prompt)
 
         return await self._finish_processing(await self._in_tokenizer_thread(start))

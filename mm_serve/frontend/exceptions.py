@@ -18,3 +18,12 @@ class EngineRequestError(ValueError):
         super().__init__(message)
         self.request_id = request_id
         self.kind = kind
+
+
+class InvalidParamError(ValueError):
+    """A request value at fault that the API names in its 400's ``param`` (e.g.
+    ``mm_processor_kwargs``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param

@@ -4,9 +4,12 @@ expand their placeholders.
 A VLM prompt carries one image-token placeholder per image (Qwen2-VL's chat template writes
 ``<|vision_start|><|image_pad|><|vision_end|>``, LLaVA's ``<image>``). Each placeholder is
 expanded to as many tokens as the image has embeddings, and its ``PlaceholderRange`` and
-``mm_hash`` go on the request. Work is split into ``submit`` (hash, cache lookup, queue the
-misses: fast) and ``PendingImages.result()`` (wait, expand), so that the caller can tokenize
-and schedule other prompts while the pool works.
+``mm_hash`` go on the request. A request may preprocess its images otherwise than the server
+(vLLM's ``mm_processor_kwargs``, OpenAI's ``detail: "low"``): the variant's settings are hashed
+into its images' ``mm_hash``, so its images never share a cache entry (processor cache, encoder
+cache, prefix cache) with the same images preprocessed otherwise. Work is split into
+``submit`` (hash, cache lookup, queue the misses: fast) and ``PendingImages.result()`` (wait,
+expand), so that the caller can tokenize and schedule other prompts while the pool works.
 """
 
 from __future__ import annotations
@@ -21,10 +24,15 @@ from typing import Any
 from mm_serve.cache.mm_hash import MultiModalHasher
 from mm_serve.cache.processor_cache import ProcessorCache
 from mm_serve.config import ModelConfig, MultiModalConfig
-from mm_serve.encoders.base import ProcessedImage
+from mm_serve.encoders.base import ImageProcessor, ProcessedImage
 from mm_serve.encoders.processors import get_image_processor
+from mm_serve.frontend.exceptions import InvalidParamError
 from mm_serve.preprocess.pool import PreprocessPool, PreprocessResult
 from mm_serve.request import MultiModalFeature, PlaceholderRange
+
+# OpenAI's image_url "detail": "low" preprocesses with ``ImageProcessor.low_detail()`` (Qwen2-VL:
+# at most 448 x 448 pixels), "high" and "auto" (or none) as the server does.
+IMAGE_DETAILS = ("auto", "low", "high")
 
 
 def image_from_url(url: str) -> bytes | str:
@@ -61,11 +69,13 @@ class PendingImages:
         token_ids: list[int],
         mm_hashes: list[str],
         items: list[ProcessedImage | Future[PreprocessResult]],
+        max_image_tokens: int,
     ) -> None:
         self.image_token_id = image_token_id
         self.token_ids = token_ids
         self.mm_hashes = mm_hashes
         self.items = items
+        self.max_image_tokens = max_image_tokens
 
     def done(self) -> bool:
         """Whether every image is preprocessed (or failed): ``result()`` will not block."""
@@ -77,11 +87,22 @@ class PendingImages:
 
         Raises:
             ValueError: an image failed in the pool (undecodable, above ``max_pixels``, ...).
+            InvalidParamError: an image expands to more tokens than ``max_image_tokens`` (the
+                server's largest, which sizes the encoder's budgets), as a request's
+                ``mm_processor_kwargs`` can make it.
         """
         processed = [
             item.result().to_processed_image() if isinstance(item, Future) else item
             for item in self.items
         ]
+        for item in processed:
+            if item.num_tokens > self.max_image_tokens:
+                raise InvalidParamError(
+                    "mm_processor_kwargs",
+                    f"An image expands to {item.num_tokens} tokens, more than the "
+                    f"{self.max_image_tokens} this server takes per image; lower "
+                    "mm_processor_kwargs' max_pixels (or min_pixels).",
+                )
         expanded: list[int] = []
         features: list[MultiModalFeature] = []
         images = iter(zip(self.mm_hashes, processed, strict=True))
@@ -108,27 +129,39 @@ class MultiModalProcessor:
 
     def __init__(self, model_config: ModelConfig, mm_config: MultiModalConfig) -> None:
         self.image_token_id = model_config.image_token_id
-        processor = get_image_processor(
-            model_config.path, model_config.hf_config, max_pixels=mm_config.processor_max_pixels
+        self.max_image_tokens = mm_config.max_image_tokens
+        self.processor = get_image_processor(
+            model_config.path,
+            model_config.hf_config,
+            mm_config.processor_max_pixels,
+            mm_config.mm_processor_kwargs,
         )
-        self.hasher = MultiModalHasher(model_config.model, processor.hash_kwargs())
+        self.hasher = MultiModalHasher(model_config.model, self.processor.hash_kwargs())
         self.cache = ProcessorCache(int(mm_config.mm_processor_cache_gb * (1 << 30)))
         self.pool = PreprocessPool(model_config, mm_config)
         self._in_flight: dict[str, Future[PreprocessResult]] = {}
         self._lock = threading.Lock()
 
     def submit(
-        self, token_ids: list[int], images: list[Any], uuids: list[str | None] | None = None
+        self,
+        token_ids: list[int],
+        images: list[Any],
+        uuids: list[str | None] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+        details: list[str | None] | None = None,
     ) -> PendingImages:
         """Start preprocessing a prompt's images; returns at once.
 
         ``uuids[i]``, when not None, identifies image i in place of its content (vLLM's
         ``multi_modal_uuids``): equal uuids share cache entries whatever the bytes.
+        ``mm_processor_kwargs`` (``ImageProcessor.with_kwargs``) apply to every image on top of
+        the server's; ``details[i]`` is image i's ``IMAGE_DETAILS`` value or None.
 
         Raises:
-            ValueError: the prompt's placeholders and the images (or the uuids) differ in
-                number, a uuid is not a str, or an image is of an unsupported type or a
-                missing file.
+            ValueError: the prompt's placeholders and the images (or the uuids, or the
+                details) differ in number, a uuid is not a str, a detail is unknown, or an
+                image is of an unsupported type or a missing file.
+            InvalidParamError: ``mm_processor_kwargs`` the image processor does not take.
         """
         num_placeholders = token_ids.count(self.image_token_id)
         if num_placeholders != len(images):
@@ -141,22 +174,48 @@ class MultiModalProcessor:
             raise ValueError(f"Got {len(uuids)} image uuids for {len(images)} images.")
         if not all(uuid is None or isinstance(uuid, str) for uuid in uuids):
             raise ValueError("Image uuids must be strings or None.")
+        details = [None] * len(images) if details is None else list(details)
+        if len(details) != len(images):
+            raise ValueError(f"Got {len(details)} image details for {len(images)} images.")
+        variants = {d: self._variant(mm_processor_kwargs or {}, d) for d in set(details)}
         # Hash all first: a bad image then queues nothing.
         mm_hashes = [
-            self.hasher.hash_image(image, uuid) for image, uuid in zip(images, uuids, strict=True)
+            variants[detail][1].hash_image(image, uuid)
+            for image, uuid, detail in zip(images, uuids, details, strict=True)
         ]
         items = [
-            self._lookup_or_submit(mm_hash, image)
-            for mm_hash, image in zip(mm_hashes, images, strict=True)
+            self._lookup_or_submit(mm_hash, image, variants[detail][0])
+            for mm_hash, image, detail in zip(mm_hashes, images, details, strict=True)
         ]
-        return PendingImages(self.image_token_id, token_ids, mm_hashes, items)
+        return PendingImages(
+            self.image_token_id, token_ids, mm_hashes, items, self.max_image_tokens
+        )
+
+    def _variant(
+        self, mm_processor_kwargs: dict[str, Any], detail: str | None
+    ) -> tuple[ImageProcessor | None, MultiModalHasher]:
+        """(the processor of images with these settings, None where it is the server's; the
+        hasher whose hashes cover its settings)."""
+        if detail is not None and detail not in IMAGE_DETAILS:
+            raise ValueError(f"An image's detail must be one of {IMAGE_DETAILS}, not {detail!r}.")
+        try:
+            processor = self.processor.with_kwargs(mm_processor_kwargs)
+        except ValueError as e:
+            raise InvalidParamError("mm_processor_kwargs", str(e)) from e
+        if detail == "low":
+            processor = processor.low_detail()
+        settings = processor.hash_kwargs()
+        if settings == self.processor.hash_kwargs():
+            return None, self.hasher
+        hasher = MultiModalHasher(self.hasher.model_id, settings, seed=self.hasher.seed)
+        return processor, hasher
 
     def shutdown(self) -> None:
         """Stop the preprocessing pool's processes (see ``PreprocessPool.shutdown``)."""
         self.pool.shutdown()
 
     def _lookup_or_submit(
-        self, mm_hash: str, image: Any
+        self, mm_hash: str, image: Any, processor: ImageProcessor | None
     ) -> ProcessedImage | Future[PreprocessResult]:
         with self._lock:
             item = self.cache.get(mm_hash)
@@ -165,7 +224,7 @@ class MultiModalProcessor:
             future = self._in_flight.get(mm_hash)
             if future is not None:
                 return future
-            future = self.pool.submit(image)
+            future = self.pool.submit(image, processor)
             self._in_flight[mm_hash] = future
         future.add_done_callback(functools.partial(self._on_done, mm_hash))
         return future
@@ -183,16 +242,18 @@ class MultiModalProcessor:
 
 def split_chat_images(
     messages: list[dict[str, Any]],
-) -> tuple[list[dict[str, Any]], list[Any], list[str | None]]:
+) -> tuple[list[dict[str, Any]], list[Any], list[str | None], list[str | None]]:
     """OpenAI-style messages → (messages with ``{"type": "image"}`` parts, images in order,
-    their uuids).
+    their uuids, their details).
 
-    Accepts ``image_url`` parts (``{"url": data/file URL or path}``) and ``image`` parts
-    (``{"image": PIL image | bytes | path}``); either may carry a ``"uuid"`` key (vLLM's name)
-    that identifies the image in place of its content, else its uuid is None.
+    Accepts ``image_url`` parts (``{"url": data/file URL or path, "detail": ...}``) and
+    ``image`` parts (``{"image": PIL image | bytes | path}``); either may carry a ``"uuid"``
+    key (vLLM's name) that identifies the image in place of its content, else its uuid is
+    None. An image's detail is its ``image_url``'s ``"detail"`` (``IMAGE_DETAILS``), else None.
     """
     images: list[Any] = []
     uuids: list[str | None] = []
+    details: list[str | None] = []
     rendered = []
     for message in messages:
         content = message.get("content")
@@ -204,13 +265,16 @@ def split_chat_images(
             kind = part.get("type")
             if kind == "image_url":
                 url = part["image_url"]
-                images.append(image_from_url(url["url"] if isinstance(url, dict) else url))
+                url = url if isinstance(url, dict) else {"url": url}
+                images.append(image_from_url(url["url"]))
+                details.append(url.get("detail"))
             elif kind == "image":
                 images.append(part.get("image"))
+                details.append(None)
             else:
                 parts.append(part)
                 continue
             uuids.append(part.get("uuid"))
             parts.append({"type": "image"})
         rendered.append({**message, "content": parts})
-    return rendered, images, uuids
+    return rendered, images, uuids, details

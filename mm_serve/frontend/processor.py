@@ -8,11 +8,13 @@ asyncio here: the offline API calls it directly, a server from a worker thread.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from mm_serve.config import ModelConfig, MultiModalConfig
+from mm_serve.frontend.exceptions import InvalidParamError
 from mm_serve.frontend.mm_processor import MultiModalProcessor, PendingImages, split_chat_images
 from mm_serve.request import MultiModalFeature, Request, check_image_tokens
 from mm_serve.sampling_params import SamplingParams
@@ -22,11 +24,16 @@ logger = logging.getLogger(__name__)
 
 # A prompt as users give it (vLLM's forms): text, {"prompt": text}, or {"prompt_token_ids":
 # [...]}; VLMs add "multi_modal_data": {"image": [...]} and optionally "multi_modal_uuids":
-# {"image": [...]}; any prompt may carry a "cache_salt" (str) that keeps its KV blocks from
-# being shared. ``Prompt.parse`` checks it and makes it a ``Prompt``.
+# {"image": [...]}, vLLM's "mm_processor_kwargs" (dict: ``ImageProcessor.with_kwargs``) and
+# mm_serve's "multi_modal_detail": {"image": [...]} (each image's OpenAI detail, or None); any
+# prompt may carry a "cache_salt" (str) that keeps its KV blocks from being shared.
+# ``Prompt.parse`` checks it and makes it a ``Prompt``.
 PromptType = str | dict[str, Any]
 
-_PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data", "multi_modal_uuids", "cache_salt")
+_PROMPT_KEYS = (
+    "prompt", "prompt_token_ids", "multi_modal_data", "multi_modal_uuids", "cache_salt",
+    "mm_processor_kwargs", "multi_modal_detail",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -38,11 +45,14 @@ class Prompt:
     images: list[Any] | None = None  # None: no images (not even an empty list)
     image_uuids: list[str | None] | None = None  # None: images identified by their content
     cache_salt: str | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # None: the server's
+    image_details: list[str | None] | None = None  # None: the server's detail for every image
 
     @classmethod
     def parse(cls, prompt: PromptType | Prompt) -> Prompt:
         """Raises ValueError: not a str, dict or ``Prompt``; unknown keys; a cache_salt that is
-        not a str; neither "prompt" nor "prompt_token_ids"."""
+        not a str, mm_processor_kwargs that are not a dict; neither "prompt" nor
+        "prompt_token_ids"."""
         if isinstance(prompt, (str, Prompt)):
             return cls(text=prompt) if isinstance(prompt, str) else prompt
         if not isinstance(prompt, dict):
@@ -53,17 +63,23 @@ class Prompt:
         cache_salt = prompt.get("cache_salt")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError("cache_salt must be a str.")
+        mm_kwargs = prompt.get("mm_processor_kwargs")
+        if mm_kwargs is not None and not isinstance(mm_kwargs, dict):
+            raise ValueError("mm_processor_kwargs must be a dict.")
         if "prompt" not in prompt and "prompt_token_ids" not in prompt:
             raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
         token_ids = prompt.get("prompt_token_ids")
         images = (prompt.get("multi_modal_data") or {}).get("image")
         uuids = (prompt.get("multi_modal_uuids") or {}).get("image")
+        details = (prompt.get("multi_modal_detail") or {}).get("image")
         return cls(
             text=prompt.get("prompt"),
             token_ids=None if "prompt_token_ids" not in prompt else list(token_ids),
             images=None if images is None else _as_list(images),
             image_uuids=None if uuids is None else _as_list(uuids),
             cache_salt=cache_salt,
+            mm_processor_kwargs=mm_kwargs,
+            image_details=None if details is None else _as_list(details),
         )
 
 
@@ -229,7 +245,13 @@ class InputProcessor:
                 raise ValueError(
                     f"The model {self.model_config.model!r} is text-only and takes no images."
                 )
-            pending = self.mm_processor.submit(token_ids, prompt.images, prompt.image_uuids)
+            pending = self.mm_processor.submit(
+                token_ids,
+                prompt.images,
+                prompt.image_uuids,
+                prompt.mm_processor_kwargs,
+                prompt.image_details,
+            )
         return PendingPrompt(self.model_config, prompt.text, token_ids, prompt.cache_salt, pending)
 
     def shutdown(self) -> None:
@@ -243,17 +265,27 @@ class InputProcessor:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
         **template_kwargs: Any,
     ) -> dict[str, Any]:
         """Render a conversation with ``chat_template`` (else the engine's ``chat_template``
-        option, else the checkpoint's) into a prompt dict.
+        option, else the checkpoint's) into a prompt dict. ``chat_template_kwargs`` (vLLM's)
+        and ``template_kwargs`` are further variables of the template (e.g. Qwen3's
+        ``enable_thinking``).
 
         Image parts (``image_url`` with a data/file URL or path, or ``image``) become the
         template's image placeholder and the prompt's ``multi_modal_data``; their ``uuid`` keys
-        its ``multi_modal_uuids``. BOS is added as HF's processors do, unless the template
-        already wrote it (no double BOS).
+        its ``multi_modal_uuids``, an ``image_url``'s ``detail`` its ``multi_modal_detail``.
+        BOS is added as HF's processors do, unless the template already wrote it (no double
+        BOS); ``add_special_tokens`` adds the tokenizer's special tokens regardless (vLLM's).
+
+        Raises:
+            InvalidParamError: a ``chat_template_kwargs`` key that the rendering sets itself
+                (``messages``, ``add_generation_prompt``, ``tokenize``, ...).
         """
-        messages, images, uuids = split_chat_images(messages)
+        template_kwargs |= self._checked_template_kwargs(chat_template_kwargs or {})
+        messages, images, uuids, details = split_chat_images(messages)
         text = self.tokenizer.apply_chat_template(
             messages,
             chat_template=chat_template or self.model_config.chat_template,
@@ -263,14 +295,29 @@ class InputProcessor:
             **template_kwargs,
         )
         bos = self.tokenizer.bos_token
-        add_special_tokens = not (bos and text.startswith(bos))
+        add_special_tokens = add_special_tokens or not (bos and text.startswith(bos))
         token_ids = self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
         prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": token_ids}
         if images:
             prompt["multi_modal_data"] = {"image": images}
         if any(uuid is not None for uuid in uuids):
             prompt["multi_modal_uuids"] = {"image": uuids}
+        if any(detail is not None for detail in details):
+            prompt["multi_modal_detail"] = {"image": details}
         return prompt
+
+    def _checked_template_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``kwargs`` unless one of them is set by the rendering (an argument of the
+        tokenizer's ``apply_chat_template``, or a variable it passes the template)."""
+        signature = inspect.signature(self.tokenizer.apply_chat_template).parameters.values()
+        reserved = {p.name for p in signature if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        taken = sorted(set(kwargs) & (reserved | {"messages", "tools", "documents"}))
+        if taken:
+            raise InvalidParamError(
+                "chat_template_kwargs",
+                f"chat_template_kwargs may not set {taken}: the request's own fields do.",
+            )
+        return kwargs
 
     def make_requests(
         self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams

@@ -94,12 +94,20 @@ def warm_up_image(size: int = 224) -> bytes:
     return buffer.getvalue()
 
 
-def _init_worker(model_path: str, hf_config: dict[str, Any], processor_max_pixels, max_pixels):
+def _init_worker(
+    model_path: str,
+    hf_config: dict[str, Any],
+    processor_max_pixels: int | None,
+    mm_processor_kwargs: dict[str, Any] | None,
+    max_pixels: int,
+) -> None:
     global _processor, _max_pixels
     _exit_with_owner()
     # One image per worker at a time: parallelism comes from the number of workers.
     torch.set_num_threads(1)
-    _processor = get_image_processor(model_path, hf_config, max_pixels=processor_max_pixels)
+    _processor = get_image_processor(
+        model_path, hf_config, processor_max_pixels, mm_processor_kwargs
+    )
     _max_pixels = max_pixels
     # Pillow's plugins and the first resize load lazily: pay that now, not on a user's image.
     preprocess_image(warm_up_image(), _processor, _max_pixels)
@@ -127,9 +135,9 @@ def _worker_ready() -> int:
     return os.getpid()
 
 
-def _run_job(source: Any) -> PreprocessResult:
+def _run_job(source: Any, processor: ImageProcessor | None = None) -> PreprocessResult:
     assert _processor is not None, "worker not initialised"
-    item = preprocess_image(source, _processor, _max_pixels)
+    item = preprocess_image(source, processor or _processor, _max_pixels)
     pixels = item.pixel_values.numpy()
     return PreprocessResult(
         pixels, item.num_tokens, item.image_grid_thw, os.getpid(), item.pixel_mean, item.pixel_std
@@ -155,6 +163,7 @@ class PreprocessPool:
             model_config.path,
             model_config.hf_config.to_dict(),
             mm_config.processor_max_pixels,
+            mm_config.mm_processor_kwargs,
             mm_config.max_pixels,
         )
         self._executor: concurrent.futures.ProcessPoolExecutor | None = None
@@ -162,8 +171,12 @@ class PreprocessPool:
         self._closed = False
         self._lock = threading.Lock()  # guards starting and stopping the executor
 
-    def submit(self, source: Any) -> concurrent.futures.Future[PreprocessResult]:
-        """Queue one image (encoded bytes, a file path or a PIL image) for preprocessing.
+    def submit(
+        self, source: Any, processor: ImageProcessor | None = None
+    ) -> concurrent.futures.Future[PreprocessResult]:
+        """Queue one image (encoded bytes, a file path or a PIL image) for preprocessing, by
+        ``processor`` (a request's variant of the checkpoint's: ``ImageProcessor.with_kwargs``,
+        ``low_detail``) or else the workers' own.
 
         Raises:
             RuntimeError: the pool was shut down.
@@ -172,12 +185,12 @@ class PreprocessPool:
             source = source.tobytes()  # memoryviews do not pickle
         with self._lock:
             try:
-                return self._get_executor().submit(_run_job, source)
+                return self._get_executor().submit(_run_job, source, processor)
             except BrokenProcessPool:
                 # A worker died (killed, out of memory): its futures failed; start afresh.
                 logger.warning("a preprocessing worker died; restarting the pool")
                 self._stop_executor(wait=False)
-                return self._get_executor().submit(_run_job, source)
+                return self._get_executor().submit(_run_job, source, processor)
 
     def start(self) -> list[concurrent.futures.Future[int]]:
         """Start every worker now, rather than with the first images; returns at once.

@@ -106,7 +106,7 @@ def to_api_error(exc: BaseException) -> APIError:
         logger.error("The engine failed request %s: %s", exc.request_id, exc)
         return internal_error()
     if isinstance(exc, ValueError):
-        return bad_request(str(exc))
+        return bad_request(str(exc), param=getattr(exc, "param", None))
     logger.error("Request failed", exc_info=(type(exc), exc, exc.__traceback__))
     return internal_error()
 

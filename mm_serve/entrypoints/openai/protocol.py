@@ -11,7 +11,7 @@ A field unknown to both is ignored with a warning in the server log, as vLLM doe
 from __future__ import annotations
 
 import time
-from typing import Annotated, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -25,6 +25,8 @@ from pydantic import (
 
 # Parameters of OpenAI's chat-completions and completions APIs, and vLLM extensions, that this
 # server does not implement: a request setting one gets a 400 naming it. (README: "API fields".)
+# A request model that declares one of these names takes it (it is then no extra field) and
+# the others refuse it: e.g. echo is chat's and completions', not /tokenize's.
 UNSUPPORTED_FIELDS = frozenset(
     {
         # OpenAI
@@ -51,7 +53,9 @@ class _Request(BaseModel):
 
 class ImageURL(BaseModel):
     url: str  # data:image/...;base64,..., http(s)://... (allowed hosts), file://... (allowed root)
-    detail: str | None = None  # accepted, ignored: images are sized by the checkpoint's processor
+    # OpenAI's: "low" preprocesses the image with a smaller pixel budget (Qwen2-VL: at most
+    # 448 x 448 pixels, 256 tokens; mm_processor.IMAGE_DETAILS); "high" and "auto" as the server.
+    detail: Literal["auto", "low", "high"] | None = None
 
 
 class TextPart(BaseModel):
@@ -152,6 +156,20 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # vLLM's extensions. The template's opening of the assistant's turn; with it off, the
+    # reply continues in the role of the last message.
+    add_generation_prompt: bool = True
+    # The last message (the assistant's) left open, to be continued; not with the above.
+    continue_final_message: bool = False
+    # The reply's content starts with the last message's, when that message has its role.
+    echo: bool = False
+    # Image processor settings for this request's images (Qwen2-VL: min_pixels, max_pixels).
+    mm_processor_kwargs: dict[str, Any] | None = None
+    # Further variables of the chat template (e.g. Qwen3's enable_thinking).
+    chat_template_kwargs: dict[str, Any] | None = None
+    # The tokenizer's special tokens (BOS) added to the rendered text even where the template
+    # wrote them (vLLM's); false: BOS only where the template did not (as HF's processors).
+    add_special_tokens: bool = False
 
 
 class CompletionRequest(SamplingRequest):
@@ -161,6 +179,8 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    # vLLM's: the tokenizer's special tokens (BOS) added to a text prompt.
+    add_special_tokens: bool = True
 
 
 class TokenizeCompletionRequest(_Request):
@@ -230,7 +250,7 @@ class ChatLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # with add_generation_prompt false: the last message's role
     content: str | None = None
 
 
@@ -288,7 +308,7 @@ class DeltaMessage(BaseModel):
     JSON (``role`` only in a choice's first chunk, ``content`` absent from a bare finish), as
     OpenAI sends it: clients tell a token chunk by ``content`` without ``role``."""
 
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
 
     @model_serializer(mode="wrap")

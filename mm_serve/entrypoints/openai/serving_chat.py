@@ -4,6 +4,7 @@ out."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 
@@ -17,6 +18,7 @@ from mm_serve.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatLogprobs,
+    ChatMessage,
     ChatResponseMessage,
     DeltaMessage,
 )
@@ -36,7 +38,13 @@ from mm_serve.frontend.async_llm import AsyncLLM
 from mm_serve.outputs import CompletionOutput, RequestOutput
 
 
+@dataclasses.dataclass
 class _Reply(Reply):
+    role: str = dataclasses.field(default="assistant", kw_only=True)  # the reply's role
+    echo: str = dataclasses.field(
+        default="", kw_only=True
+    )  # what each choice's content starts with
+
     def logprobs(self, output: CompletionOutput) -> ChatLogprobs | None:
         if self.num_top_logprobs is None:
             return None
@@ -67,21 +75,34 @@ class ServingChat(ServingBase):
         max_tokens = request.max_completion_tokens
         max_tokens = request.max_tokens if max_tokens is None else max_tokens
         params = self.sampling_params(request, max_tokens, num_top)
-        if not request.messages:
-            raise bad_request("messages must not be empty.", param="messages")
+        check_chat_template_options(
+            request.messages, request.add_generation_prompt, request.continue_final_message
+        )
         if request.cache_salt is not None and not request.cache_salt:
             raise bad_request("cache_salt must not be empty.", param="cache_salt")
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
         messages = await self.media.resolve(messages)
         with user_errors():
-            processed = await self.llm.process_chat(messages, request.cache_salt)
+            processed = await self.llm.process_chat(
+                messages,
+                request.cache_salt,
+                request.mm_processor_kwargs,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                chat_template_kwargs=request.chat_template_kwargs,
+                add_special_tokens=request.add_special_tokens,
+            )
         params = self.fit_to_context(params, processed)
+        # vLLM's: the reply is the assistant's unless no generation prompt opened its turn.
+        role = "assistant" if request.add_generation_prompt else request.messages[-1].role
         reply = _Reply(
             f"chatcmpl-{uuid.uuid4().hex}",
             model,
             num_top,
             request.return_tokens_as_token_ids,
             return_token_ids=request.return_token_ids,
+            role=role,
+            echo=_echo(request.messages[-1], role) if request.echo else "",
         )
         outputs = self.llm.generate(processed, params, reply.request_id, arrival_time)
         if request.stream:
@@ -90,11 +111,47 @@ class ServingChat(ServingBase):
             return _response(await collect(outputs), reply)
 
 
+def check_chat_template_options(
+    messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool
+) -> None:
+    """vLLM's rules for rendering a chat: messages, and ``continue_final_message`` only with
+    ``add_generation_prompt`` false and an assistant's last message (the turn to continue).
+
+    Raises:
+        APIError: (400) naming ``messages`` or ``continue_final_message``.
+    """
+    if not messages:
+        raise bad_request("messages must not be empty.", param="messages")
+    if not continue_final_message:
+        return
+    if add_generation_prompt:
+        raise bad_request(
+            "continue_final_message needs add_generation_prompt to be false.",
+            param="continue_final_message",
+        )
+    if messages[-1].role != "assistant":
+        raise bad_request(
+            "continue_final_message needs the last message to be the assistant's, not the "
+            f"{messages[-1].role!r}'s.",
+            param="continue_final_message",
+        )
+
+
+def _echo(last: ChatMessage, role: str) -> str:
+    """What ``echo`` prefixes each choice's content with: the last message's text (its text
+    parts joined by newlines) when that message has the reply's role, else nothing (vLLM's)."""
+    if last.role != role or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(part.text for part in last.content if part.type == "text")
+
+
 def _response(output: RequestOutput, reply: _Reply) -> ChatCompletionResponse:
     choices = [
         ChatCompletionChoice(
             index=c.index,
-            message=ChatResponseMessage(content=c.text),
+            message=ChatResponseMessage(role=reply.role, content=reply.echo + c.text),
             logprobs=reply.logprobs(c),
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
@@ -122,7 +179,8 @@ async def _stream(
     outputs: AsyncIterator[RequestOutput], reply: _Reply, include_usage: bool
 ) -> AsyncIterator[str]:
     """One chunk per choice and token, as OpenAI streams: a choice's first chunk is its role
-    alone (``{"role": "assistant", "content": ""}``), then each token's chunk has ``content``
+    alone (``{"role": "assistant", "content": ""}``), then with ``echo`` one chunk of the echoed
+    text, then each token's chunk has ``content``
     (empty for a token without text of its own) and no role; the last token's chunk has the
     finish reason."""
     started: set[int] = set()
@@ -134,12 +192,17 @@ async def _stream(
                 if delta.index not in started:
                     prompt_token_ids = None if started else reply.token_ids(last.prompt_token_ids)
                     started.add(delta.index)
-                    role = DeltaMessage(role="assistant", content="")
+                    role = DeltaMessage(role=reply.role, content="")
                     choice = ChatCompletionStreamChoice(index=delta.index, delta=role)
                     chunk = reply.response(
                         ChatCompletionChunk, [choice], prompt_token_ids=prompt_token_ids
                     )
                     yield sse_event(chunk)
+                    if reply.echo:
+                        choice = ChatCompletionStreamChoice(
+                            index=delta.index, delta=DeltaMessage(content=reply.echo)
+                        )
+                        yield sse_event(reply.response(ChatCompletionChunk, [choice]))
                 for piece in per_token(delta):
                     choice = _stream_choice(piece, reply)
                     yield sse_event(reply.response(ChatCompletionChunk, [choice]))

@@ -38,6 +38,7 @@ from mm_serve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2] (SamplingParams, offline, takes any >= 0)
 
 # Request fields passed to SamplingParams as they are, when set.
 _SAMPLING_FIELDS = (
@@ -221,6 +222,10 @@ class ServingBase:
                 raise bad_request(message, param="prompt_logprobs")
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}].", param="logprobs")
+        temperature = request.temperature
+        if temperature is not None and not 0 <= temperature <= MAX_TEMPERATURE:
+            message = f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature}."
+            raise bad_request(message, param="temperature")
         self._check_engine_limits(request)
         kwargs = self.llm.default_sampling_overrides()
         for name in _SAMPLING_FIELDS:

@@ -17,6 +17,7 @@ from mm_serve.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+from mm_serve.entrypoints.openai.serving_chat import check_chat_template_options
 from mm_serve.entrypoints.openai.serving_common import ModelInfo, reject_undeclared_fields
 from mm_serve.frontend.async_llm import AsyncLLM
 
@@ -60,8 +61,9 @@ class ServingTokenization:
         )
 
     async def _chat_tokens(self, request: TokenizeChatRequest) -> list[int]:
-        if not request.messages:
-            raise bad_request("messages must not be empty.", param="messages")
+        check_chat_template_options(
+            request.messages, request.add_generation_prompt, request.continue_final_message
+        )
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
         messages = await self.media.resolve(messages)
         with user_errors():
