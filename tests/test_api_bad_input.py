@@ -168,7 +168,7 @@ CASES = [
     Bad("unsupported_field", chat(tool_choice="auto"), "tool_choice"),
     Bad("response_format", chat(response_format={"type": "json_object"}), "response_format"),
     Bad("logit_bias", chat(logit_bias={"1": 100}), "logit_bias"),
-    Bad("use_beam_search", chat(use_beam_search=True), "use_beam_search"),
+    Bad("beam_search_with_stop", chat(use_beam_search=True, stop=["x"]), "stop"),
     Bad("structured_outputs", chat(structured_outputs={"choice": ["a"]}), "structured_outputs"),
     Bad("chat_echo", chat(echo=True), "echo"),
     Bad("chat_suffix", chat(suffix="!"), "suffix"),

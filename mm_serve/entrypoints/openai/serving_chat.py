@@ -83,7 +83,7 @@ class ServingChat(ServingBase):
             request.return_tokens_as_token_ids,
             return_token_ids=request.return_token_ids,
         )
-        outputs = self.llm.generate(processed, params, reply.request_id, arrival_time)
+        outputs = self.generate(request, processed, params, reply.request_id, arrival_time)
         if request.stream:
             return stream_with_errors(_stream(outputs, reply, include_usage))
         with user_errors():
