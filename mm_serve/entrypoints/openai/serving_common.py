@@ -29,10 +29,11 @@ from mm_serve.entrypoints.openai.protocol import (
     SamplingRequest,
     UsageInfo,
 )
+from mm_serve.entrypoints.openai.serving_beam_search import beam_search_params, check_beam_search
 from mm_serve.frontend.async_llm import AsyncLLM
 from mm_serve.frontend.processor import ProcessedPrompt
 from mm_serve.outputs import CompletionOutput, RequestOutput
-from mm_serve.sampling_params import BeamSearchParams, SamplingParams
+from mm_serve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +45,6 @@ _SAMPLING_FIELDS = (
     "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
     "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs",
 )  # fmt: skip
-
-
-# Fields beam search cannot honour, with the values that change nothing: another is a 400.
-_NOT_WITH_BEAM_SEARCH = {
-    "stop": (None, []), "stop_token_ids": (None, []), "min_tokens": (None, 0),
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
-    "top_p": (None, 1), "top_k": (None, 0, -1), "min_p": (None, 0), "prompt_logprobs": (None,),
-}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -252,14 +245,7 @@ class ServingBase:
         does; a stream sends it as one chunk per choice and token at the end)."""
         if not request.use_beam_search:
             return self.llm.generate(prompt, params, request_id, arrival_time)
-        with user_errors():
-            beam_params = BeamSearchParams(
-                beam_width=params.n,
-                max_tokens=params.max_tokens,
-                ignore_eos=params.ignore_eos,
-                temperature=params.temperature,
-                length_penalty=request.length_penalty,
-            )
+        beam_params = beam_search_params(request, params)
         return self.llm.beam_search(prompt, beam_params, request_id, params.logprobs or 0)
 
     def _check_engine_limits(self, request: SamplingRequest) -> None:
@@ -300,14 +286,6 @@ class ServingBase:
             return params
         with user_errors():
             return dataclasses.replace(params, max_tokens=room)
-
-
-def check_beam_search(request: SamplingRequest) -> None:
-    """Raises APIError (400) naming a field set to a value beam search cannot honour (stop
-    strings or tokens, penalties, truncated sampling, prompt logprobs)."""
-    for name, neutral in _NOT_WITH_BEAM_SEARCH.items():
-        if getattr(request, name) not in neutral:
-            raise bad_request(f"{name} cannot be used with use_beam_search.", param=name)
 
 
 def stream_usage(request: SamplingRequest) -> bool:
