@@ -5,9 +5,9 @@ from mm_serve._compat import ensure_torchvision_importable
 # Before anything imports torchvision (transformers' image processors do): see _compat.
 ensure_torchvision_importable()
 
-from mm_serve.sampling_params import SamplingParams  # noqa: E402
+from mm_serve.sampling_params import BeamSearchParams, SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str):

@@ -101,3 +101,35 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search over one prompt (``LLM.beam_search``; vLLM's ``BeamSearchParams``).
+
+    ``beam_width`` beams are kept, and as many sequences returned, best first. A finished
+    sequence scores ``cumulative_logprob / num_generated_tokens ** length_penalty`` (HF's
+    score: an end-of-sequence token counts); a ``length_penalty`` above 0 favours longer
+    sequences. ``ignore_eos``: end-of-sequence tokens end no beam. ``temperature`` is accepted
+    as vLLM does; the candidates are ranked by the raw model logprobs, so it does not change
+    the result (nor does it in vLLM V1, whose logprobs are raw too).
+
+    Raises:
+        ValueError: on an out-of-range value, with the field named.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.beam_width >= 1, "beam_width must be at least 1"),
+            (self.max_tokens >= 1, "max_tokens must be at least 1"),
+            (self.temperature >= 0.0, "temperature must be non-negative"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"Invalid beam search parameter: {message}.")

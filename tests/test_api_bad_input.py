@@ -172,7 +172,12 @@ CASES = [
         "response_format",
     ),
     Bad("logit_bias_beyond_vocab", chat(logit_bias={"100000000": 1}), "logit_bias"),
-    Bad("use_beam_search", chat(use_beam_search=True), "use_beam_search"),
+    Bad("beam_search_with_stop", chat(use_beam_search=True, stop=["x"]), "stop"),
+    Bad(
+        "beam_search_with_a_grammar",
+        chat(use_beam_search=True, structured_outputs={"regex": "a"}),
+        "structured_outputs",
+    ),
     Bad("structured_outputs_empty_choice", chat(structured_outputs={"choice": []}), "choice"),
     Bad("temperature_above_two", chat(temperature=2.5), "temperature"),
     Bad(

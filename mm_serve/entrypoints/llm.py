@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from mm_serve.beam_search import BeamSearch, BeamSearchOutput
 from mm_serve.config import EngineArgs
 from mm_serve.engine.core import EngineCore
 from mm_serve.frontend.base import FrontEnd
@@ -23,7 +24,7 @@ from mm_serve.frontend.warm_up import (
     warm_up_prompt,
 )
 from mm_serve.outputs import RequestOutput
-from mm_serve.sampling_params import SamplingParams
+from mm_serve.sampling_params import BeamSearchParams, SamplingParams
 from mm_serve.stats import EngineStats
 
 if TYPE_CHECKING:
@@ -150,6 +151,38 @@ class LLM(FrontEnd):
         ]
         return self._run(prompts, sampling_params, use_tqdm)
 
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (``mm_serve.beam_search``); prompts as ``generate``
+        takes them, images included. Each round runs one engine request per live beam of
+        every prompt, all at once; the beams share their prefix's KV blocks through the
+        prefix cache. Outputs come back in the prompts' order, each with the ``beam_width``
+        best sequences, best first.
+
+        Raises:
+            ValueError: on a bad prompt (see ``generate``).
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        pending = [self.input_processor.process(prompt) for prompt in prompts]
+        stop_token_ids = [self.input_processor.eos_token_id]
+        stop_token_ids += self.input_processor.extra_stop_token_ids
+        model = self.config.model
+        searches = [BeamSearch(p.result(), params, stop_token_ids, model) for p in pending]
+        with tqdm(total=len(searches), desc="Beam search", disable=not use_tqdm) as bar:
+            while live := [search for search in searches if not search.done]:
+                requests = [(s, prompt) for s in live for prompt in s.requests()]
+                sampling_params = [s.sampling_params() for s, _ in requests]
+                outputs = iter(self._run([p for _, p in requests], sampling_params, False))
+                for search in live:
+                    search.advance([next(outputs).outputs[0].logprobs[0] for _ in search.running])
+                bar.update(sum(search.done for search in live))
+        return [search.output(self.tokenizer) for search in searches]
+
     def _run(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -180,6 +213,12 @@ class LLM(FrontEnd):
         self.engine_core.add_requests(requests)
         return request_id
 
+    def _submit(self, prompt: PromptType | ProcessedPrompt) -> PendingPrompt | _Processed:
+        """Start processing a prompt; one processed already (a beam's) is ready as it is."""
+        if isinstance(prompt, ProcessedPrompt):
+            return _Processed(prompt)
+        return self.input_processor.process(prompt)
+
     def _run_engine(
         self,
         prompts: list[PromptType],
@@ -198,13 +237,13 @@ class LLM(FrontEnd):
         """
         request_ids: list[str] = []
         finished: list[RequestOutput] = []
-        submitted: collections.deque[PendingPrompt] = collections.deque()
+        submitted: collections.deque[PendingPrompt | _Processed] = collections.deque()
         engine = self.engine_core
         with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm) as bar:
             while len(request_ids) < len(prompts) or engine.has_unfinished_requests():
                 queued = len(request_ids) + len(submitted)
                 for prompt in prompts[queued : len(request_ids) + SUBMIT_WINDOW]:
-                    submitted.append(self.input_processor.process(prompt))
+                    submitted.append(self._submit(prompt))
                 while submitted and (submitted[0].done() or not engine.has_unfinished_requests()):
                     params = sampling_params[len(request_ids)]
                     prompt = submitted.popleft().result()
@@ -217,3 +256,16 @@ class LLM(FrontEnd):
                 finished.extend(done)
                 bar.update(len(done))
         return request_ids, finished
+
+
+class _Processed:
+    """A processed prompt where ``_run_engine`` expects a ``PendingPrompt``: done already."""
+
+    def __init__(self, prompt: ProcessedPrompt) -> None:
+        self.prompt = prompt
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> ProcessedPrompt:
+        return self.prompt

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
+from mm_serve.beam_search import BeamSearch, to_request_output
 from mm_serve.config import EngineArgs
 from mm_serve.frontend.base import FrontEnd
 from mm_serve.frontend.core_client import AsyncEngineCoreClient
@@ -29,9 +30,9 @@ from mm_serve.frontend.warm_up import (
     warm_up_image_size,
     warm_up_prompt,
 )
-from mm_serve.outputs import RequestOutput
+from mm_serve.outputs import Logprob, RequestOutput
 from mm_serve.request import Request
-from mm_serve.sampling_params import SamplingParams
+from mm_serve.sampling_params import BeamSearchParams, SamplingParams
 from mm_serve.stats import EngineStats, RequestStats
 
 logger = logging.getLogger(__name__)
@@ -257,6 +258,52 @@ class AsyncLLM(FrontEnd):
             raise
         finally:
             await self._finish(requests, parent, arrival_time, outcome)
+
+    async def beam_search(
+        self,
+        prompt: ProcessedPrompt,
+        params: BeamSearchParams,
+        request_id: str,
+        num_logprobs: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Beam search over one prompt (``mm_serve.beam_search``): each round, one engine
+        request per live beam, all at once (they share their prefix's KV blocks through the
+        prefix cache). Yields one finished ``RequestOutput`` at the end, as vLLM's server does:
+        completion ``i`` is the ``i``-th best sequence, with the per-token logprobs of its top
+        candidates (at least ``num_logprobs`` of them, for a response's top logprobs).
+
+        Raises:
+            as ``generate``; an error in one beam's request cancels the round's others.
+        """
+        stop_token_ids = [self.input_processor.eos_token_id]
+        stop_token_ids += self.input_processor.extra_stop_token_ids
+        search = BeamSearch(prompt, params, stop_token_ids, self.config.model)
+        sampling_params = search.sampling_params(num_logprobs)
+        round_index = 0
+        while not search.done:
+            ids = [f"{request_id}-{round_index}-{i}" for i in range(len(search.running))]
+            tasks = [
+                asyncio.ensure_future(self._next_logprobs(beam, sampling_params, beam_id))
+                for beam, beam_id in zip(search.requests(), ids, strict=True)
+            ]
+            try:
+                search.advance(await asyncio.gather(*tasks))
+            finally:
+                for task in tasks:
+                    task.cancel()
+            round_index += 1
+        output = await self.with_tokenizer(search.output)  # decodes the sequences
+        yield to_request_output(request_id, prompt, output)
+
+    async def _next_logprobs(
+        self, prompt: ProcessedPrompt, params: SamplingParams, request_id: str
+    ) -> dict[int, Logprob]:
+        """The logprobs of the one token a ``max_tokens=1`` request generates."""
+        logprobs: list[dict[int, Logprob]] = []
+        async for output in self.generate(prompt, params, request_id):
+            for delta in output.outputs:
+                logprobs += delta.logprobs or []
+        return logprobs[0]
 
     async def _finish(
         self, requests: list[Request], parent: ParentRequest, arrival_time: float, outcome: str

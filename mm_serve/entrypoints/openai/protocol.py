@@ -38,11 +38,11 @@ UNSUPPORTED_FIELDS = frozenset(
         "add_generation_prompt", "add_special_tokens", "allowed_token_ids", "bad_words",
         "chat_template", "chat_template_kwargs", "continue_final_message", "documents",
         "guided_choice", "guided_decoding_backend", "guided_grammar", "guided_json",
-        "guided_regex", "guided_whitespace_pattern", "kv_transfer_params", "length_penalty",
+        "guided_regex", "guided_whitespace_pattern", "kv_transfer_params",
         "logits_processors", "mm_processor_kwargs", "priority", "prompt_embeds",
         "request_id", "echo", "suffix",
         "spaces_between_special_tokens", "truncate_prompt_tokens",
-        "use_beam_search", "vllm_xargs",
+        "vllm_xargs",
     }
 )  # fmt: skip
 
@@ -148,6 +148,10 @@ class SamplingRequest(_Request):
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None  # vLLM's
+    # Beam search (mm_serve.beam_search): n beams, the n best sequences as choices, best first;
+    # length_penalty weighs a finished sequence's length in its score.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 class ChatCompletionRequest(SamplingRequest):

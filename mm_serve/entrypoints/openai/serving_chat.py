@@ -104,7 +104,7 @@ class ServingChat(ServingBase):
             role=role,
             echo=_echo(request.messages[-1], role) if request.echo else "",
         )
-        outputs = self.llm.generate(processed, params, reply.request_id, arrival_time)
+        outputs = self.generate(request, processed, params, reply.request_id, arrival_time)
         if request.stream:
             return stream_with_errors(_stream(outputs, reply, include_usage))
         with user_errors():

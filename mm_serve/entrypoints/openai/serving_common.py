@@ -30,6 +30,7 @@ from mm_serve.entrypoints.openai.protocol import (
     SamplingRequest,
     UsageInfo,
 )
+from mm_serve.entrypoints.openai.serving_beam_search import beam_search_params, check_beam_search
 from mm_serve.frontend.async_llm import AsyncLLM
 from mm_serve.frontend.processor import ProcessedPrompt
 from mm_serve.outputs import CompletionOutput, RequestOutput
@@ -214,6 +215,8 @@ class ServingBase:
             APIError: (400) a value out of range, naming the field.
         """
         reject_undeclared_fields(request)
+        if request.use_beam_search:
+            check_beam_search(request)
         if request.prompt_logprobs is not None:
             if request.stream:
                 raise bad_request("prompt_logprobs cannot be streamed.", param="prompt_logprobs")
@@ -235,6 +238,22 @@ class ServingBase:
         kwargs |= output_constraints(request, self.llm.config.model.vocab_size)
         with user_errors():
             return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs)
+
+    def generate(
+        self,
+        request: SamplingRequest,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        request_id: str,
+        arrival_time: float,
+    ) -> AsyncIterator[RequestOutput]:
+        """``AsyncLLM.generate``, or with ``use_beam_search`` its beam search (``params.n``
+        beams, ``max_tokens`` rounds), which yields the finished output only (as vLLM's server
+        does; a stream sends it as one chunk per choice and token at the end)."""
+        if not request.use_beam_search:
+            return self.llm.generate(prompt, params, request_id, arrival_time)
+        beam_params = beam_search_params(request, params)
+        return self.llm.beam_search(prompt, beam_params, request_id, params.logprobs or 0)
 
     def _check_engine_limits(self, request: SamplingRequest) -> None:
         """What ``SamplingParams`` lets through but the engine cannot take: stop token ids

@@ -92,7 +92,9 @@ class ServingCompletion(ServingBase):
                 processed.append(await self.llm.process(prompt))
         base_id = f"cmpl-{uuid.uuid4().hex}"
         streams = [
-            self.llm.generate(p, self.fit_to_context(params, p), f"{base_id}-{i}", arrival_time)
+            self.generate(
+                request, p, self.fit_to_context(params, p), f"{base_id}-{i}", arrival_time
+            )
             for i, p in enumerate(processed)
         ]
         reply = _Reply(
