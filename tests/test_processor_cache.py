@@ -105,7 +105,9 @@ def test_same_image_in_one_batch_goes_to_the_pool_once(llm, monkeypatch):
     submitted = []
     real_submit = pool.submit
     monkeypatch.setattr(
-        pool, "submit", lambda source: submitted.append(source) or real_submit(source)
+        pool,
+        "submit",
+        lambda source, processor=None: submitted.append(source) or real_submit(source, processor),
     )
     image = jpeg(photo("rocket.jpg"))
     outputs = llm.generate([image_prompt(image)] * 3, GREEDY, use_tqdm=False)
