@@ -79,7 +79,7 @@ def test_grammar_requests_beside_plain_ones(qwen2_path, engine_args) -> None:
     grammar = SamplingParams(temperature=1.0, seed=7, n=2, max_tokens=60, structured_outputs=JSON)
     reference = LLM(qwen2_path, dtype="float32")
     expected = [[o.outputs[0].text] for o in reference.generate(PROMPTS, plain, use_tqdm=False)]
-    llm = LLM(qwen2_path, dtype="float32", **engine_args)
+    llm = LLM(qwen2_path, dtype="float32", multiprocess=False, **engine_args)
     constrained, unconstrained = _generate(llm, grammar, plain)
     assert unconstrained == expected
     for texts in constrained:
@@ -102,7 +102,7 @@ def test_compiling_does_not_hold_up_other_requests(qwen2_path, monkeypatch) -> N
         return compile_grammar(self, key)
 
     monkeypatch.setattr(StructuredOutputManager, "_compile", slow_compile)
-    llm = LLM(qwen2_path, dtype="float32")
+    llm = LLM(qwen2_path, dtype="float32", multiprocess=False)
     core = llm.engine_core
     grammar = SamplingParams(temperature=0, max_tokens=100, structured_outputs=JSON)
     prompt = llm.input_processor.process(PROMPTS[1]).result()
@@ -130,7 +130,7 @@ def test_compiling_does_not_hold_up_other_requests(qwen2_path, monkeypatch) -> N
     ],
 )
 def test_a_constraint_that_does_not_compile_is_a_value_error(qwen2_path, params, message):
-    llm = LLM(qwen2_path, dtype="float32")
+    llm = LLM(qwen2_path, dtype="float32", multiprocess=False)
     with pytest.raises(ValueError, match=message):
         llm.generate("Hi", SamplingParams(structured_outputs=params), use_tqdm=False)
     with pytest.raises(ValueError, match="logit_bias token ids"):
@@ -154,7 +154,7 @@ def test_a_grammar_that_fails_in_the_engine_ends_its_request(qwen2_path, monkeyp
         raise RuntimeError("[04:35:06] /project/cpp/compiler.cc:7: no luck")
 
     monkeypatch.setattr(StructuredOutputManager, "_compile", failing_compile)
-    llm = LLM(qwen2_path, dtype="float32")
+    llm = LLM(qwen2_path, dtype="float32", multiprocess=False)
     params = [SamplingParams(max_tokens=3, structured_outputs=JSON), SamplingParams(max_tokens=3)]
     failed, served = llm.generate(["Hi", "Hi"], params, use_tqdm=False)
     assert (failed.outputs[0].finish_reason, failed.outputs[0].token_ids) == ("abort", [])
