@@ -46,6 +46,17 @@ class RequestGrammar:
     num_accepted: int = 0  # output tokens the matcher has taken
     done: bool = False  # the output is complete, or took a token the grammar forbids
 
+    def accept(self, token_id: int, index: int) -> None:
+        """Take output token number ``index`` (from 0), unless already taken or done."""
+        if self.done or self.num_accepted != index:
+            return
+        self.num_accepted += 1
+        if not self.matcher.accept_token(token_id):
+            logger.warning("A request sampled token %d, which its grammar forbids.", token_id)
+            self.done = True
+        else:
+            self.done = self.matcher.is_terminated()
+
 
 class StructuredOutputManager:
     """Compiles grammars off the engine loop and fills the bitmask of each step.
@@ -92,38 +103,22 @@ class StructuredOutputManager:
 
     def accept_tokens(self, runner_output: ModelRunnerOutput, requests: dict[str, Request]) -> None:
         """Advance the matchers of the grammar requests by the tokens they sampled in a step,
-        all at once (xgrammar's threads), ahead of ``update_from_output``: the engine then
-        fills the next bitmask before that update."""
-        grammars, tokens = [], []
+        ahead of ``update_from_output``: the engine then fills the next bitmask before that
+        update. (One call per token: xgrammar's threaded batch accept measured slower, 1.7
+        against 0.5 ms for 256 requests.)"""
         outputs = zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
         for req_id, sampled in outputs:
             request = requests.get(req_id)
             if request is not None and request.grammar is not None and sampled:
-                grammar = request.grammar
                 # One token per step and request (no speculative decoding).
-                if not grammar.done and grammar.num_accepted == request.num_output_tokens:
-                    grammars.append(grammar)
-                    tokens.append(sampled[0])
-        if grammars:
-            accepted = self._batch().batch_accept_token([g.matcher for g in grammars], tokens)
-            for grammar, ok, token in zip(grammars, accepted, tokens, strict=True):
-                self._record(grammar, ok, token)
+                request.grammar.accept(sampled[0], request.num_output_tokens)
 
     def accept_token(self, request: Request, token_id: int) -> bool:
         """Advance the request's matcher by its last output token (unless ``accept_tokens``
         did); True when its output is complete (the grammar accepted a stop token) or cannot
         continue (a token the grammar forbids)."""
-        grammar = request.grammar
-        if not grammar.done and grammar.num_accepted < request.num_output_tokens:
-            self._record(grammar, grammar.matcher.accept_token(token_id), token_id)
-        return grammar.done
-
-    @staticmethod
-    def _record(grammar: RequestGrammar, accepted: bool, token_id: int) -> None:
-        grammar.num_accepted += 1
-        grammar.done = not accepted or grammar.matcher.is_terminated()
-        if not accepted:
-            logger.warning("A request sampled token %d, which its grammar forbids.", token_id)
+        request.grammar.accept(token_id, request.num_output_tokens - 1)
+        return request.grammar.done
 
     def _batch(self) -> Any:
         if self._batch_matcher is None:
