@@ -1,5 +1,6 @@
-"""The request fields that constrain the output: OpenAI's ``response_format`` and
-``logit_bias``, vLLM's ``structured_outputs``; they become ``SamplingParams`` fields."""
+"""The request fields that constrain the output: OpenAI's ``response_format``, ``logit_bias``
+and ``tool_choice`` (``required`` or a named function: ``tool_calls.ToolMode``), vLLM's
+``structured_outputs``; they become ``SamplingParams`` fields."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 from mm_serve.entrypoints.openai.errors import bad_request
 from mm_serve.entrypoints.openai.protocol import SamplingRequest
+from mm_serve.entrypoints.openai.tool_calls import ToolMode
 from mm_serve.structured_outputs import StructuredOutputsParams, check_grammar
 
 
@@ -24,6 +26,12 @@ def output_constraints(request: SamplingRequest, vocab_size: int) -> dict[str, A
     if request.logit_bias:
         kwargs["logit_bias"] = _logit_bias(request.logit_bias, vocab_size)
     params, field = _structured_outputs(request)
+    tool_constraint = ToolMode.of(request).constraint(request) if _has_tools(request) else None
+    if tool_constraint is not None:
+        if params is not None:
+            message = f"{field} cannot be used with tool_choice 'required' or a named function."
+            raise bad_request(message, param=field)
+        params, field = tool_constraint, "tools"
     if params is not None:
         try:
             check_grammar(params)
@@ -31,6 +39,10 @@ def output_constraints(request: SamplingRequest, vocab_size: int) -> dict[str, A
             raise bad_request(str(e), param=field) from None
         kwargs["structured_outputs"] = params
     return kwargs
+
+
+def _has_tools(request: SamplingRequest) -> bool:
+    return getattr(request, "tools", None) is not None
 
 
 def _logit_bias(logit_bias: dict[str, float], vocab_size: int) -> dict[int, float]:

@@ -21,6 +21,13 @@ from pydantic import (
     model_serializer,
 )
 
+from mm_serve.entrypoints.openai.protocol_tools import (
+    ChatTool,
+    DeltaToolCall,
+    NamedToolChoice,
+    ToolCall,
+)
+
 # ---- requests ----------------------------------------------------------------------------
 
 # Parameters of OpenAI's chat-completions and completions APIs, and vLLM extensions, that this
@@ -74,9 +81,11 @@ ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
 
 
 class ChatMessage(BaseModel):
-    role: str  # "system", "user", "assistant", ...: what the chat template accepts
+    role: str  # "system", "user", "assistant", "tool", ...: what the chat template accepts
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
 
 
 class JSONSchemaFormat(BaseModel):
@@ -156,6 +165,9 @@ class SamplingRequest(_Request):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # None: true
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -256,6 +268,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"  # with add_generation_prompt false: the last message's role
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 def _now() -> int:
@@ -314,6 +327,7 @@ class DeltaMessage(BaseModel):
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict:

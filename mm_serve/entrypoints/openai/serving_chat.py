@@ -34,6 +34,7 @@ from mm_serve.entrypoints.openai.serving_common import (
     stream_with_errors,
     usage_info,
 )
+from mm_serve.entrypoints.openai.tool_calls import ToolCallStream, ToolMode, template_messages
 from mm_serve.frontend.async_llm import AsyncLLM
 from mm_serve.outputs import CompletionOutput, RequestOutput
 
@@ -44,6 +45,7 @@ class _Reply(Reply):
     echo: str = dataclasses.field(
         default="", kw_only=True
     )  # what each choice's content starts with
+    tools: ToolMode = dataclasses.field(default=ToolMode("none"), kw_only=True)
 
     def logprobs(self, output: CompletionOutput) -> ChatLogprobs | None:
         if self.num_top_logprobs is None:
@@ -74,6 +76,7 @@ class ServingChat(ServingBase):
         num_top = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens
         max_tokens = request.max_tokens if max_tokens is None else max_tokens
+        tools = ToolMode.of(request)
         params = self.sampling_params(request, max_tokens, num_top)
         check_chat_template_options(
             request.messages, request.add_generation_prompt, request.continue_final_message
@@ -81,12 +84,16 @@ class ServingChat(ServingBase):
         if request.cache_salt is not None and not request.cache_salt:
             raise bad_request("cache_salt must not be empty.", param="cache_salt")
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
-        messages = await self.media.resolve(messages)
+        messages = template_messages(await self.media.resolve(messages))
+        template_tools = None
+        if request.tools:
+            template_tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
         with user_errors():
             processed = await self.llm.process_chat(
                 messages,
                 request.cache_salt,
                 request.mm_processor_kwargs,
+                tools=template_tools,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 chat_template_kwargs=request.chat_template_kwargs,
@@ -103,6 +110,7 @@ class ServingChat(ServingBase):
             return_token_ids=request.return_token_ids,
             role=role,
             echo=_echo(request.messages[-1], role) if request.echo else "",
+            tools=tools,
         )
         outputs = self.generate(request, processed, params, reply.request_id, arrival_time)
         if request.stream:
@@ -148,17 +156,20 @@ def _echo(last: ChatMessage, role: str) -> str:
 
 
 def _response(output: RequestOutput, reply: _Reply) -> ChatCompletionResponse:
-    choices = [
-        ChatCompletionChoice(
+    choices = []
+    for c in output.outputs:
+        content, tool_calls = reply.tools.calls(c.text)
+        content = reply.echo + content if content is not None else (reply.echo or None)
+        message = ChatResponseMessage(role=reply.role, content=content, tool_calls=tool_calls)
+        choice = ChatCompletionChoice(
             index=c.index,
-            message=ChatResponseMessage(role=reply.role, content=reply.echo + c.text),
+            message=message,
             logprobs=reply.logprobs(c),
-            finish_reason=c.finish_reason,
+            finish_reason=reply.tools.finish_reason(c.finish_reason, tool_calls),
             stop_reason=c.stop_reason,
             token_ids=reply.token_ids(c.token_ids),
         )
-        for c in output.outputs
-    ]
+        choices.append(choice)
     num_completion = sum(len(c.token_ids) for c in output.outputs)
     usage = usage_info(
         len(output.prompt_token_ids),
@@ -184,6 +195,7 @@ async def _stream(
     (empty for a token without text of its own) and no role; the last token's chunk has the
     finish reason."""
     started: set[int] = set()
+    tool_streams: dict[int, ToolCallStream] = {}
     num_completion = 0
     last = None
     async with contextlib.aclosing(outputs):
@@ -204,8 +216,13 @@ async def _stream(
                         )
                         yield sse_event(reply.response(ChatCompletionChunk, [choice]))
                 for piece in per_token(delta):
-                    choice = _stream_choice(piece, reply)
-                    yield sse_event(reply.response(ChatCompletionChunk, [choice]))
+                    if reply.tools.choice == "none":
+                        choices = [_stream_choice(piece, reply)]
+                    else:
+                        stream = tool_streams.setdefault(delta.index, ToolCallStream(reply.tools))
+                        choices = _tool_stream_choices(piece, stream, reply)
+                    for choice in choices:
+                        yield sse_event(reply.response(ChatCompletionChunk, [choice]))
                 num_completion += len(delta.token_ids)
     if include_usage and last is not None:
         usage = usage_info(
@@ -215,6 +232,22 @@ async def _stream(
             last.num_cached_images,
         )
         yield sse_event(reply.response(ChatCompletionChunk, [], usage))
+
+
+def _tool_stream_choices(
+    piece: CompletionOutput, stream: ToolCallStream, reply: _Reply
+) -> list[ChatCompletionStreamChoice]:
+    """A token's chunks when the reply may hold tool calls (``ToolCallStream``); the last of a
+    finished choice has its finish reason."""
+    finished = piece.finish_reason is not None
+    deltas = stream.deltas(piece.text, finished)
+    if finished and not deltas:
+        deltas = [DeltaMessage()]
+    choices = [ChatCompletionStreamChoice(index=piece.index, delta=d) for d in deltas]
+    if finished:
+        choices[-1].finish_reason = reply.tools.finish_reason(piece.finish_reason, stream.calls)
+        choices[-1].stop_reason = piece.stop_reason
+    return choices
 
 
 def _stream_choice(piece: CompletionOutput, reply: _Reply) -> ChatCompletionStreamChoice:
