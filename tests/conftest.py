@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mm_serve.testing.checkpoints import build_tiny_checkpoint
+from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -16,6 +17,12 @@ def llama_path(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def qwen2_path(tmp_path_factory) -> str:
     return build_tiny_checkpoint(tmp_path_factory.mktemp("qwen2"), family="qwen2", seed=1)
+
+
+@pytest.fixture(scope="session")
+def vlm_path(tmp_path_factory) -> str:
+    """A tiny Qwen2-VL (the API tests' server; a module may define its own)."""
+    return build_tiny_vlm_checkpoint(tmp_path_factory.mktemp("qwen2_vl"), "qwen2_vl", seed=5)
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen2"])

@@ -5,17 +5,11 @@ stream sends the final result; fields beam search cannot honour are a 400 naming
 
 from __future__ import annotations
 
-import base64
-import io
-
-import numpy as np
 import openai
 import pytest
-from PIL import Image
 
 from mm_serve import LLM, BeamSearchParams
-from mm_serve.testing.server import serve_checked
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from mm_serve.testing.server import noise_png_url, openai_client
 
 MODEL = "tiny-vlm"
 MAX_MODEL_LEN = 512
@@ -23,18 +17,11 @@ ENGINE_FLAGS = ["--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "64"]
 BEAM = {"use_beam_search": True, "return_token_ids": True}
 
 
-def _image_url() -> str:
-    pixels = np.random.default_rng(1).integers(0, 256, (60, 80, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
 MESSAGES = [
     {
         "role": "user",
         "content": [
-            {"type": "image_url", "image_url": {"url": _image_url()}},
+            {"type": "image_url", "image_url": {"url": noise_png_url(1, 60, 80)}},
             {"type": "text", "text": "What is in this picture?"},
         ],
     }
@@ -42,14 +29,8 @@ MESSAGES = [
 
 
 @pytest.fixture(scope="module")
-def vlm_path(tmp_path_factory) -> str:
-    return build_tiny_vlm_checkpoint(tmp_path_factory.mktemp("qwen2_vl"), "qwen2_vl", seed=5)
-
-
-@pytest.fixture(scope="module")
 def client(vlm_path):
-    for server in serve_checked(vlm_path, [*ENGINE_FLAGS, "--served-model-name", MODEL]):
-        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    yield from openai_client(vlm_path, ENGINE_FLAGS, MODEL)
 
 
 @pytest.fixture(scope="module")

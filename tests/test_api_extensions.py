@@ -4,35 +4,22 @@ with the offline ``LLM`` on the same checkpoint as the reference."""
 
 from __future__ import annotations
 
-import base64
-import io
-
-import numpy as np
 import openai
 import pytest
-from PIL import Image
 
 from mm_serve import LLM, SamplingParams
-from mm_serve.testing.server import serve_checked
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from mm_serve.testing.server import noise_png_url, openai_client
 
 MODEL = "tiny-vlm"
 MAX_MODEL_LEN = 512
 MAX_TOKENS = 10
 
 
-def _image_url() -> str:
-    pixels = np.random.default_rng(0).integers(0, 256, (90, 120, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
 MESSAGES = [
     {
         "role": "user",
         "content": [
-            {"type": "image_url", "image_url": {"url": _image_url()}},
+            {"type": "image_url", "image_url": {"url": noise_png_url(0, 90, 120)}},
             {"type": "text", "text": "What is in this picture?"},
         ],
     }
@@ -40,15 +27,9 @@ MESSAGES = [
 
 
 @pytest.fixture(scope="module")
-def vlm_path(tmp_path_factory) -> str:
-    return build_tiny_vlm_checkpoint(tmp_path_factory.mktemp("qwen2_vl"), "qwen2_vl", seed=5)
-
-
-@pytest.fixture(scope="module")
 def client(vlm_path):
     args = ["--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "64"]
-    for server in serve_checked(vlm_path, [*args, "--served-model-name", MODEL]):
-        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    yield from openai_client(vlm_path, args, MODEL)
 
 
 @pytest.fixture(scope="module")

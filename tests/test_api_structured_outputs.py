@@ -13,8 +13,7 @@ import openai
 import pytest
 
 from mm_serve import LLM, SamplingParams
-from mm_serve.testing.server import serve_checked
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from mm_serve.testing.server import openai_client
 
 MODEL = "tiny-vlm"
 MAX_MODEL_LEN = 512
@@ -35,15 +34,9 @@ RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "cat", "schema
 
 
 @pytest.fixture(scope="module")
-def vlm_path(tmp_path_factory) -> str:
-    return build_tiny_vlm_checkpoint(tmp_path_factory.mktemp("qwen2_vl"), "qwen2_vl", seed=5)
-
-
-@pytest.fixture(scope="module")
 def client(vlm_path):
     args = ["--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "64"]
-    for server in serve_checked(vlm_path, [*args, "--served-model-name", MODEL]):
-        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    yield from openai_client(vlm_path, args, MODEL)
 
 
 def _chat(client, **kwargs):

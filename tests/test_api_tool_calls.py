@@ -13,8 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from mm_serve.entrypoints.openai.tool_calls import HermesToolParser, ToolCallStream, ToolMode
-from mm_serve.testing.server import serve_checked
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from mm_serve.testing.server import openai_client
 
 MODEL = "tiny-vlm"
 WEATHER = {
@@ -59,17 +58,11 @@ TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def vlm_path(tmp_path_factory) -> str:
-    return build_tiny_vlm_checkpoint(tmp_path_factory.mktemp("qwen2_vl"), "qwen2_vl", seed=5)
-
-
-@pytest.fixture(scope="module")
 def client(vlm_path, tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "tools.jinja"
     template.write_text(TEMPLATE)
     args = ["--max-model-len", "1024", "--num-kv-blocks", "128", "--chat-template", str(template)]
-    for server in serve_checked(vlm_path, [*args, "--served-model-name", MODEL]):
-        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    yield from openai_client(vlm_path, args, MODEL)
 
 
 def _chat(client, **kwargs):

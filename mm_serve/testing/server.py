@@ -124,3 +124,26 @@ def serve_checked(model: str, args: list[str]) -> Iterator[RemoteServer]:
     yield remote
     assert remote.stop() == 0
     assert_group_gone(remote.proc.pid)
+
+
+def openai_client(model: str, args: list[str], name: str = "tiny-vlm") -> Iterator[Any]:
+    """``serve_checked`` on ``model`` with ``args``, served as ``name``: yields an official
+    ``openai.OpenAI`` client of it (no retries), for a pytest fixture."""
+    import openai
+
+    for server in serve_checked(model, [*args, "--served-model-name", name]):
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def noise_png_url(seed: int, height: int, width: int) -> str:
+    """A data URL of a PNG of uniform noise, ``height`` x ``width`` RGB pixels."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
