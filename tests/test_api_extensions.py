@@ -118,7 +118,28 @@ def test_completion_echo(client, llm, vlm_path):
     reply = client.completions.create(**{**body, "prompt": ids})
     assert reply.choices[0].text.startswith(tokenizer.decode(ids))
     with pytest.raises(openai.BadRequestError, match="echo"):
-        client.completions.create(**body, logprobs=1)
+        client.completions.create(**body, logprobs=1, stream=True)
+
+
+def test_completion_echo_with_logprobs(client, llm):
+    """echo with logprobs (vLLM's): the prompt's tokens lead the choice's logprobs, the first
+    with none, the others with the prompt logprobs of the offline engine; text offsets run
+    over the echoed text."""
+    prompt = "The capital of France is"
+    (ref,) = llm.generate([prompt], greedy(prompt_logprobs=2), use_tqdm=False)
+    body = dict(model=MODEL, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS, echo=True)
+    (choice,) = client.completions.create(**body, logprobs=2).choices
+    logprobs, num_prompt = choice.logprobs, len(ref.prompt_token_ids)
+    assert choice.text == prompt + ref.outputs[0].text and choice.prompt_logprobs is None
+    assert len(logprobs.tokens) == num_prompt + len(ref.outputs[0].token_ids)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    for position, step in enumerate(ref.prompt_logprobs[1:], start=1):
+        expected = step[ref.prompt_token_ids[position]]
+        assert logprobs.token_logprobs[position] == pytest.approx(expected.logprob, abs=1e-4)
+        assert logprobs.tokens[position] == expected.decoded_token
+    assert "".join(logprobs.tokens[:num_prompt]) == prompt
+    offsets = logprobs.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[num_prompt] == len(prompt)
 
 
 def test_completion_logprobs_zero_gives_the_sampled_token(client):

@@ -8,14 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from mm_serve.entrypoints.openai.errors import bad_request, user_errors
-from mm_serve.entrypoints.openai.logprobs import completion_logprobs, prompt_logprobs_field
+from mm_serve.entrypoints.openai.logprobs import (
+    completion_logprobs,
+    echo_logprobs,
+    prompt_logprobs_field,
+)
 from mm_serve.entrypoints.openai.protocol import (
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
 )
@@ -39,6 +45,7 @@ class _Reply(Reply):
     # choice index -> text offset of its next token (for logprobs.text_offset)
     offsets: dict[int, int] = field(default_factory=dict)
     echo_texts: list[str] | None = None  # echo: each prompt's text, before its completions
+    show_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field asked for
 
     def choice(
         self, prompt_index: int, output: CompletionOutput, prompt: RequestOutput | None
@@ -47,16 +54,10 @@ class _Reply(Reply):
         ``return_token_ids``), prompt logprobs and echoed text when given: in a stream, in the
         choice's first chunk only."""
         index = prompt_index * self.n + output.index
+        echo = self.echo_texts[prompt_index] if self.echo_texts and prompt else ""
         logprobs = None
         if self.num_top_logprobs is not None:
-            logprobs, self.offsets[index] = completion_logprobs(
-                output.token_ids,
-                output.logprobs,
-                self.num_top_logprobs,
-                self.tokens_as_ids,
-                self.offsets.get(index, 0),
-            )
-        echo = self.echo_texts[prompt_index] if self.echo_texts and prompt else ""
+            logprobs = self._logprobs(index, output, prompt if echo else None, echo)
         return CompletionChoice(
             index=index,
             text=echo + output.text,
@@ -65,7 +66,28 @@ class _Reply(Reply):
             stop_reason=output.stop_reason,
             token_ids=self.token_ids(output.token_ids),
             prompt_token_ids=self.token_ids(prompt.prompt_token_ids) if prompt else None,
-            prompt_logprobs=prompt_logprobs_field(prompt.prompt_logprobs) if prompt else None,
+            prompt_logprobs=prompt_logprobs_field(prompt.prompt_logprobs)
+            if prompt and self.show_prompt_logprobs
+            else None,
+        )
+
+    def _logprobs(
+        self, index: int, output: CompletionOutput, echoed: RequestOutput | None, echo: str
+    ) -> CompletionLogprobs:
+        """The choice's ``logprobs``: an ``echoed`` prompt's (``echo_logprobs``), then its
+        tokens'."""
+        num_top, as_ids = self.num_top_logprobs, self.tokens_as_ids
+        offset, prefix = self.offsets.get(index, 0), None
+        if echoed is not None:
+            ids, steps = echoed.prompt_token_ids, echoed.prompt_logprobs
+            prefix, offset = echo_logprobs(ids, steps, echo, num_top, as_ids)
+        logprobs, self.offsets[index] = completion_logprobs(
+            output.token_ids, output.logprobs, num_top, as_ids, offset
+        )
+        if prefix is None:
+            return logprobs
+        return CompletionLogprobs(
+            **{name: getattr(prefix, name) + getattr(logprobs, name) for name in prefix.__dict__}
         )
 
 
@@ -77,11 +99,14 @@ class ServingCompletion(ServingBase):
     ) -> CompletionResponse | AsyncIterator[str]:
         model = self.model.name_for(request.model)
         include_usage = stream_usage(request)
-        if request.echo and request.logprobs is not None:
-            raise bad_request("echo is not supported with logprobs.", param="echo")
+        if request.echo and request.logprobs is not None and request.stream:
+            raise bad_request("echo with logprobs cannot be streamed.", param="echo")
         if request.suffix:
             raise bad_request("suffix is not supported.", param="suffix")
         params = self.sampling_params(request, request.max_tokens, request.logprobs)
+        if request.echo and request.logprobs is not None:  # the prompt's logprobs too
+            num = max(request.logprobs, params.prompt_logprobs or 0)
+            params = dataclasses.replace(params, prompt_logprobs=num)
         processed = []
         with user_errors():
             for prompt in _prompts(request.prompt):
@@ -104,6 +129,7 @@ class ServingCompletion(ServingBase):
             request.return_tokens_as_token_ids,
             params.n,
             return_token_ids=request.return_token_ids,
+            show_prompt_logprobs=request.prompt_logprobs is not None,
         )
         if request.echo:
             reply.echo_texts = [await self._prompt_text(p) for p in processed]
