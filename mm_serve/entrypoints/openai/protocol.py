@@ -268,7 +268,14 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"  # with add_generation_prompt false: the last message's role
     content: str | None = None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
+    tool_calls: list[ToolCall] | None = None  # left out of the JSON when there are none
+
+    @model_serializer(mode="wrap")
+    def _omit_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict:
+        message = handler(self)
+        if message.get("tool_calls") is None:
+            message.pop("tool_calls", None)
+        return message
 
 
 def _now() -> int:

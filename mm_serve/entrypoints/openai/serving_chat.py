@@ -160,7 +160,9 @@ def _response(output: RequestOutput, reply: _Reply) -> ChatCompletionResponse:
     for c in output.outputs:
         content, tool_calls = reply.tools.calls(c.text)
         content = reply.echo + content if content is not None else (reply.echo or None)
-        message = ChatResponseMessage(role=reply.role, content=content, tool_calls=tool_calls)
+        message = ChatResponseMessage(
+            role=reply.role, content=content, tool_calls=tool_calls or None
+        )
         choice = ChatCompletionChoice(
             index=c.index,
             message=message,
