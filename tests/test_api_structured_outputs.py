@@ -59,7 +59,7 @@ def test_json_schema_streamed(client) -> None:
 
 
 def test_json_object(client) -> None:
-    response = _chat(client, response_format={"type": "json_object"}, max_tokens=200)
+    response = _chat(client, response_format={"type": "json_object"}, max_tokens=200, temperature=0)
     assert response.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(response.choices[0].message.content), dict)
 
@@ -161,4 +161,5 @@ def test_invalid_constraints_are_400(client, kwargs, param, message) -> None:
     if param is not None:
         assert error["param"].startswith(param), error
     # The server still serves.
-    assert _chat(client, max_tokens=2).choices[0].finish_reason == "length"
+    still = _chat(client, max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
+    assert still.choices[0].finish_reason == "length"

@@ -127,7 +127,9 @@ def test_streamed_calls_validate(client, tool_choice) -> None:
 
 
 def test_tool_choice_none_is_text(client) -> None:
-    response = _chat(client, tool_choice="none", max_tokens=5)
+    response = _chat(
+        client, tool_choice="none", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
     message = response.choices[0].message
     assert message.content and not message.tool_calls
     assert response.choices[0].finish_reason == "length"
