@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from mm_serve import LLM, BeamSearchParams
-from mm_serve.testing.server import noise_png_url, openai_client
+from mm_serve.testing.server import image_question, noise_png_url, openai_client
 
 MODEL = "tiny-vlm"
 MAX_MODEL_LEN = 512
@@ -17,15 +17,7 @@ ENGINE_FLAGS = ["--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "64"]
 BEAM = {"use_beam_search": True, "return_token_ids": True}
 
 
-MESSAGES = [
-    {
-        "role": "user",
-        "content": [
-            {"type": "image_url", "image_url": {"url": noise_png_url(1, 60, 80)}},
-            {"type": "text", "text": "What is in this picture?"},
-        ],
-    }
-]
+MESSAGES = image_question(noise_png_url(1, 60, 80))
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mm_serve.testing.server import serve_checked
+from mm_serve.testing.server import http_client
 from mm_serve.testing.vlm_checkpoints import (
     QWEN_MIN_PIXELS,
     QWEN_VL_CHAT_TEMPLATE,
@@ -48,9 +48,7 @@ def http(vlm_path, tmp_path_factory):
     args += ["--chat-template", str(template)]
     args += ["--served-model-name", MODEL]
     args += ["--mm-processor-kwargs", json.dumps({"max_pixels": SERVER_MAX_PIXELS})]
-    for server in serve_checked(vlm_path, args):
-        with httpx.Client(base_url=server.url, timeout=120) as client:
-            yield client
+    yield from http_client(vlm_path, args)
 
 
 @pytest.fixture(scope="module")

@@ -8,22 +8,14 @@ import openai
 import pytest
 
 from mm_serve import LLM, SamplingParams
-from mm_serve.testing.server import noise_png_url, openai_client
+from mm_serve.testing.server import image_question, noise_png_url, openai_client
 
 MODEL = "tiny-vlm"
 MAX_MODEL_LEN = 512
 MAX_TOKENS = 10
 
 
-MESSAGES = [
-    {
-        "role": "user",
-        "content": [
-            {"type": "image_url", "image_url": {"url": noise_png_url(0, 90, 120)}},
-            {"type": "text", "text": "What is in this picture?"},
-        ],
-    }
-]
+MESSAGES = image_question(noise_png_url(0, 90, 120))
 
 
 @pytest.fixture(scope="module")

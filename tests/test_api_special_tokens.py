@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from mm_serve.testing.checkpoints import build_tiny_checkpoint
-from mm_serve.testing.server import serve_checked
+from mm_serve.testing.server import http_client
 
 MODEL = "tiny-llama"
 MESSAGES = [{"role": "user", "content": "Hello there"}]
@@ -22,9 +22,7 @@ def path(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def http(path):
     args = ["--max-model-len", "128", "--num-kv-blocks", "32", "--served-model-name", MODEL]
-    for server in serve_checked(path, args):
-        with httpx.Client(base_url=server.url, timeout=60) as client:
-            yield client
+    yield from http_client(path, args, timeout=60)
 
 
 @pytest.fixture(scope="module")

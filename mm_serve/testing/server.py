@@ -135,6 +135,23 @@ def openai_client(model: str, args: list[str], name: str = "tiny-vlm") -> Iterat
         yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
+def http_client(model: str, args: list[str], timeout: float = 120) -> Iterator[httpx.Client]:
+    """``serve_checked`` on ``model`` with ``args``: yields an ``httpx.Client`` of its base
+    URL, for a pytest fixture."""
+    for server in serve_checked(model, args):
+        with httpx.Client(base_url=server.url, timeout=timeout) as client:
+            yield client
+
+
+def image_question(image_url: str, question: str = "What is in this picture?") -> list[dict]:
+    """Chat messages: one user turn of an ``image_url`` part, then the question."""
+    content = [
+        {"type": "image_url", "image_url": {"url": image_url}},
+        {"type": "text", "text": question},
+    ]
+    return [{"role": "user", "content": content}]
+
+
 def noise_png_url(seed: int, height: int, width: int) -> str:
     """A data URL of a PNG of uniform noise, ``height`` x ``width`` RGB pixels."""
     import base64
