@@ -73,7 +73,7 @@ class StructuredOutputManager:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compiler")
         self._compiler: Any = None  # made on the executor's thread, with the first grammar
         self._tokenizer_size = 0  # the bitmask's width in tokens, set with the compiler
-        self._bitmask: torch.Tensor | None = None  # [rows, ceil(vocab_size / 32)] int32
+        self._bitmask: torch.Tensor | None = None  # [rows, ceil(tokenizer size / 32)] int32
         self._batch_matcher: Any = None  # xgrammar.BatchGrammarMatcher
 
     def add_request(self, request: Request) -> None:
