@@ -20,14 +20,16 @@ import pytest
 
 from mm_serve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs, load_chat_template
 from mm_serve.entrypoints.cli import (
-    _UNSET_DEFAULTS,
     DEMO_MODEL,
     build_parser,
+    main,
+    server_config_from,
+)
+from mm_serve.entrypoints.cli_flags import (
+    _UNSET_DEFAULTS,
     engine_args_from,
     format_byte_size,
-    main,
     parse_byte_size,
-    server_config_from,
 )
 from mm_serve.testing.server import assert_group_gone, free_port
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint

@@ -100,7 +100,7 @@ def test_engine_args_enforce_eager(llama_path):
 def test_cli_has_enforce_eager_flag():
     import argparse
 
-    from mm_serve.entrypoints.cli import add_engine_args
+    from mm_serve.entrypoints.cli_flags import add_engine_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

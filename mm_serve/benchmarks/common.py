@@ -35,7 +35,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     """``--model FOLDER`` or ``--model-arch NAME``, the workload's seed, and every engine flag
     of ``mm-serve serve`` (``--max-num-seqs``, ``--enforce-eager``, ``--no-async-scheduling``,
     ...; ``--seed`` seeds the engine and the synthetic requests alike)."""
-    from mm_serve.entrypoints.cli import add_engine_args
+    from mm_serve.entrypoints.cli_flags import add_engine_args
 
     group = parser.add_argument_group("model")
     group.add_argument(

@@ -1,8 +1,8 @@
 """The ``mm-serve`` command.
 
 ``mm-serve serve [MODEL] [flags]`` runs the OpenAI-compatible server. Its engine flags are made
-from the fields of ``EngineArgs`` (``--max-model-len``, ``--no-enable-prefix-caching``, ...) and
-its server flags from ``ServerConfig``, defaults included, so that ``--help`` shows the real ones.
+from the fields of ``EngineArgs`` (``cli_flags.py``) and its server flags from ``ServerConfig``,
+defaults included, so that ``--help`` shows the real ones.
 ``mm-serve chat [IMAGE] QUESTION`` asks a running server a question, about an image or not.
 ``mm-serve bench {latency,throughput,serve}`` runs a benchmark (``mm_serve/benchmarks/``).
 """
@@ -11,169 +11,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
-import decimal
 import functools
 import importlib
 import json
 import logging
 import os
-import re
 import sys
 import types
-import typing
 from pathlib import Path
-from typing import Any
 
-from mm_serve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
+from mm_serve.entrypoints.cli_flags import add_engine_args, add_flag, engine_args_from
 
 logger = logging.getLogger(__name__)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-
-# Units of byte-size flags: SI (powers of 1000) and IEC (powers of 1024). A bare "G" is
-# refused: it means 10**9 to some tools and 2**30 to others.
-_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_BYTE_UNITS |= {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-
-
-def parse_byte_size(text: str) -> int:
-    """``"512MiB"`` -> 536870912, ``"1.5GB"`` -> 1500000000, ``"4096"`` -> 4096 (bytes; a
-    fraction of a byte is dropped).
-
-    Raises:
-        argparse.ArgumentTypeError: not a non-negative number, bare or with one of the units
-            B, kB, MB, GB, TB, KiB, MiB, GiB, TiB (in any case).
-    """
-    match = re.fullmatch(r"\s*(\d+\.?\d*|\.\d+)\s*([a-z]*)\s*", text, re.IGNORECASE)
-    unit = match and _BYTE_UNITS.get(match[2].lower())
-    if not unit:
-        raise argparse.ArgumentTypeError(
-            f"invalid byte size {text!r}: give bytes or a number with a unit, e.g. 512MiB, "
-            "2GiB, 1.5GB (KiB, MiB, GiB, TiB: powers of 1024; kB, MB, GB, TB: of 1000)"
-        )
-    return int(decimal.Decimal(match[1]) * unit)
-
-
-def format_byte_size(size: int) -> str:
-    """``2 << 30`` -> ``"2GiB"``: the largest binary unit that divides ``size``, else bytes."""
-    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if size and size % factor == 0:
-            return f"{size // factor}{unit}"
-    return str(size)
-
-
-_ENGINE_ARG_HELP = {
-    "tokenizer": "Tokenizer folder or hub id.",
-    "revision": "Hub revision (branch, tag or commit) of the model.",
-    "dtype": "Weight and activation dtype: auto (the checkpoint's), float32, float16, bfloat16.",
-    "seed": "Global random seed.",
-    "max_model_len": "Prompt + output length limit in tokens.",
-    "block_size": "Tokens per KV-cache block.",
-    "enable_prefix_caching": "Reuse the KV blocks of identical prompt prefixes.",
-    "gpu_memory_utilization": "Fraction of GPU memory for weights, activations and KV cache.",
-    "cpu_kv_cache_bytes": "KV-cache budget on CPU (the pool holds at most max_num_seqs x "
-    "max_model_len tokens), in bytes or with a unit (512MiB, 2GiB).",
-    "num_kv_blocks": "KV-cache size in blocks.",
-    "max_num_batched_tokens": "Token budget of one engine step; longer prompts are chunked.",
-    "max_num_seqs": "Most requests in one engine step.",
-    "enable_chunked_prefill": "Split long prompts over several steps.",
-    "tensor_parallel_size": "GPUs per model (only 1 for now).",
-    "device": "auto, cpu or cuda.",
-    "max_pixels": "Largest input image accepted, in pixels (width x height); larger: 400.",
-    "processor_max_pixels": "Override of the image processor's resize target, in pixels.",
-    "mm_processor_kwargs": "Image processor settings as JSON (vLLM's), e.g. "
-    "'{\"max_pixels\": 802816}' for Qwen2-VL; a request's own mm_processor_kwargs apply on top.",
-    "mm_processor_cache_gb": "Processor cache size (preprocessed images) in GiB; 0: off.",
-    "mm_preprocess_workers": "Image preprocessing processes.",
-    "max_num_encoder_input_tokens": "Image embedding tokens encoded per step.",
-    "encoder_cache_size": "Encoder cache size in image embedding tokens.",
-    "enforce_eager": "No CUDA graphs: run every step eagerly.",
-    "load_format": "auto (the checkpoint's weights) or dummy (random weights, for benchmarks).",
-    "async_scheduling": "Schedule the next step while the GPU runs this one.",
-    "chat_template": "Chat template for chat requests: a Jinja file, or the template text.",
-    "kernel_mode": "Kernels of the forward: auto, triton (Triton alone) or ref (pure torch).",
-    "pdl": "Programmatic dependent launch of the Triton kernels (Hopper and newer).",
-}
-# What an EngineArgs field whose default is None resolves to, shown as its default.
-_UNSET_DEFAULTS = {
-    "tokenizer": "the model's",
-    "revision": "the hub's main branch",
-    "max_model_len": "the checkpoint's max_position_embeddings",
-    "num_kv_blocks": "what the KV-cache budget holds",
-    "max_num_batched_tokens": str(DEFAULT_MAX_NUM_BATCHED_TOKENS),
-    "processor_max_pixels": "the checkpoint's",
-    "mm_processor_kwargs": "none",
-    "mm_preprocess_workers": "half the CPU cores, 1 to 8",
-    "max_num_encoder_input_tokens": "max(token budget, largest image)",
-    "encoder_cache_size": "max(token budget, largest image)",
-    "async_scheduling": "on with CUDA, off on CPU",
-    "chat_template": "the checkpoint's",
-    "kernel_mode": "$MM_SERVE_KERNELS, else auto",
-    "pdl": "on, off with MM_SERVE_PDL=0",
-}
-
-
-def _scalar_type(hint: Any) -> type:
-    """``int | None`` -> int, ``str`` -> str."""
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        (hint,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
-    return hint
-
-
-def _add_flag(
-    group: Any, flag: str, help_text: str, default: Any = None, shown: str | None = None, **kwargs
-) -> None:
-    """``group.add_argument(flag, ...)`` with ``(default: ...)`` at the end of its help, once
-    (Python 3.10's ``BooleanOptionalAction`` appends one itself): ``shown``, else ``default``
-    (none shown when both are None). A ``--*-bytes`` flag takes units (``parse_byte_size``)."""
-    if flag.endswith("-bytes"):
-        kwargs["type"] = parse_byte_size
-        shown = shown or format_byte_size(default)
-    if shown is None and default is not None:
-        shown = str(default)
-    action = group.add_argument(flag, default=default, help=help_text, **kwargs)
-    if shown is not None and "(default:" not in action.help:
-        action.help += f" (default: {shown.replace('%', '%%')})"
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per ``EngineArgs`` field but ``model`` (bools: ``--x`` / ``--no-x``), showing
-    the field's default, or for a field whose default is None what None resolves to."""
-    group = parser.add_argument_group("engine")
-    hints = typing.get_type_hints(EngineArgs)
-    for field in dataclasses.fields(EngineArgs):
-        if field.name == "model":
-            continue
-        kind = _scalar_type(hints[field.name])
-        if kind is bool:
-            kwargs: dict[str, Any] = {"action": argparse.BooleanOptionalAction}
-        elif typing.get_origin(kind) is dict:
-            kwargs = {"type": _json_object}
-        else:
-            kwargs = {"type": kind}
-        if field.default is None:
-            kwargs["shown"] = _UNSET_DEFAULTS.get(field.name, "unset")
-        help_text = _ENGINE_ARG_HELP.get(field.name, f"EngineArgs.{field.name}.")
-        flag = "--" + field.name.replace("_", "-")
-        _add_flag(group, flag, help_text, field.default, **kwargs)
-
-
-def engine_args_from(args: argparse.Namespace) -> EngineArgs:
-    """The ``EngineArgs`` of parsed ``serve`` flags."""
-    names = [f.name for f in dataclasses.fields(EngineArgs) if f.name != "model"]
-    return EngineArgs(model=args.model, **{name: getattr(args, name) for name in names})
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    """A flag's JSON object, e.g. ``--mm-processor-kwargs '{"max_pixels": 802816}'``."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"invalid JSON {text!r}: {e}") from e
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, not {text!r}")
-    return value
 
 
 def _images_limit(text: str) -> int:
@@ -196,7 +47,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     from mm_serve.entrypoints.openai.media import MediaConfig
 
     server, media = ServerConfig(), MediaConfig()
-    add = functools.partial(_add_flag, parser.add_argument_group("server"))
+    add = functools.partial(add_flag, parser.add_argument_group("server"))
     add("--host", "Address to listen on.", server.host)
     add("--port", "Port to listen on.", server.port, type=int)
     add("--api-key", "Require 'Authorization: Bearer <key>' on /v1/* (401 without).")
@@ -367,7 +218,7 @@ def add_chat_parser(commands) -> None:
     chat_parser = commands.add_parser("chat", help="Ask a running server (about an image).")
     chat_parser.add_argument("image", nargs="?", help="Image file or URL (optional).")
     chat_parser.add_argument("question")
-    add = functools.partial(_add_flag, chat_parser)
+    add = functools.partial(add_flag, chat_parser)
     add("--url", "Server URL.", "http://127.0.0.1:8000")
     add("--api-key", "The server's API key, if it needs one.")
     add("--max-tokens", "Most tokens in the answer.", 256, type=int)
