@@ -36,7 +36,11 @@ from mm_serve.worker.mm_inputs import (
     mrope_positions,
     scheduled_slices,
 )
-from mm_serve.worker.prompt_logprobs import PromptLogprobsJob, compute_prompt_logprobs
+from mm_serve.worker.prompt_logprobs import (
+    PromptLogprobsJob,
+    compute_prompt_logprobs,
+    prompt_logprobs_jobs,
+)
 from mm_serve.worker.sampler import Sampler
 from mm_serve.worker.sampling_metadata import GrammarMask
 from mm_serve.worker.step_output import PendingOutput, SampledTokens
@@ -310,38 +314,10 @@ class ModelRunner:
             attn_metadata=attn_metadata,
             sample_rows=sample_rows,
             logits_indices=to_device(cu_num_tokens[sample_rows] - 1, device, torch.int64),
-            prompt_logprobs_jobs=self._prompt_logprobs_jobs(num_computed, query_start_loc),
+            prompt_logprobs_jobs=prompt_logprobs_jobs(
+                self.input_batch, num_computed, query_start_loc, self.device
+            ),
         )
-
-    def _prompt_logprobs_jobs(
-        self, num_computed: np.ndarray, query_start_loc: np.ndarray
-    ) -> list[PromptLogprobsJob]:
-        """Rows wanting prompt logprobs: the hidden state at prompt position p predicts p+1."""
-        jobs = []
-        for row, state in enumerate(self.input_batch.states[: self.input_batch.num_reqs]):
-            k = state.sampling_params.prompt_logprobs
-            if k is None:
-                continue
-            start = max(int(num_computed[row]), state.num_prompt_logprobs_done)
-            chunk_end = int(num_computed[row]) + int(
-                query_start_loc[row + 1] - query_start_loc[row]
-            )
-            end = min(chunk_end, len(state.prompt_token_ids) - 1)
-            if start >= end:
-                continue
-            first = int(query_start_loc[row]) + start - int(num_computed[row])
-            jobs.append(
-                PromptLogprobsJob(
-                    req_id=state.req_id,
-                    num_logprobs=k,
-                    token_indices=torch.arange(first, first + end - start, device=self.device),
-                    next_token_ids=torch.tensor(
-                        state.prompt_token_ids[start + 1 : end + 1], device=self.device
-                    ),
-                )
-            )
-            state.num_prompt_logprobs_done = end
-        return jobs
 
     def _fill_in_flight_tokens(
         self,

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from mm_serve.worker.input_batch import InputBatch
 from mm_serve.worker.sampler import compute_topk_logprobs
 
 
@@ -17,6 +19,44 @@ class PromptLogprobsJob:
     num_logprobs: int  # top-k to report beside the actual token
     token_indices: torch.Tensor  # [n] rows of the batch whose hidden state predicts the next
     next_token_ids: torch.Tensor  # [n] the prompt tokens those rows predict
+
+
+def prompt_logprobs_jobs(
+    batch: InputBatch,
+    num_computed: np.ndarray,
+    query_start_loc: np.ndarray,
+    device: torch.device,
+) -> list[PromptLogprobsJob]:
+    """The step's jobs: each row wanting prompt logprobs whose window covers prompt positions
+    not done yet (the hidden state at prompt position p predicts token p+1).
+
+    Args:
+        num_computed: ``[num_reqs]`` tokens computed before this step, per batch row.
+        query_start_loc: ``[num_reqs + 1]`` start of each row's tokens in the step.
+    """
+    jobs = []
+    for row, state in enumerate(batch.states[: batch.num_reqs]):
+        k = state.sampling_params.prompt_logprobs
+        if k is None:
+            continue
+        start = max(int(num_computed[row]), state.num_prompt_logprobs_done)
+        chunk_end = int(num_computed[row]) + int(query_start_loc[row + 1] - query_start_loc[row])
+        end = min(chunk_end, len(state.prompt_token_ids) - 1)
+        if start >= end:
+            continue
+        first = int(query_start_loc[row]) + start - int(num_computed[row])
+        jobs.append(
+            PromptLogprobsJob(
+                req_id=state.req_id,
+                num_logprobs=k,
+                token_indices=torch.arange(first, first + end - start, device=device),
+                next_token_ids=torch.tensor(
+                    state.prompt_token_ids[start + 1 : end + 1], device=device
+                ),
+            )
+        )
+        state.num_prompt_logprobs_done = end
+    return jobs
 
 
 def compute_prompt_logprobs(
