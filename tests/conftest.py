@@ -25,6 +25,17 @@ def vlm_path(tmp_path_factory) -> str:
     return build_tiny_vlm_checkpoint(tmp_path_factory.mktemp("qwen2_vl"), "qwen2_vl", seed=5)
 
 
+@pytest.fixture(scope="module")
+def vlm_llm(vlm_path):
+    """The offline engine on ``vlm_path``, sized as the API tests' servers (the reference of
+    what they serve)."""
+    from mm_serve import LLM
+
+    llm = LLM(vlm_path, max_model_len=512, num_kv_blocks=64)
+    yield llm
+    llm.shutdown()
+
+
 @pytest.fixture(scope="session", params=["llama", "qwen2"])
 def model_path(request, llama_path, qwen2_path) -> str:
     return {"llama": llama_path, "qwen2": qwen2_path}[request.param]

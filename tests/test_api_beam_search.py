@@ -25,26 +25,19 @@ def client(vlm_path):
     yield from openai_client(vlm_path, ENGINE_FLAGS, MODEL)
 
 
-@pytest.fixture(scope="module")
-def llm(vlm_path):
-    llm = LLM(vlm_path, max_model_len=MAX_MODEL_LEN, num_kv_blocks=64)
-    yield llm
-    llm.shutdown()
-
-
-def reference(llm: LLM, prompt, width: int, max_tokens: int, length_penalty: float = 1.0):
+def reference(vlm_llm: LLM, prompt, width: int, max_tokens: int, length_penalty: float = 1.0):
     params = BeamSearchParams(width, max_tokens, length_penalty=length_penalty)
-    (output,) = llm.beam_search(prompt, params)
+    (output,) = vlm_llm.beam_search(prompt, params)
     scores = [s.score for s in output.sequences]
     assert scores == sorted(scores, reverse=True)
     return output.sequences
 
 
-def test_chat_beam_search_as_offline_llm(client, llm):
+def test_chat_beam_search_as_offline_llm(client, vlm_llm):
     """``n`` choices, best first, as ``LLM.beam_search`` finds them for the rendered chat (the
     image included); their logprobs add up to each sequence's cumulative logprob; a stream
     gives the same choices."""
-    sequences = reference(llm, llm.input_processor.apply_chat_template(MESSAGES), 3, 8, 0.5)
+    sequences = reference(vlm_llm, vlm_llm.input_processor.apply_chat_template(MESSAGES), 3, 8, 0.5)
     body = dict(model=MODEL, messages=MESSAGES, n=3, max_tokens=8, logprobs=True, top_logprobs=2)
     extra = BEAM | {"length_penalty": 0.5}
     reply = client.chat.completions.create(**body, extra_body=extra)
@@ -65,14 +58,14 @@ def test_chat_beam_search_as_offline_llm(client, llm):
     assert streamed == {i: s.output_token_ids for i, s in enumerate(sequences)}
 
 
-def test_completions_beam_search_as_offline_llm(client, llm):
+def test_completions_beam_search_as_offline_llm(client, vlm_llm):
     """A batch of prompts: choice ``i * n + j`` is prompt ``i``'s ``j``-th best sequence."""
     prompts = ["The harbor town woke", "A neural network is"]
     body = dict(model=MODEL, prompt=prompts, n=2, max_tokens=6, logprobs=1)
     reply = client.completions.create(**body, extra_body=BEAM)
     assert len(reply.choices) == 4
     for i, prompt in enumerate(prompts):
-        for j, sequence in enumerate(reference(llm, prompt, 2, 6)):
+        for j, sequence in enumerate(reference(vlm_llm, prompt, 2, 6)):
             choice = reply.choices[i * 2 + j]
             assert choice.index == i * 2 + j
             assert (choice.text, choice.token_ids) == (sequence.text, sequence.output_token_ids)

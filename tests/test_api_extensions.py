@@ -7,7 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from mm_serve import LLM, SamplingParams
+from mm_serve import SamplingParams
 from mm_serve.testing.server import image_question, noise_png_url, openai_client
 
 MODEL = "tiny-vlm"
@@ -24,22 +24,15 @@ def client(vlm_path):
     yield from openai_client(vlm_path, args, MODEL)
 
 
-@pytest.fixture(scope="module")
-def llm(vlm_path):
-    llm = LLM(vlm_path, max_model_len=MAX_MODEL_LEN, num_kv_blocks=64)
-    yield llm
-    llm.shutdown()
-
-
 def greedy(**kwargs) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2, **kwargs)
 
 
-def test_return_token_ids_as_offline_llm(client, llm):
+def test_return_token_ids_as_offline_llm(client, vlm_llm):
     """vLLM's return_token_ids: the prompt's ids (image placeholders expanded) once, and each
     choice's generated ids, in a response and across a stream's chunks."""
     messages = MESSAGES
-    (ref,) = llm.chat(messages, greedy(), use_tqdm=False)
+    (ref,) = vlm_llm.chat(messages, greedy(), use_tqdm=False)
     body = dict(model=MODEL, messages=messages, temperature=0, max_tokens=MAX_TOKENS)
     extra = {"return_token_ids": True}
     reply = client.chat.completions.create(**body, extra_body=extra)
@@ -53,7 +46,7 @@ def test_return_token_ids_as_offline_llm(client, llm):
     assert plain.prompt_token_ids is None and plain.choices[0].token_ids is None
 
     prompt = "The capital of France is"
-    (ref,) = llm.generate([prompt], greedy(), use_tqdm=False)
+    (ref,) = vlm_llm.generate([prompt], greedy(), use_tqdm=False)
     body = dict(model=MODEL, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS)
     (choice,) = client.completions.create(**body, extra_body=extra).choices
     assert (choice.prompt_token_ids, choice.token_ids) == (
@@ -66,7 +59,7 @@ def test_return_token_ids_as_offline_llm(client, llm):
     assert [t for c in chunks for t in c.choices[0].token_ids] == ref.outputs[0].token_ids
 
 
-def test_prompt_logprobs_as_offline_llm(client, llm):
+def test_prompt_logprobs_as_offline_llm(client, vlm_llm):
     """vLLM's prompt_logprobs: None for the first prompt token, then each token's logprob with
     the top 2, equal to the offline LLM's; on chat (images expanded) and completions."""
 
@@ -81,12 +74,12 @@ def test_prompt_logprobs_as_offline_llm(client, llm):
 
     params = greedy(prompt_logprobs=2)
     prompt = "The capital of France is"
-    (ref,) = llm.generate([prompt], params, use_tqdm=False)
+    (ref,) = vlm_llm.generate([prompt], params, use_tqdm=False)
     body = dict(model=MODEL, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS)
     (choice,) = client.completions.create(**body, extra_body={"prompt_logprobs": 2}).choices
     same(choice.prompt_logprobs, ref.prompt_logprobs)
     messages = MESSAGES
-    (ref,) = llm.chat(messages, params, use_tqdm=False)
+    (ref,) = vlm_llm.chat(messages, params, use_tqdm=False)
     body = dict(model=MODEL, messages=messages, temperature=0, max_tokens=MAX_TOKENS)
     reply = client.chat.completions.create(**body, extra_body={"prompt_logprobs": 2})
     same(reply.prompt_logprobs, ref.prompt_logprobs)
@@ -94,13 +87,13 @@ def test_prompt_logprobs_as_offline_llm(client, llm):
         client.chat.completions.create(**body, stream=True, extra_body={"prompt_logprobs": 2})
 
 
-def test_completion_echo(client, llm, vlm_path):
+def test_completion_echo(client, vlm_llm, vlm_path):
     """echo: each choice's text starts with its prompt (token-id prompts decoded), in a
     response and in a stream's first chunk; not with logprobs (a 400 naming echo)."""
     from transformers import AutoTokenizer
 
     prompt = "The capital of France is"
-    (ref,) = llm.generate([prompt], greedy(), use_tqdm=False)
+    (ref,) = vlm_llm.generate([prompt], greedy(), use_tqdm=False)
     body = dict(model=MODEL, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS, echo=True)
     assert client.completions.create(**body).choices[0].text == prompt + ref.outputs[0].text
     streamed = "".join(c.choices[0].text for c in client.completions.create(**body, stream=True))
@@ -113,12 +106,12 @@ def test_completion_echo(client, llm, vlm_path):
         client.completions.create(**body, logprobs=1, stream=True)
 
 
-def test_completion_echo_with_logprobs(client, llm):
+def test_completion_echo_with_logprobs(client, vlm_llm):
     """echo with logprobs (vLLM's): the prompt's tokens lead the choice's logprobs, the first
     with none, the others with the prompt logprobs of the offline engine; text offsets run
     over the echoed text."""
     prompt = "The capital of France is"
-    (ref,) = llm.generate([prompt], greedy(prompt_logprobs=2), use_tqdm=False)
+    (ref,) = vlm_llm.generate([prompt], greedy(prompt_logprobs=2), use_tqdm=False)
     body = dict(model=MODEL, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS, echo=True)
     (choice,) = client.completions.create(**body, logprobs=2).choices
     logprobs, num_prompt = choice.logprobs, len(ref.prompt_token_ids)

@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from mm_serve import LLM, SamplingParams
+from mm_serve import SamplingParams
 from mm_serve.testing.server import openai_client
 
 MODEL = "tiny-vlm"
@@ -82,13 +82,10 @@ def test_regex_choice_and_grammar_on_both_endpoints(client) -> None:
         assert all(check(text) for text in texts), texts
 
 
-def test_with_and_without_grammars_in_one_batch(client, vlm_path) -> None:
+def test_with_and_without_grammars_in_one_batch(client, vlm_llm) -> None:
     """Concurrent requests share steps; the plain ones are the same as alone."""
-    llm = LLM(vlm_path, max_model_len=MAX_MODEL_LEN, num_kv_blocks=64)
-    try:
-        alone = llm.chat(USER, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
-    finally:
-        llm.shutdown()
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    alone = vlm_llm.chat(USER, greedy)[0].outputs[0].text
     with ThreadPoolExecutor(8) as pool:
         plain = [pool.submit(_chat, client, temperature=0, max_tokens=12) for _ in range(4)]
         constrained = [

@@ -28,6 +28,7 @@ from mm_serve.entrypoints.openai.protocol_tools import (
     DeltaFunctionCall,
     DeltaToolCall,
     FunctionCall,
+    NamedToolChoice,
     ToolCall,
 )
 from mm_serve.structured_outputs import StructuredOutputsParams
@@ -91,8 +92,8 @@ class ToolMode:
             if choice not in (None, "none"):
                 raise bad_request("tool_choice needs tools.", param="tool_choice")
             return cls("none")
-        if isinstance(choice, dict) or hasattr(choice, "function"):
-            name = choice["function"]["name"] if isinstance(choice, dict) else choice.function.name
+        if isinstance(choice, NamedToolChoice):
+            name = choice.function.name
             if name not in {tool.function.name for tool in request.tools}:
                 raise bad_request(f"tool_choice names no tool {name!r}.", param="tool_choice")
             return cls("named", name)
@@ -170,15 +171,14 @@ class ToolCallStream:
         """The deltas for ``text``, the choice's next piece (``finished``: its last)."""
         self.text += text
         if self.mode.choice == "named":
-            first = not self.calls
-            if first:
-                self.calls = self.mode.calls("")[1]
             call = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text))
-            if first:
-                call = DeltaToolCall(index=0, id=self.calls[0].id, type="function",
-                                     function=DeltaFunctionCall(name=self.mode.function,
-                                                                arguments=text))  # fmt: skip
-            return [DeltaMessage(tool_calls=[call])] if first or text else []
+            if not self.calls:  # the call's first delta: its id and name
+                self.calls = [_tool_call(FunctionCall(name=self.mode.function, arguments=""))]
+                call.id, call.type = self.calls[0].id, "function"
+                call.function.name = self.mode.function
+            elif not text:
+                return []
+            return [DeltaMessage(tool_calls=[call])]
         if not finished:
             return self._content(self._safe_end()) if self.mode.choice == "auto" else []
         content, self.calls = self.mode.calls(self.text)
