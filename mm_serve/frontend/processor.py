@@ -146,11 +146,18 @@ def check_token_ids(token_ids: list[int], model_config: ModelConfig) -> None:
 
 def check_sampling_params(params: SamplingParams, vocab_size: int) -> None:
     """What ``SamplingParams`` cannot check alone: ``logit_bias`` ids in the vocabulary, and a
-    ``structured_outputs`` constraint that compiles. Raises ValueError."""
+    ``structured_outputs`` constraint that compiles.
+
+    Raises:
+        InvalidParamError: naming ``logit_bias`` or ``structured_outputs``.
+    """
     if any(not 0 <= token < vocab_size for token in params.logit_bias or {}):
-        raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}).")
+        raise InvalidParamError("logit_bias", f"logit_bias token ids must be in [0, {vocab_size}).")
     if params.structured_outputs is not None:
-        check_grammar(params.structured_outputs)
+        try:
+            check_grammar(params.structured_outputs)
+        except ValueError as e:
+            raise InvalidParamError("structured_outputs", str(e)) from None
 
 
 def load_tokenizer(path: str):

@@ -13,18 +13,18 @@ from mm_serve.entrypoints.openai.tool_calls import ToolMode
 from mm_serve.structured_outputs import StructuredOutputsParams, check_grammar
 
 
-def output_constraints(request: SamplingRequest, vocab_size: int) -> dict[str, Any]:
+def output_constraints(request: SamplingRequest) -> dict[str, Any]:
     """``SamplingParams`` keyword arguments for the request's ``logit_bias`` and structured
     output (``response_format`` or ``structured_outputs``); empty when it sets neither.
 
     Raises:
-        APIError: (400) naming the field: a token id that is not an integer in
-            ``[0, vocab_size)``, both fields set, not exactly one ``structured_outputs`` kind,
-            or a schema, regex or grammar that does not compile (the compiler's message).
+        APIError: (400) naming the field: a token id that is not an integer, both fields
+            set, not exactly one ``structured_outputs`` kind, or a schema, regex or grammar
+            that does not compile (the compiler's message).
     """
     kwargs: dict[str, Any] = {}
-    if request.logit_bias:
-        kwargs["logit_bias"] = _logit_bias(request.logit_bias, vocab_size)
+    if request.logit_bias:  # its ids' range: frontend.processor.check_sampling_params
+        kwargs["logit_bias"] = _logit_bias(request.logit_bias)
     params, field = _structured_outputs(request)
     tool_constraint = ToolMode.of(request).constraint(request) if _has_tools(request) else None
     if tool_constraint is not None:
@@ -45,14 +45,11 @@ def _has_tools(request: SamplingRequest) -> bool:
     return getattr(request, "tools", None) is not None
 
 
-def _logit_bias(logit_bias: dict[str, float], vocab_size: int) -> dict[int, float]:
+def _logit_bias(logit_bias: dict[str, float]) -> dict[int, float]:
     try:
-        biases = {int(token): bias for token, bias in logit_bias.items()}
+        return {int(token): bias for token, bias in logit_bias.items()}
     except ValueError:
         raise bad_request("logit_bias keys must be token ids.", param="logit_bias") from None
-    if any(not 0 <= token < vocab_size for token in biases):
-        raise bad_request(f"logit_bias token ids must be in [0, {vocab_size}).", "logit_bias")
-    return biases
 
 
 def _structured_outputs(request: SamplingRequest) -> tuple[StructuredOutputsParams | None, str]:

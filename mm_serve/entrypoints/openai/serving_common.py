@@ -32,7 +32,7 @@ from mm_serve.entrypoints.openai.protocol import (
 )
 from mm_serve.entrypoints.openai.serving_beam_search import beam_search_params, check_beam_search
 from mm_serve.frontend.async_llm import AsyncLLM
-from mm_serve.frontend.processor import ProcessedPrompt
+from mm_serve.frontend.processor import ProcessedPrompt, check_sampling_params
 from mm_serve.outputs import CompletionOutput, RequestOutput
 from mm_serve.sampling_params import SamplingParams
 
@@ -235,9 +235,11 @@ class ServingBase:
             value = getattr(request, name)
             if value is not None:
                 kwargs[name] = value
-        kwargs |= output_constraints(request, self.llm.config.model.vocab_size)
+        kwargs |= output_constraints(request)
         with user_errors():
-            return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs)
+            params = SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs)
+            check_sampling_params(params, self.llm.config.model.vocab_size)
+        return params
 
     def generate(
         self,
