@@ -69,7 +69,10 @@ def _log_once(message: str, *args: object) -> None:
 
 
 def use_kernels(*tensors: torch.Tensor) -> bool:
-    """True when every tensor is on CUDA in fp16/bf16/fp32 and the mode is not ``ref``."""
+    """True when every tensor is on CUDA in fp16/bf16/fp32, the mode is not ``ref`` and Dynamo
+    is not tracing (``torch.compile`` traces the references, which Inductor fuses)."""
+    if torch.compiler.is_compiling():
+        return False
     if not all(t.is_cuda and t.dtype in _KERNEL_DTYPES for t in tensors):
         return False
     return kernel_mode() != "ref"

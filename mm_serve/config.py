@@ -200,17 +200,22 @@ def cuda_graph_num_tokens(
 
 @dataclass(frozen=True)
 class CompilationConfig:
-    """CUDA graphs of the LM forward and the vision tower.
+    """How the forward runs (``worker.cuda_graphs``, ``worker.compile``), on a CUDA device.
 
-    ``enforce_eager`` turns them off; ``cuda_graph_batch_sizes`` are the captured decode batch
-    sizes (ascending; a decode batch is padded up to the next one), ``cuda_graph_num_tokens``
-    the captured sizes of the other steps in tokens (``worker.cuda_graphs``); larger steps run
-    eagerly. Graphs are only ever used on a CUDA device.
+    ``level`` 0 runs every step eagerly; 1 replays CUDA graphs: decode-only steps padded to
+    the next of ``cuda_graph_batch_sizes``, other steps to the next of
+    ``cuda_graph_num_tokens`` (larger steps run eagerly), the vision tower per image-size
+    bucket; 2 also compiles the LM forward with ``torch.compile`` for the steps that are not
+    decode-only (graphed or not). CPU is always level 0.
     """
 
-    enforce_eager: bool = False
+    level: int = 1
     cuda_graph_batch_sizes: tuple[int, ...] = ()
     cuda_graph_num_tokens: tuple[int, ...] = ()
+
+    @property
+    def enforce_eager(self) -> bool:
+        return self.level == 0
 
 
 @dataclass(frozen=True)
@@ -221,7 +226,7 @@ class EngineConfig:
     parallel: ParallelConfig
     device: torch.device
     multimodal: MultiModalConfig
-    compilation: CompilationConfig = CompilationConfig(enforce_eager=True)
+    compilation: CompilationConfig = CompilationConfig(level=0)
     kernels: KernelConfig = KernelConfig()
 
 
@@ -252,7 +257,8 @@ class EngineArgs:
     mm_preprocess_workers: int | None = None
     max_num_encoder_input_tokens: int | None = None
     encoder_cache_size: int | None = None
-    enforce_eager: bool = False  # no CUDA graphs (always eager on CPU)
+    enforce_eager: bool = False  # compilation level 0 (always eager on CPU)
+    compilation_level: int = 2  # 0 eager, 1 CUDA graphs, 2 torch.compile + graphs
     load_format: str = "auto"
     async_scheduling: bool | None = None  # on with CUDA (where it overlaps), off on CPU
     chat_template: str | None = None  # a Jinja file or the template text (vLLM's flag)
@@ -303,8 +309,11 @@ class EngineArgs:
             ),
         )
         parallel = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
+        if self.compilation_level not in (0, 1, 2):
+            raise ValueError(f"compilation_level must be 0, 1 or 2, not {self.compilation_level}.")
+        eager = self.enforce_eager or device.type != "cuda"
         compilation = CompilationConfig(
-            enforce_eager=self.enforce_eager or device.type != "cuda",
+            level=0 if eager else self.compilation_level,
             cuda_graph_batch_sizes=cuda_graph_batch_sizes(self.max_num_seqs),
             cuda_graph_num_tokens=cuda_graph_num_tokens(batched_tokens),
         )

@@ -154,7 +154,7 @@ class _MixedEagerReplay:
         metadata.query_start_loc_cpu = metadata.query_start_loc.tolist()
         metadata.seq_lens_cpu = metadata.seq_lens.tolist()
         positions = r.positions[:, :n] if r.uses_mrope else r.positions[:n]
-        r.outputs[n].copy_(r.model(None, positions, metadata, r.inputs_embeds[:n]))
+        r.outputs[n].copy_(r.forward(positions, r.inputs_embeds[:n], metadata))
 
 
 def _install_mixed_eager_replays(llm: LLM, sizes: tuple[int, ...]) -> MixedCudaGraphRunner:
@@ -163,6 +163,7 @@ def _install_mixed_eager_replays(llm: LLM, sizes: tuple[int, ...]) -> MixedCudaG
     hidden = config.model.text_config.hidden_size
     graphs = MixedCudaGraphRunner(
         runner.model,
+        runner.lm_forward,
         sizes,
         config.model.max_model_len,
         config.cache.block_size,
@@ -243,6 +244,7 @@ def test_graphs_match_eager_and_hf(model_path, hf_reference, engine_args):
         check_against_hf(llm, hf_reference(model_path), prompts)
         assert _greedy_tokens(llm, prompts) == _greedy_tokens(eager, prompts)
     assert graphs.num_replays > 0 and mixed.num_replays > 0
+    assert llm.engine_core.model_runner.lm_forward.compile_seconds is not None  # level 2
     assert eager.engine_core.model_runner.mixed_graphs is None
     if "num_kv_blocks" in engine_args:
         assert llm.engine_core.scheduler.num_preemptions > 0

@@ -12,6 +12,7 @@
 # serve:      mm-serve serve (Qwen2-VL-2B, random weights) driven by bench serve
 # kernels:    the Triton kernel benchmark
 # gemv:       the batch-1 linear layers, Triton GEMV against cuBLAS, PDL off and on
+# startup:    mm-serve serve start to healthy, compilation levels 1 and 2, first and cached start
 # peer-serve: vLLM's bench serve (random-mm, 448x448, 50 in / 128 out) at 2, 16, 32 req/s against
 #             mm-serve and vLLM 0.33 (installed in /tmp/vsite), each fresh; cold start; verdicts.
 #             PEER_ENGINES=vllm (or mm_serve) runs one; a later run into the same $OUT reports both.
@@ -29,7 +30,7 @@ for stage in "$@"; do
     tests|tests-kernels|tests-engine)
       files=()
       [ "$stage" != tests-engine ] && files+=(tests/test_kernels_triton.py tests/test_cuda_graphs.py
-        tests/test_kernel_dispatch.py tests/test_varlen_prefill.py)
+        tests/test_compile.py tests/test_kernel_dispatch.py tests/test_varlen_prefill.py)
       [ "$stage" != tests-kernels ] && files+=(tests/test_async_scheduling.py tests/test_llm_vs_hf.py
         tests/test_vlm_vs_hf.py tests/test_pixel_path.py tests/test_structured_outputs.py)
       $PY -m pytest -q -x "${files[@]}" 2>&1 | tee "$OUT/$stage.log" | tail -5 ;;
@@ -73,6 +74,9 @@ for _ in range(300):
       $PY -m mm_serve.benchmarks.kernels 2>&1 | tee "$OUT/kernels.log" | tail -20 ;;
     gemv)
       $PY -m mm_serve.benchmarks.gemv --out "$OUT" 2>&1 | tee "$OUT/gemv.log" | tail -24 ;;
+    startup)
+      $PY -m mm_serve.benchmarks.startup --model-arch qwen2-vl-2b --levels 1 2 \
+        --output-json "$OUT/startup.json" 2>&1 | tee "$OUT/startup.log" | tail -6 ;;
     peer-serve)
       $PY -m mm_serve.benchmarks.peer_serve --model-arch qwen2-vl-2b --out "$OUT/peer_serve" \
         --engines ${PEER_ENGINES:-mm_serve vllm} 2>&1 | tee "$OUT/peer_serve.log" | tail -22 ;;

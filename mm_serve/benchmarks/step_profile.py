@@ -204,9 +204,16 @@ def main() -> None:
     parser.add_argument(
         "--throughput", type=int, default=0, help="Also break down N image requests' run."
     )
+    parser.add_argument("--compilation-level", type=int, default=2, choices=(1, 2))
     args = parser.parse_args()
     folder = write_architecture(args.model_arch, tempfile.mkdtemp())
-    llm = LLM(folder, load_format="dummy", max_model_len=4096, multiprocess=False)
+    llm = LLM(
+        folder,
+        load_format="dummy",
+        max_model_len=4096,
+        multiprocess=False,
+        compilation_level=args.compilation_level,
+    )
     core = llm.engine_core
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 64, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
@@ -217,7 +224,10 @@ def main() -> None:
         core.step()
     phases = host_phases(core, args.steps)
     gpu_ms = device_time(core, args.batch_size)
-    print(f"{args.model_arch}, batch {args.batch_size}, {torch.cuda.get_device_name()}")
+    print(
+        f"{args.model_arch}, batch {args.batch_size}, {torch.cuda.get_device_name()}, "
+        f"compilation level {args.compilation_level}"
+    )
     print("host ms per step: " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
     print(f"device ms per decode step (graph replay + logits + argmax): {gpu_ms:.3f}")
     if args.kernels:

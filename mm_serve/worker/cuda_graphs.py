@@ -37,6 +37,7 @@ import torch
 
 from mm_serve.attention import AttentionMetadata
 from mm_serve.config import EngineConfig
+from mm_serve.worker.compile import LMForward
 from mm_serve.worker.graph_capture import capture_graph
 from mm_serve.worker.tower_graphs import EncoderCudaGraphs
 
@@ -206,7 +207,8 @@ class CudaGraphRunner(_GraphFamily):
 class MixedCudaGraphRunner(_GraphFamily):
     """Captures the LM forward from input embeddings for each step size in tokens.
 
-    ``model(None, positions, attn_metadata, inputs_embeds)`` is captured over static buffers
+    ``forward(positions, inputs_embeds, attn_metadata)`` (``worker.compile.lm_forward``:
+    compiled at level 2) is captured over static buffers
     of ``T = max(sizes)`` tokens and ``R = min(T, max_num_reqs)`` requests: ``inputs_embeds
     [T, hidden]``, ``positions [T]`` (``[3, T]`` with M-RoPE), ``slot_mapping [T]``,
     ``query_start_loc [R + 1]``, ``seq_lens [R]``, ``block_table [R, max_blocks_per_seq]``.
@@ -219,6 +221,7 @@ class MixedCudaGraphRunner(_GraphFamily):
     def __init__(
         self,
         model: torch.nn.Module,
+        forward: LMForward,
         sizes: tuple[int, ...],
         max_model_len: int,
         block_size: int,
@@ -231,6 +234,7 @@ class MixedCudaGraphRunner(_GraphFamily):
         self.max_num_reqs = max_num_reqs
         r = self._num_reqs(t)
         super().__init__(model, sizes, max_model_len, block_size, r, device)
+        self.forward = forward
         self.inputs_embeds = torch.zeros((t, hidden_size), dtype=dtype, device=device)
         self.query_start_loc = torch.zeros(r + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(r, dtype=torch.int32, device=device)
@@ -255,8 +259,7 @@ class MixedCudaGraphRunner(_GraphFamily):
         )
 
     def _call(self, size: int) -> torch.Tensor:
-        embeds = self.inputs_embeds[:size]
-        return self.model(None, self._positions(size), self._metadata(size), embeds)
+        return self.forward(self._positions(size), self.inputs_embeds[:size], self._metadata(size))
 
     def padded_size(self, num_tokens: int) -> int | None:
         """The captured size that serves a step of ``num_tokens`` tokens, or None."""
@@ -281,12 +284,12 @@ class MixedCudaGraphRunner(_GraphFamily):
 
 
 def capture_graphs(
-    model: torch.nn.Module, config: EngineConfig
+    model: torch.nn.Module, forward: LMForward, config: EngineConfig
 ) -> tuple[CudaGraphRunner | None, MixedCudaGraphRunner | None]:
-    """Capture the decode and mixed-step graphs of ``model`` (its KV cache bound) into one
-    pool, and send its vision tower, if it has one, through the tower's graphs
-    (``tower_runner``, ``worker.tower_graphs``). ``(None, None)`` on CPU, with
-    ``enforce_eager``, or when the kernels are forced to the host-looping references
+    """Capture the decode graphs of ``model`` (its KV cache bound) and the mixed-step graphs
+    of ``forward`` into one pool, and send its vision tower, if it has one, through the
+    tower's graphs (``tower_runner``, ``worker.tower_graphs``). ``(None, None)`` on CPU, at
+    compilation level 0, or when the kernels are forced to the host-looping references
     (``--kernel-mode ref``)."""
     from mm_serve.kernels import kernel_mode
 
@@ -306,6 +309,7 @@ def capture_graphs(
     if compilation.cuda_graph_num_tokens:
         mixed = MixedCudaGraphRunner(
             model,
+            forward,
             compilation.cuda_graph_num_tokens,
             max_model_len,
             block_size,

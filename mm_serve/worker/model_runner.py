@@ -22,6 +22,7 @@ from mm_serve.models.interface import LanguageModel
 from mm_serve.models.loader import load_model
 from mm_serve.sched.output import SchedulerOutput
 from mm_serve.sched.structured_output import GrammarBitmask
+from mm_serve.worker.compile import LMForward, lm_forward
 from mm_serve.worker.cuda_graphs import (
     CudaGraphRunner,
     MixedCudaGraphRunner,
@@ -79,6 +80,7 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.model: LanguageModel | None = None
+        self.lm_forward: LMForward | None = None  # set by load_model (worker.compile)
         self.kv_caches: list[torch.Tensor] = []
         # mm_hash -> [num_tokens, hidden] image embeddings; what enters and leaves is decided
         # by the scheduler's EncoderCacheManager.
@@ -104,6 +106,7 @@ class ModelRunner:
         start = time.perf_counter()
         torch.manual_seed(model_config.seed)
         self.model = load_model(model_config, self.device)
+        self.lm_forward = lm_forward(self.model, self.config)
         logger.info("Loaded the weights in %.1f s", time.perf_counter() - start)
 
     def determine_num_kv_blocks(self) -> int:
@@ -117,7 +120,9 @@ class ModelRunner:
     def capture_cuda_graphs(self) -> None:
         """Capture the LM's graphs and send the vision tower through its own (after the KV
         cache is bound; see ``worker.cuda_graphs.capture_graphs``)."""
-        self.cuda_graphs, self.mixed_graphs = capture_graphs(self.model, self.config)
+        self.cuda_graphs, self.mixed_graphs = capture_graphs(
+            self.model, self.lm_forward, self.config
+        )
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -179,15 +184,13 @@ class ModelRunner:
         graphs = self.mixed_graphs
         mixed = graphs is not None and metadata.prefill_split is None
         mixed = mixed and graphs.padded_size(metadata.num_tokens) is not None
-        if inputs.image_embeddings is None and not mixed:
-            return self.model(inputs.input_ids, inputs.positions, metadata)
         inputs_embeds = self.model.get_input_embeddings(inputs.input_ids)
         if inputs.image_embeddings is not None:
             rows, embeddings = inputs.image_embeddings
             inputs_embeds[rows] = embeddings.to(inputs_embeds.dtype)
         if mixed:
             return graphs.run(inputs_embeds, inputs.positions, metadata)
-        return self.model(None, inputs.positions, metadata, inputs_embeds)
+        return self.lm_forward(inputs.positions, inputs_embeds, metadata)
 
     def _use_cuda_graph(self, inputs: StepInputs) -> bool:
         """Whether the step is decode-only and a decode graph holds its batch."""

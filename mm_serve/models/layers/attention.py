@@ -1,6 +1,15 @@
-"""The attention op of one layer: RoPE and the KV-cache write, then paged attention."""
+"""The attention op of one layer: RoPE and the KV-cache write, then paged attention.
+
+Under ``torch.compile`` (``worker.compile``) the whole op is one opaque custom op,
+``mm_serve::attention``: Dynamo traces the layers around it, while the op reads the step's
+``AttentionMetadata`` from :func:`step_metadata` and its layer from the compiled model's
+registry, so that no host-side value of the batch enters the traced graph.
+"""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -8,6 +17,43 @@ from torch import nn
 
 from mm_serve.attention import AttentionMetadata
 from mm_serve.kernels import paged_attention
+
+# Set around a compiled forward: the step's metadata, and the layers by ``layer_index``.
+_step: AttentionMetadata | None = None
+_layers: list[Attention] = []
+
+
+@contextlib.contextmanager
+def step_metadata(metadata: AttentionMetadata) -> Iterator[None]:
+    """Within the block, ``mm_serve::attention`` attends with ``metadata``."""
+    global _step
+    _step, previous = metadata, _step
+    try:
+        yield
+    finally:
+        _step = previous
+
+
+def register_layers(layers: list[Attention]) -> None:
+    """Number ``layers`` (``layer_index``) for ``mm_serve::attention``."""
+    _layers[:] = layers
+    for index, layer in enumerate(layers):
+        layer.layer_index = index
+
+
+@torch.library.custom_op("mm_serve::attention", mutates_args=())
+def attention_op(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int
+) -> torch.Tensor:
+    """``Attention.forward`` of layer ``layer_index`` with the metadata of ``step_metadata``:
+    ``[T, num_heads * head_dim]``. It writes the layer's KV cache, which it does not declare:
+    its output depends on the write, and nothing else reads the cache within the step."""
+    return _layers[layer_index].forward(positions, q, k, v, _step)
+
+
+@attention_op.register_fake
+def _(positions, q, k, v, layer_index):
+    return torch.empty_like(q)
 
 
 class Attention(nn.Module):
@@ -33,6 +79,7 @@ class Attention(nn.Module):
         self.scale = scale
         self.num_kv_heads = num_kv_heads
         self.kv_cache = torch.tensor([])
+        self.layer_index = -1  # set by register_layers, for a compiled forward
 
     def forward(
         self,
@@ -51,6 +98,8 @@ class Attention(nn.Module):
         attention within each request's new tokens only (no cached prefix); no metadata means
         one sequence.
         """
+        if torch.compiler.is_compiling():
+            return torch.ops.mm_serve.attention(positions, q, k, v, self.layer_index)
         cached = attn_metadata is not None and self.kv_cache.numel() > 0
         kv_write = (v, self.kv_cache, attn_metadata.slot_mapping) if cached else None
         q, k = self.rotary_emb(positions, q, k, kv_write)

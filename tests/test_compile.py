@@ -1,0 +1,111 @@
+"""torch.compile of the LM forward (compilation level 2, ``worker.compile``).
+
+On CPU: Dynamo traces the tiny models' forward into one graph (no graph break) whose only
+attention is the opaque ``mm_serve::attention`` op, once per layer, and that graph, run by the
+engine for every step (prefill chunks, decodes, preemption, prefix hits, Qwen2-VL's images and
+M-RoPE), gives HF's greedy tokens. Inductor itself runs on the GPU (the CUDA tests in
+``test_cuda_graphs.py`` run at the default level 2); here the traced graph runs as traced.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from test_llm_vs_hf import check_against_hf, random_prompts
+from test_vlm_vs_hf import HFVisionReference, prompt_cases
+
+from mm_serve import LLM, SamplingParams
+from mm_serve.config import EngineArgs
+from mm_serve.entrypoints.cli_flags import add_engine_args
+from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from mm_serve.worker.compile import CompiledForward, compile_cache_dir
+
+
+class RecordingBackend:
+    """A Dynamo backend that keeps each traced graph and runs it as traced."""
+
+    def __init__(self) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def attention_calls(self) -> list[int]:
+        """The number of ``mm_serve::attention`` calls in each traced graph."""
+        ops = (torch.ops.mm_serve.attention, torch.ops.mm_serve.attention.default)
+        return [sum(n.target in ops for n in gm.graph.nodes) for gm in self.graphs]
+
+
+def compile_engine(llm: LLM, tmp_path) -> RecordingBackend:
+    backend = RecordingBackend()
+    runner = llm.engine_core.model_runner
+    runner.lm_forward = CompiledForward(runner.model, tmp_path / "cache", backend=backend)
+    return backend
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_compiled_llama_matches_hf(llama_path, hf_reference, tmp_path):
+    engine_args = {"max_num_batched_tokens": 20, "block_size": 4, "num_kv_blocks": 40}
+    llm = LLM(llama_path, device="cpu", max_num_seqs=8, **engine_args)
+    backend = compile_engine(llm, tmp_path)
+    vocab = llm.config.model.vocab_size
+    prefix = random_prompts(vocab, [9], seed=7)[0]  # shared: prefix-cache hits
+    for seed, lengths in enumerate([[3, 70, 5], [8, 47, 12, 15, 16], [1, 2, 30]]):
+        check_against_hf(
+            llm, hf_reference(llama_path), random_prompts(vocab, lengths, seed, prefix)
+        )
+    layers = llm.config.model.text_config.num_hidden_layers
+    # One graph for every token count > 1, one specialised to a single token.
+    assert backend.attention_calls() == [layers, layers]
+    assert llm.engine_core.scheduler.num_preemptions > 0
+    assert llm.get_stats().prefix_cache_hits > 0
+
+
+def test_compiled_qwen2_vl_matches_hf(tmp_path):
+    path = build_tiny_vlm_checkpoint(tmp_path, family="qwen2_vl", seed=3)
+    reference = HFVisionReference(path)
+    cases = prompt_cases("qwen2_vl")
+    prompts = [{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in cases]
+    llm = LLM(path, device="cpu", max_num_seqs=16, max_num_batched_tokens=8, block_size=4)
+    backend = compile_engine(llm, tmp_path)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+    for (text, images), output in zip(cases, outputs, strict=True):
+        assert output.outputs[0].token_ids == reference.greedy(text, images)[1]
+    assert backend.graphs and all(n > 0 for n in backend.attention_calls())
+
+
+def test_compilation_level(llama_path):
+    assert EngineArgs(model=llama_path).compilation_level == 2
+    cpu = EngineArgs(model=llama_path, device="cpu").create_engine_config()
+    assert cpu.compilation.level == 0  # CPU is always eager
+    with pytest.raises(ValueError, match="compilation_level must be 0, 1 or 2"):
+        EngineArgs(model=llama_path, compilation_level=3).create_engine_config()
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args(["--compilation-level", "1"]).compilation_level == 1
+    assert parser.parse_args([]).compilation_level == 2
+
+
+def test_compile_cache_dir_keys(llama_path, qwen2_path, monkeypatch, tmp_path):
+    monkeypatch.setenv("MM_SERVE_CACHE_DIR", str(tmp_path))
+    configs = [
+        EngineArgs(model=path, device="cpu", dtype=dtype).create_engine_config()
+        for path, dtype in [
+            (llama_path, "float32"),
+            (llama_path, "float32"),
+            (qwen2_path, "float32"),
+            (llama_path, "bfloat16"),
+        ]
+    ]
+    dirs = [compile_cache_dir(c) for c in configs]
+    assert dirs[0] == dirs[1] and len(set(dirs)) == 3
+    assert all(d.parent == tmp_path / "torch_compile" for d in dirs)
