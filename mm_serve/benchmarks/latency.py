@@ -91,21 +91,16 @@ def time_iterations(llm, args: argparse.Namespace, output_len: int, seed: int) -
     times = []
     for i in range(iters):
         batch = prompts[i * args.batch_size : (i + 1) * args.batch_size]
-        _sync()
+        common.sync()
         start = time.perf_counter()
         outputs = llm.generate(batch, params, use_tqdm=False)
-        _sync()
+        common.sync()
         if i >= args.num_iters_warmup:
             times.append(time.perf_counter() - start)
         lengths = {len(o.outputs[0].token_ids) for o in outputs}
         if lengths != {output_len}:
             raise RuntimeError(f"bench latency: output lengths {lengths} != {output_len}")
     return times
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def summarize(times: list[float]) -> dict[str, float]:
