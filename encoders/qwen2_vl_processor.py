@@ -81,18 +81,10 @@ def patchify(
     A still image is one frame repeated ``temporal_patch_size`` times, so ``grid_t = 1``.
     """
     channels, height, width = pixels.shape
-    grid_h, grid_w = height // patch_size, width // patch_size
-    blocks = pixels.reshape(
-        channels,
-        grid_h // merge_size,
-        merge_size,
-        patch_size,
-        grid_w // merge_size,
-        merge_size,
-        patch_size,
-    )
-    # [grid_h/m, grid_w/m, m, m, C, patch, patch]
-    blocks = blocks.permute(1, 4, 2, 5, 0, 3, 6)
+    p, m = patch_size, merge_size
+    grid_h, grid_w = height // p, width // p
+    blocks = pixels.reshape(channels, grid_h // m, m, p, grid_w // m, m, p)
+    blocks = blocks.permute(1, 4, 2, 5, 0, 3, 6)  # [grid_h/m, grid_w/m, m, m, C, p, p]
     frames = blocks.unsqueeze(5).expand(-1, -1, -1, -1, -1, temporal_patch_size, -1, -1)
     return frames.reshape(grid_h * grid_w, channels * temporal_patch_size * patch_size**2)
 

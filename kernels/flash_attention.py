@@ -72,8 +72,5 @@ def paged_attention_flash(
         causal=True,
         block_table=metadata.block_table,
     )
-    if num_tokens == query.shape[0]:
-        return attn
-    out = torch.zeros_like(query)
-    out[:num_tokens] = attn
-    return out
+    padding = query.shape[0] - num_tokens  # rows of a padded (captured) batch: zero
+    return F.pad(attn, (0, 0, 0, 0, 0, padding)) if padding else attn

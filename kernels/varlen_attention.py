@@ -231,8 +231,5 @@ def paged_attention_split(
     if split.paged_rows is not None:
         rows = split.paged_rows
         attn[rows] = paged_kernel(query[rows], kv_cache, split.paged_metadata, scale)
-    if num_tokens == query.shape[0]:
-        return attn
-    out = torch.zeros_like(query)
-    out[:num_tokens] = attn
-    return out
+    padding = query.shape[0] - num_tokens  # rows of a padded (captured) batch: zero
+    return F.pad(attn, (0, 0, 0, 0, 0, padding)) if padding else attn

@@ -19,13 +19,13 @@ from test_kernels_triton import (
     MIXED_GPU,
     ON_GPU,
     _attn,
-    _metadata,
     _paged_batch,
     _rel_err,
     _shuffled_tables,
 )
 
 from mm_serve.attention import AttentionMetadata
+from mm_serve.benchmarks.kernels import paged_metadata
 from mm_serve.config import KernelConfig
 from mm_serve.kernels import dispatch, paged_attention_ref, silu_and_mul_ref
 
@@ -172,7 +172,7 @@ def test_tiny_model_on_cuda_matches_cpu(tmp_path, dtype, monkeypatch) -> None:
         gen = torch.Generator().manual_seed(0)
         logits[device] = []
         for reqs in steps:
-            metadata = _metadata(reqs, tables[: len(reqs)], block_size, device)
+            metadata = paged_metadata(reqs, tables[: len(reqs)], block_size, device)
             if device == "cuda":
                 metadata.prefill_split = varlen_attention.plan_prefill_split(
                     np.array(metadata.query_start_loc_cpu),

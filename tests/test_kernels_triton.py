@@ -24,7 +24,7 @@ import torch
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
-from mm_serve.attention import AttentionMetadata  # noqa: E402
+from mm_serve.benchmarks.kernels import paged_metadata  # noqa: E402
 from mm_serve.kernels import (  # noqa: E402
     apply_mrotary_ref,
     apply_rotary_ref,
@@ -84,30 +84,6 @@ def _randn(*shape: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tenso
 # ---------------------------------------------------------------- paged attention
 
 
-def _metadata(reqs, tables, block_size: int, device) -> AttentionMetadata:
-    """Metadata of one step: ``reqs`` = [(cached tokens, new tokens)], one block table each."""
-    starts, seq_lens, slots = [0], [], []
-    for (cached, new), table in zip(reqs, tables, strict=True):
-        starts.append(starts[-1] + new)
-        seq_lens.append(cached + new)
-        for p in range(cached, cached + new):
-            slots.append(table[p // block_size] * block_size + p % block_size)
-    width = max(map(len, tables))
-    as_tensor = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
-    return AttentionMetadata(
-        num_reqs=len(reqs),
-        num_tokens=starts[-1],
-        slot_mapping=as_tensor(slots, torch.int64),
-        query_start_loc=as_tensor(starts, torch.int32),
-        seq_lens=as_tensor(seq_lens, torch.int32),
-        block_table=as_tensor([t + [0] * (width - len(t)) for t in tables], torch.int32),
-        max_query_len=max(n for _, n in reqs),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=seq_lens,
-    )
-
-
 def _shuffled_tables(lengths: list[int], block_size: int, seed: int) -> tuple[list, int]:
     """Non-contiguous block tables for sequences of ``lengths``; returns (tables, num_blocks)."""
     need = [-(-n // block_size) for n in lengths]
@@ -123,7 +99,7 @@ def _paged_batch(reqs, num_heads, num_kv_heads, head_dim, block_size, dtype, see
     gen = torch.Generator().manual_seed(seed)
     tables, num_blocks = _shuffled_tables([c + n for c, n in reqs], block_size, seed)
     kv_cache = _randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, gen=gen)
-    metadata = _metadata(reqs, tables, block_size, DEVICE)
+    metadata = paged_metadata(reqs, tables, block_size, DEVICE)
     query = _randn(metadata.num_tokens + pad_rows, num_heads, head_dim, dtype=dtype, gen=gen)
     return query, kv_cache, metadata
 

@@ -15,9 +15,10 @@ import logging
 import numpy as np
 import pytest
 import torch
-from test_kernels_triton import ON_GPU, _metadata, _rel_err, _shuffled_tables
+from test_kernels_triton import ON_GPU, _rel_err, _shuffled_tables
 
 from mm_serve import kernels
+from mm_serve.benchmarks.kernels import paged_metadata
 from mm_serve.config import KernelConfig
 from mm_serve.kernels import dispatch, paged_attention_ref, reshape_and_cache_ref
 from mm_serve.kernels import varlen_attention as varlen
@@ -36,7 +37,7 @@ def _step(reqs, heads, block_size, dtype, device, seed=0):
     num_heads, num_kv_heads, head_dim = heads
     gen = torch.Generator().manual_seed(seed)
     tables, num_blocks = _shuffled_tables([c + n for c, n in reqs], block_size, seed)
-    metadata = _metadata(reqs, tables, block_size, device)
+    metadata = paged_metadata(reqs, tables, block_size, device)
     shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
     kv_cache = torch.randn(shape, generator=gen).to(device, dtype)
     num_tokens = metadata.num_tokens

@@ -142,6 +142,12 @@ def device_name(device: torch.device) -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
+def sync() -> None:
+    """Wait for the current CUDA device, when there is one (before reading a clock)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def free_device_memory() -> None:
     """Collect garbage and give cached CUDA blocks back, so the next model sees the memory."""
     gc.collect()

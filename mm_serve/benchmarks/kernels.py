@@ -48,6 +48,30 @@ def bench(fn, rep_ms: int = 100) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
 
 
+def paged_metadata(reqs, tables, block_size: int, device) -> AttentionMetadata:
+    """Metadata of one step: ``reqs`` = [(cached tokens, new tokens)], one block table each
+    (padded with block 0 to the longest); token ``p`` of a request goes to slot
+    ``table[p // block_size] * block_size + p % block_size``."""
+    starts = [0, *itertools.accumulate(n for _, n in reqs)]
+    seq_lens = [c + n for c, n in reqs]
+    slots = [t[p // block_size] * block_size + p % block_size
+             for (c, n), t in zip(reqs, tables, strict=True) for p in range(c, c + n)]  # fmt: skip
+    width = max(map(len, tables))
+    as_tensor = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
+    return AttentionMetadata(
+        num_reqs=len(reqs),
+        num_tokens=starts[-1],
+        slot_mapping=as_tensor(slots, torch.int64),
+        query_start_loc=as_tensor(starts, torch.int32),
+        seq_lens=as_tensor(seq_lens, torch.int32),
+        block_table=as_tensor([t + [0] * (width - len(t)) for t in tables], torch.int32),
+        max_query_len=max(n for _, n in reqs),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=seq_lens,
+    )
+
+
 def paged_batch(reqs, heads, block_size: int, dtype: torch.dtype, seed: int = 0):
     """Random query and paged cache (shuffled blocks) for ``reqs`` = [(cached, new)]."""
     num_heads, num_kv_heads, head_dim = heads
@@ -56,25 +80,8 @@ def paged_batch(reqs, heads, block_size: int, dtype: torch.dtype, seed: int = 0)
     random.Random(seed).shuffle(blocks)
     tables = [[blocks.pop() for _ in range(n)] for n in need]
     kv_cache = torch.randn(2, sum(need), block_size, num_kv_heads, head_dim, device="cuda")
-    starts = [0] + list(itertools.accumulate(n for _, n in reqs))
-    seq_lens = [c + n for c, n in reqs]
-    slots = [t[p // block_size] * block_size + p % block_size
-             for (c, n), t in zip(reqs, tables, strict=True) for p in range(c, c + n)]  # fmt: skip
-    width = max(need)
-    cuda = lambda x, dt: torch.tensor(x, dtype=dt, device="cuda")  # noqa: E731
-    metadata = AttentionMetadata(
-        num_reqs=len(reqs),
-        num_tokens=starts[-1],
-        slot_mapping=cuda(slots, torch.int64),
-        query_start_loc=cuda(starts, torch.int32),
-        seq_lens=cuda(seq_lens, torch.int32),
-        block_table=cuda([t + [0] * (width - len(t)) for t in tables], torch.int32),
-        max_query_len=max(n for _, n in reqs),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=seq_lens,
-    )
-    query = torch.randn(starts[-1], num_heads, head_dim, device="cuda")
+    metadata = paged_metadata(reqs, tables, block_size, "cuda")
+    query = torch.randn(metadata.num_tokens, num_heads, head_dim, device="cuda")
     return query.to(dtype), kv_cache.to(dtype), metadata
 
 

@@ -91,21 +91,16 @@ def time_iterations(llm, args: argparse.Namespace, output_len: int, seed: int) -
     times = []
     for i in range(iters):
         batch = prompts[i * args.batch_size : (i + 1) * args.batch_size]
-        _sync()
+        common.sync()
         start = time.perf_counter()
         outputs = llm.generate(batch, params, use_tqdm=False)
-        _sync()
+        common.sync()
         if i >= args.num_iters_warmup:
             times.append(time.perf_counter() - start)
         lengths = {len(o.outputs[0].token_ids) for o in outputs}
         if lengths != {output_len}:
             raise RuntimeError(f"bench latency: output lengths {lengths} != {output_len}")
     return times
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def summarize(times: list[float]) -> dict[str, float]:
@@ -123,19 +118,14 @@ def summarize(times: list[float]) -> dict[str, float]:
 def decode_floors(all_bytes: int, lm_bytes: int, device: torch.device) -> dict[str, Any]:
     """The weight bytes and, on CUDA, the copy bandwidth and the two weight-read floors (ms).
     Call it with the engine gone: the copy needs 2 GiB of free device memory."""
-    floors: dict[str, Any] = {
+    bandwidth = copy_rate(device) if device.type == "cuda" else None
+    return {
         "all_weight_bytes": all_bytes,
         "lm_weight_bytes": lm_bytes,
-        "copy_bandwidth_bytes_per_s": None,
-        "floor_all_weights_ms": None,
-        "floor_lm_weights_ms": None,
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "floor_all_weights_ms": all_bytes / bandwidth * 1e3 if bandwidth else None,
+        "floor_lm_weights_ms": lm_bytes / bandwidth * 1e3 if bandwidth else None,
     }
-    if device.type == "cuda":
-        bandwidth = copy_rate(device)
-        floors["copy_bandwidth_bytes_per_s"] = bandwidth
-        floors["floor_all_weights_ms"] = floors["all_weight_bytes"] / bandwidth * 1e3
-        floors["floor_lm_weights_ms"] = floors["lm_weight_bytes"] / bandwidth * 1e3
-    return floors
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -196,9 +186,9 @@ def _add_decode_step(result: dict[str, Any], output_len: int) -> None:
     if output_len > 1:
         diff = result["latency"]["median_s"] - result["latency_output_len_1"]["median_s"]
         result["decode_step_ms"] = diff / (output_len - 1) * 1e3
+    step = result["decode_step_ms"]
     for name in ("all_weights", "lm_weights"):
         floor = result[f"floor_{name}_ms"]
-        step = result["decode_step_ms"]
         known = floor is not None and step is not None
         result[f"decode_step_over_floor_{name}"] = step / floor if known else None
 

@@ -31,8 +31,6 @@ import tempfile
 import time
 from typing import Any
 
-import torch
-
 from mm_serve.benchmarks import common, peer_vllm, roofline
 from mm_serve.benchmarks.datasets import BenchRequest, random_image_dataset
 
@@ -124,10 +122,10 @@ def run_engine(
         llm.generate(common.llm_prompts(warmup, warmup_texts), params, use_tqdm=False)
         before = llm.get_stats()
         prompts = common.llm_prompts(requests, texts)
-        _sync()
+        common.sync()
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        _sync()
+        common.sync()
         elapsed = time.perf_counter() - start
         after = llm.get_stats()
     finally:
@@ -145,11 +143,6 @@ def run_engine(
         "prefix_cache_hits": hits,
         "num_preemptions": after.num_preemptions - before.num_preemptions,
     }
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:

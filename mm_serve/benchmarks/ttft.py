@@ -34,14 +34,9 @@ from mm_serve.benchmarks.datasets import random_image_dataset
 from mm_serve.benchmarks.image_profile import _time_tower
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _first_token_ms(llm, prompt, params) -> tuple[float, float]:
     """(preprocess ms, engine ms) of one request alone, synchronised at both ends."""
-    _sync()
+    common.sync()
     t0 = time.perf_counter()
     processed = llm.input_processor.process(prompt).result()
     t1 = time.perf_counter()
@@ -50,7 +45,7 @@ def _first_token_ms(llm, prompt, params) -> tuple[float, float]:
     outputs: list = []
     while not outputs:
         outputs = llm.engine_core.step()
-    _sync()
+    common.sync()
     t2 = time.perf_counter()
     while llm.engine_core.has_unfinished_requests():  # the async step in flight, if any
         llm.engine_core.step()
@@ -85,7 +80,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fresh_prompts = common.llm_prompts(fresh, common.prompt_texts(fresh, model_type))
         for i in range(iters):
             pre, engine = _first_token_ms(llm, prompts[i], params)
-            _sync()
+            common.sync()
             t0 = time.perf_counter()
             llm.generate(fresh_prompts[i], params, use_tqdm=False)
             generate = (time.perf_counter() - t0) * 1e3

@@ -102,19 +102,13 @@ class BaseClient:
             if text is None and not images:
                 raise ValueError("Pass messages, or text and/or images.")
             messages = [user_message(text, images)]
-        body = {"model": model, "messages": messages, **params}
-        if stream:
-            body["stream"] = True
-        return body
+        return _with_stream({"model": model, "messages": messages, **params}, stream)
 
     @staticmethod
     def _completion_body(
         prompt: str | list[int], model: str, stream: bool, params: dict[str, Any]
     ) -> dict[str, Any]:
-        body = {"model": model, "prompt": prompt, **params}
-        if stream:
-            body["stream"] = True
-        return body
+        return _with_stream({"model": model, "prompt": prompt, **params}, stream)
 
     def _first_model(self, payload: Any) -> str:
         models = parse_models(payload)
@@ -122,6 +116,11 @@ class BaseClient:
             raise MMServeError("The server lists no model at /v1/models.")
         self._model_id = models[0].id
         return self._model_id
+
+
+def _with_stream(body: dict[str, Any], stream: bool) -> dict[str, Any]:
+    """``body`` with ``"stream": true`` last when ``stream`` (a non-streaming body omits it)."""
+    return {**body, "stream": True} if stream else body
 
 
 def parse_models(payload: Any) -> list[Model]:

@@ -149,9 +149,8 @@ def chat(args: argparse.Namespace) -> int:
     from mm_serve.client import Client
 
     client = Client(base_url=args.url, api_key=args.api_key)
-    images = []
-    if args.image is not None:
-        images.append(args.image if "://" in args.image else Path(args.image))
+    image = args.image
+    images = [] if image is None else [image if "://" in image else Path(image)]
     try:
         params = {"max_tokens": args.max_tokens}
         if args.temperature is not None:

@@ -8,6 +8,7 @@ import logging
 import time
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
@@ -213,11 +214,14 @@ class LLM(FrontEnd):
         self.engine_core.add_requests(requests)
         return request_id
 
-    def _submit(self, prompt: PromptType | ProcessedPrompt) -> PendingPrompt | _Processed:
-        """Start processing a prompt; one processed already (a beam's) is ready as it is."""
-        if isinstance(prompt, ProcessedPrompt):
-            return _Processed(prompt)
-        return self.input_processor.process(prompt)
+    def _submit(self, prompt: PromptType | ProcessedPrompt) -> PendingPrompt | Future:
+        """Start processing a prompt; one processed already (a beam's) is ready as it is: a
+        future holding it (done, as ``_run_engine`` asks of a ``PendingPrompt``)."""
+        if not isinstance(prompt, ProcessedPrompt):
+            return self.input_processor.process(prompt)
+        done: Future = Future()
+        done.set_result(prompt)
+        return done
 
     def _run_engine(
         self,
@@ -237,7 +241,7 @@ class LLM(FrontEnd):
         """
         request_ids: list[str] = []
         finished: list[RequestOutput] = []
-        submitted: collections.deque[PendingPrompt | _Processed] = collections.deque()
+        submitted: collections.deque[PendingPrompt | Future] = collections.deque()
         engine = self.engine_core
         with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm) as bar:
             while len(request_ids) < len(prompts) or engine.has_unfinished_requests():
@@ -256,16 +260,3 @@ class LLM(FrontEnd):
                 finished.extend(done)
                 bar.update(len(done))
         return request_ids, finished
-
-
-class _Processed:
-    """A processed prompt where ``_run_engine`` expects a ``PendingPrompt``: done already."""
-
-    def __init__(self, prompt: ProcessedPrompt) -> None:
-        self.prompt = prompt
-
-    def done(self) -> bool:
-        return True
-
-    def result(self) -> ProcessedPrompt:
-        return self.prompt

@@ -197,10 +197,8 @@ DEFAULTS_FROM_GENERATION_CONFIG = ("temperature", "top_p", "top_k", "repetition_
 
 def generation_config_defaults(generation_config: Any) -> dict[str, Any]:
     """The sampling defaults a checkpoint's ``generation_config.json`` sets (may be empty)."""
-    values = {
-        name: getattr(generation_config, name, None) for name in DEFAULTS_FROM_GENERATION_CONFIG
-    }
-    return {name: value for name, value in values.items() if value is not None}
+    names = DEFAULTS_FROM_GENERATION_CONFIG
+    return {n: v for n in names if (v := getattr(generation_config, n, None)) is not None}
 
 
 class InputProcessor:

@@ -15,6 +15,8 @@ from typing import Any
 
 import httpx
 
+from mm_serve.client.images import image_to_url, user_message
+
 
 def metric(text: str, name: str) -> float:
     """The sum of a Prometheus metric's samples over all labels in ``/metrics`` text (0 when
@@ -145,22 +147,13 @@ def http_client(model: str, args: list[str], timeout: float = 120) -> Iterator[h
 
 def image_question(image_url: str, question: str = "What is in this picture?") -> list[dict]:
     """Chat messages: one user turn of an ``image_url`` part, then the question."""
-    content = [
-        {"type": "image_url", "image_url": {"url": image_url}},
-        {"type": "text", "text": question},
-    ]
-    return [{"role": "user", "content": content}]
+    return [user_message(question, [image_url])]
 
 
 def noise_png_url(seed: int, height: int, width: int) -> str:
     """A data URL of a PNG of uniform noise, ``height`` x ``width`` RGB pixels."""
-    import base64
-    import io
-
     import numpy as np
     from PIL import Image
 
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return image_to_url(Image.fromarray(pixels))

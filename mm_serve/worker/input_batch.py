@@ -142,25 +142,12 @@ class InputBatch:
         self.req_ids[dst], self.req_ids[src] = req_id, None
         self.states[dst], self.states[src] = self.states[src], None
         self.req_id_to_index[req_id] = dst
-        num_tokens = self.num_tokens[src]
+        num_tokens, num_blocks = self.num_tokens[src], self.num_blocks[src]
         self.token_ids[dst, :num_tokens] = self.token_ids[src, :num_tokens]
-        self.block_table[dst, : self.num_blocks[src]] = self.block_table[
-            src, : self.num_blocks[src]
-        ]
-        for array in (
-            self.num_tokens,
-            self.num_prompt_tokens,
-            self.num_computed_tokens,
-            self.num_blocks,
-            self.temperature,
-            self.top_p,
-            self.top_k,
-            self.min_p,
-            self.presence_penalty,
-            self.frequency_penalty,
-            self.repetition_penalty,
-        ):
-            array[dst] = array[src]
+        self.block_table[dst, :num_blocks] = self.block_table[src, :num_blocks]
+        for array in vars(self).values():  # every per-row column (``[max_num_reqs]``)
+            if isinstance(array, np.ndarray) and array.ndim == 1:
+                array[dst] = array[src]
 
     # ---- per-step updates ----------------------------------------------------------------
 
@@ -180,6 +167,10 @@ class InputBatch:
             return None if np.all(values == off_value) else to_device(values, device)
 
         no_penalties = not any(p.needs_penalties for p in params)
+
+        def penalties(array: np.ndarray) -> torch.Tensor | None:
+            return None if no_penalties else to_device(array[rows], device)
+
         return SamplingMetadata(
             temperature=to_device(temperature, device),
             all_greedy=bool(np.all(temperature == 0.0)),
@@ -192,15 +183,9 @@ class InputBatch:
                 (p.logprobs for p in params if p.logprobs is not None), default=None
             ),
             no_penalties=no_penalties,
-            presence_penalties=None
-            if no_penalties
-            else to_device(self.presence_penalty[rows], device),
-            frequency_penalties=None
-            if no_penalties
-            else to_device(self.frequency_penalty[rows], device),
-            repetition_penalties=None
-            if no_penalties
-            else to_device(self.repetition_penalty[rows], device),
+            presence_penalties=penalties(self.presence_penalty),
+            frequency_penalties=penalties(self.frequency_penalty),
+            repetition_penalties=penalties(self.repetition_penalty),
             prompt_token_ids=None if no_penalties else self._padded_prompts(rows, device),
             output_token_ids=[s.output_token_ids for s in states],
             banned_token_ids={

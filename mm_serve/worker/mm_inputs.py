@@ -55,15 +55,11 @@ def scheduled_slices(
         start = int(num_computed[row])
         end = start + int(query_start_loc[row + 1] - query_start_loc[row])
         for feature in state.mm_features:
-            placeholder = feature.placeholder
-            lo, hi = max(start, placeholder.offset), min(end, placeholder.end)
+            offset = feature.placeholder.offset
+            lo, hi = max(start, offset), min(end, feature.placeholder.end)
             if lo < hi:
                 dst = int(query_start_loc[row]) + lo - start
-                slices.append(
-                    EmbeddingSlice(
-                        dst, feature.mm_hash, lo - placeholder.offset, hi - placeholder.offset
-                    )
-                )
+                slices.append(EmbeddingSlice(dst, feature.mm_hash, lo - offset, hi - offset))
     return slices
 
 

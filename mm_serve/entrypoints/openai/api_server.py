@@ -95,13 +95,11 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
-        arrival_time = time.monotonic()
-        return await until_disconnected(request, chat.handle(body, arrival_time))
+        return await until_disconnected(request, chat.handle(body, time.monotonic()))
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request):
-        arrival_time = time.monotonic()
-        return await until_disconnected(request, completion.handle(body, arrival_time))
+        return await until_disconnected(request, completion.handle(body, time.monotonic()))
 
     def card(name: str) -> ModelCard:
         return ModelCard(id=name, root=model.root, max_model_len=llm.max_model_len)

@@ -102,14 +102,11 @@ def prompt_logprobs_field(prompt_logprobs: PromptLogprobs | None) -> PromptLogpr
     """vLLM's ``prompt_logprobs`` response field from the engine's (None when not asked)."""
     if prompt_logprobs is None:
         return None
+
+    def entry(lp: Logprob) -> PromptLogprob:
+        return PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+
     return [
-        None
-        if step is None
-        else {
-            token_id: PromptLogprob(
-                logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token
-            )
-            for token_id, lp in step.items()
-        }
+        None if step is None else {token_id: entry(lp) for token_id, lp in step.items()}
         for step in prompt_logprobs
     ]

@@ -21,6 +21,7 @@ from mm_serve.entrypoints.openai.protocol import (
     ChatMessage,
     ChatResponseMessage,
     DeltaMessage,
+    UsageInfo,
 )
 from mm_serve.entrypoints.openai.serving_common import (
     Admission,
@@ -85,9 +86,7 @@ class ServingChat(ServingBase):
             raise bad_request("cache_salt must not be empty.", param="cache_salt")
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
         messages = template_messages(await self.media.resolve(messages))
-        template_tools = None
-        if request.tools:
-            template_tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
+        template_tools = [t.model_dump(exclude_none=True) for t in request.tools or ()] or None
         with user_errors():
             processed = await self.llm.process_chat(
                 messages,
@@ -172,17 +171,10 @@ def _response(output: RequestOutput, reply: _Reply) -> ChatCompletionResponse:
             token_ids=reply.token_ids(c.token_ids),
         )
         choices.append(choice)
-    num_completion = sum(len(c.token_ids) for c in output.outputs)
-    usage = usage_info(
-        len(output.prompt_token_ids),
-        num_completion,
-        output.num_cached_tokens,
-        output.num_cached_images,
-    )
     return reply.response(
         ChatCompletionResponse,
         choices,
-        usage,
+        _usage(output, sum(len(c.token_ids) for c in output.outputs)),
         prompt_token_ids=reply.token_ids(output.prompt_token_ids),
         prompt_logprobs=prompt_logprobs_field(output.prompt_logprobs),
     )
@@ -227,13 +219,13 @@ async def _stream(
                         yield sse_event(reply.response(ChatCompletionChunk, [choice]))
                 num_completion += len(delta.token_ids)
     if include_usage and last is not None:
-        usage = usage_info(
-            len(last.prompt_token_ids),
-            num_completion,
-            last.num_cached_tokens,
-            last.num_cached_images,
-        )
-        yield sse_event(reply.response(ChatCompletionChunk, [], usage))
+        yield sse_event(reply.response(ChatCompletionChunk, [], _usage(last, num_completion)))
+
+
+def _usage(output: RequestOutput, num_completion: int) -> UsageInfo:
+    """The usage of a reply of ``num_completion`` tokens to ``output``'s prompt."""
+    cached = output.num_cached_tokens, output.num_cached_images
+    return usage_info(len(output.prompt_token_ids), num_completion, *cached)
 
 
 def _tool_stream_choices(

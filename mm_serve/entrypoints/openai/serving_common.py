@@ -231,10 +231,7 @@ class ServingBase:
             raise bad_request(message, param="temperature")
         self._check_engine_limits(request)
         kwargs = self.llm.default_sampling_overrides()
-        for name in _SAMPLING_FIELDS:
-            value = getattr(request, name)
-            if value is not None:
-                kwargs[name] = value
+        kwargs |= {f: v for f in _SAMPLING_FIELDS if (v := getattr(request, f)) is not None}
         kwargs |= output_constraints(request)
         with user_errors():
             params = SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs)
@@ -322,20 +319,18 @@ def per_token(delta: CompletionOutput) -> list[CompletionOutput]:
     """
     if len(delta.token_ids) <= 1:
         return [delta]
-    pieces = []
-    for i, token_id in enumerate(delta.token_ids):
-        last = i == len(delta.token_ids) - 1
-        pieces.append(
-            dataclasses.replace(
-                delta,
-                text=delta.text if last else "",
-                token_ids=[token_id],
-                logprobs=None if delta.logprobs is None else delta.logprobs[i : i + 1],
-                finish_reason=delta.finish_reason if last else None,
-                stop_reason=delta.stop_reason if last else None,
-            )
+    last = len(delta.token_ids) - 1
+    return [
+        dataclasses.replace(
+            delta,
+            text=delta.text if i == last else "",
+            token_ids=[token_id],
+            logprobs=None if delta.logprobs is None else delta.logprobs[i : i + 1],
+            finish_reason=delta.finish_reason if i == last else None,
+            stop_reason=delta.stop_reason if i == last else None,
         )
-    return pieces
+        for i, token_id in enumerate(delta.token_ids)
+    ]
 
 
 def usage_info(
