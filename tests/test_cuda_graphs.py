@@ -119,7 +119,7 @@ class _EagerReplay:
         r, n = self.runner, self.size
         metadata = r._metadata(n)  # what the graph was captured with, and host copies
         metadata.seq_lens_cpu = r.seq_lens[:n].tolist()
-        positions = r.positions[:, :n] if r.uses_mrope else r.positions[:n]
+        positions = r._positions(n)
         r.outputs[n].copy_(r.model(r.input_ids[:n], positions, metadata))
 
 
@@ -153,7 +153,7 @@ class _MixedEagerReplay:
         metadata = r._metadata(n)
         metadata.query_start_loc_cpu = metadata.query_start_loc.tolist()
         metadata.seq_lens_cpu = metadata.seq_lens.tolist()
-        positions = r.positions[:, :n] if r.uses_mrope else r.positions[:n]
+        positions = r._positions(n)
         r.outputs[n].copy_(r.forward(positions, r.inputs_embeds[:n], metadata))
 
 

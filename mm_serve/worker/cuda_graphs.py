@@ -80,8 +80,10 @@ class _GraphFamily:
         self.device = device
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
         t = self.sizes[-1]
-        pos_shape = (3, t) if self.uses_mrope else (t,)
-        self.positions = torch.zeros(pos_shape, dtype=torch.int64, device=device)
+        # [3 * T] with M-RoPE: the [3, size] positions of each size are its contiguous head.
+        self.positions = torch.zeros(
+            3 * t if self.uses_mrope else t, dtype=torch.int64, device=device
+        )
         self.slot_mapping = torch.full((t,), -1, dtype=torch.int64, device=device)
         max_blocks = -(-max_model_len // block_size)
         self.block_table = torch.zeros((num_reqs, max_blocks), dtype=torch.int32, device=device)
@@ -93,7 +95,9 @@ class _GraphFamily:
         raise NotImplementedError
 
     def _positions(self, size: int) -> torch.Tensor:
-        return self.positions[:, :size] if self.uses_mrope else self.positions[:size]
+        return (
+            self.positions[: 3 * size].view(3, size) if self.uses_mrope else self.positions[:size]
+        )
 
     def _fill(self, positions: torch.Tensor, metadata: AttentionMetadata, size: int) -> None:
         """Copy the step's positions, slot mapping (-1 up to ``size``), seq_lens and block
@@ -101,7 +105,7 @@ class _GraphFamily:
         n, r = metadata.num_tokens, metadata.num_reqs
         if self.uses_mrope:
             mrope = positions if positions.ndim == 2 else positions.expand(3, -1)
-            self.positions[:, :n].copy_(mrope)
+            self._positions(size)[:, :n].copy_(mrope)
         else:
             self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(metadata.slot_mapping)
@@ -283,6 +287,7 @@ class MixedCudaGraphRunner(_GraphFamily):
         return self._replay(size, n)
 
 
+@torch.inference_mode()  # static buffers as the steps' tensors: one compiled graph serves both
 def capture_graphs(
     model: torch.nn.Module, forward: LMForward, config: EngineConfig
 ) -> tuple[CudaGraphRunner | None, MixedCudaGraphRunner | None]:
