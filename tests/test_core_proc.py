@@ -28,6 +28,7 @@ from PIL import Image
 from mm_serve import LLM, SamplingParams
 from mm_serve.config import EngineArgs, ParallelConfig
 from mm_serve.encoders.base import ProcessedImage
+from mm_serve.frontend.async_llm import AsyncLLM
 from mm_serve.frontend.core_client import AsyncEngineCoreClient, EngineCoreClient
 from mm_serve.frontend.exceptions import EngineDeadError, EngineRequestError, EngineStartupError
 from mm_serve.messages import (
@@ -307,6 +308,35 @@ def test_startup_error_is_raised_and_leaves_nothing(vlm_path):
     with pytest.raises(EngineStartupError, match="tensor_parallel_size"):
         EngineCoreClient(config)
     assert set(glob.glob(pattern)) <= before
+    assert set(multiprocessing.active_children()) <= children
+
+
+def test_engine_core_started_before_its_config_exits_without_one(vlm_path):
+    """The client starts the process first (it imports while the front end resolves the
+    config): if the front end fails before sending one, the process exits by itself, and a
+    client shut down then leaves nothing."""
+    pattern = os.path.join(tempfile.gettempdir(), "mm_serve-*")
+    before = set(glob.glob(pattern))
+    children = set(multiprocessing.active_children())
+    client = EngineCoreClient()
+    assert client.engine_info is None and client._proc.is_alive()
+    client._config_writer.close()  # what a front end that failed does
+    client._proc.join(timeout=120)
+    assert client._proc.exitcode == 0
+    client.shutdown()
+    assert set(glob.glob(pattern)) <= before
+    assert set(multiprocessing.active_children()) <= children
+
+    client = EngineCoreClient()  # started, then given its config
+    client.start(EngineArgs(model=vlm_path, num_kv_blocks=16).create_engine_config())
+    assert client.engine_info.num_kv_blocks == 16
+    shut_down_and_check(client)
+
+
+def test_async_llm_failing_before_its_config_leaves_nothing(tmp_path):
+    children = set(multiprocessing.active_children())
+    with pytest.raises((ValueError, OSError)):
+        AsyncLLM(EngineArgs(model=str(tmp_path / "no-such-model")))
     assert set(multiprocessing.active_children()) <= children
 
 

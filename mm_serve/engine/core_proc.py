@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import traceback
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -53,7 +54,7 @@ _SHUTDOWN = object()  # input/output queue marker: stop the loop / the output th
 
 
 def run_engine_core(
-    config: EngineConfig,
+    config_reader: Connection,
     input_address: str,
     output_address: str,
     parent_pid: int,
@@ -61,12 +62,13 @@ def run_engine_core(
 ) -> None:
     """Entry point of the engine core process (started with the "spawn" method).
 
-    Connects to the front end's sockets, builds the engine and answers ``EngineReady`` (or
-    ``EngineFailed`` with the traceback, then exits with code 1), then serves until the
-    parent dies. A fatal error in the loop is reported as ``EngineFailed`` before exiting 1.
-    ``config`` is the front end's, resolved once there and pickled with the process's
-    arguments: this process reads no ``config.json`` and builds no image processor for it.
-    ``log_setup``: the front end's (format, root level, ``mm_serve`` level), to log as it does.
+    Connects to the front end's sockets, waits for the ``EngineConfig`` on ``config_reader``
+    (``receive_config``), builds the engine and answers ``EngineReady`` (or ``EngineFailed``
+    with the traceback, then exits with code 1), then serves until the parent dies. A fatal
+    error in the loop is reported as ``EngineFailed`` before exiting 1. The config is the
+    front end's, resolved once there: this process reads no ``config.json`` and builds no image
+    processor for it. ``log_setup``: the front end's (format, root level, ``mm_serve`` level),
+    to log as it does. Exits with code 0 if the front end is gone before sending the config.
     """
     if log_setup is not None:
         fmt, root_level, level = log_setup
@@ -77,7 +79,26 @@ def run_engine_core(
     # SIGTERM (the front end's shutdown) unwinds the main thread, so that exit handlers run.
     signal.signal(signal.SIGTERM, _raise_system_exit)
     proc = EngineCoreProc(input_address, output_address, parent_pid)
-    sys.exit(proc.serve(config))
+    config = receive_config(config_reader, parent_pid)
+    sys.exit(0 if config is None else proc.serve(config))
+
+
+def receive_config(reader: Connection, parent_pid: int) -> EngineConfig | None:
+    """The front end's config, or None once the front end is gone or closed the pipe.
+
+    First imports what unpickling a transformers 5 config imports (its ``auto_docstring``
+    loads ``modeling_auto`` and with it much of transformers and torch: seconds), while the
+    front end is still resolving the config.
+    """
+    import transformers.models.auto.modeling_auto  # noqa: F401
+
+    while not reader.poll(PARENT_CHECK_INTERVAL_MS / 1000):
+        if os.getppid() != parent_pid:
+            return None
+    try:
+        return reader.recv()
+    except EOFError:  # the front end failed before it had a config
+        return None
 
 
 def limit_cpu_threads() -> None:

@@ -64,7 +64,13 @@ class AsyncLLM(FrontEnd):
         on_request_finished: Callable[[RequestStats], None] | None = None,
         on_inter_token_latency: Callable[[float], None] | None = None,
     ) -> None:
-        super().__init__(engine_args)
+        # The engine core process first: it imports the engine while the config is resolved.
+        self.engine_core = AsyncEngineCoreClient()
+        try:
+            super().__init__(engine_args)
+        except BaseException:
+            self.engine_core.shutdown()
+            raise
         # One thread: HF fast tokenizers are not safe to call from several threads at once.
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="mm_serve-tokenizer"
@@ -72,8 +78,9 @@ class AsyncLLM(FrontEnd):
         try:
             # The preprocessing workers start (and warm up) while the engine core loads.
             self._workers_ready = self.start_preprocessing()
-            self.engine_core = AsyncEngineCoreClient(self.config)
+            self.engine_core.start(self.config)
         except BaseException:
+            self.engine_core.shutdown()
             self._tokenizer_thread.shutdown(wait=False)
             self.input_processor.shutdown()
             raise

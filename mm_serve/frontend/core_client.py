@@ -54,28 +54,33 @@ logger = logging.getLogger(__name__)
 class _EngineCoreClientBase:
     """Process, sockets and output thread, shared by the sync and the async client.
 
-    ``config``: the engine config the front end resolved, sent to the engine core process as
-    it is (the engine core does not resolve it again).
+    The constructor starts the process; ``start(config)`` then sends it the engine config the
+    front end resolved (the engine core does not resolve it again) and waits until it is ready,
+    or the constructor does both when given ``config``. Started first, the process imports the
+    engine while the front end resolves the config.
 
-    Raises (from the constructor):
+    Raises (from the constructor with ``config``, and from ``start``):
         EngineStartupError: the process failed or exited during start-up, or did not report
             ready within ``startup_timeout_s`` seconds (None: no limit).
     """
 
-    def __init__(self, config: EngineConfig, startup_timeout_s: float | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, startup_timeout_s: float | None = None
+    ) -> None:
         ipc_dir = tempfile.mkdtemp(prefix="mm_serve-")
         tag = uuid.uuid4().hex[:12]
         self.ipc_paths = (f"{ipc_dir}/input-{tag}.sock", f"{ipc_dir}/output-{tag}.sock")
         self._ctx = zmq.Context()
         self._input = self._bind(zmq.PUSH, self.ipc_paths[0])
         self._output = self._bind(zmq.PULL, self.ipc_paths[1])
-        self._proc = engine_core_process(config, self.ipc_paths)
-        thread = threading.Thread(
+        self._proc, self._config_writer = engine_core_process(self.ipc_paths)
+        self._thread = threading.Thread(
             target=self._output_loop, name="mm_serve-engine-core-output", daemon=True
         )
         self._resources = ClientResources(
-            self._proc, thread, self._ctx, (self._input, self._output), ipc_dir
+            self._proc, self._thread, self._ctx, (self._input, self._output), ipc_dir
         )
+        self._startup_timeout_s = startup_timeout_s
         self._lock = threading.Lock()  # guards the input socket, the codec and the tables
         self._codec = InputCodec()
         self._sinks: dict[str, Sink] = {}
@@ -89,11 +94,24 @@ class _EngineCoreClientBase:
             # forever: atexit runs hooks last-in first-out, and that one was registered when
             # multiprocessing.util was imported (by proc.start() at the latest).
             atexit.register(self._resources.release)
-            self.engine_info: EngineReady = self._wait_ready(startup_timeout_s)
         except BaseException:
             self.shutdown()
             raise
-        thread.start()
+        self.engine_info: EngineReady | None = None
+        if config is not None:
+            self.start(config)
+
+    def start(self, config: EngineConfig) -> None:
+        """Send ``config`` to the engine core and wait until it is ready (``engine_info``).
+        On failure the client is shut down and ``EngineStartupError`` raised."""
+        try:
+            self._config_writer.send(config)
+            self._config_writer.close()
+            self.engine_info = self._wait_ready(self._startup_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._thread.start()
 
     def _bind(self, socket_type: int, path: str) -> zmq.Socket:
         socket = self._ctx.socket(socket_type)
@@ -117,6 +135,7 @@ class _EngineCoreClientBase:
         sockets and remove the ipc files. In-flight requests get ``EngineDeadError``.
         Idempotent."""
         atexit.unregister(self._resources.release)
+        self._config_writer.close()  # an engine core still waiting for its config exits
         self._resources.release(timeout_s)
         self._mark_dead(EngineDeadError("The engine core was shut down."))
 

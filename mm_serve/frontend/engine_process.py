@@ -13,12 +13,12 @@ import os
 import shutil
 import threading
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 import zmq
 
-from mm_serve.config import EngineConfig
 from mm_serve.mp_context import no_main_context
 
 logger = logging.getLogger(__name__)
@@ -43,16 +43,20 @@ def _run_engine_core(*args: Any) -> None:
     run_engine_core(*args)
 
 
-def engine_core_process(config: EngineConfig, ipc_paths: tuple[str, str]) -> BaseProcess:
-    """The (unstarted) engine core process for ``config``, to connect to the client's input
-    and output sockets bound at ``ipc_paths``; the config travels pickled with its arguments
-    (the engine core does not resolve it again)."""
+def engine_core_process(ipc_paths: tuple[str, str]) -> tuple[BaseProcess, Connection]:
+    """The (unstarted) engine core process, to connect to the client's input and output
+    sockets bound at ``ipc_paths``, and the pipe end on which the client sends it the
+    ``EngineConfig``, pickled. Started before the config is resolved, the process imports the
+    engine meanwhile (the engine core does not resolve the config again)."""
     addresses = tuple(f"ipc://{path}" for path in ipc_paths)
-    return no_main_context("spawn").Process(
+    context = no_main_context("spawn")
+    reader, writer = context.Pipe(duplex=False)
+    process = context.Process(
         target=_run_engine_core,
-        args=(config, *addresses, os.getpid(), log_setup()),
+        args=(reader, *addresses, os.getpid(), log_setup()),
         name="mm_serve-engine-core",
     )
+    return process, writer
 
 
 @dataclass
