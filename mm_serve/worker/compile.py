@@ -81,11 +81,6 @@ class CompiledForward:
         if start is not None:
             self.compile_seconds = time.perf_counter() - start
             logger.info("torch.compile of the LM forward: %.1f s", self.compile_seconds)
-            # Inductor's compile workers (a process pool on a many-core host) have no more
-            # work while serving; a recompile would start them again.
-            from torch._inductor.async_compile import shutdown_compile_workers
-
-            shutdown_compile_workers()
         return hidden_states
 
 
