@@ -109,3 +109,14 @@ def test_compile_cache_dir_keys(llama_path, qwen2_path, monkeypatch, tmp_path):
     dirs = [compile_cache_dir(c) for c in configs]
     assert dirs[0] == dirs[1] and len(set(dirs)) == 3
     assert all(d.parent == tmp_path / "torch_compile" for d in dirs)
+
+
+def test_two_compiled_engines_in_one_process(llama_path, qwen2_path, hf_reference, tmp_path):
+    """Each compiled graph's attention ops reach its own model's layers, whichever engine
+    registered its layers last."""
+    llms = [LLM(path, device="cpu") for path in (llama_path, qwen2_path)]
+    for llm in llms:
+        compile_engine(llm, tmp_path)
+    for path, llm in zip((llama_path, qwen2_path), llms, strict=True):
+        prompts = random_prompts(llm.config.model.vocab_size, [5, 40], seed=3)
+        check_against_hf(llm, hf_reference(path), prompts)

@@ -9,6 +9,8 @@ registry, so that no host-side value of the batch enters the traced graph.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -18,9 +20,11 @@ from torch import nn
 from mm_serve.attention import AttentionMetadata
 from mm_serve.kernels import paged_attention
 
-# Set around a compiled forward: the step's metadata, and the layers by ``layer_index``.
+# Set around a compiled forward: the step's metadata; and every compiled model's layers by
+# ``layer_index``, unique in the process (held weakly: several engines may share it).
 _step: AttentionMetadata | None = None
-_layers: list[Attention] = []
+_layers: dict[int, weakref.ReferenceType[Attention]] = {}
+_next_layer_index = itertools.count()
 
 
 @contextlib.contextmanager
@@ -35,10 +39,10 @@ def step_metadata(metadata: AttentionMetadata) -> Iterator[None]:
 
 
 def register_layers(layers: list[Attention]) -> None:
-    """Number ``layers`` (``layer_index``) for ``mm_serve::attention``."""
-    _layers[:] = layers
-    for index, layer in enumerate(layers):
-        layer.layer_index = index
+    """Give each of ``layers`` its ``layer_index`` for ``mm_serve::attention``."""
+    for layer in layers:
+        layer.layer_index = next(_next_layer_index)
+        _layers[layer.layer_index] = weakref.ref(layer)
 
 
 @torch.library.custom_op("mm_serve::attention", mutates_args=())
@@ -48,7 +52,7 @@ def attention_op(
     """``Attention.forward`` of layer ``layer_index`` with the metadata of ``step_metadata``:
     ``[T, num_heads * head_dim]``. It writes the layer's KV cache, which it does not declare:
     its output depends on the write, and nothing else reads the cache within the step."""
-    return _layers[layer_index].forward(positions, q, k, v, _step)
+    return _layers[layer_index]().forward(positions, q, k, v, _step)
 
 
 @attention_op.register_fake
