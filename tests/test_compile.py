@@ -14,12 +14,11 @@ import argparse
 import pytest
 import torch
 from test_llm_vs_hf import check_against_hf, random_prompts
-from test_vlm_vs_hf import HFVisionReference, prompt_cases
+from test_vlm_vs_hf import qwen2_vl_cases
 
 from mm_serve import LLM, SamplingParams
 from mm_serve.config import EngineArgs
 from mm_serve.entrypoints.cli_flags import add_engine_args
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 from mm_serve.worker.compile import CompiledForward, compile_cache_dir
 
 
@@ -71,10 +70,7 @@ def test_compiled_llama_matches_hf(llama_path, hf_reference, tmp_path):
 
 
 def test_compiled_qwen2_vl_matches_hf(tmp_path):
-    path = build_tiny_vlm_checkpoint(tmp_path, family="qwen2_vl", seed=3)
-    reference = HFVisionReference(path)
-    cases = prompt_cases("qwen2_vl")
-    prompts = [{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in cases]
+    path, reference, cases, prompts = qwen2_vl_cases(tmp_path)
     llm = LLM(path, device="cpu", max_num_seqs=16, max_num_batched_tokens=8, block_size=4)
     backend = compile_engine(llm, tmp_path)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)

@@ -14,12 +14,11 @@ import numpy as np
 import pytest
 import torch
 from test_llm_vs_hf import check_against_hf, random_prompts
-from test_vlm_vs_hf import HFVisionReference, prompt_cases
+from test_vlm_vs_hf import qwen2_vl_cases
 
 from mm_serve import LLM, SamplingParams
 from mm_serve.compilation_config import cuda_graph_batch_sizes, cuda_graph_num_tokens
 from mm_serve.config import EngineArgs
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 from mm_serve.worker.cuda_graphs import (
     CudaGraphRunner,
     MixedCudaGraphRunner,
@@ -201,10 +200,7 @@ def test_padded_replay_path_matches_hf_on_cpu(llama_path, hf_reference, engine_a
 
 def test_padded_replay_path_qwen2_vl_on_cpu(tmp_path):
     """M-RoPE positions ``[3, B]`` through the static buffers, images mixed in (eager steps)."""
-    path = build_tiny_vlm_checkpoint(tmp_path, family="qwen2_vl", seed=3)
-    reference = HFVisionReference(path)
-    cases = prompt_cases("qwen2_vl")
-    prompts = [{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in cases]
+    path, reference, cases, prompts = qwen2_vl_cases(tmp_path)
     llm = LLM(path, device="cpu", max_num_seqs=16, max_num_batched_tokens=8, block_size=4)
     graphs = _install_eager_replays(llm)
     mixed = _install_mixed_eager_replays(llm, (4, 8))  # image chunks through the mixed path
@@ -254,10 +250,7 @@ def test_graphs_match_eager_and_hf(model_path, hf_reference, engine_args):
 @needs_cuda
 @pytest.mark.parametrize("engine_args", [{}, {"max_num_batched_tokens": 8, "block_size": 4}])
 def test_qwen2_vl_graphs_match_eager_and_hf(tmp_path, engine_args):
-    path = build_tiny_vlm_checkpoint(tmp_path, family="qwen2_vl", seed=3)
-    reference = HFVisionReference(path)
-    cases = prompt_cases("qwen2_vl")  # 5 prompts: padded to 8, then fewer as they finish
-    prompts = [{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in cases]
+    path, reference, cases, prompts = qwen2_vl_cases(tmp_path)  # 5: padded to 8, then fewer
     params = SamplingParams(temperature=0.0, max_tokens=12)
     llm = LLM(path, multiprocess=False, **engine_args)
     eager = LLM(path, enforce_eager=True, multiprocess=False, **engine_args)

@@ -63,6 +63,15 @@ def prompt_cases(family: str) -> list[tuple[str, list[Image.Image]]]:
     ]
 
 
+def qwen2_vl_cases(tmp_path) -> tuple[str, HFVisionReference, list, list[dict]]:
+    """A tiny Qwen2-VL checkpoint, its HF reference, ``prompt_cases`` and the same cases as
+    ``LLM.generate`` prompts."""
+    path = build_tiny_vlm_checkpoint(tmp_path, family="qwen2_vl", seed=3)
+    cases = prompt_cases("qwen2_vl")
+    prompts = [{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in cases]
+    return path, HFVisionReference(path), cases, prompts
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def vlm(request, tmp_path_factory):
     family = request.param
