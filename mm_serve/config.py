@@ -222,7 +222,7 @@ class EngineArgs:
         """Resolve the arguments (download, read config.json, pick dtype and lengths) once."""
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet.")
-        device = _resolve_device(self.device)
+        device = resolve_device(self.device)
         path = resolve_model_path(self.model, self.revision)
         hf_config = load_hf_config(path)
         text_config = getattr(hf_config, "text_config", None) or hf_config
@@ -354,7 +354,8 @@ def load_chat_template(value: str | None) -> str | None:
     return value
 
 
-def _resolve_device(device: str) -> torch.device:
+def resolve_device(device: str) -> torch.device:
+    """``auto`` -> cuda if available, else cpu; any other name as ``torch.device``."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)

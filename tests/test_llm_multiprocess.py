@@ -78,3 +78,16 @@ def test_image_outputs_match_in_process(vlm_path):
         assert completions(llm.generate(prompts, greedy, use_tqdm=False)) == expected
     finally:
         llm.shutdown()
+
+
+def test_failed_start_leaves_no_engine_process(tmp_path):
+    """The engine core process starts before the config is resolved; a config that cannot
+    be resolved stops it."""
+    children = set(psutil.Process().children(recursive=True))
+    with pytest.raises((ValueError, OSError)):
+        LLM(str(tmp_path / "no-such-model"), multiprocess=True)
+    left = set(psutil.Process().children(recursive=True)) - children
+    alive = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    # multiprocessing's resource tracker: one per process, started with the first child.
+    alive = [p for p in alive if "resource_tracker" not in " ".join(p.cmdline())]
+    assert not alive, [p.cmdline() for p in alive]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 
 from mm_serve.beam_search import BeamSearch, BeamSearchOutput
-from mm_serve.config import EngineArgs
+from mm_serve.config import EngineArgs, resolve_device
 from mm_serve.engine.core import EngineCore
 from mm_serve.frontend.base import FrontEnd
 from mm_serve.frontend.processor import PendingPrompt, ProcessedPrompt, PromptType
@@ -62,18 +62,29 @@ class LLM(FrontEnd):
     """
 
     def __init__(self, model: str, multiprocess: bool | None = None, **engine_args: Any) -> None:
-        super().__init__(EngineArgs(model=model, **engine_args))
+        args = EngineArgs(model=model, **engine_args)
+        if multiprocess is None:
+            multiprocess = resolve_device(args.device).type == "cuda"
+        client = None
+        if multiprocess:  # first: the process imports the engine while the config is resolved
+            from mm_serve.frontend.core_client import EngineCoreClient  # ZeroMQ only when used
+            from mm_serve.frontend.remote_core import RemoteEngineCore
+
+            client = EngineCoreClient()
+        try:
+            super().__init__(args)
+        except BaseException:
+            if client is not None:
+                client.shutdown()
+            raise
         # Hold the parts, not self: they stop when this LLM is collected.
         self._finalizers = [weakref.finalize(self, self.input_processor.shutdown)]
+        if client is not None:
+            self._finalizers.append(weakref.finalize(self, client.shutdown))
         self.start_preprocessing()  # the workers warm up while the model loads
-        if multiprocess is None:
-            multiprocess = self.config.device.type == "cuda"
         self.engine_core: EngineCore | RemoteEngineCore
-        if multiprocess:
-            from mm_serve.frontend.remote_core import RemoteEngineCore  # ZeroMQ only when used
-
-            self.engine_core = RemoteEngineCore(self.config)
-            self._finalizers.append(weakref.finalize(self, self.engine_core.shutdown))
+        if client is not None:
+            self.engine_core = RemoteEngineCore(self.config, client)
         else:
             self.engine_core = EngineCore(self.config)
         self._request_counter = itertools.count()

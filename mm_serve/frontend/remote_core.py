@@ -27,13 +27,17 @@ class RemoteEngineCore:
     """``add_request(s)`` / ``abort_requests`` / ``step`` / ``has_unfinished_requests`` /
     ``get_stats`` / ``reset`` of ``EngineCore``, on an engine core process.
 
+    ``client``: an ``EngineCoreClient`` started before the config was resolved (None: start
+    one now); the constructor sends it ``config`` and waits until it is ready.
+
     Raises:
         EngineStartupError: from the constructor, when the process fails to start.
         EngineDeadError: from any call once the process is gone.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
-        self.client = EngineCoreClient(config)
+    def __init__(self, config: EngineConfig, client: EngineCoreClient | None = None) -> None:
+        self.client = client or EngineCoreClient()
+        self.client.start(config)
         self._outputs: queue.Queue = queue.Queue()  # every request's outputs, in arrival order
         self._unfinished: set[str] = set()
 
