@@ -106,6 +106,18 @@ def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     return h if h.stride(-1) == 1 else h.contiguous()
 
 
+def _sections(mrope_section: list[int] | None, head_dim: int) -> list[int]:
+    """The ``[t, h, w]`` frequency split (plain RoPE: all in ``t``); ``ValueError`` unless it
+    has 3 parts summing to ``head_dim // 2``."""
+    if mrope_section is None:
+        return [head_dim // 2, 0, 0]
+    if len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2:
+        raise ValueError(
+            f"mrope_section {mrope_section} must be 3 parts summing to {head_dim // 2}"
+        )
+    return mrope_section
+
+
 def apply_rotary_triton(
     positions: torch.Tensor,  # [num_tokens] int, or [3, num_tokens] with mrope_section
     query: torch.Tensor,  # [num_tokens, num_heads * head_dim] or [num_tokens, num_heads, head_dim]
@@ -138,12 +150,7 @@ def apply_rotary_triton(
     if out is None:
         out = (torch.empty_like(query), torch.empty_like(key))
     q_out, k_out = out[0].view(num_tokens, -1, head_dim), out[1].view(num_tokens, -1, head_dim)
-    mrope = mrope_section is not None
-    if mrope and (len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2):
-        raise ValueError(
-            f"mrope_section {mrope_section} must be 3 parts summing to {head_dim // 2}"
-        )
-    sections = mrope_section if mrope else [head_dim // 2, 0, 0]
+    mrope, sections = mrope_section is not None, _sections(mrope_section, head_dim)
     if num_tokens == 0:
         return out
     half = head_dim // 2

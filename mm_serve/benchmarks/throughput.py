@@ -169,26 +169,13 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             "load_format": load_format,
             "device": common.device_name(config.device),
             "dtype": str(config.model.dtype).removeprefix("torch."),
-            "workload": {
-                "num_prompts": args.num_prompts,
-                "input_len_words": args.input_len,
-                "output_len": args.output_len,
-                "image_size": list(size),
-                "num_images": args.num_images,
-                "seed": args.seed,
-            },
+            "workload": _workload(args),
             "engine_args": kwargs,
             "hf": None,
         }
         if not args.no_hf:
             result["hf"] = _run_hf(args, folder, requests, texts, config)
-        configs = {"mm_serve": kwargs}
-        if args.compare_prefix_caching:
-            configs["mm_serve_prefix_caching_off"] = common.engine_kwargs(
-                args, load_format, enable_prefix_caching=False
-            )
-        if args.compare_structured_outputs:
-            configs["mm_serve_json_schema"] = kwargs
+        configs = _configurations(args, load_format, kwargs)
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
         peer = None
         if args.peer:  # the same requests, written once for the peer's subprocesses
@@ -205,11 +192,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 )
             if peer:
                 runs["vllm"].append(peer.run(runs["mm_serve"][-1]["prompt_tokens"]))
-        for name, results in runs.items():  # each configuration's best run, and all of them
-            result[name] = max(results, key=lambda r: r["output_tokens_per_s"])
-            result[name]["all_runs_output_tokens_per_s"] = [
-                r["output_tokens_per_s"] for r in results
-            ]
+        _keep_best_runs(result, runs)
         if peer and args.peer_bench:
             tokens = roofline.image_tokens(config.model.hf_config.vision_config, *size)
             result["vllm_bench"] = peer.bench(result["mm_serve"]["prompt_tokens"], tokens)
@@ -218,6 +201,36 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     print_summary(result)
     common.write_json(args.output_json, result)
     return result
+
+
+def _configurations(args, load_format: str, kwargs: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The engine kwargs of each configuration run: ``mm_serve``, and those compared with it."""
+    configs = {"mm_serve": kwargs}
+    if args.compare_prefix_caching:
+        configs["mm_serve_prefix_caching_off"] = common.engine_kwargs(
+            args, load_format, enable_prefix_caching=False
+        )
+    if args.compare_structured_outputs:
+        configs["mm_serve_json_schema"] = kwargs
+    return configs
+
+
+def _workload(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "num_prompts": args.num_prompts,
+        "input_len_words": args.input_len,
+        "output_len": args.output_len,
+        "image_size": list(args.image_size),
+        "num_images": args.num_images,
+        "seed": args.seed,
+    }
+
+
+def _keep_best_runs(result: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> None:
+    """``result[name]``: each configuration's best run, with every run's output tok/s."""
+    for name, results in runs.items():
+        result[name] = max(results, key=lambda r: r["output_tokens_per_s"])
+        result[name]["all_runs_output_tokens_per_s"] = [r["output_tokens_per_s"] for r in results]
 
 
 def _run_hf(args, folder, requests, texts, config) -> dict[str, Any]:

@@ -281,33 +281,14 @@ class ModelRunner:
         # A request samples once all its tokens are computed (prompt done); ``num_tokens``
         # counts the tokens sampled by steps still in flight.
         sample_rows = np.nonzero(seq_lens == batch.num_tokens[:num_reqs])[0]
-
         device = self.device
-        block_table = batch.block_table[:num_reqs, : int(batch.num_blocks[:num_reqs].max())]
-        attn_metadata = AttentionMetadata(
-            num_reqs=num_reqs,
-            num_tokens=total,
-            slot_mapping=to_device(slot_mapping, device, torch.int64),
-            query_start_loc=to_device(query_start_loc, device, torch.int32),
-            seq_lens=to_device(seq_lens, device, torch.int32),
-            block_table=to_device(block_table, device, torch.int32),
-            max_query_len=int(num_scheduled.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=query_start_loc.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-            prefill_split=plan_prefill_split(
-                query_start_loc, seq_lens, block_table, slot_mapping, device
-            )
-            if device.type == "cuda" and worth_splitting(query_start_loc, seq_lens)
-            else None,
-        )
+        attn_metadata = self._attention_metadata(slot_mapping, query_start_loc, seq_lens)
         states = batch.states[:num_reqs]
         if self.model.uses_mrope:
             positions = mrope_positions(states, positions, query_start_loc, num_computed)
         slices = scheduled_slices(states, num_computed, query_start_loc)
-        image_embeddings = None
-        if slices:
-            image_embeddings = gather_image_embeddings(self.encoder_cache, slices, self.device)
+        cache = self.encoder_cache
+        image_embeddings = gather_image_embeddings(cache, slices, device) if slices else None
         input_ids = to_device(input_ids, device, torch.int64)
         self._fill_in_flight_tokens(input_ids, num_computed, num_scheduled, query_start_loc)
         return StepInputs(
@@ -320,6 +301,36 @@ class ModelRunner:
             prompt_logprobs_jobs=prompt_logprobs_jobs(
                 self.input_batch, num_computed, query_start_loc, self.device
             ),
+        )
+
+    def _attention_metadata(
+        self,
+        slot_mapping: np.ndarray,  # [num_tokens] int64
+        query_start_loc: np.ndarray,  # [num_reqs + 1]
+        seq_lens: np.ndarray,  # [num_reqs]
+    ) -> AttentionMetadata:
+        """The step's ``AttentionMetadata`` on the device, with its host copies, and on CUDA
+        the FlashAttention-2 split of a step of long fresh prompts (``varlen_attention``)."""
+        batch, device = self.input_batch, self.device
+        num_reqs = len(seq_lens)
+        block_table = batch.block_table[:num_reqs, : int(batch.num_blocks[:num_reqs].max())]
+        split = device.type == "cuda" and worth_splitting(query_start_loc, seq_lens)
+        return AttentionMetadata(
+            num_reqs=num_reqs,
+            num_tokens=len(slot_mapping),
+            slot_mapping=to_device(slot_mapping, device, torch.int64),
+            query_start_loc=to_device(query_start_loc, device, torch.int32),
+            seq_lens=to_device(seq_lens, device, torch.int32),
+            block_table=to_device(block_table, device, torch.int32),
+            max_query_len=int(np.diff(query_start_loc).max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=query_start_loc.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            prefill_split=plan_prefill_split(
+                query_start_loc, seq_lens, block_table, slot_mapping, device
+            )
+            if split
+            else None,
         )
 
     def _fill_in_flight_tokens(

@@ -120,6 +120,22 @@ def build_app(
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         return await tokenization.detokenize(body)
 
+    add_operational_routes(app, llm, metrics)
+    if (config.web_dir / "index.html").is_file():
+        web = StaticFiles(directory=config.web_dir, html=True)
+        app.router.routes.append(_WebMount("/", app=web, name="web"))
+    app.add_middleware(
+        RequestGuard,
+        api_key=config.api_key,
+        max_body_bytes=config.max_request_body_bytes,
+        metrics=metrics,
+    )
+    return app
+
+
+def add_operational_routes(app: FastAPI, llm: AsyncLLM, metrics: ServerMetrics) -> None:
+    """``GET /version``, ``/health`` (503 once the engine core is gone) and ``/metrics``."""
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": importlib.metadata.version("mm_serve")}
@@ -140,17 +156,6 @@ def build_app(
             except Exception:  # the engine died meanwhile: the front end's metrics still count
                 logger.warning("Reading the engine's stats failed", exc_info=True)
         return Response(metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
-
-    if (config.web_dir / "index.html").is_file():
-        web = StaticFiles(directory=config.web_dir, html=True)
-        app.router.routes.append(_WebMount("/", app=web, name="web"))
-    app.add_middleware(
-        RequestGuard,
-        api_key=config.api_key,
-        max_body_bytes=config.max_request_body_bytes,
-        metrics=metrics,
-    )
-    return app
 
 
 class _WebMount(Mount):
