@@ -2,9 +2,10 @@
 # The GPU measurements behind BENCHMARKS.md, one stage per argument, each writing its log and
 # JSON into $OUT (default ./bench-out). Run from the repository root on a CUDA machine:
 #   bash mm_serve/benchmarks/run_gpu.sh tests latency throughput serve kernels
-# tests:      the CUDA tests (kernels vs references, CUDA graphs, outputs vs HF, async scheduling,
-#             pixel path, structured outputs); tests-kernels and tests-engine run its two halves
-#             (each within the GPU machine's 10 minutes per command on a fresh machine)
+# tests:      the CUDA tests (kernels vs references, CUDA graphs, compile, outputs vs HF, async
+#             scheduling, pixel path, structured outputs); tests-kernels, tests-llm and tests-vlm
+#             run its three parts (each within the GPU machine's 10 minutes per command; at the
+#             default compilation level every engine a test builds compiles its forward)
 # latency:    bench latency, Qwen2-VL-2B, batch 1: default, without PDL, without async
 #             scheduling, eager; then step_profile (the engine loop's step, kernel table)
 # throughput: bench throughput, Qwen2-VL-2B, 256 requests, HF baseline, prefix caching on/off
@@ -27,12 +28,15 @@ bench() { $PY -m mm_serve.entrypoints.cli bench "$@"; }
 for stage in "$@"; do
   echo "=== $stage ($(date +%T))"
   case $stage in
-    tests|tests-kernels|tests-engine)
+    tests|tests-kernels|tests-llm|tests-vlm)
       files=()
-      [ "$stage" != tests-engine ] && files+=(tests/test_kernels_triton.py tests/test_cuda_graphs.py
-        tests/test_compile.py tests/test_kernel_dispatch.py tests/test_varlen_prefill.py)
-      [ "$stage" != tests-kernels ] && files+=(tests/test_async_scheduling.py tests/test_llm_vs_hf.py
-        tests/test_vlm_vs_hf.py tests/test_pixel_path.py tests/test_structured_outputs.py)
+      [[ $stage == tests || $stage == tests-kernels ]] && files+=(tests/test_kernels_triton.py
+        tests/test_cuda_graphs.py tests/test_compile.py tests/test_kernel_dispatch.py
+        tests/test_varlen_prefill.py)
+      [[ $stage == tests || $stage == tests-llm ]] && files+=(tests/test_async_scheduling.py
+        tests/test_llm_vs_hf.py)
+      [[ $stage == tests || $stage == tests-vlm ]] && files+=(tests/test_vlm_vs_hf.py
+        tests/test_pixel_path.py tests/test_structured_outputs.py)
       $PY -m pytest -q -x "${files[@]}" 2>&1 | tee "$OUT/$stage.log" | tail -5 ;;
     latency)
       for mode in "" "no-pdl" "--no-async-scheduling" "--enforce-eager"; do
