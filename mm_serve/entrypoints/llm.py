@@ -71,12 +71,7 @@ class LLM(FrontEnd):
             from mm_serve.frontend.remote_core import RemoteEngineCore
 
             client = EngineCoreClient()
-        try:
-            super().__init__(args)
-        except BaseException:
-            if client is not None:
-                client.shutdown()
-            raise
+        super().__init__(args, client)
         # Hold the parts, not self: they stop when this LLM is collected.
         self._finalizers = [weakref.finalize(self, self.input_processor.shutdown)]
         if client is not None:

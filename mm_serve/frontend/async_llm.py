@@ -66,11 +66,7 @@ class AsyncLLM(FrontEnd):
     ) -> None:
         # The engine core process first: it imports the engine while the config is resolved.
         self.engine_core = AsyncEngineCoreClient()
-        try:
-            super().__init__(engine_args)
-        except BaseException:
-            self.engine_core.shutdown()
-            raise
+        super().__init__(engine_args, self.engine_core)
         # One thread: HF fast tokenizers are not safe to call from several threads at once.
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="mm_serve-tokenizer"

@@ -4,7 +4,7 @@ tokenizer, the input processor with its preprocessing pool, and the output proce
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mm_serve.config import EngineArgs
 from mm_serve.frontend.output_processor import OutputProcessor, ParentRequest
@@ -19,6 +19,9 @@ from mm_serve.request import Request
 from mm_serve.sampling_params import SamplingParams
 from mm_serve.stats import EngineStats
 
+if TYPE_CHECKING:
+    from mm_serve.frontend.core_client import EngineCoreClientBase
+
 
 class FrontEnd:
     """The front end of one engine; ``LLM`` and ``AsyncLLM`` add the engine core.
@@ -27,18 +30,27 @@ class FrontEnd:
     core gets this one, it does not resolve its own), the tokenizer, the checkpoint's
     ``generation_config.json``, the ``InputProcessor`` (for a VLM, with its preprocessing pool,
     not started yet) and the ``OutputProcessor``. Call ``input_processor.shutdown()`` when done.
+    ``engine_process``: an engine core client started first, so that its process imports the
+    engine meanwhile (``start(config)`` is the caller's); shut down if this set-up fails.
 
     Raises:
         ValueError: an unusable checkpoint or option.
     """
 
-    def __init__(self, engine_args: EngineArgs) -> None:
-        self.config = engine_args.create_engine_config()
-        self.tokenizer = load_tokenizer(self.config.model.tokenizer)
-        self.generation_config = load_generation_config(self.config.model.path)
-        self.input_processor = InputProcessor(
-            self.config.model, self.config.multimodal, self.tokenizer, self.generation_config
-        )
+    def __init__(
+        self, engine_args: EngineArgs, engine_process: EngineCoreClientBase | None = None
+    ) -> None:
+        try:
+            self.config = engine_args.create_engine_config()
+            self.tokenizer = load_tokenizer(self.config.model.tokenizer)
+            self.generation_config = load_generation_config(self.config.model.path)
+            self.input_processor = InputProcessor(
+                self.config.model, self.config.multimodal, self.tokenizer, self.generation_config
+            )
+        except BaseException:
+            if engine_process is not None:
+                engine_process.shutdown()
+            raise
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def get_tokenizer(self):

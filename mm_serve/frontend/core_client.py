@@ -51,7 +51,7 @@ from mm_serve.stats import EngineStats
 logger = logging.getLogger(__name__)
 
 
-class _EngineCoreClientBase:
+class EngineCoreClientBase:
     """Process, sockets and output thread, shared by the sync and the async client.
 
     The constructor starts the process; ``start(config)`` then sends it the engine config the
@@ -296,11 +296,11 @@ class _EngineCoreClientBase:
                 future.set_exception(EngineDeadError(str(error)))
 
 
-class EngineCoreClient(_EngineCoreClientBase):
+class EngineCoreClient(EngineCoreClientBase):
     """Blocking client: ``add_request`` returns the request's ``queue.Queue`` (see module doc).
 
     Raises:
-        EngineStartupError: from the constructor, see ``_EngineCoreClientBase``.
+        EngineStartupError: from the constructor, see ``EngineCoreClientBase``.
         EngineDeadError: from any call once the engine core is gone.
     """
 
@@ -337,7 +337,7 @@ class EngineCoreClient(_EngineCoreClientBase):
         self._call("reset").result(timeout_s)
 
 
-class AsyncEngineCoreClient(_EngineCoreClientBase):
+class AsyncEngineCoreClient(EngineCoreClientBase):
     """The API server's client: coroutine calls, an ``asyncio.Queue`` per user request.
 
     The constructor blocks until the engine core is ready (seconds to minutes: the model
@@ -345,7 +345,7 @@ class AsyncEngineCoreClient(_EngineCoreClientBase):
     come from several event loops; each request's queue is fed on the loop that added it.
 
     Raises:
-        EngineStartupError: from the constructor, see ``_EngineCoreClientBase``.
+        EngineStartupError: from the constructor, see ``EngineCoreClientBase``.
         EngineDeadError: from any call once the engine core is gone.
     """
 
