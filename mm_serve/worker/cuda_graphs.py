@@ -114,7 +114,6 @@ class _GraphFamily:
         width = metadata.block_table.shape[1]
         self.block_table[:r, :width].copy_(metadata.block_table)
 
-    @torch.inference_mode()
     def capture(self, pool=None) -> None:
         """Capture one graph per size (largest first) into ``pool`` (a fresh one if None)."""
         start = time.perf_counter()
