@@ -78,6 +78,11 @@ def check_grammar(params: StructuredOutputsParams) -> None:
     _check_key(params.key)
 
 
+# How a JSON schema compiles, in the front end's check and the engine's compiler alike: no
+# free whitespace between tokens, and no properties the schema does not name.
+JSON_SCHEMA_OPTIONS = {"any_whitespace": False, "strict_mode": True}
+
+
 @functools.lru_cache(maxsize=256)
 def _check_key(key: tuple[str, str]) -> None:
     import xgrammar
@@ -85,7 +90,7 @@ def _check_key(key: tuple[str, str]) -> None:
     kind, text = key
     try:
         if kind == "json":
-            xgrammar.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
+            xgrammar.Grammar.from_json_schema(text, **JSON_SCHEMA_OPTIONS)
         elif kind == "regex":
             xgrammar.Grammar.from_regex(text)
         elif kind == "grammar":

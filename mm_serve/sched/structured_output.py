@@ -18,7 +18,7 @@ import torch
 from mm_serve.config import ModelConfig
 from mm_serve.request import Request
 from mm_serve.sched.output import ModelRunnerOutput, SchedulerOutput
-from mm_serve.structured_outputs import compiler_message
+from mm_serve.structured_outputs import JSON_SCHEMA_OPTIONS, compiler_message
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class StructuredOutputManager:
         compiler = self._compiler or self._make_compiler()
         kind, text = key
         if kind == "json":
-            return compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+            return compiler.compile_json_schema(text, **JSON_SCHEMA_OPTIONS)
         if kind == "regex":
             return compiler.compile_regex(text)
         return compiler.compile_grammar(text)

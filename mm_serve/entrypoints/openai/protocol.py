@@ -25,6 +25,7 @@ from mm_serve.entrypoints.openai.protocol_tools import (
     ChatTool,
     DeltaToolCall,
     NamedToolChoice,
+    OmitNone,
     ToolCall,
 )
 
@@ -327,7 +328,7 @@ class ChatCompletionResponse(_Response[ChatCompletionChoice]):
     prompt_logprobs: PromptLogprobList | None = None
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(OmitNone):
     """What one chunk adds to a choice's message; fields it does not set are left out of the
     JSON (``role`` only in a choice's first chunk, ``content`` absent from a bare finish), as
     OpenAI sends it: clients tell a token chunk by ``content`` without ``role``."""
@@ -335,10 +336,6 @@ class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict:
-        return {key: value for key, value in handler(self).items() if value is not None}
 
 
 class ChatCompletionStreamChoice(_Choice[ChatLogprobs]):

@@ -39,18 +39,20 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class _OmitUnset(BaseModel):
+class OmitNone(BaseModel):
+    """Serialised without its fields that are None (OpenAI's stream deltas)."""
+
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict:
         return {key: value for key, value in handler(self).items() if value is not None}
 
 
-class DeltaFunctionCall(_OmitUnset):
+class DeltaFunctionCall(OmitNone):
     name: str | None = None
     arguments: str | None = None
 
 
-class DeltaToolCall(_OmitUnset):
+class DeltaToolCall(OmitNone):
     """A streamed call: its first delta has ``id``, ``type`` and the function's name, later
     ones add text to its ``arguments`` (clients concatenate them by ``index``)."""
 

@@ -21,7 +21,6 @@ from mm_serve.entrypoints.openai.protocol import (
     ChatMessage,
     ChatResponseMessage,
     DeltaMessage,
-    UsageInfo,
 )
 from mm_serve.entrypoints.openai.serving_common import (
     Admission,
@@ -174,7 +173,7 @@ def _response(output: RequestOutput, reply: _Reply) -> ChatCompletionResponse:
     return reply.response(
         ChatCompletionResponse,
         choices,
-        _usage(output, sum(len(c.token_ids) for c in output.outputs)),
+        usage_info([output], sum(len(c.token_ids) for c in output.outputs)),
         prompt_token_ids=reply.token_ids(output.prompt_token_ids),
         prompt_logprobs=prompt_logprobs_field(output.prompt_logprobs),
     )
@@ -219,13 +218,7 @@ async def _stream(
                         yield sse_event(reply.response(ChatCompletionChunk, [choice]))
                 num_completion += len(delta.token_ids)
     if include_usage and last is not None:
-        yield sse_event(reply.response(ChatCompletionChunk, [], _usage(last, num_completion)))
-
-
-def _usage(output: RequestOutput, num_completion: int) -> UsageInfo:
-    """The usage of a reply of ``num_completion`` tokens to ``output``'s prompt."""
-    cached = output.num_cached_tokens, output.num_cached_images
-    return usage_info(len(output.prompt_token_ids), num_completion, *cached)
+        yield sse_event(reply.response(ChatCompletionChunk, [], usage_info([last], num_completion)))
 
 
 def _tool_stream_choices(

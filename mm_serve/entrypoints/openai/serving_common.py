@@ -333,12 +333,15 @@ def per_token(delta: CompletionOutput) -> list[CompletionOutput]:
     ]
 
 
-def usage_info(
-    num_prompt: int, num_completion: int, num_cached: int, num_cached_images: int = 0
-) -> UsageInfo:
-    """Usage in tokens; ``num_cached``: prompt tokens served by the prefix cache;
-    ``num_cached_images``: prompt images not encoded for the request."""
-    details = PromptTokensDetails(cached_tokens=num_cached, cached_images=num_cached_images)
+def usage_info(outputs: list[RequestOutput], num_completion: int) -> UsageInfo:
+    """The usage of a reply of ``num_completion`` tokens to ``outputs``' prompts (one per
+    prompt), with the prompt tokens served by the prefix cache and the images not encoded for
+    the request."""
+    num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    details = PromptTokensDetails(
+        cached_tokens=sum(o.num_cached_tokens for o in outputs),
+        cached_images=sum(o.num_cached_images for o in outputs),
+    )
     return UsageInfo(
         prompt_tokens=num_prompt,
         completion_tokens=num_completion,

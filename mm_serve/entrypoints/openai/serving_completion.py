@@ -178,12 +178,7 @@ def _response(outputs: list[RequestOutput], reply: _Reply) -> CompletionResponse
         reply.choice(i, c, output) for i, output in enumerate(outputs) for c in output.outputs
     ]
     num_completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return reply.response(CompletionResponse, choices, _usage(outputs, num_completion))
-
-
-def _usage(outputs: list[RequestOutput], num_completion: int):
-    num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    return usage_info(num_prompt, num_completion, sum(o.num_cached_tokens for o in outputs))
+    return reply.response(CompletionResponse, choices, usage_info(outputs, num_completion))
 
 
 async def _stream(
@@ -205,7 +200,7 @@ async def _stream(
                     choice = reply.choice(prompt_index, piece, output if first else None)
                     yield sse_event(reply.response(CompletionResponse, [choice]))
     if include_usage:
-        usage = _usage(list(last.values()), num_completion)
+        usage = usage_info(list(last.values()), num_completion)
         yield sse_event(reply.response(CompletionResponse, [], usage))
 
 
