@@ -49,10 +49,10 @@ def _timed_steps(llm, prompts, params) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     marks: dict[str, Any] = {}
 
-    def timed_execute(scheduler_output):
+    def timed_execute(scheduler_output, *args):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        pending = execute(scheduler_output)
+        pending = execute(scheduler_output, *args)
         end.record()
         marks.update(launched=time.perf_counter(), events=(start, end))
         return pending

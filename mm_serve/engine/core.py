@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -11,7 +12,7 @@ from mm_serve.outputs import EngineCoreOutput
 from mm_serve.request import Request, RequestStatus
 from mm_serve.sched.output import SchedulerOutput
 from mm_serve.sched.scheduler import Scheduler
-from mm_serve.sched.structured_output import StructuredOutputManager
+from mm_serve.sched.structured_output import GrammarBitmask, StructuredOutputManager
 from mm_serve.stats import EngineStats, IterationTokens
 from mm_serve.worker.model_runner import ModelRunner
 from mm_serve.worker.step_output import PendingOutput
@@ -82,17 +83,33 @@ class EngineCore:
         """
         scheduler_output = self.scheduler.schedule()
         self._record_scheduled(scheduler_output)
+        previous, self._in_flight = self._in_flight, None
+        bitmask = None
         if scheduler_output.structured_output_request_ids:
-            return self._add_scheduled_times(self._step_with_grammars(scheduler_output))
-        pending = self.model_runner.execute_model(scheduler_output)
-        if not self.async_scheduling:
-            outputs = self.scheduler.update_from_output(scheduler_output, pending.get())
-            return self._add_scheduled_times(outputs)
-        previous, self._in_flight = self._in_flight, (scheduler_output, pending)
-        if previous is None:
-            return []
-        outputs = self.scheduler.update_from_output(previous[0], previous[1].get())
+            bitmask = functools.partial(self._grammar_bitmask, scheduler_output, previous)
+        pending = self.model_runner.execute_model(scheduler_output, bitmask)
+        outputs = (
+            []
+            if previous is None
+            else self.scheduler.update_from_output(previous[0], previous[1].get())
+        )
+        if self.async_scheduling:
+            self._in_flight = (scheduler_output, pending)
+        else:
+            outputs += self.scheduler.update_from_output(scheduler_output, pending.get())
         return self._add_scheduled_times(outputs)
+
+    def _grammar_bitmask(
+        self, scheduler_output: SchedulerOutput, previous: tuple | None
+    ) -> GrammarBitmask:
+        """The bitmask of the step's grammar requests, which the runner asks for between the
+        step's forward pass and its sampling: it needs every earlier token, so the previous
+        step's go into the matchers now (the forward pass keeps the device busy); the rest of
+        that step's update follows once sampling is queued."""
+        requests = self.scheduler.requests
+        if previous is not None:
+            self.structured_output.accept_tokens(previous[1].get(), requests)
+        return self.structured_output.grammar_bitmask(scheduler_output, requests)
 
     def _record_scheduled(self, scheduler_output: SchedulerOutput) -> None:
         """Note the step's tokens and when its new requests were first scheduled (now)."""
@@ -108,25 +125,6 @@ class EngineCore:
         if self._scheduled_times:
             for output in outputs:
                 output.scheduled_time = self._scheduled_times.pop(output.request_id, None)
-        return outputs
-
-    def _step_with_grammars(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
-        """A step in which grammar requests sample: their bitmask needs every earlier token, so
-        the previous step's output is read between this step's forward pass and its sampling
-        (the forward pass keeps the device busy meanwhile)."""
-        self.model_runner.launch_forward(scheduler_output)
-        requests, previous = self.scheduler.requests, None
-        if self._in_flight is not None:
-            # Its tokens into the matchers now; the rest of its update once sampling is queued.
-            (previous_output, pending), self._in_flight = self._in_flight, None
-            previous = (previous_output, pending.get())
-            self.structured_output.accept_tokens(previous[1], requests)
-        bitmask = self.structured_output.grammar_bitmask(scheduler_output, requests)
-        pending = self.model_runner.sample_tokens(bitmask)
-        outputs = [] if previous is None else self.scheduler.update_from_output(*previous)
-        if not self.async_scheduling:
-            return outputs + self.scheduler.update_from_output(scheduler_output, pending.get())
-        self._in_flight = (scheduler_output, pending)
         return outputs
 
     def reset(self) -> None:

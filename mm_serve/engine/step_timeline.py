@@ -40,12 +40,12 @@ class StepTimeline:
         engine_core.step = self.step
         engine_core.model_runner.execute_model = self.execute_model
 
-    def execute_model(self, scheduler_output):
+    def execute_model(self, scheduler_output, *args):
         if not self.records:  # outside step() (the empty step of ``reset``): not recorded
-            return self._execute(scheduler_output)
+            return self._execute(scheduler_output, *args)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        pending = self._execute(scheduler_output)
+        pending = self._execute(scheduler_output, *args)
         end.record()
         num_scheduled = scheduler_output.num_scheduled_tokens
         self.records[-1].update(

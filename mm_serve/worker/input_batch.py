@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from mm_serve.attention import AttentionMetadata
+from mm_serve.kernels.varlen_attention import plan_prefill_split, worth_splitting
 from mm_serve.request import MultiModalFeature
 from mm_serve.sampling_params import SamplingParams
 from mm_serve.transfer import host_to_device
@@ -155,6 +157,37 @@ class InputBatch:
         start = self.num_blocks[row]
         self.block_table[row, start : start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
+
+    def attention_metadata(
+        self,
+        slot_mapping: np.ndarray,  # [num_tokens] int64
+        query_start_loc: np.ndarray,  # [num_reqs + 1]
+        seq_lens: np.ndarray,  # [num_reqs]
+        device: torch.device,
+    ) -> AttentionMetadata:
+        """The step's ``AttentionMetadata`` over rows ``0..num_reqs`` on ``device``, with its
+        host copies, and on CUDA the FlashAttention-2 split of a step of long fresh prompts
+        (``varlen_attention``)."""
+        num_reqs = len(seq_lens)
+        block_table = self.block_table[:num_reqs, : int(self.num_blocks[:num_reqs].max())]
+        split = device.type == "cuda" and worth_splitting(query_start_loc, seq_lens)
+        return AttentionMetadata(
+            num_reqs=num_reqs,
+            num_tokens=len(slot_mapping),
+            slot_mapping=to_device(slot_mapping, device, torch.int64),
+            query_start_loc=to_device(query_start_loc, device, torch.int32),
+            seq_lens=to_device(seq_lens, device, torch.int32),
+            block_table=to_device(block_table, device, torch.int32),
+            max_query_len=int(np.diff(query_start_loc).max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=query_start_loc.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            prefill_split=plan_prefill_split(
+                query_start_loc, seq_lens, block_table, slot_mapping, device
+            )
+            if split
+            else None,
+        )
 
     def sampling_metadata(self, rows: np.ndarray, device: torch.device) -> SamplingMetadata:
         """Gather the sampling settings of ``rows`` (those that produce a token this step)."""

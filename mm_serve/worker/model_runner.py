@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +18,6 @@ from mm_serve.attention import AttentionMetadata
 from mm_serve.config import EngineConfig
 from mm_serve.distributed import init_tensor_parallel
 from mm_serve.kernels.dispatch import configure_kernels
-from mm_serve.kernels.varlen_attention import plan_prefill_split, worth_splitting
 from mm_serve.models.interface import LanguageModel
 from mm_serve.models.loader import load_model
 from mm_serve.sched.output import SchedulerOutput
@@ -126,10 +126,15 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput:
-        """Launch one step: ``launch_forward``, then ``sample_tokens`` with no grammar."""
+    def execute_model(
+        self,
+        scheduler_output: SchedulerOutput,
+        grammar_bitmask: Callable[[], GrammarBitmask] | None = None,
+    ) -> PendingOutput:
+        """Launch one step: ``launch_forward``, then ``sample_tokens`` within the bitmask that
+        ``grammar_bitmask()`` gives once the forward pass is queued (none: no grammar)."""
         self.launch_forward(scheduler_output)
-        return self.sample_tokens()
+        return self.sample_tokens(None if grammar_bitmask is None else grammar_bitmask())
 
     @torch.inference_mode()
     def launch_forward(self, scheduler_output: SchedulerOutput) -> None:
@@ -282,7 +287,7 @@ class ModelRunner:
         # counts the tokens sampled by steps still in flight.
         sample_rows = np.nonzero(seq_lens == batch.num_tokens[:num_reqs])[0]
         device = self.device
-        attn_metadata = self._attention_metadata(slot_mapping, query_start_loc, seq_lens)
+        attn_metadata = batch.attention_metadata(slot_mapping, query_start_loc, seq_lens, device)
         states = batch.states[:num_reqs]
         if self.model.uses_mrope:
             positions = mrope_positions(states, positions, query_start_loc, num_computed)
@@ -301,36 +306,6 @@ class ModelRunner:
             prompt_logprobs_jobs=prompt_logprobs_jobs(
                 self.input_batch, num_computed, query_start_loc, self.device
             ),
-        )
-
-    def _attention_metadata(
-        self,
-        slot_mapping: np.ndarray,  # [num_tokens] int64
-        query_start_loc: np.ndarray,  # [num_reqs + 1]
-        seq_lens: np.ndarray,  # [num_reqs]
-    ) -> AttentionMetadata:
-        """The step's ``AttentionMetadata`` on the device, with its host copies, and on CUDA
-        the FlashAttention-2 split of a step of long fresh prompts (``varlen_attention``)."""
-        batch, device = self.input_batch, self.device
-        num_reqs = len(seq_lens)
-        block_table = batch.block_table[:num_reqs, : int(batch.num_blocks[:num_reqs].max())]
-        split = device.type == "cuda" and worth_splitting(query_start_loc, seq_lens)
-        return AttentionMetadata(
-            num_reqs=num_reqs,
-            num_tokens=len(slot_mapping),
-            slot_mapping=to_device(slot_mapping, device, torch.int64),
-            query_start_loc=to_device(query_start_loc, device, torch.int32),
-            seq_lens=to_device(seq_lens, device, torch.int32),
-            block_table=to_device(block_table, device, torch.int32),
-            max_query_len=int(np.diff(query_start_loc).max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=query_start_loc.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-            prefill_split=plan_prefill_split(
-                query_start_loc, seq_lens, block_table, slot_mapping, device
-            )
-            if split
-            else None,
         )
 
     def _fill_in_flight_tokens(
