@@ -66,9 +66,9 @@ class EngineCoreOutput:
     fields as they are.
 
     For the metrics (``time.monotonic()`` seconds): ``scheduled_time``, when the engine first
-    scheduled the request, comes with its first output only; ``timestamp``, when the engine
-    step that made the output ended, is sent once per step (``EngineCoreOutputs.timestamp``)
-    and set here by the front end's client."""
+    scheduled the request (``Request.scheduled_time``), comes with each of its outputs;
+    ``timestamp``, when the engine step that made the output ended, is sent once per step
+    (``EngineCoreOutputs.timestamp``) and set here by the front end's client."""
 
     request_id: str
     new_token_ids: list[int]

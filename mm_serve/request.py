@@ -98,6 +98,7 @@ class Request:
     num_computed_tokens: int = field(default=0, init=False)
     num_output_placeholders: int = field(default=0, init=False)
     num_cached_tokens: int = field(default=-1, init=False)  # prefix-cache hit at first schedule
+    scheduled_time: float | None = field(default=None, init=False)  # monotonic, first schedule
     # Images whose embeddings this request did not compute (encoder-cache hit, or KV from the
     # prefix cache), set once its whole prompt is first scheduled; -1 until then.
     num_cached_images: int = field(default=-1, init=False)

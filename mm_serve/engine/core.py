@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 
 from mm_serve.config import EngineConfig
 from mm_serve.engine.step_timeline import install_from_env
@@ -47,9 +46,7 @@ class EngineCore:
         self.async_scheduling = config.scheduler.async_scheduling
         # The launched step whose output has not been read yet (async scheduling only).
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
-        # For the metrics: when each request was first scheduled (until its first output
-        # carries it to the front end), and the tokens scheduled per step.
-        self._scheduled_times: dict[str, float] = {}
+        # For the metrics: the tokens scheduled per step.
         self.iteration_tokens = IterationTokens()
         install_from_env(self)  # MM_SERVE_STEP_TIMELINE: a step timeline for benchmarks
 
@@ -64,8 +61,6 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        for request_id in request_ids:
-            self._scheduled_times.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -82,7 +77,8 @@ class EngineCore:
         scheduler treated as placeholders while it scheduled this one.
         """
         scheduler_output = self.scheduler.schedule()
-        self._record_scheduled(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens:
+            self.iteration_tokens.observe(scheduler_output.total_num_scheduled_tokens)
         previous, self._in_flight = self._in_flight, None
         bitmask = None
         if scheduler_output.structured_output_request_ids:
@@ -97,7 +93,7 @@ class EngineCore:
             self._in_flight = (scheduler_output, pending)
         else:
             outputs += self.scheduler.update_from_output(scheduler_output, pending.get())
-        return self._add_scheduled_times(outputs)
+        return outputs
 
     def _grammar_bitmask(
         self, scheduler_output: SchedulerOutput, previous: tuple | None
@@ -110,22 +106,6 @@ class EngineCore:
         if previous is not None:
             self.structured_output.accept_tokens(previous[1].get(), requests)
         return self.structured_output.grammar_bitmask(scheduler_output, requests)
-
-    def _record_scheduled(self, scheduler_output: SchedulerOutput) -> None:
-        """Note the step's tokens and when its new requests were first scheduled (now)."""
-        if scheduler_output.total_num_scheduled_tokens:
-            self.iteration_tokens.observe(scheduler_output.total_num_scheduled_tokens)
-        if scheduler_output.scheduled_new_reqs:
-            now = time.monotonic()
-            for new_request in scheduler_output.scheduled_new_reqs:
-                self._scheduled_times[new_request.req_id] = now
-
-    def _add_scheduled_times(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
-        """Give each request's first output the time it was first scheduled."""
-        if self._scheduled_times:
-            for output in outputs:
-                output.scheduled_time = self._scheduled_times.pop(output.request_id, None)
-        return outputs
 
     def reset(self) -> None:
         """Forget what finished requests left behind, as after start-up: the prefix cache's
@@ -145,7 +125,6 @@ class EngineCore:
         self.model_runner.execute_model(self.scheduler.schedule())
         self.model_runner.encoder_cache.clear()
         self.scheduler = self._make_scheduler()
-        self._scheduled_times.clear()
         self.iteration_tokens = IterationTokens()
 
     def _make_scheduler(self) -> Scheduler:

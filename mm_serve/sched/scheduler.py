@@ -27,6 +27,7 @@ and the manager's ``grammar_bitmask`` gives the tokens it may sample next.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -253,8 +254,8 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(request)
             request.num_computed_tokens = num_computed
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_computed
+            if request.num_cached_tokens < 0:  # first scheduled
+                request.num_cached_tokens, request.scheduled_time = num_computed, time.monotonic()
             block_ids = kv.get_block_ids(request.request_id)
             if request.status == RequestStatus.PREEMPTED:
                 step.cached_reqs.add(request, block_ids, resumed=True)
@@ -359,6 +360,7 @@ class Scheduler:
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             num_cached_images=max(request.num_cached_images, 0),
+            scheduled_time=request.scheduled_time,
         )
 
     def _free_request(self, request: Request) -> None:
