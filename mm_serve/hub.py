@@ -100,3 +100,22 @@ def resolve_max_model_len(text_config: Any, requested: int | None) -> int:
             "max_model_len %d exceeds the model's max_position_embeddings %d", requested, limit
         )
     return requested
+
+
+def load_generation_config(path: str):
+    """The checkpoint's ``generation_config.json``, or None when it has none."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:
+        return None
+
+
+def eos_token_ids(eos_token_id: int | None, generation_config: Any) -> list[int]:
+    """The tokenizer's EOS id, then the other EOS ids of ``generation_config`` (a
+    ``GenerationConfig`` or None): every id that ends a completion, as in vLLM."""
+    eos = getattr(generation_config, "eos_token_id", None) if generation_config else None
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    first = [] if eos_token_id is None else [eos_token_id]
+    return first + [t for t in eos if t != eos_token_id]

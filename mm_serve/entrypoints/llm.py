@@ -176,8 +176,7 @@ class LLM(FrontEnd):
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         pending = [self.input_processor.process(prompt) for prompt in prompts]
-        stop_token_ids = [self.input_processor.eos_token_id]
-        stop_token_ids += self.input_processor.extra_stop_token_ids
+        stop_token_ids = self.input_processor.stop_token_ids
         model = self.config.model
         searches = [BeamSearch(p.result(), params, stop_token_ids, model) for p in pending]
         with tqdm(total=len(searches), desc="Beam search", disable=not use_tqdm) as bar:

@@ -278,8 +278,7 @@ class AsyncLLM(FrontEnd):
         Raises:
             as ``generate``; an error in one beam's request cancels the round's others.
         """
-        stop_token_ids = [self.input_processor.eos_token_id]
-        stop_token_ids += self.input_processor.extra_stop_token_ids
+        stop_token_ids = self.input_processor.stop_token_ids
         search = BeamSearch(prompt, params, stop_token_ids, self.config.model)
         sampling_params = search.sampling_params(num_logprobs)
         round_index = 0

@@ -12,9 +12,9 @@ from mm_serve.frontend.processor import (
     InputProcessor,
     ProcessedPrompt,
     generation_config_defaults,
-    load_generation_config,
     load_tokenizer,
 )
+from mm_serve.hub import load_generation_config
 from mm_serve.request import Request
 from mm_serve.sampling_params import SamplingParams
 from mm_serve.stats import EngineStats

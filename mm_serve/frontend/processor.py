@@ -16,6 +16,7 @@ from typing import Any
 from mm_serve.config import ModelConfig, MultiModalConfig
 from mm_serve.frontend.exceptions import InvalidParamError
 from mm_serve.frontend.mm_processor import MultiModalProcessor, PendingImages, split_chat_images
+from mm_serve.hub import eos_token_ids
 from mm_serve.request import MultiModalFeature, Request, check_image_tokens
 from mm_serve.sampling_params import SamplingParams
 from mm_serve.structured_outputs import check_grammar
@@ -181,16 +182,6 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
-def load_generation_config(path: str):
-    """The checkpoint's ``generation_config.json``, or None when it has none."""
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(path)
-    except OSError:
-        return None
-
-
 # SamplingParams fields whose default the checkpoint's generation_config.json may set (vLLM's).
 DEFAULTS_FROM_GENERATION_CONFIG = ("temperature", "top_p", "top_k", "repetition_penalty")
 
@@ -222,9 +213,8 @@ class InputProcessor:
         if model_config.image_token_id is not None:
             self.mm_processor = MultiModalProcessor(model_config, mm_config)
         self.eos_token_id = tokenizer.eos_token_id
-        eos = getattr(generation_config, "eos_token_id", None) if generation_config else None
-        eos = [eos] if isinstance(eos, int) else list(eos or [])
-        self.extra_stop_token_ids = [t for t in eos if t != self.eos_token_id]
+        self.stop_token_ids = eos_token_ids(tokenizer.eos_token_id, generation_config)
+        self.extra_stop_token_ids = [t for t in self.stop_token_ids if t != self.eos_token_id]
 
     def process(self, prompt: PromptType | Prompt) -> PendingPrompt:
         """Tokenize a prompt and start preprocessing its images; returns without waiting for

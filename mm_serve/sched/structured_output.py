@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from mm_serve.config import ModelConfig
+from mm_serve.hub import eos_token_ids, load_generation_config
 from mm_serve.request import Request
 from mm_serve.sched.output import ModelRunnerOutput, SchedulerOutput
 from mm_serve.structured_outputs import JSON_SCHEMA_OPTIONS, compiler_message
@@ -170,19 +171,14 @@ class StructuredOutputManager:
         """The compiler for the model's tokenizer. Its stop tokens (allowed once the output is
         complete) are the tokenizer's EOS and those of ``generation_config.json``."""
         import xgrammar
-        from transformers import AutoTokenizer, GenerationConfig
+        from transformers import AutoTokenizer
 
-        path = self.model_config.tokenizer
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        stop_ids = {tokenizer.eos_token_id} - {None}
-        try:
-            eos = GenerationConfig.from_pretrained(self.model_config.path).eos_token_id
-            stop_ids |= {eos} if isinstance(eos, int) else set(eos or ())
-        except OSError:  # no generation_config.json
-            pass
+        tokenizer = AutoTokenizer.from_pretrained(self.model_config.tokenizer)
+        generation_config = load_generation_config(self.model_config.path)
+        stop_ids = eos_token_ids(tokenizer.eos_token_id, generation_config)
         self._tokenizer_size = len(tokenizer)
         info = xgrammar.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=self._tokenizer_size, stop_token_ids=sorted(stop_ids)
+            tokenizer, vocab_size=self._tokenizer_size, stop_token_ids=stop_ids
         )
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=4, cache_enabled=True)
         return self._compiler
