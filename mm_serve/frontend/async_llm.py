@@ -151,16 +151,17 @@ class AsyncLLM(FrontEnd):
         """``fn(tokenizer)`` in the tokenizer thread (HF fast tokenizers are not thread-safe)."""
         return await self._in_tokenizer_thread(fn, self.input_processor.tokenizer)
 
-    async def process(self, prompt: PromptType) -> ProcessedPrompt:
+    async def process(self, prompt: PromptType, add_special_tokens: bool = True) -> ProcessedPrompt:
         """Tokenize a prompt and submit its images (in the tokenizer thread), wait for them to
         come out of the preprocessing pool (without blocking the loop), and expand their
         placeholders (in the tokenizer thread again, unless no image had to wait).
+        ``add_special_tokens``: see ``InputProcessor.process``.
 
         Raises:
             ValueError: see ``InputProcessor.process`` and ``PendingPrompt.result``.
         """
         return await self._finish_processing(
-            await self._in_tokenizer_thread(self._start_processing, prompt)
+            await self._in_tokenizer_thread(self._start_processing, prompt, add_special_tokens)
         )
 
     async def process_chat(
@@ -197,10 +198,12 @@ class AsyncLLM(FrontEnd):
         except TemplateError as e:
             raise ValueError(f"The chat template could not render the messages: {e}") from e
 
-    def _start_processing(self, prompt: PromptType) -> PendingPrompt | ProcessedPrompt:
+    def _start_processing(
+        self, prompt: PromptType, add_special_tokens: bool = True
+    ) -> PendingPrompt | ProcessedPrompt:
         """In the tokenizer thread: the processed prompt if no image has to wait, else the
         pending one."""
-        pending = self.input_processor.process(prompt)
+        pending = self.input_processor.process(prompt, add_special_tokens)
         return pending.result() if pending.done() else pending
 
     async def _finish_processing(self, item: PendingPrompt | ProcessedPrompt) -> ProcessedPrompt:

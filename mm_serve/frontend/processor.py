@@ -216,9 +216,12 @@ class InputProcessor:
         self.stop_token_ids = eos_token_ids(tokenizer.eos_token_id, generation_config)
         self.extra_stop_token_ids = [t for t in self.stop_token_ids if t != self.eos_token_id]
 
-    def process(self, prompt: PromptType | Prompt) -> PendingPrompt:
-        """Tokenize a prompt and start preprocessing its images; returns without waiting for
-        the preprocessing pool (call ``result()`` on the returned prompt).
+    def process(
+        self, prompt: PromptType | Prompt, add_special_tokens: bool = True
+    ) -> PendingPrompt:
+        """Tokenize a prompt (a text one with the tokenizer's special tokens, e.g. BOS, unless
+        ``add_special_tokens`` is False) and start preprocessing its images; returns without
+        waiting for the preprocessing pool (call ``result()`` on the returned prompt).
 
         Raises:
             ValueError: on a malformed prompt (``Prompt.parse``), an empty one, images for a
@@ -231,7 +234,7 @@ class InputProcessor:
         prompt = Prompt.parse(prompt)
         token_ids = prompt.token_ids
         if token_ids is None:
-            token_ids = self.tokenizer(prompt.text, add_special_tokens=True).input_ids
+            token_ids = self.tokenizer(prompt.text, add_special_tokens=add_special_tokens).input_ids
         # Placeholders only grow on expansion: a prompt too long already fails here.
         check_token_ids(token_ids, self.model_config)
         pending = None

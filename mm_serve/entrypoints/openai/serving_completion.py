@@ -112,9 +112,7 @@ class ServingCompletion(ServingBase):
             for prompt in _prompts(request.prompt):
                 if request.cache_salt is not None:
                     prompt["cache_salt"] = request.cache_salt
-                if not request.add_special_tokens and "prompt" in prompt:
-                    prompt["prompt_token_ids"] = await self._tokens(prompt["prompt"], False)
-                processed.append(await self.llm.process(prompt))
+                processed.append(await self.llm.process(prompt, request.add_special_tokens))
         base_id = f"cmpl-{uuid.uuid4().hex}"
         streams = [
             self.generate(
@@ -137,12 +135,6 @@ class ServingCompletion(ServingBase):
             return stream_with_errors(_stream(streams, reply, include_usage))
         with user_errors():
             return _response(await _collect_all(streams), reply)
-
-    async def _tokens(self, text: str, add_special_tokens: bool) -> list[int]:
-        """``text``'s token ids, with or without the tokenizer's special tokens (BOS)."""
-        return await self.llm.with_tokenizer(
-            lambda tokenizer: tokenizer(text, add_special_tokens=add_special_tokens).input_ids
-        )
 
     async def _prompt_text(self, prompt: ProcessedPrompt) -> str:
         """The prompt as ``echo`` repeats it: its text, or its token ids decoded."""
