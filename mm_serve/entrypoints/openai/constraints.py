@@ -1,5 +1,5 @@
 """The request fields that constrain the output: OpenAI's ``response_format``, ``logit_bias``
-and ``tool_choice`` (``required`` or a named function: ``tool_calls.ToolMode``), vLLM's
+and ``tool_choice`` (``required`` or a named function, from ``tool_calls.ToolMode``), vLLM's
 ``structured_outputs``; they become ``SamplingParams`` fields."""
 
 from __future__ import annotations
@@ -9,13 +9,15 @@ from typing import Any
 
 from mm_serve.entrypoints.openai.errors import bad_request
 from mm_serve.entrypoints.openai.protocol import SamplingRequest
-from mm_serve.entrypoints.openai.tool_calls import ToolMode
 from mm_serve.structured_outputs import StructuredOutputsParams, check_grammar
 
 
-def output_constraints(request: SamplingRequest) -> dict[str, Any]:
+def output_constraints(
+    request: SamplingRequest, tool_constraint: StructuredOutputsParams | None = None
+) -> dict[str, Any]:
     """``SamplingParams`` keyword arguments for the request's ``logit_bias`` and structured
-    output (``response_format`` or ``structured_outputs``); empty when it sets neither.
+    output (``response_format``, ``structured_outputs``, or ``tool_constraint``: the chat's
+    ``tool_choice`` ``required`` or named function); empty when it sets none.
 
     Raises:
         APIError: (400) naming the field: a token id that is not an integer, both fields
@@ -26,7 +28,6 @@ def output_constraints(request: SamplingRequest) -> dict[str, Any]:
     if request.logit_bias:  # its ids' range: frontend.processor.check_sampling_params
         kwargs["logit_bias"] = _logit_bias(request.logit_bias)
     params, field = _structured_outputs(request)
-    tool_constraint = ToolMode.of(request).constraint(request) if _has_tools(request) else None
     if tool_constraint is not None:
         if params is not None:
             message = f"{field} cannot be used with tool_choice 'required' or a named function."
@@ -39,10 +40,6 @@ def output_constraints(request: SamplingRequest) -> dict[str, Any]:
             raise bad_request(str(e), param=field) from None
         kwargs["structured_outputs"] = params
     return kwargs
-
-
-def _has_tools(request: SamplingRequest) -> bool:
-    return getattr(request, "tools", None) is not None
 
 
 def _logit_bias(logit_bias: dict[str, float]) -> dict[int, float]:

@@ -77,7 +77,7 @@ class ServingChat(ServingBase):
         max_tokens = request.max_completion_tokens
         max_tokens = request.max_tokens if max_tokens is None else max_tokens
         tools = ToolMode.of(request)
-        params = self.sampling_params(request, max_tokens, num_top)
+        params = self.sampling_params(request, max_tokens, num_top, tools.constraint(request))
         check_chat_template_options(
             request.messages, request.add_generation_prompt, request.continue_final_message
         )

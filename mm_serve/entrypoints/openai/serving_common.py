@@ -35,6 +35,7 @@ from mm_serve.frontend.async_llm import AsyncLLM
 from mm_serve.frontend.processor import ProcessedPrompt, check_sampling_params
 from mm_serve.outputs import CompletionOutput, RequestOutput
 from mm_serve.sampling_params import SamplingParams
+from mm_serve.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -206,10 +207,16 @@ class ServingBase:
         raise NotImplementedError
 
     def sampling_params(
-        self, request: SamplingRequest, max_tokens: int | None, logprobs: int | None
+        self,
+        request: SamplingRequest,
+        max_tokens: int | None,
+        logprobs: int | None,
+        tool_constraint: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """The request's ``SamplingParams``: its fields, else the checkpoint's
         generation_config defaults, else vLLM's. ``max_tokens`` None: up to the context.
+        ``tool_constraint``: the chat's tool call that the output must be
+        (``tool_calls.ToolMode.constraint``).
 
         Raises:
             APIError: (400) a value out of range, naming the field.
@@ -232,7 +239,7 @@ class ServingBase:
         self._check_engine_limits(request)
         kwargs = self.llm.default_sampling_overrides()
         kwargs |= {f: v for f in _SAMPLING_FIELDS if (v := getattr(request, f)) is not None}
-        kwargs |= output_constraints(request)
+        kwargs |= output_constraints(request, tool_constraint)
         with user_errors():
             params = SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs)
             check_sampling_params(params, self.llm.config.model.vocab_size)
