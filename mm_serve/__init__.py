@@ -1,9 +1,9 @@
 """mm_serve: a serving engine for vision-language models."""
 
-from mm_serve._compat import ensure_torchvision_importable
+from mm_serve._compat import ensure_torchvision_importable_on_import
 
 # Before anything imports torchvision (transformers' image processors do): see _compat.
-ensure_torchvision_importable()
+ensure_torchvision_importable_on_import()
 
 from mm_serve.sampling_params import BeamSearchParams, SamplingParams  # noqa: E402
 

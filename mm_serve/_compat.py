@@ -17,11 +17,14 @@ RuntimeError.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.abc
 import importlib.machinery
 import importlib.util
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +63,26 @@ def ensure_torchvision_importable() -> None:
     if _load_extension(torch, Path(next(iter(spec.submodule_search_locations)))):
         return
     _define_missing_schemas(torch)
+
+
+class _BeforeTorchvision(importlib.abc.MetaPathFinder):
+    """A ``sys.meta_path`` finder that finds nothing: the first time torchvision is looked
+    for, it leaves ``sys.meta_path`` and runs ``ensure_torchvision_importable``."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> None:
+        if fullname == "torchvision":
+            with contextlib.suppress(ValueError):
+                sys.meta_path.remove(self)
+            ensure_torchvision_importable()
+
+
+def ensure_torchvision_importable_on_import() -> None:
+    """Run ``ensure_torchvision_importable`` just before torchvision is first imported (at
+    once if it already is), so that importing ``mm_serve`` does not import torch."""
+    if "torchvision" in sys.modules:
+        ensure_torchvision_importable()
+    elif not any(isinstance(finder, _BeforeTorchvision) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _BeforeTorchvision())
 
 
 def _load_extension(torch, package_dir: Path) -> bool:

@@ -198,7 +198,7 @@ def server(vlm_path, template_file, tmp_path_factory):
     path of its stdout + stderr), which holds all its log lines once it has stopped."""
     port = free_port()
     log_path = tmp_path_factory.mktemp("log") / "serve.log"
-    command = [sys.executable, "-m", "mm_serve.entrypoints.cli", "serve", vlm_path]
+    command = [sys.executable, "-m", "mm_serve.entrypoints.launch", "serve", vlm_path]
     command += ["--port", str(port), "--max-model-len", "512", "--num-kv-blocks", "64"]
     command += ["--chat-template", str(template_file), "--log-level", "warning"]
     with log_path.open("w") as log:
@@ -278,3 +278,19 @@ def test_log_level_applies_to_mm_serve_and_uvicorn(server) -> None:
     log = log_path.read_text()
     assert "Uvicorn running" not in log
     assert "INFO" not in log, log
+
+
+@pytest.mark.parametrize(
+    "args, code",
+    [(["--no-such-flag"], 2), (["/no/such/model"], 1)],
+    ids=["bad-flag", "missing-model"],
+)
+def test_serve_that_cannot_start_leaves_no_engine_core(args, code, tmp_path) -> None:
+    """The console script starts the engine core before parsing ``serve``'s flags; when they
+    are bad or the model is missing, the command fails and takes the process with it."""
+    command = [sys.executable, "-m", "mm_serve.entrypoints.launch", "serve", *args]
+    env = os.environ | {"TMPDIR": str(tmp_path)}  # where the engine core's ipc folder goes
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    assert proc.wait(60) == code, proc.stderr.read().decode()[-2000:]
+    assert_group_gone(proc.pid)
+    assert list(tmp_path.iterdir()) == []

@@ -164,3 +164,11 @@ def test_no_import_cycle(lazy: bool) -> None:
                     seen.add(target)
                     stack.append((target, (*path, target)))
     assert cycles == []
+
+
+def test_the_engine_core_process_starts_before_torch_is_imported() -> None:
+    """``mm-serve serve`` starts the engine core first (``entrypoints.launch``): what that
+    needs loads no torch, so the process imports the engine while the server imports torch."""
+    modules = loaded_modules("mm_serve.entrypoints.launch, mm_serve.frontend.engine_process")
+    assert "mm_serve.frontend.engine_process" in modules
+    assert [m for m in modules if m == "torch" or m.startswith("torch.")] == []

@@ -71,7 +71,7 @@ def server_command(engine: str, folder: str, port: int, extra: Sequence[str] = (
         ValueError: an engine other than ``ENGINES``.
     """
     if engine == "mm_serve":
-        command = [sys.executable, "-m", "mm_serve.entrypoints.cli", "serve", folder]
+        command = [sys.executable, "-m", "mm_serve.entrypoints.launch", "serve", folder]
         return [*command, "--load-format", "dummy", "--port", str(port), *extra]
     if engine == "vllm":
         command = [sys.executable, *VLLM_CLI, "serve", folder, "--load-format", "dummy"]
@@ -83,12 +83,14 @@ def server_command(engine: str, folder: str, port: int, extra: Sequence[str] = (
 @dataclass
 class ServerProcess:
     """A server subprocess (leader of its own process group), its port and log file;
-    ``startup_s``: seconds from the start to ``/health`` answering 200."""
+    ``startup_s``: seconds from the start to ``/health`` answering 200; ``started_at``: the
+    start's wall-clock time (``time.time()``)."""
 
     proc: subprocess.Popen
     port: int
     log_path: str
     startup_s: float = 0.0
+    started_at: float = 0.0
 
 
 def start_server(
@@ -105,11 +107,12 @@ def start_server(
         RuntimeError: the server exited, or was not healthy within ``timeout_s`` (then it is
             stopped); the message ends with the log's tail.
     """
+    started_at = time.time()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-    server = ServerProcess(proc, port, log_path)
+    server = ServerProcess(proc, port, log_path, started_at=started_at)
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
         if proc.poll() is not None:

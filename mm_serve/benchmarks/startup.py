@@ -12,6 +12,7 @@ prints the seconds the server's log gives for loading the weights, compiling and
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import re
@@ -37,6 +38,20 @@ def log_times(log_path: str) -> dict[str, float]:
     return {name: float(m[1]) for name, pattern in LOG_TIMES if (m := re.search(pattern, text))}
 
 
+LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ (mm_serve\S*): (.*)$")
+
+
+def timeline(log_path: str, started_at: float) -> list[str]:
+    """The server log's ``mm_serve`` lines, each prefixed by its seconds since ``started_at``
+    (a wall-clock time), read from the line's timestamp (local time, milliseconds)."""
+    lines = []
+    for line in Path(log_path).read_text().splitlines():
+        if m := LOG_LINE.match(line):
+            when = datetime.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            lines.append(f"{when - started_at:6.1f} s  {m[2]}: {m[3]}")
+    return lines
+
+
 def time_start(folder: str, level: int, port: int, log_path: str, cache: str) -> dict[str, Any]:
     """Start the server at ``level`` with its caches in ``cache``, stop it once healthy; its
     start-up figures."""
@@ -44,7 +59,11 @@ def time_start(folder: str, level: int, port: int, log_path: str, cache: str) ->
     env = os.environ | {"MM_SERVE_CACHE_DIR": cache, "TRITON_CACHE_DIR": f"{cache}/triton"}
     server = start_server(command, port, log_path, env)
     stop_server(server)
-    return {"startup_s": round(server.startup_s, 1), **log_times(log_path)}
+    return {
+        "startup_s": round(server.startup_s, 1),
+        **log_times(log_path),
+        "timeline": timeline(log_path, server.started_at),
+    }
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -67,7 +86,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 log_path = os.path.join(args.log_dir or workdir, f"server-{level}-{start}.log")
                 result = {"level": level, "start": start}
                 result |= time_start(folder, level, args.port, log_path, cache)
-                print(json.dumps(result), flush=True)
+                print(json.dumps(result, indent=1), flush=True)
                 results.append(result)
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -54,37 +54,43 @@ _SHUTDOWN = object()  # input/output queue marker: stop the loop / the output th
 
 
 def run_engine_core(
-    config_reader: Connection,
-    input_address: str,
-    output_address: str,
-    parent_pid: int,
-    log_setup: tuple[str, int, int] | None = None,
+    config_reader: Connection, input_address: str, output_address: str, parent_pid: int
 ) -> None:
     """Entry point of the engine core process (started with the "spawn" method).
 
-    Connects to the front end's sockets, waits for the ``EngineConfig`` on ``config_reader``
-    (``receive_config``), builds the engine and answers ``EngineReady`` (or ``EngineFailed``
-    with the traceback, then exits with code 1), then serves until the parent dies. A fatal
-    error in the loop is reported as ``EngineFailed`` before exiting 1. The config is the
-    front end's, resolved once there: this process reads no ``config.json`` and builds no image
-    processor for it. ``log_setup``: the front end's (format, root level, ``mm_serve`` level),
-    to log as it does. Exits with code 0 if the front end is gone before sending the config.
+    Connects to the front end's sockets, waits for the front end's logging set-up and
+    ``EngineConfig`` on ``config_reader`` (``receive_config``), builds the engine and answers
+    ``EngineReady`` (or ``EngineFailed`` with the traceback, then exits with code 1), then
+    serves until the parent dies. A fatal error in the loop is reported as ``EngineFailed``
+    before exiting 1. The config is the front end's, resolved once there: this process reads
+    no ``config.json`` and builds no image processor for it. Exits with code 0 if the front
+    end is gone, or closed the pipe, before sending the config.
     """
-    if log_setup is not None:
-        fmt, root_level, level = log_setup
-        logging.basicConfig(level=root_level, format=fmt)
-        logging.getLogger("mm_serve").setLevel(level)
+    imported = time.monotonic()
     # Ctrl-C in a terminal reaches the whole process group; the front end decides to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # SIGTERM (the front end's shutdown) unwinds the main thread, so that exit handlers run.
     signal.signal(signal.SIGTERM, _raise_system_exit)
     proc = EngineCoreProc(input_address, output_address, parent_pid)
-    config = receive_config(config_reader, parent_pid)
-    sys.exit(0 if config is None else proc.serve(config))
+    received = receive_config(config_reader, parent_pid)
+    if received is None:
+        sys.exit(0)
+    log_setup, config = received
+    if log_setup is not None:
+        fmt, root_level, level = log_setup
+        logging.basicConfig(level=root_level, format=fmt)
+        logging.getLogger("mm_serve").setLevel(level)
+    logger.info(
+        "The engine core process (pid %d) got its config %.1f s after importing the engine",
+        os.getpid(),
+        time.monotonic() - imported,
+    )
+    sys.exit(proc.serve(config))
 
 
-def receive_config(reader: Connection, parent_pid: int) -> EngineConfig | None:
-    """The front end's config, or None once the front end is gone or closed the pipe.
+def receive_config(reader: Connection, parent_pid: int) -> tuple[Any, EngineConfig] | None:
+    """The front end's (logging set-up, config), or None once the front end is gone or closed
+    the pipe.
 
     First imports what unpickling a transformers 5 config imports (its ``auto_docstring``
     loads ``modeling_auto`` and with it much of transformers and torch: seconds), while the

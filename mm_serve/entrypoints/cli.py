@@ -21,6 +21,7 @@ import types
 from pathlib import Path
 
 from mm_serve.entrypoints.cli_flags import add_engine_args, add_flag, engine_args_from
+from mm_serve.frontend.engine_process import EngineProcess
 
 logger = logging.getLogger(__name__)
 
@@ -132,13 +133,16 @@ DEMO_MODEL = Path(__file__).resolve().parents[2] / "samples" / "demo_vlm" / "mod
 DEMO_MODEL_NAME = "mm-serve-demo-vlm"
 
 
-def serve(args: argparse.Namespace) -> int:
-    """``mm-serve serve``: returns the exit code (1: bad options, failed start, engine died)."""
+def serve(args: argparse.Namespace, engine_process: EngineProcess | None = None) -> int:
+    """``mm-serve serve``: returns the exit code (1: bad options, failed start, engine died).
+    ``engine_process``: the engine core process, started before the flags were parsed."""
     from mm_serve.entrypoints.openai.api_server import run_server
     from mm_serve.frontend.exceptions import EngineStartupError
 
+    logger.info("mm-serve serve %s (pid %d)", args.model, os.getpid())
     try:
-        return asyncio.run(run_server(engine_args_from(args), server_config_from(args)))
+        server_config = server_config_from(args)
+        return asyncio.run(run_server(engine_args_from(args), server_config, engine_process))
     except (ValueError, EngineStartupError) as e:
         logger.error("Cannot serve %s: %s", args.model, e)
         return 1
@@ -209,7 +213,6 @@ def add_serve_parser(commands, argv: list[str]) -> None:
     if argv[:1] == ["serve"]:
         add_server_args(serve_parser)
         add_engine_args(serve_parser)
-    serve_parser.set_defaults(func=serve)
 
 
 def add_chat_parser(commands) -> None:
@@ -240,8 +243,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``mm-serve``; returns the exit code."""
+def main(argv: list[str] | None = None, engine_process: EngineProcess | None = None) -> int:
+    """Entry point of ``mm-serve``; returns the exit code. ``engine_process``: ``serve``'s
+    engine core process, started first by the console script (``launch.main``)."""
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if args.command == "chat" and args.image is None and os.path.isfile(args.question):
@@ -256,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("mm_serve").setLevel(level)
+    if args.command == "serve":
+        return serve(args, engine_process)
     return args.func(args)
 
 

@@ -22,6 +22,7 @@ from mm_serve.beam_search import BeamSearch, to_request_output
 from mm_serve.config import EngineArgs
 from mm_serve.frontend.base import FrontEnd
 from mm_serve.frontend.core_client import AsyncEngineCoreClient
+from mm_serve.frontend.engine_process import EngineProcess
 from mm_serve.frontend.output_processor import ParentRequest
 from mm_serve.frontend.processor import PendingPrompt, ProcessedPrompt, PromptType
 from mm_serve.frontend.warm_up import (
@@ -52,6 +53,7 @@ class AsyncLLM(FrontEnd):
             it finishes, is cancelled or fails (for metrics); must not raise.
         on_inter_token_latency: called on the loop with each inter-token latency (ITL, in
             seconds: between two outputs of a completion that bring tokens); must not raise.
+        engine_process: the engine core process, if started already (``start_engine_core``).
 
     Raises:
         ValueError: an unusable checkpoint or option.
@@ -63,9 +65,10 @@ class AsyncLLM(FrontEnd):
         engine_args: EngineArgs,
         on_request_finished: Callable[[RequestStats], None] | None = None,
         on_inter_token_latency: Callable[[float], None] | None = None,
+        engine_process: EngineProcess | None = None,
     ) -> None:
         # The engine core process first: it imports the engine while the config is resolved.
-        self.engine_core = AsyncEngineCoreClient()
+        self.engine_core = AsyncEngineCoreClient(process=engine_process)
         super().__init__(engine_args, self.engine_core)
         # One thread: HF fast tokenizers are not safe to call from several threads at once.
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(

@@ -4,6 +4,8 @@ tokenizer, the input processor with its preprocessing pool, and the output proce
 from __future__ import annotations
 
 import concurrent.futures
+import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from mm_serve.config import EngineArgs
@@ -21,6 +23,8 @@ from mm_serve.stats import EngineStats
 
 if TYPE_CHECKING:
     from mm_serve.frontend.core_client import EngineCoreClientBase
+
+logger = logging.getLogger(__name__)
 
 
 class FrontEnd:
@@ -41,7 +45,9 @@ class FrontEnd:
         self, engine_args: EngineArgs, engine_process: EngineCoreClientBase | None = None
     ) -> None:
         try:
+            start = time.perf_counter()
             self.config = engine_args.create_engine_config()
+            logger.info("Resolved the engine config in %.1f s", time.perf_counter() - start)
             self.tokenizer = load_tokenizer(self.config.model.tokenizer)
             self.generation_config = load_generation_config(self.config.model.path)
             self.input_processor = InputProcessor(

@@ -22,17 +22,21 @@ import concurrent.futures
 import itertools
 import logging
 import queue
-import tempfile
 import threading
 import time
-import uuid
 from typing import Any
 
 import zmq
 
 from mm_serve.config import EngineConfig
 from mm_serve.frontend.delivery import Sink, deliver
-from mm_serve.frontend.engine_process import POLL_INTERVAL_MS, ClientResources, engine_core_process
+from mm_serve.frontend.engine_process import (
+    POLL_INTERVAL_MS,
+    ClientResources,
+    EngineProcess,
+    log_setup,
+    start_engine_core,
+)
 from mm_serve.frontend.exceptions import EngineDeadError, EngineRequestError, EngineStartupError
 from mm_serve.messages import (
     AbortRequests,
@@ -54,7 +58,8 @@ logger = logging.getLogger(__name__)
 class EngineCoreClientBase:
     """Process, sockets and output thread, shared by the sync and the async client.
 
-    The constructor starts the process; ``start(config)`` then sends it the engine config the
+    The constructor starts the process (or takes over ``process``, which ``start_engine_core``
+    started earlier); ``start(config)`` then sends it the engine config the
     front end resolved (the engine core does not resolve it again) and waits until it is ready,
     or the constructor does both when given ``config``. Started first, the process imports the
     engine while the front end resolves the config.
@@ -65,21 +70,23 @@ class EngineCoreClientBase:
     """
 
     def __init__(
-        self, config: EngineConfig | None = None, startup_timeout_s: float | None = None
+        self,
+        config: EngineConfig | None = None,
+        startup_timeout_s: float | None = None,
+        process: EngineProcess | None = None,
     ) -> None:
-        ipc_dir = tempfile.mkdtemp(prefix="mm_serve-")
-        tag = uuid.uuid4().hex[:12]
-        self.ipc_paths = (f"{ipc_dir}/input-{tag}.sock", f"{ipc_dir}/output-{tag}.sock")
+        process = process or start_engine_core()
+        self.ipc_paths = process.ipc_paths
+        self._proc, self._config_writer = process.proc, process.config_writer
         self._ctx = zmq.Context()
-        self._input = self._bind(zmq.PUSH, self.ipc_paths[0])
-        self._output = self._bind(zmq.PULL, self.ipc_paths[1])
-        self._proc, self._config_writer = engine_core_process(self.ipc_paths)
         self._thread = threading.Thread(
             target=self._output_loop, name="mm_serve-engine-core-output", daemon=True
         )
-        self._resources = ClientResources(
-            self._proc, self._thread, self._ctx, (self._input, self._output), ipc_dir
-        )
+        self._resources = ClientResources(self._proc, self._thread, self._ctx, (), process.ipc_dir)
+        # Stop the child at exit, before multiprocessing's own exit hook would wait for it
+        # forever: atexit runs hooks last-in first-out, and that one was registered when
+        # multiprocessing.util was imported (by the process's start at the latest).
+        atexit.register(self._resources.release)
         self._startup_timeout_s = startup_timeout_s
         self._lock = threading.Lock()  # guards the input socket, the codec and the tables
         self._codec = InputCodec()
@@ -89,11 +96,8 @@ class EngineCoreClientBase:
         self._dead_error: EngineDeadError | None = None
         self._failure: EngineFailed | None = None
         try:
-            self._proc.start()
-            # Stop the child at exit, before multiprocessing's own exit hook would wait for it
-            # forever: atexit runs hooks last-in first-out, and that one was registered when
-            # multiprocessing.util was imported (by proc.start() at the latest).
-            atexit.register(self._resources.release)
+            self._input = self._bind(zmq.PUSH, self.ipc_paths[0])
+            self._output = self._bind(zmq.PULL, self.ipc_paths[1])
         except BaseException:
             self.shutdown()
             raise
@@ -105,7 +109,7 @@ class EngineCoreClientBase:
         """Send ``config`` to the engine core and wait until it is ready (``engine_info``).
         On failure the client is shut down and ``EngineStartupError`` raised."""
         try:
-            self._config_writer.send(config)
+            self._config_writer.send((log_setup(), config))
             self._config_writer.close()
             self.engine_info = self._wait_ready(self._startup_timeout_s)
         except BaseException:
@@ -117,6 +121,7 @@ class EngineCoreClientBase:
         socket = self._ctx.socket(socket_type)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM if socket_type == zmq.PUSH else zmq.RCVHWM, 0)
+        self._resources.sockets += (socket,)
         socket.bind(f"ipc://{path}")
         return socket
 

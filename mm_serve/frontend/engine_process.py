@@ -1,9 +1,12 @@
 """The engine core process as its client starts and stops it.
 
-``engine_core_process`` makes the process object: "spawn" (never fork: the parent holds
-threads and maybe CUDA), without re-running the user's main script (``mp_context``), with a
-target that imports the engine core in the child only, so that the front end never loads the
-scheduler, the model runner or the models. ``ClientResources`` is what a client must release.
+``start_engine_core`` starts the process: "spawn" (never fork: the parent holds threads and
+maybe CUDA), without re-running the user's main script (``mp_context``), with a target that
+imports the engine core in the child only, so that the front end never loads the scheduler,
+the model runner or the models. It needs neither torch nor the config: ``mm-serve serve``
+starts it before anything else, so that it imports the engine (seconds) while the API server
+imports the web stack and resolves the config. ``ClientResources`` is what a client must
+release.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import tempfile
 import threading
+import uuid
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -43,20 +48,46 @@ def _run_engine_core(*args: Any) -> None:
     run_engine_core(*args)
 
 
-def engine_core_process(ipc_paths: tuple[str, str]) -> tuple[BaseProcess, Connection]:
-    """The (unstarted) engine core process, to connect to the client's input and output
-    sockets bound at ``ipc_paths``, and the pipe end on which the client sends it the
-    ``EngineConfig``, pickled. Started before the config is resolved, the process imports the
-    engine meanwhile (the engine core does not resolve the config again)."""
-    addresses = tuple(f"ipc://{path}" for path in ipc_paths)
+@dataclass
+class EngineProcess:
+    """A started engine core process, waiting for its config.
+
+    ``ipc_paths``: the (input, output) socket files in the fresh folder ``ipc_dir``, which the
+    client binds and the process connects to (ZeroMQ retries until they are bound).
+    ``config_writer``: the pipe end on which the client sends ``(log_setup(), EngineConfig)``,
+    pickled; closing it unsent makes the process exit with code 0.
+    """
+
+    proc: BaseProcess
+    ipc_dir: str
+    ipc_paths: tuple[str, str]
+    config_writer: Connection
+
+    def discard(self, timeout_s: float = 5.0) -> None:
+        """Stop a process no client took over: close the pipe (it exits), wait, clean up."""
+        self.config_writer.close()
+        self.proc.join(timeout_s)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def start_engine_core() -> EngineProcess:
+    """Start the engine core process; the engine core does not resolve the config again."""
+    ipc_dir = tempfile.mkdtemp(prefix="mm_serve-")
+    tag = uuid.uuid4().hex[:12]
+    ipc_paths = (f"{ipc_dir}/input-{tag}.sock", f"{ipc_dir}/output-{tag}.sock")
     context = no_main_context("spawn")
     reader, writer = context.Pipe(duplex=False)
     process = context.Process(
         target=_run_engine_core,
-        args=(reader, *addresses, os.getpid(), log_setup()),
+        args=(reader, *(f"ipc://{path}" for path in ipc_paths), os.getpid()),
         name="mm_serve-engine-core",
     )
-    return process, writer
+    process.start()
+    reader.close()  # the child's end
+    return EngineProcess(process, ipc_dir, ipc_paths, writer)
 
 
 @dataclass

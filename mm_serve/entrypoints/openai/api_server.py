@@ -47,6 +47,7 @@ from mm_serve.entrypoints.openai.serving_common import Admission, ModelInfo
 from mm_serve.entrypoints.openai.serving_completion import ServingCompletion
 from mm_serve.entrypoints.openai.serving_tokenization import ServingTokenization
 from mm_serve.frontend.async_llm import AsyncLLM
+from mm_serve.frontend.engine_process import EngineProcess
 
 logger = logging.getLogger(__name__)
 
@@ -168,9 +169,12 @@ class _WebMount(Mount):
         return super().matches(scope)
 
 
-async def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
+async def run_server(
+    engine_args: EngineArgs, config: ServerConfig, engine_process: EngineProcess | None = None
+) -> int:
     """Start the engine and serve until stopped; returns the process exit code: 0 after
-    SIGTERM / SIGINT, 1 when the engine core died.
+    SIGTERM / SIGINT, 1 when the engine core died. ``engine_process``: the engine core
+    process if already started (``start_engine_core``).
 
     Raises:
         ValueError: an unusable checkpoint or option.
@@ -179,6 +183,7 @@ async def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
     metrics = ServerMetrics()
     llm = await AsyncLLM.create(
         engine_args,
+        engine_process=engine_process,
         on_request_finished=metrics.observe_request,
         on_inter_token_latency=metrics.observe_inter_token_latency,
     )
