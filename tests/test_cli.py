@@ -294,3 +294,19 @@ def test_serve_that_cannot_start_leaves_no_engine_core(args, code, tmp_path) -> 
     assert proc.wait(60) == code, proc.stderr.read().decode()[-2000:]
     assert_group_gone(proc.pid)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_serve_keeps_bytecode_where_the_environment_writes_none(tmp_path) -> None:
+    """With ``PYTHONDONTWRITEBYTECODE`` set, ``serve`` re-runs itself with bytecode kept in
+    ``$MM_SERVE_CACHE_DIR/pycache`` (none beside the sources); ``MM_SERVE_PYCACHE=0`` opts out."""
+    command = [sys.executable, "-m", "mm_serve.entrypoints.launch", "serve", "--no-such-flag"]
+    for opt_out, cache in (("0", tmp_path / "off"), ("1", tmp_path / "on")):
+        env = os.environ | {
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "MM_SERVE_CACHE_DIR": str(cache),
+            "MM_SERVE_PYCACHE": opt_out,
+        }
+        assert subprocess.run(command, env=env, capture_output=True).returncode == 2
+    assert not (tmp_path / "off").exists()
+    cached = {p.name for p in (tmp_path / "on" / "pycache").rglob("*.pyc")}
+    assert f"cli.{sys.implementation.cache_tag}.pyc" in cached

@@ -7,6 +7,7 @@ Every other command goes straight to ``cli.main``.
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -16,6 +17,7 @@ def main() -> int:
         from mm_serve.entrypoints.cli import main as cli_main
 
         return cli_main(argv)
+    cache_bytecode(argv)
     from mm_serve.frontend.engine_process import start_engine_core
 
     engine_process = start_engine_core()
@@ -25,6 +27,23 @@ def main() -> int:
         return cli_main(argv, engine_process)
     finally:  # a no-op once the engine core client took it over and shut it down
         engine_process.discard()
+
+
+def cache_bytecode(argv: list[str]) -> None:
+    """Where Python writes no bytecode (``PYTHONDONTWRITEBYTECODE``, as container images often
+    set) for packages installed without it, each of the server's processes compiles torch's
+    and transformers' sources again at every start: seconds apiece (~5 s for ``import torch``
+    on an H100 host). Then re-run the command (``os.execve``, same pid) with bytecode kept
+    under ``cache_root()/pycache`` (``PYTHONPYCACHEPREFIX``: no file is written beside a
+    source), so that the next start reads it. ``MM_SERVE_PYCACHE=0`` leaves Python as it is.
+    """
+    if not sys.flags.dont_write_bytecode or os.environ.get("MM_SERVE_PYCACHE") == "0":
+        return
+    from mm_serve.compilation_config import cache_root
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env.setdefault("PYTHONPYCACHEPREFIX", str(cache_root() / "pycache"))
+    os.execve(sys.executable, [sys.executable, "-m", "mm_serve.entrypoints.launch", *argv], env)
 
 
 if __name__ == "__main__":

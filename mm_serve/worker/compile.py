@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from mm_serve.attention import AttentionMetadata
+from mm_serve.compilation_config import cache_root
 from mm_serve.config import EngineConfig
 from mm_serve.models.layers.attention import register_layers, step_metadata
 
@@ -46,8 +47,7 @@ def compile_cache_dir(config: EngineConfig) -> Path:
         code_version = "source"
     parts = (config.model.hf_config.to_json_string(), str(config.model.dtype), code_version)
     key = hashlib.sha256("\n".join((*parts, torch.__version__)).encode()).hexdigest()[:16]
-    root = os.environ.get("MM_SERVE_CACHE_DIR") or Path.home() / ".cache" / "mm_serve"
-    return Path(root) / "torch_compile" / key
+    return cache_root() / "torch_compile" / key
 
 
 class CompiledForward:
