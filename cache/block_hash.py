@@ -55,10 +55,6 @@ def _encode(value: object, out: list[bytes]) -> None:
         raise TypeError(f"Cannot hash a block extra key of type {type(value).__name__}.")
 
 
-def _pack_tokens(token_ids: Sequence[int]) -> bytes:
-    return struct.pack(f"<{len(token_ids)}q", *token_ids)
-
-
 def hash_block_tokens(
     parent_hash: BlockHash | None,
     token_ids: Sequence[int],
@@ -69,7 +65,8 @@ def hash_block_tokens(
     ``parent_hash`` is None for the first block of a sequence.
     """
     parts: list[bytes] = []
-    _encode((parent_hash, _pack_tokens(token_ids), extra_keys or ()), parts)
+    tokens = struct.pack(f"<{len(token_ids)}q", *token_ids)
+    _encode((parent_hash, tokens, extra_keys or ()), parts)
     return BlockHash(xxhash.xxh3_128_digest(b"".join(parts), seed=_SEED))
 
 

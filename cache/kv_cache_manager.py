@@ -161,8 +161,8 @@ class KVCacheManager:
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 
-    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
-        """The blocks of a request, in token order.
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The block table of a request: its block ids in token order.
 
         Raises:
             KeyError: if the request holds no blocks.
@@ -170,15 +170,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request_id)
         if blocks is None:
             raise KeyError(f"Request {request_id!r} holds no KV-cache blocks.")
-        return blocks
-
-    def get_block_ids(self, request_id: str) -> list[int]:
-        """The block table of a request: its block ids in token order.
-
-        Raises:
-            KeyError: if the request holds no blocks.
-        """
-        return [block.block_id for block in self.get_blocks(request_id)]
+        return [block.block_id for block in blocks]
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only when no request holds blocks. Returns whether it did."""

@@ -67,7 +67,10 @@ class MultiModalHasher:
         elif isinstance(image, (bytes, bytearray, memoryview)):
             _update(hasher, "bytes", (), image)
         elif isinstance(image, (str, Path)):
-            _update(hasher, "bytes", (), _read_file(image))
+            path = Path(image)
+            if not path.is_file():
+                raise ValueError(f"Image file not found: {str(path)!r}.")
+            _update(hasher, "bytes", (), path.read_bytes())
         elif _is_pil_image(image):
             metadata, pixels = _pil_content(image)
             _update(hasher, "pil", metadata, pixels)
@@ -89,13 +92,6 @@ def _update(hasher: Any, kind: str, metadata: tuple, payload: bytes | bytearray 
     hasher.update(payload)
 
 
-def _read_file(path: str | Path) -> bytes:
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"Image file not found: {str(path)!r}.")
-    return path.read_bytes()
-
-
 def _is_pil_image(value: Any) -> bool:
     # No PIL import here (cache/ imports neither PIL nor torch): a PIL image can only exist
     # once PIL.Image has been imported.
@@ -111,19 +107,15 @@ def _pil_content(image: Any) -> tuple[tuple, bytes]:
         raise ValueError(f"Cannot read the image's pixels: {e}") from e
     palette = None if image.palette is None else (image.palette.mode, image.palette.tobytes())
     transparency = image.info.get("transparency")
+    try:
+        orientation = image.getexif().get(_EXIF_ORIENTATION)
+    except (ValueError, OSError, SyntaxError, TypeError, KeyError):
+        orientation = None  # malformed EXIF: load_image ignores it too
     metadata = (
         image.mode,
         tuple(image.size),
         palette,
         None if transparency is None else repr(transparency),
-        _exif_orientation(image),
+        orientation if isinstance(orientation, int) else None,
     )
     return metadata, pixels
-
-
-def _exif_orientation(image: Any) -> int | None:
-    try:
-        orientation = image.getexif().get(_EXIF_ORIENTATION)
-    except (ValueError, OSError, SyntaxError, TypeError, KeyError):
-        return None  # malformed EXIF: load_image ignores it too
-    return orientation if isinstance(orientation, int) else None
