@@ -171,13 +171,11 @@ _MEMBER_LABELS = frozenset({"str", "int", "float", "bool", "none", "dict", "list
 def install_error_handlers(app: FastAPI) -> None:
     """Answer every error raised by a route as ``ErrorResponse`` JSON."""
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _respond(request: Request, exc: Exception) -> JSONResponse:
+        return to_api_error(exc).response()
 
-    @app.exception_handler(EngineDeadError)
-    async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return engine_dead_error().response()
+    for exc_class in (APIError, EngineDeadError, Exception):
+        app.add_exception_handler(exc_class, _respond)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -187,7 +185,3 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         code = "request_too_large" if exc.status_code == 413 else None
         return APIError(exc.status_code, str(exc.detail), code, headers=exc.headers).response()
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        return to_api_error(exc).response()
