@@ -70,20 +70,6 @@ class PreprocessResult:
         return ProcessedImage(pixels, self.num_tokens, grid, self.pixel_mean, self.pixel_std)
 
 
-def preprocess_image(source: Any, processor: ImageProcessor, max_pixels: int) -> ProcessedImage:
-    """Decode (EXIF-rotated), check the size limit, convert, resize; patchifying and
-    normalising are left to the device where the family allows it (uint8 pixels, see
-    ``ProcessedImage``).
-
-    ``source``: encoded bytes, a file path or a PIL image (see ``load_image``).
-
-    Raises:
-        ValueError: undecodable data, a missing file, more than ``max_pixels`` input pixels,
-            or an image the processor rejects.
-    """
-    return processor.preprocess(load_image(source, max_pixels), defer_normalization=True)
-
-
 def warm_up_image(size: int = 224) -> bytes:
     """A ``size`` x ``size`` PNG (a colour gradient): what start-up pushes through the pipeline
     so that the first user image finds every code path loaded."""
@@ -110,7 +96,7 @@ def _init_worker(
     )
     _max_pixels = max_pixels
     # Pillow's plugins and the first resize load lazily: pay that now, not on a user's image.
-    preprocess_image(warm_up_image(), _processor, _max_pixels)
+    _run_job(warm_up_image())
 
 
 def _exit_with_owner() -> None:
@@ -136,8 +122,13 @@ def _worker_ready() -> int:
 
 
 def _run_job(source: Any, processor: ImageProcessor | None = None) -> PreprocessResult:
+    """Decode ``source`` (see ``load_image``; EXIF-rotated), check ``max_pixels``, convert and
+    resize by ``processor`` (else the worker's); patchifying and normalising are left to the
+    device where the family allows it (uint8 pixels, see ``ProcessedImage``). Raises
+    ``ValueError``: undecodable data, a missing file, too many pixels, a rejected image."""
     assert _processor is not None, "worker not initialised"
-    item = preprocess_image(source, processor or _processor, _max_pixels)
+    image = load_image(source, _max_pixels)
+    item = (processor or _processor).preprocess(image, defer_normalization=True)
     pixels = item.pixel_values.numpy()
     return PreprocessResult(
         pixels, item.num_tokens, item.image_grid_thw, os.getpid(), item.pixel_mean, item.pixel_std
