@@ -19,6 +19,7 @@ import binascii
 import functools
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from mm_serve.cache.mm_hash import MultiModalHasher
@@ -56,6 +57,7 @@ def image_from_url(url: str) -> bytes | str:
     return url
 
 
+@dataclass
 class PendingImages:
     """A prompt's images on their way through the processor cache and the preprocessing pool.
 
@@ -63,19 +65,11 @@ class PendingImages:
     of it. ``result()`` waits for the pool and expands the placeholders.
     """
 
-    def __init__(
-        self,
-        image_token_id: int,
-        token_ids: list[int],
-        mm_hashes: list[str],
-        items: list[ProcessedImage | Future[PreprocessResult]],
-        max_image_tokens: int,
-    ) -> None:
-        self.image_token_id = image_token_id
-        self.token_ids = token_ids
-        self.mm_hashes = mm_hashes
-        self.items = items
-        self.max_image_tokens = max_image_tokens
+    image_token_id: int
+    token_ids: list[int]
+    mm_hashes: list[str]
+    items: list[ProcessedImage | Future[PreprocessResult]]
+    max_image_tokens: int
 
     def done(self) -> bool:
         """Whether every image is preprocessed (or failed): ``result()`` will not block."""
