@@ -121,23 +121,13 @@ class StructuredOutputManager:
         request.grammar.accept(token_id, request.num_output_tokens - 1)
         return request.grammar.done
 
-    def _batch(self) -> Any:
-        if self._batch_matcher is None:
-            import xgrammar
-
-            self._batch_matcher = xgrammar.BatchGrammarMatcher()
-        return self._batch_matcher
-
     def grammar_bitmask(
         self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
     ) -> GrammarBitmask | None:
-        """The tokens each grammar request sampling in the step may sample, from its matcher's
-        state: call it once the tokens of earlier steps are appended (the scheduler's
-        ``update_from_output``). None when the step has none (finished ones are left out).
-
-        Args:
-            requests: the scheduler's requests, by id.
-        """
+        """The tokens each grammar request (of ``requests``, the scheduler's, by id) sampling in
+        the step may sample, from its matcher's state: call it once the tokens of earlier steps
+        are appended (the scheduler's ``update_from_output``). None when the step has none
+        (finished ones are left out)."""
         ids = scheduler_output.structured_output_request_ids
         live = [requests[i] for i in ids if i in requests]
         live = [r for r in live if not r.grammar.done]
@@ -152,8 +142,13 @@ class StructuredOutputManager:
             self._bitmask = torch.empty((rows, words), dtype=torch.int32)
             if self.pin_memory:
                 self._bitmask = self._bitmask.pin_memory()
+        if self._batch_matcher is None:
+            import xgrammar
+
+            self._batch_matcher = xgrammar.BatchGrammarMatcher()
         bitmask = self._bitmask[: len(live)]
-        self._batch().batch_fill_next_token_bitmask([r.grammar.matcher for r in live], bitmask)
+        matchers = [r.grammar.matcher for r in live]
+        self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
         return GrammarBitmask([r.request_id for r in live], bitmask, self._tokenizer_size)
 
     # ---- on the compiler thread ------------------------------------------------------------
