@@ -115,10 +115,6 @@ def build_empty_model(
     return model
 
 
-def _is_norm(module: nn.Module) -> bool:
-    return isinstance(module, nn.LayerNorm) or "Norm" in type(module).__name__
-
-
 @torch.no_grad()
 def initialize_dummy_weights(model: nn.Module, seed: int = 0, std: float = DUMMY_STD) -> None:
     """Fill every parameter in place, on its own device: norm weights 1, biases 0, everything
@@ -133,7 +129,7 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0, std: float = DUMMY
             seen.add(id(param))
             if name == "bias":
                 param.zero_()
-            elif _is_norm(module):
+            elif isinstance(module, nn.LayerNorm) or "Norm" in type(module).__name__:
                 param.fill_(1.0)
             else:
                 if param.device not in generators:

@@ -47,16 +47,11 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class PendingOutput:
-    """One step's ``ModelRunnerOutput``, on its way to the host.
-
-    Args:
-        req_ids: the step's batch, in row order.
-        sampled: the tokens it sampled, or None when every request was mid-prompt.
-        logprobs: top-k logprobs of the sampled rows (device tensors), or None.
-        prompt_logprobs: this step's prompt logprobs (already on the host).
-        on_tokens: called once with ``(sampled, token ids as a list)`` when they arrive; the
-            runner records them in its request states.
-    """
+    """One step's ``ModelRunnerOutput`` on its way to the host: the batch ``req_ids`` in row
+    order, the ``sampled`` tokens (None when every request was mid-prompt), the sampled rows'
+    top-k ``logprobs`` (device tensors, or None) and the step's ``prompt_logprobs`` (on the host
+    already). ``on_tokens(sampled, token ids as a list)`` runs once when they arrive: the runner
+    records them in its request states."""
 
     def __init__(
         self,
@@ -89,11 +84,8 @@ class PendingOutput:
 
     def get(self) -> ModelRunnerOutput:
         """Wait for this step's tokens (only this step's), record them once, return them."""
-        if self._output is None:
-            self._output = self._build()
-        return self._output
-
-    def _build(self) -> ModelRunnerOutput:
+        if self._output is not None:
+            return self._output
         num_reqs = len(self.req_ids)
         sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
         logprobs: list = [None] * num_reqs
@@ -111,4 +103,7 @@ class PendingOutput:
                     logprobs[row] = (ids[i][: k + 1], values[i][: k + 1], ranks[i])
             if self.on_tokens is not None:
                 self.on_tokens(sampled, tokens)
-        return ModelRunnerOutput(self.req_ids, sampled_token_ids, logprobs, self.prompt_logprobs)
+        self._output = ModelRunnerOutput(
+            self.req_ids, sampled_token_ids, logprobs, self.prompt_logprobs
+        )
+        return self._output
