@@ -10,9 +10,9 @@ explicitly; they are never written back into the config.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -168,6 +168,7 @@ class KernelConfig:
         return cls(mode, os.environ.get(PDL_ENV, "1") != "0" if pdl is None else pdl)
 
 
+_C = TypeVar("_C")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # EngineArgs.max_num_batched_tokens when unset
 
 
@@ -227,41 +228,32 @@ class EngineArgs:
         hf_config = load_hf_config(path)
         text_config = getattr(hf_config, "text_config", None) or hf_config
         max_model_len = resolve_max_model_len(text_config, self.max_model_len)
-        model = ModelConfig(
-            model=self.model,
+        model = self._config(
+            ModelConfig,
             path=path,
             hf_config=hf_config,
             dtype=resolve_dtype(self.dtype, text_config, hf_config, device),
             max_model_len=max_model_len,
             tokenizer=resolve_model_path(self.tokenizer, self.revision) if self.tokenizer else path,
-            seed=self.seed,
-            load_format=self.load_format,
             chat_template=load_chat_template(self.chat_template),
         )
-        cache = CacheConfig(
-            block_size=self.block_size,
-            enable_prefix_caching=self.enable_prefix_caching,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            cpu_kv_cache_bytes=self.cpu_kv_cache_bytes,
-            num_kv_blocks=self.num_kv_blocks,
-        )
+        cache = self._config(CacheConfig)
         multimodal = self._multimodal_config(path, hf_config)
         batched_tokens = self._resolve_batched_tokens(max_model_len)
         encoder_budget, encoder_cache_size = self._resolve_encoder_budgets(
             batched_tokens, multimodal.max_image_tokens
         )
-        scheduler = SchedulerConfig(
+        scheduler = self._config(
+            SchedulerConfig,
             max_num_batched_tokens=batched_tokens,
-            max_num_seqs=self.max_num_seqs,
             max_model_len=max_model_len,
-            enable_chunked_prefill=self.enable_chunked_prefill,
             max_num_encoder_input_tokens=encoder_budget,
             encoder_cache_size=encoder_cache_size,
             async_scheduling=(
                 device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
             ),
         )
-        parallel = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
+        parallel = self._config(ParallelConfig)
         if self.compilation_level not in (0, 1, 2):
             raise ValueError(f"compilation_level must be 0, 1 or 2, not {self.compilation_level}.")
         eager = self.enforce_eager or device.type != "cuda"
@@ -293,14 +285,14 @@ class EngineArgs:
             workers = max(1, min(8, (os.cpu_count() or 2) // 2))
         if workers < 1:
             raise ValueError("mm_preprocess_workers must be at least 1.")
-        return MultiModalConfig(
-            max_pixels=self.max_pixels,
-            processor_max_pixels=self.processor_max_pixels,
-            mm_processor_kwargs=self.mm_processor_kwargs,
-            max_image_tokens=max_image_tokens,
-            mm_processor_cache_gb=self.mm_processor_cache_gb,
-            mm_preprocess_workers=workers,
+        return self._config(
+            MultiModalConfig, max_image_tokens=max_image_tokens, mm_preprocess_workers=workers
         )
+
+    def _config(self, cls: type[_C], **resolved: Any) -> _C:
+        """A ``cls`` of ``resolved`` and, for its other fields, the arguments of their names."""
+        same = {f.name: getattr(self, f.name) for f in fields(cls) if f.name not in resolved}
+        return cls(**same, **resolved)
 
     def _resolve_encoder_budgets(self, batched_tokens: int, max_image_tokens: int):
         """(encoder tokens per step, encoder cache size): default to the token budget, and
