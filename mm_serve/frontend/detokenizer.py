@@ -42,15 +42,16 @@ class IncrementalDetokenizer:
 
     def _check_stop_strings(self, num_new_chars: int) -> str | None:
         """Find the earliest stop string that ends in the new text and cut the text there."""
-        best: tuple[int, str] | None = None
-        for stop in self._stop:
-            # Only matches that end inside the new characters are new matches.
-            start = max(0, len(self.text) - num_new_chars - len(stop) + 1)
-            index = self.text.find(stop, start)
-            if index != -1 and (best is None or index < best[0]):
-                best = (index, stop)
-        if best is None:
+        text = self.text
+        # Only matches that end inside the new characters are new matches.
+        first_end = len(text) - num_new_chars + 1
+        found = [
+            (i, stop)
+            for stop in self._stop
+            if (i := text.find(stop, max(0, first_end - len(stop)))) != -1
+        ]
+        if not found:
             return None
-        index, stop = best
+        index, stop = min(found, key=lambda match: match[0])  # the first of the earliest
         self.text = self.text[: index + len(stop)] if self._include_stop else self.text[:index]
         return stop

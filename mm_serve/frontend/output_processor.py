@@ -144,14 +144,15 @@ class RequestState:
         )
         return result
 
-    def completion(self) -> CompletionOutput:
-        """Everything so far."""
+    def completion(self, text: str | None = None, start: int = 0) -> CompletionOutput:
+        """Everything so far; or ``text`` and the tokens and logprobs from ``start`` on."""
+        logprobs = self.logprobs
         return CompletionOutput(
             index=self.index,
-            text=self.detokenizer.text,
-            token_ids=list(self.token_ids),
+            text=self.detokenizer.text if text is None else text,
+            token_ids=self.token_ids[start:],
             cumulative_logprob=self.cumulative_logprob,
-            logprobs=self.logprobs,
+            logprobs=None if logprobs is None else logprobs[start:],
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
@@ -166,16 +167,7 @@ class RequestState:
         news = end > self.num_sent_chars or len(token_ids) > self.num_sent_tokens
         if not news and (not self.finished or self.finish_sent):
             return None
-        logprobs = self.logprobs
-        delta = CompletionOutput(
-            index=self.index,
-            text=text[self.num_sent_chars : end],
-            token_ids=token_ids[self.num_sent_tokens :],
-            cumulative_logprob=self.cumulative_logprob,
-            logprobs=None if logprobs is None else logprobs[self.num_sent_tokens :],
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-        )
+        delta = self.completion(text[self.num_sent_chars : end], self.num_sent_tokens)
         self.num_sent_chars, self.num_sent_tokens = end, len(token_ids)
         self.finish_sent = self.finished
         return delta
