@@ -215,12 +215,14 @@ class Scheduler:
         """A step in flight samples the request's last token (``max_tokens`` or the model
         length): it finishes when that step's output arrives, so it gets no more work."""
         placeholders = request.num_output_placeholders
-        if not placeholders:
-            return False
-        max_tokens = request.sampling_params.max_tokens or self.config.max_model_len
+        return bool(placeholders) and self._at_length(request, placeholders)
+
+    def _at_length(self, request: Request, ahead: int = 0) -> bool:
+        """Whether ``ahead`` more tokens reach its ``max_tokens`` or the model length."""
+        max_len = self.config.max_model_len
+        max_tokens = request.sampling_params.max_tokens or max_len
         return (
-            request.num_output_tokens + placeholders >= max_tokens
-            or request.num_tokens + placeholders >= self.config.max_model_len
+            request.num_output_tokens + ahead >= max_tokens or request.num_tokens + ahead >= max_len
         )
 
     def _schedule_waiting(self, step: _Step) -> None:
@@ -341,11 +343,7 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = last
                 return True
-        max_tokens = params.max_tokens or self.config.max_model_len
-        if (
-            request.num_output_tokens >= max_tokens
-            or request.num_tokens >= self.config.max_model_len
-        ):
+        if self._at_length(request):
             request.status = RequestStatus.FINISHED_LENGTH
             return True
         return False
