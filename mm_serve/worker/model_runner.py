@@ -211,15 +211,9 @@ class ModelRunner:
         generator = None
         if params.seed is not None and not params.greedy:
             generator = torch.Generator(self.device).manual_seed(params.seed)
+        # NewRequestData's fields, the block list copied (the state's grows).
         state = CachedRequestState(
-            req_id=new.req_id,
-            prompt_token_ids=new.prompt_token_ids,
-            mm_features=new.mm_features,
-            sampling_params=params,
-            generator=generator,
-            eos_token_id=new.eos_token_id,
-            block_ids=list(new.block_ids),
-            num_computed_tokens=new.num_computed_tokens,
+            **{**vars(new), "block_ids": list(new.block_ids)}, generator=generator
         )
         if self.model.uses_mrope:
             from mm_serve.models.mrope import get_mrope_input_positions
