@@ -45,7 +45,8 @@ def resolve_model_path(model: str, revision: str | None = None) -> str:
     try:
         return snapshot_download(model, revision=revision, allow_patterns=ALLOW_PATTERNS)
     except Exception as e:  # offline, unknown repo, gated, bad id: all mean "not available"
-        offline = constants.HF_HUB_OFFLINE or _env_true("HF_HUB_OFFLINE")
+        env = os.environ.get("HF_HUB_OFFLINE", "").strip().upper()
+        offline = constants.HF_HUB_OFFLINE or env in ("1", "ON", "YES", "TRUE")
         hint = (
             "HF_HUB_OFFLINE is set and it is not in the local HF cache"
             if offline
@@ -58,10 +59,6 @@ def resolve_model_path(model: str, revision: str | None = None) -> str:
             + f": it is not a local folder, and {hint} ({type(e).__name__}: {e}). "
             "Pass the path of a downloaded checkpoint folder instead."
         ) from e
-
-
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
 
 
 def load_hf_config(path: str) -> Any:

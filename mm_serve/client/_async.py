@@ -66,8 +66,11 @@ class AsyncClient(BaseClient):
 
     _http_class = httpx.AsyncClient
 
-    async def _send(self, request: httpx.Request, stream: bool = False) -> httpx.Response:
+    async def _send(
+        self, method: str, path: str, stream: bool = False, **kwargs: Any
+    ) -> httpx.Response:
         """Send with retries on connection errors only."""
+        request = self._build_request(method, path, **kwargs)
         for attempt in itertools.count():
             try:
                 return await self._http.send(request, stream=stream)
@@ -77,12 +80,11 @@ class AsyncClient(BaseClient):
     async def _request(
         self, method: str, path: str, cls: type[T] | None = None, **kwargs: Any
     ) -> Any:
-        response = await self._send(self._build_request(self._http, method, path, **kwargs))
+        response = await self._send(method, path, **kwargs)
         return parse_response(response, cls)
 
     async def _stream(self, path: str, body: dict[str, Any], cls: type[T]) -> AsyncStream[T]:
-        request = self._build_request(self._http, "POST", path, json=body)
-        response = await self._send(request, stream=True)
+        response = await self._send("POST", path, True, json=body)
         if response.is_error:
             try:
                 await response.aread()
@@ -103,11 +105,11 @@ class AsyncClient(BaseClient):
 
     async def health(self) -> bool:
         """True when ``GET /health`` answers 2xx, False on 5xx; raises as ``Client.health``."""
-        return parse_health(await self._send(self._build_request(self._http, "GET", "/health")))
+        return parse_health(await self._send("GET", "/health"))
 
     async def metrics(self) -> str:
         """The Prometheus text of ``GET /metrics``."""
-        return parse_text(await self._send(self._build_request(self._http, "GET", "/metrics")))
+        return parse_text(await self._send("GET", "/metrics"))
 
     async def chat(
         self,

@@ -27,11 +27,6 @@ _BACKOFF_S = 0.1  # first retry after 0.1 s, then doubled, capped below
 _MAX_BACKOFF_S = 2.0
 
 
-def backoff_s(attempt: int) -> float:
-    """Seconds to wait before retry number ``attempt`` (0-based)."""
-    return min(_BACKOFF_S * 2**attempt, _MAX_BACKOFF_S)
-
-
 def connection_error(error: httpx.TransportError, url: str) -> APIConnectionError:
     """The SDK's error for an httpx transport error."""
     cls = APITimeoutError if isinstance(error, httpx.TimeoutException) else APIConnectionError
@@ -67,24 +62,17 @@ class BaseClient:
         """Seconds to wait before try ``attempt + 1`` after ``error``; raises the SDK's
         ``connection_error`` when ``error`` is not ``RETRYABLE`` or the retries are spent."""
         if isinstance(error, RETRYABLE) and attempt < self.max_retries:
-            return backoff_s(attempt)
+            return min(_BACKOFF_S * 2**attempt, _MAX_BACKOFF_S)
         raise connection_error(error, url) from error
 
-    def _url(self, path: str) -> str:
-        return f"{self.base_url}{path}"
-
-    def _headers(self, stream: bool = False) -> dict[str, str]:
+    def _build_request(self, method: str, path: str, **kwargs: Any) -> httpx.Request:
+        stream = bool(kwargs.get("json", {}).get("stream")) if "json" in kwargs else False
         headers = {"Accept": "text/event-stream" if stream else "application/json"}
         if self.api_key is not None:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        return headers
-
-    def _build_request(
-        self, http: httpx.Client | httpx.AsyncClient, method: str, path: str, **kwargs: Any
-    ) -> httpx.Request:
-        stream = bool(kwargs.get("json", {}).get("stream")) if "json" in kwargs else False
-        return http.build_request(
-            method, self._url(path), headers=self._headers(stream), timeout=self.timeout, **kwargs
+        url = f"{self.base_url}{path}"
+        return self._http.build_request(
+            method, url, headers=headers, timeout=self.timeout, **kwargs
         )
 
     @staticmethod

@@ -91,8 +91,9 @@ class Client(BaseClient):
 
     # ---- transport --------------------------------------------------------------------------
 
-    def _send(self, request: httpx.Request, stream: bool = False) -> httpx.Response:
+    def _send(self, method: str, path: str, stream: bool = False, **kwargs: Any) -> httpx.Response:
         """Send with retries on connection errors only."""
+        request = self._build_request(method, path, **kwargs)
         for attempt in itertools.count():
             try:
                 return self._http.send(request, stream=stream)
@@ -100,11 +101,11 @@ class Client(BaseClient):
                 time.sleep(self._retry_delay(e, attempt, str(request.url)))
 
     def _request(self, method: str, path: str, cls: type[T] | None = None, **kwargs: Any) -> Any:
-        response = self._send(self._build_request(self._http, method, path, **kwargs))
+        response = self._send(method, path, **kwargs)
         return parse_response(response, cls)
 
     def _stream(self, path: str, body: dict[str, Any], cls: type[T]) -> Stream[T]:
-        response = self._send(self._build_request(self._http, "POST", path, json=body), True)
+        response = self._send("POST", path, True, json=body)
         if response.is_error:
             try:
                 response.read()
@@ -132,11 +133,11 @@ class Client(BaseClient):
             APIConnectionError: the server is unreachable after the retries.
             APIError: any other error status.
         """
-        return parse_health(self._send(self._build_request(self._http, "GET", "/health")))
+        return parse_health(self._send("GET", "/health"))
 
     def metrics(self) -> str:
         """The Prometheus text of ``GET /metrics``."""
-        return parse_text(self._send(self._build_request(self._http, "GET", "/metrics")))
+        return parse_text(self._send("GET", "/metrics"))
 
     # The return type by ``stream`` (the other arguments: the implementation's).
     @overload

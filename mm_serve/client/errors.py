@@ -110,9 +110,7 @@ _BY_STATUS: dict[int, type[APIError]] = {
 
 def error_class(status_code: int) -> type[APIError]:
     """The ``APIError`` subclass for an HTTP status."""
-    if status_code in _BY_STATUS:
-        return _BY_STATUS[status_code]
-    return InternalServerError if status_code >= 500 else APIError
+    return _BY_STATUS.get(status_code) or (InternalServerError if status_code >= 500 else APIError)
 
 
 def error_from_payload(status_code: int, payload: Any, fallback: str = "") -> APIError:

@@ -41,11 +41,10 @@ from mm_serve.outputs import CompletionOutput, RequestOutput
 
 @dataclasses.dataclass
 class _Reply(Reply):
-    role: str = dataclasses.field(default="assistant", kw_only=True)  # the reply's role
-    echo: str = dataclasses.field(
-        default="", kw_only=True
-    )  # what each choice's content starts with
-    tools: ToolMode = dataclasses.field(default=ToolMode("none"), kw_only=True)
+    _: dataclasses.KW_ONLY
+    role: str = "assistant"  # the reply's role
+    echo: str = ""  # what each choice's content starts with
+    tools: ToolMode = ToolMode("none")
 
     def logprobs(self, output: CompletionOutput) -> ChatLogprobs | None:
         if self.num_top_logprobs is None:
