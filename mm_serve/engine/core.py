@@ -84,11 +84,9 @@ class EngineCore:
         if scheduler_output.structured_output_request_ids:
             bitmask = functools.partial(self._grammar_bitmask, scheduler_output, previous)
         pending = self.model_runner.execute_model(scheduler_output, bitmask)
-        outputs = (
-            []
-            if previous is None
-            else self.scheduler.update_from_output(previous[0], previous[1].get())
-        )
+        outputs = []
+        if previous is not None:
+            outputs = self.scheduler.update_from_output(previous[0], previous[1].get())
         if self.async_scheduling:
             self._in_flight = (scheduler_output, pending)
         else:
