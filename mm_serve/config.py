@@ -69,11 +69,9 @@ class ModelConfig:
     @property
     def image_token_id(self) -> int | None:
         """The image placeholder token id of a VLM, None for a text-only model."""
-        for name in ("image_token_id", "image_token_index"):
-            value = getattr(self.hf_config, name, None)
-            if value is not None:
-                return value
-        return None
+        names = ("image_token_id", "image_token_index")
+        values = (getattr(self.hf_config, name, None) for name in names)
+        return next((value for value in values if value is not None), None)
 
 
 @dataclass(frozen=True)

@@ -39,21 +39,19 @@ class Sampler(nn.Module):
             token plus the top ``max_num_logprobs`` tokens of every row.
         """
         # Reported logprobs are those of the model itself, before any processing (OpenAI/vLLM).
-        raw_logprobs = None
-        if metadata.max_num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        num_logprobs = metadata.max_num_logprobs
+        raw_logprobs = None if num_logprobs is None else torch.log_softmax(logits, dim=-1)
 
         logits = apply_penalties(logits, metadata)
         logits = apply_logit_bias(logits, metadata.logit_bias)
         logits = apply_banned_tokens(logits, metadata.banned_token_ids)
-        if metadata.grammar is not None:
-            grammar = metadata.grammar
+        if (grammar := metadata.grammar) is not None:
             logits = apply_token_bitmask(logits, grammar.rows, grammar.bitmask, grammar.num_tokens)
         sampled = self._sample(logits, metadata)
 
         logprobs = None
         if raw_logprobs is not None:
-            logprobs = compute_topk_logprobs(raw_logprobs, metadata.max_num_logprobs, sampled)
+            logprobs = compute_topk_logprobs(raw_logprobs, num_logprobs, sampled)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     @staticmethod
