@@ -64,14 +64,13 @@ def echo_logprobs(
     neither logprob nor top logprobs (None), the others are as a completion's; its text is
     what the others' do not cover of the prompt's ``text``. Returns them and the text offset
     after the prompt."""
-    result = CompletionLogprobs()
     steps = list(zip(token_ids[1:], logprobs[1:], strict=True))
     rest = "".join(step[token_id].decoded_token or "" for token_id, step in steps)
     first = text[: max(len(text) - len(rest), 0)]
-    result.tokens.append(f"token_id:{token_ids[0]}" if as_ids else first)
-    result.token_logprobs.append(None)
-    result.text_offset.append(0)
-    result.top_logprobs.append(None)
+    token = f"token_id:{token_ids[0]}" if as_ids else first
+    result = CompletionLogprobs(
+        text_offset=[0], token_logprobs=[None], tokens=[token], top_logprobs=[None]
+    )
     offset = len(first)
     for token_id, step in steps:
         offset = _append(result, token_id, step, num_top, as_ids, offset)
