@@ -15,17 +15,15 @@ proj``, ``blocks.{i}.mlp.gate_proj/up_proj/down_proj`` (with bias), ``merger.ln_
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from mm_serve.encoders.qwen2_vl import (
-    PatchEmbed,
-    PatchMerger,
+    Qwen2VisionTransformer,
     TowerPlan,
-    VisionBlock,
-    check_grid,
     frame_bounds,
-    rope_theta,
     rotary_cos_sin,
 )
 from mm_serve.kernels.activation import get_activation
@@ -149,7 +147,7 @@ class Qwen2_5_VisionMLP(nn.Module):
         state_dict.update({prefix + name: t for name, t in merged.items()})
 
 
-class Qwen2_5_VisionTransformer(nn.Module):
+class Qwen2_5_VisionTransformer(Qwen2VisionTransformer):
     """The Qwen2.5-VL vision tower, from ``vision_config`` (``Qwen2_5_VLVisionConfig``).
 
     ``forward(pixel_values [num_patches, C*T*P*P], grid_thw [num_images, 3] long)
@@ -159,29 +157,13 @@ class Qwen2_5_VisionTransformer(nn.Module):
     """
 
     def __init__(self, vision_config) -> None:
-        super().__init__()
         cfg = vision_config
-        self.spatial_merge_size = cfg.spatial_merge_size
+        dim = cfg.hidden_size
+        mlp = functools.partial(Qwen2_5_VisionMLP, dim, cfg.intermediate_size, cfg.hidden_act)
+        self._build(cfg, dim, cfg.out_hidden_size, mlp, rms_norm=True)
         self.patch_size = cfg.patch_size
         self.window_size = cfg.window_size
         self.fullatt_block_indexes = set(cfg.fullatt_block_indexes)
-        self.head_dim = cfg.hidden_size // cfg.num_heads
-        self.rope_theta = rope_theta(cfg)
-        self.patch_embed = PatchEmbed(
-            cfg.patch_size, cfg.temporal_patch_size, cfg.in_channels, cfg.hidden_size
-        )
-        dim = cfg.hidden_size
-        mlps = [
-            Qwen2_5_VisionMLP(dim, cfg.intermediate_size, cfg.hidden_act) for _ in range(cfg.depth)
-        ]
-        self.blocks = nn.ModuleList(VisionBlock(dim, cfg.num_heads, m, rms_norm=True) for m in mlps)
-        self.merger = PatchMerger(
-            cfg.hidden_size, cfg.out_hidden_size, cfg.spatial_merge_size, rms_norm=True
-        )
-
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        grids = check_grid(pixel_values, grid_thw, self.spatial_merge_size)
-        return self.run(pixel_values, self.plan(grids, pixel_values.device))
 
     def plan(self, grids: list[list[int]], device: torch.device) -> TowerPlan:
         """The host-side part of a forward (see ``Qwen2VisionTransformer.plan``): rotary tables

@@ -195,20 +195,22 @@ class Qwen2VisionTransformer(nn.Module):
     """
 
     def __init__(self, vision_config) -> None:
-        super().__init__()
         cfg = vision_config
-        self.spatial_merge_size = cfg.spatial_merge_size
-        self.head_dim = cfg.embed_dim // cfg.num_heads
-        self.rope_theta = rope_theta(cfg)
-        self.patch_embed = PatchEmbed(
-            cfg.patch_size, cfg.temporal_patch_size, cfg.in_channels, cfg.embed_dim
-        )
         dim, hidden = cfg.embed_dim, int(cfg.embed_dim * cfg.mlp_ratio)
+        self._build(cfg, dim, cfg.hidden_size, lambda: VisionMlp(dim, hidden, cfg.hidden_act))
+
+    def _build(self, cfg, dim: int, out_dim: int, mlp, rms_norm: bool = False) -> None:
+        """The modules of a tower of width ``dim`` and output width ``out_dim``: the patch
+        embedding, ``cfg.depth`` blocks of ``mlp()`` and the merger (norms: ``rms_norm``)."""
+        super().__init__()
+        self.spatial_merge_size = cfg.spatial_merge_size
+        self.head_dim = dim // cfg.num_heads
+        self.rope_theta = rope_theta(cfg)
+        self.patch_embed = PatchEmbed(cfg.patch_size, cfg.temporal_patch_size, cfg.in_channels, dim)
         self.blocks = nn.ModuleList(
-            VisionBlock(dim, cfg.num_heads, VisionMlp(dim, hidden, cfg.hidden_act))
-            for _ in range(cfg.depth)
+            VisionBlock(dim, cfg.num_heads, mlp(), rms_norm) for _ in range(cfg.depth)
         )
-        self.merger = PatchMerger(cfg.embed_dim, cfg.hidden_size, cfg.spatial_merge_size)
+        self.merger = PatchMerger(dim, out_dim, cfg.spatial_merge_size, rms_norm)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         grids = check_grid(pixel_values, grid_thw, self.spatial_merge_size)

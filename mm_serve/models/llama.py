@@ -52,7 +52,7 @@ class LlamaAttention(nn.Module):
         super().__init__()
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        head_dim = rotary_emb.head_dim  # the config's, as LlamaModel reads it
         qkv_bias, o_bias = _attention_biases(config)
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, head_dim, total_heads, total_kv_heads, bias=qkv_bias
