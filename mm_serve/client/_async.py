@@ -66,41 +66,36 @@ class AsyncClient(BaseClient):
 
     _http_class = httpx.AsyncClient
 
-    async def _send(
-        self, method: str, path: str, stream: bool = False, **kwargs: Any
-    ) -> httpx.Response:
+    async def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """Send with retries on connection errors only."""
-        request = self._build_request(method, path, **kwargs)
+        request, stream = self._build_request(method, path, **kwargs)
         for attempt in itertools.count():
             try:
                 return await self._http.send(request, stream=stream)
             except httpx.TransportError as e:
                 await asyncio.sleep(self._retry_delay(e, attempt, str(request.url)))
 
-    async def _request(
-        self, method: str, path: str, cls: type[T] | None = None, **kwargs: Any
-    ) -> Any:
-        response = await self._send(method, path, **kwargs)
-        return parse_response(response, cls)
-
-    async def _stream(self, path: str, body: dict[str, Any], cls: type[T]) -> AsyncStream[T]:
-        response = await self._send("POST", path, True, json=body)
+    async def _post(self, path: str, body: dict[str, Any], cls: type[T], chunk_cls: type[T]) -> Any:
+        """As ``Client._post``, with an ``AsyncStream``."""
+        response = await self._send("POST", path, json=body)
+        if not body.get("stream"):
+            return parse_response(response, cls)
         if response.is_error:
             try:
                 await response.aread()
             finally:
                 await response.aclose()
             raise error_from_response(response)
-        return AsyncStream(response, cls)
+        return AsyncStream(response, chunk_cls)
 
     async def models(self) -> list[Model]:
         """The models the server serves (``GET /v1/models``)."""
-        return parse_models(await self._request("GET", "/v1/models"))
+        return parse_models(parse_response(await self._send("GET", "/v1/models")))
 
     async def default_model(self) -> str:
         """The server's first model id, fetched once and cached."""
         if self._model_id is None:
-            self._first_model(await self._request("GET", "/v1/models"))
+            self._first_model(await self.models())
         return self._model_id  # type: ignore[return-value]
 
     async def health(self) -> bool:
@@ -125,18 +120,14 @@ class AsyncClient(BaseClient):
         ``stream=True`` returns an ``AsyncStream`` once the server has accepted the request."""
         body = self._chat_body(messages, text, images, model or "", stream, params)
         body["model"] = model or await self.default_model()
-        if stream:
-            return await self._stream("/v1/chat/completions", body, ChatCompletionChunk)
-        return await self._request("POST", "/v1/chat/completions", ChatCompletion, json=body)
+        return await self._post("/v1/chat/completions", body, ChatCompletion, ChatCompletionChunk)
 
     async def completions(
         self, prompt: str | list[int], *, model: str | None = None, stream: bool = False, **params
     ) -> Completion | AsyncStream[Completion]:
         """``POST /v1/completions``; as ``Client.completions``."""
         body = self._completion_body(prompt, model or await self.default_model(), stream, params)
-        if stream:
-            return await self._stream("/v1/completions", body, Completion)
-        return await self._request("POST", "/v1/completions", Completion, json=body)
+        return await self._post("/v1/completions", body, Completion, Completion)
 
     async def close(self) -> None:
         """Close the connection pool (unless the caller passed ``http_client``)."""

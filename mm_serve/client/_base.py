@@ -65,15 +65,17 @@ class BaseClient:
             return min(_BACKOFF_S * 2**attempt, _MAX_BACKOFF_S)
         raise connection_error(error, url) from error
 
-    def _build_request(self, method: str, path: str, **kwargs: Any) -> httpx.Request:
+    def _build_request(self, method: str, path: str, **kwargs: Any) -> tuple[httpx.Request, bool]:
+        """The request, and whether it streams (a JSON body with ``"stream": true``)."""
         stream = bool(kwargs.get("json", {}).get("stream")) if "json" in kwargs else False
         headers = {"Accept": "text/event-stream" if stream else "application/json"}
         if self.api_key is not None:
             headers["Authorization"] = f"Bearer {self.api_key}"
         url = f"{self.base_url}{path}"
-        return self._http.build_request(
+        request = self._http.build_request(
             method, url, headers=headers, timeout=self.timeout, **kwargs
         )
+        return request, stream
 
     @staticmethod
     def _chat_body(
@@ -98,8 +100,7 @@ class BaseClient:
     ) -> dict[str, Any]:
         return _with_stream({"model": model, "prompt": prompt, **params}, stream)
 
-    def _first_model(self, payload: Any) -> str:
-        models = parse_models(payload)
+    def _first_model(self, models: list[Model]) -> str:
         if not models:
             raise MMServeError("The server lists no model at /v1/models.")
         self._model_id = models[0].id

@@ -91,39 +91,39 @@ class Client(BaseClient):
 
     # ---- transport --------------------------------------------------------------------------
 
-    def _send(self, method: str, path: str, stream: bool = False, **kwargs: Any) -> httpx.Response:
+    def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """Send with retries on connection errors only."""
-        request = self._build_request(method, path, **kwargs)
+        request, stream = self._build_request(method, path, **kwargs)
         for attempt in itertools.count():
             try:
                 return self._http.send(request, stream=stream)
             except httpx.TransportError as e:
                 time.sleep(self._retry_delay(e, attempt, str(request.url)))
 
-    def _request(self, method: str, path: str, cls: type[T] | None = None, **kwargs: Any) -> Any:
-        response = self._send(method, path, **kwargs)
-        return parse_response(response, cls)
-
-    def _stream(self, path: str, body: dict[str, Any], cls: type[T]) -> Stream[T]:
-        response = self._send("POST", path, True, json=body)
+    def _post(self, path: str, body: dict[str, Any], cls: type[T], chunk_cls: type[T]) -> Any:
+        """A ``cls``, or for a streaming ``body`` a ``Stream`` of ``chunk_cls`` (an error status
+        raises before any chunk)."""
+        response = self._send("POST", path, json=body)
+        if not body.get("stream"):
+            return parse_response(response, cls)
         if response.is_error:
             try:
                 response.read()
             finally:
                 response.close()
             raise error_from_response(response)
-        return Stream(response, cls)
+        return Stream(response, chunk_cls)
 
     # ---- API --------------------------------------------------------------------------------
 
     def models(self) -> list[Model]:
         """The models the server serves (``GET /v1/models``)."""
-        return parse_models(self._request("GET", "/v1/models"))
+        return parse_models(parse_response(self._send("GET", "/v1/models")))
 
     def default_model(self) -> str:
         """The server's first model id, fetched once and cached."""
         if self._model_id is None:
-            self._first_model(self._request("GET", "/v1/models"))
+            self._first_model(self.models())
         return self._model_id  # type: ignore[return-value]
 
     def health(self) -> bool:
@@ -175,9 +175,7 @@ class Client(BaseClient):
         """
         body = self._chat_body(messages, text, images, model or "", stream, params)
         body["model"] = model or self.default_model()
-        if stream:
-            return self._stream("/v1/chat/completions", body, ChatCompletionChunk)
-        return self._request("POST", "/v1/chat/completions", ChatCompletion, json=body)
+        return self._post("/v1/chat/completions", body, ChatCompletion, ChatCompletionChunk)
 
     def completions(
         self, prompt: str | list[int], *, model: str | None = None, stream: bool = False, **params
@@ -185,9 +183,7 @@ class Client(BaseClient):
         """``POST /v1/completions`` for a text prompt (or token ids); ``params`` and errors as
         ``chat``."""
         body = self._completion_body(prompt, model or self.default_model(), stream, params)
-        if stream:
-            return self._stream("/v1/completions", body, Completion)
-        return self._request("POST", "/v1/completions", Completion, json=body)
+        return self._post("/v1/completions", body, Completion, Completion)
 
     # ---- lifetime ---------------------------------------------------------------------------
 
