@@ -46,14 +46,28 @@ def _b(text: str) -> list[int]:
 
 
 def completion_logprobs(
-    token_ids: list[int], logprobs: SampleLogprobs, num_top: int, as_ids: bool, offset: int
+    token_ids: list[int],
+    logprobs: SampleLogprobs,
+    num_top: int,
+    as_ids: bool,
+    offset: int,
+    into: CompletionLogprobs | None = None,
 ) -> tuple[CompletionLogprobs, int]:
-    """OpenAI completions ``logprobs``, and the text offset after the last token;
-    ``offset``: the text offset of the first token (in characters). Each ``top_logprobs``
-    entry holds the ``num_top`` most likely tokens and the sampled one (vLLM's reading)."""
-    result = CompletionLogprobs()
+    """OpenAI completions ``logprobs`` (appended to ``into`` when given), and the text offset
+    after the last token; ``offset``: the text offset of the first token (in characters). Each
+    ``top_logprobs`` entry holds the ``num_top`` most likely tokens and the sampled one (vLLM's
+    reading)."""
+    result = CompletionLogprobs() if into is None else into
     for token_id, step in zip(token_ids, logprobs, strict=True):
-        offset = _append(result, token_id, step, num_top, as_ids, offset)
+        chosen = step[token_id]
+        text = _token_text(token_id, chosen, as_ids)
+        result.tokens.append(text)
+        result.token_logprobs.append(chosen.logprob)
+        result.text_offset.append(offset)
+        top = {_token_text(i, lp, as_ids): lp.logprob for i, lp in _top(step, num_top)}
+        top.setdefault(text, chosen.logprob)  # the sampled token too, as vLLM (logprobs=0: alone)
+        result.top_logprobs.append(top)
+        offset += len(chosen.decoded_token or "")
     return result, offset
 
 
@@ -64,37 +78,14 @@ def echo_logprobs(
     neither logprob nor top logprobs (None), the others are as a completion's; its text is
     what the others' do not cover of the prompt's ``text``. Returns them and the text offset
     after the prompt."""
-    steps = list(zip(token_ids[1:], logprobs[1:], strict=True))
+    steps = zip(token_ids[1:], logprobs[1:], strict=True)
     rest = "".join(step[token_id].decoded_token or "" for token_id, step in steps)
     first = text[: max(len(text) - len(rest), 0)]
     token = f"token_id:{token_ids[0]}" if as_ids else first
     result = CompletionLogprobs(
         text_offset=[0], token_logprobs=[None], tokens=[token], top_logprobs=[None]
     )
-    offset = len(first)
-    for token_id, step in steps:
-        offset = _append(result, token_id, step, num_top, as_ids, offset)
-    return result, offset
-
-
-def _append(
-    result: CompletionLogprobs,
-    token_id: int,
-    step: dict[int, Logprob],
-    num_top: int,
-    as_ids: bool,
-    offset: int,
-) -> int:
-    """Add one token's entries; returns the text offset after it."""
-    chosen = step[token_id]
-    text = _token_text(token_id, chosen, as_ids)
-    result.tokens.append(text)
-    result.token_logprobs.append(chosen.logprob)
-    result.text_offset.append(offset)
-    top = {_token_text(i, lp, as_ids): lp.logprob for i, lp in _top(step, num_top)}
-    top.setdefault(text, chosen.logprob)  # the sampled token too, as vLLM (logprobs=0: alone)
-    result.top_logprobs.append(top)
-    return offset + len(chosen.decoded_token or "")
+    return completion_logprobs(token_ids[1:], logprobs[1:], num_top, as_ids, len(first), result)
 
 
 def prompt_logprobs_field(prompt_logprobs: PromptLogprobs | None) -> PromptLogprobList | None:

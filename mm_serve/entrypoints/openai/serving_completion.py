@@ -82,13 +82,9 @@ class _Reply(Reply):
             ids, steps = echoed.prompt_token_ids, echoed.prompt_logprobs
             prefix, offset = echo_logprobs(ids, steps, echo, num_top, as_ids)
         logprobs, self.offsets[index] = completion_logprobs(
-            output.token_ids, output.logprobs, num_top, as_ids, offset
+            output.token_ids, output.logprobs, num_top, as_ids, offset, prefix
         )
-        if prefix is None:
-            return logprobs
-        return CompletionLogprobs(
-            **{name: getattr(prefix, name) + getattr(logprobs, name) for name in prefix.__dict__}
-        )
+        return logprobs
 
 
 class ServingCompletion(ServingBase):
