@@ -13,6 +13,7 @@ Anything else (a bare path, another scheme) is a 400.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ import httpx
 from mm_serve.entrypoints.openai.errors import bad_request
 
 MAX_REDIRECTS = 3
+_bad = functools.partial(bad_request, param="messages")  # a 400 naming the messages
 
 
 @dataclass(frozen=True)
@@ -77,10 +79,9 @@ class MediaResolver:
             if part.get("type") == "image_url"
         ]
         if len(parts) > self.config.max_images:
-            raise bad_request(
+            raise _bad(
                 f"At most {self.config.max_images} images are allowed per request; got "
-                f"{len(parts)} (--limit-mm-per-prompt).",
-                param="messages",
+                f"{len(parts)} (--limit-mm-per-prompt)."
             )
         for part in parts:
             url = part["image_url"]["url"]
@@ -101,36 +102,31 @@ class MediaResolver:
             return await self._fetch(url)
         if scheme == "file":
             return self._local_path(url)
-        raise bad_request(
+        raise _bad(
             "Image URLs must be data: URLs (base64), http(s) URLs of an allowed host or file: "
-            "URLs under the allowed local folder.",
-            param="messages",
+            "URLs under the allowed local folder."
         )
 
     def _local_path(self, url: str) -> str:
         if self._local_root is None:
-            raise bad_request(
+            raise _bad(
                 "file: image URLs are not allowed (start the server with "
-                "--allowed-local-media-path).",
-                param="messages",
+                "--allowed-local-media-path)."
             )
         path = os.path.realpath(unquote(urlsplit(url).path))
         if os.path.commonpath([path, self._local_root]) != self._local_root:
-            raise bad_request("The image file is outside the allowed folder.", param="messages")
+            raise _bad("The image file is outside the allowed folder.")
         try:
             size = os.stat(path).st_size
         except OSError:
-            raise bad_request("The image file does not exist.", param="messages") from None
+            raise _bad("The image file does not exist.") from None
         self._check_size(size)
         return path
 
     async def _fetch(self, url: str) -> bytes:
         host = (urlsplit(url).hostname or "").lower()
         if host not in self._domains:
-            raise bad_request(
-                f"Image URLs of host {host!r} are not allowed (--allowed-media-domains).",
-                param="messages",
-            )
+            raise _bad(f"Image URLs of host {host!r} are not allowed (--allowed-media-domains).")
         try:
             for _ in range(MAX_REDIRECTS + 1):
                 async with self._http.stream("GET", url) as response:
@@ -141,16 +137,14 @@ class MediaResolver:
                     if target.scheme not in ("http", "https") or target.hostname != host:
                         raise bad_request("The image URL redirects to another host.")
         except httpx.TimeoutException:
-            raise bad_request("Fetching the image URL timed out.", param="messages") from None
+            raise _bad("Fetching the image URL timed out.") from None
         except httpx.HTTPError as e:
-            raise bad_request(f"Fetching the image URL failed: {e}", param="messages") from None
-        raise bad_request("The image URL redirects too many times.", param="messages")
+            raise _bad(f"Fetching the image URL failed: {e}") from None
+        raise _bad("The image URL redirects too many times.")
 
     async def _read(self, response: httpx.Response) -> bytes:
         if response.status_code != 200:
-            raise bad_request(
-                f"Fetching the image URL failed: HTTP {response.status_code}.", param="messages"
-            )
+            raise _bad(f"Fetching the image URL failed: HTTP {response.status_code}.")
         length = response.headers.get("content-length")
         if length is not None and length.isdigit():
             self._check_size(int(length))
@@ -162,7 +156,4 @@ class MediaResolver:
 
     def _check_size(self, size: int) -> None:
         if size > self.config.max_bytes:
-            raise bad_request(
-                f"The image is larger than the limit of {self.config.max_bytes} bytes.",
-                param="messages",
-            )
+            raise _bad(f"The image is larger than the limit of {self.config.max_bytes} bytes.")
