@@ -25,6 +25,7 @@ from mm_serve.encoders.qwen2_vl import (
     TowerPlan,
     frame_bounds,
     rotary_cos_sin,
+    to_window_order,
 )
 from mm_serve.kernels.activation import get_activation
 from mm_serve.kernels.dispatch import silu_and_mul, varlen_segments
@@ -173,23 +174,9 @@ class Qwen2_5_VisionTransformer(Qwen2VisionTransformer):
         index, cu_window = window_index(grids, merge, self.window_size, self.patch_size)
         index = host_to_device(index, device)
         rotary = vision_rotary(
-            _to_window_order(cos, index, merge), _to_window_order(sin, index, merge)
+            to_window_order(cos, index, merge), to_window_order(sin, index, merge)
         )
         # Windows never cross a frame, so per-frame boundaries stay valid after the permutation.
         full = varlen_segments(frame_bounds(grids), device, dtype)
         windows = varlen_segments(cu_window, device, dtype)
         return TowerPlan(rotary, full, windows, index, torch.argsort(index))
-
-    def run(self, pixel_values: torch.Tensor, plan: TowerPlan) -> torch.Tensor:
-        """``forward`` with the plan made: device work only, no host synchronisation."""
-        x = self.patch_embed(pixel_values)  # [N, dim]
-        x = _to_window_order(x, plan.index, self.spatial_merge_size)
-        for i, block in enumerate(self.blocks):
-            full = i in self.fullatt_block_indexes
-            x = block(x, plan.full if full else plan.windows, plan.rotary)
-        return self.merger(x)[plan.inverse]
-
-
-def _to_window_order(t: torch.Tensor, index: torch.Tensor, merge: int) -> torch.Tensor:
-    """Rows ``[N, d]`` permuted window by window (whole merge windows move together)."""
-    return t.view(-1, merge * merge, t.shape[-1])[index].flatten(0, 1)

@@ -206,6 +206,7 @@ class Qwen2VisionTransformer(nn.Module):
         self.spatial_merge_size = cfg.spatial_merge_size
         self.head_dim = dim // cfg.num_heads
         self.rope_theta = rope_theta(cfg)
+        self.fullatt_block_indexes = set(range(cfg.depth))  # blocks over whole frames
         self.patch_embed = PatchEmbed(cfg.patch_size, cfg.temporal_patch_size, cfg.in_channels, dim)
         self.blocks = nn.ModuleList(
             VisionBlock(dim, cfg.num_heads, mlp(), rms_norm) for _ in range(cfg.depth)
@@ -227,7 +228,16 @@ class Qwen2VisionTransformer(nn.Module):
 
     def run(self, pixel_values: torch.Tensor, plan: TowerPlan) -> torch.Tensor:
         """``forward`` with the plan made: device work only, no host synchronisation."""
-        x = self.patch_embed(pixel_values)  # [N, embed_dim]
-        for block in self.blocks:
-            x = block(x, plan.full, plan.rotary)
-        return self.merger(x)
+        x = self.patch_embed(pixel_values)  # [N, dim]
+        if plan.index is not None:  # Qwen2.5-VL: the patches in window order
+            x = to_window_order(x, plan.index, self.spatial_merge_size)
+        for i, block in enumerate(self.blocks):
+            full = i in self.fullatt_block_indexes
+            x = block(x, plan.full if full else plan.windows, plan.rotary)
+        x = self.merger(x)
+        return x if plan.inverse is None else x[plan.inverse]
+
+
+def to_window_order(t: torch.Tensor, index: torch.Tensor, merge: int) -> torch.Tensor:
+    """Rows ``[N, d]`` permuted window by window (whole merge windows move together)."""
+    return t.view(-1, merge * merge, t.shape[-1])[index].flatten(0, 1)
