@@ -19,9 +19,12 @@ import os
 import sys
 import types
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mm_serve.entrypoints.cli_flags import add_engine_args, add_flag, engine_args_from
-from mm_serve.frontend.engine_process import EngineProcess
+
+if TYPE_CHECKING:  # zmq: not for the offline benchmarks
+    from mm_serve.frontend.engine_process import EngineProcess
 
 logger = logging.getLogger(__name__)
 
