@@ -24,10 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mm_serve.config import PDL_ENV
 from mm_serve.kernels.dispatch import kernel_config
 
-__all__ = ["PDL_ENV", "pdl_enter", "pdl_options"]
+__all__ = ["pdl_enter", "pdl_options"]
 _INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

@@ -139,7 +139,6 @@ class ParallelConfig:
 
 KERNEL_MODES = ("auto", "triton", "ref")
 KERNELS_ENV = "MM_SERVE_KERNELS"  # the default of --kernel-mode
-PDL_ENV = "MM_SERVE_PDL"  # "0": the default of --pdl is off
 
 
 @dataclass(frozen=True)
@@ -163,7 +162,7 @@ class KernelConfig:
         ``MM_SERVE_PDL`` (off only for ``0``)."""
         if mode is None:
             mode = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
-        return cls(mode, os.environ.get(PDL_ENV, "1") != "0" if pdl is None else pdl)
+        return cls(mode, os.environ.get("MM_SERVE_PDL", "1") != "0" if pdl is None else pdl)
 
 
 _C = TypeVar("_C")

@@ -19,13 +19,8 @@ logger = logging.getLogger(__name__)
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 
 
-_STR_TO_DTYPE = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+# torch's names of them: "float" is float32, "half" float16.
+_STR_TO_DTYPE = {n: getattr(torch, n) for n in ("float32", "float", "float16", "half", "bfloat16")}
 
 
 class ModelLoadError(ValueError):

@@ -146,8 +146,6 @@ class EngineCoreProc:
         self.output_queue: queue.Queue[Any] = queue.Queue()
         self.stopping = threading.Event()  # tells the input thread to return
         self.engine_core: EngineCore | None = None
-        self.vocab_size = 0
-        self.image_token_id: int | None = None
 
     def serve(self, config: EngineConfig) -> int:
         """Start up (answering ``EngineReady`` or ``EngineFailed``), then run the busy loop
@@ -185,14 +183,12 @@ class EngineCoreProc:
         if config.device.type == "cuda":
             limit_cpu_threads()
         self.engine_core = EngineCore(config)
-        self.vocab_size = config.model.vocab_size
-        self.image_token_id = config.model.image_token_id
         kv = self.engine_core.scheduler.kv_cache_manager
         ready = EngineReady(
             pid=os.getpid(),
             model=config.model.model,
             max_model_len=config.model.max_model_len,
-            vocab_size=self.vocab_size,
+            vocab_size=config.model.vocab_size,
             num_kv_blocks=kv.num_blocks,
             block_size=config.cache.block_size,
         )
@@ -262,12 +258,13 @@ class EngineCoreProc:
                 image fills, or an image without pixels or whose placeholder range is outside
                 the prompt or disagrees with its size.
         """
-        token_ids = request.prompt_token_ids
-        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
-            raise ValueError(f"Prompt token ids must be in [0, {self.vocab_size}).")
-        if any(not 0 <= t < self.vocab_size for t in request.sampling_params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}).")
-        check_image_tokens(token_ids, request.mm_features, self.image_token_id)
+        token_ids, model = request.prompt_token_ids, self.engine_core.config.model
+        vocab_size = model.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+            raise ValueError(f"Prompt token ids must be in [0, {vocab_size}).")
+        if any(not 0 <= t < vocab_size for t in request.sampling_params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab_size}).")
+        check_image_tokens(token_ids, request.mm_features, model.image_token_id)
         for feature in request.mm_features:
             placeholder, data = feature.placeholder, feature.data
             if placeholder.offset < 0 or placeholder.end > len(token_ids):

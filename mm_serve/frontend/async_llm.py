@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import logging
 import time
 import uuid
@@ -354,7 +353,5 @@ class AsyncLLM(FrontEnd):
         self.input_processor.shutdown()
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
-    async def _in_tokenizer_thread(self, fn: Callable[..., Any], *args: Any, **kwargs: Any):
-        loop = asyncio.get_running_loop()
-        call = functools.partial(fn, *args, **kwargs)
-        return await loop.run_in_executor(self._tokenizer_thread, call)
+    async def _in_tokenizer_thread(self, fn: Callable[..., Any], *args: Any):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)

@@ -10,12 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from mm_serve.config import EngineArgs
 from mm_serve.frontend.output_processor import OutputProcessor, ParentRequest
-from mm_serve.frontend.processor import (
-    InputProcessor,
-    ProcessedPrompt,
-    generation_config_defaults,
-    load_tokenizer,
-)
+from mm_serve.frontend.processor import InputProcessor, ProcessedPrompt, load_tokenizer
 from mm_serve.hub import load_generation_config
 from mm_serve.request import Request
 from mm_serve.sampling_params import SamplingParams
@@ -25,6 +20,9 @@ if TYPE_CHECKING:
     from mm_serve.frontend.core_client import EngineCoreClientBase
 
 logger = logging.getLogger(__name__)
+
+# SamplingParams fields whose default the checkpoint's generation_config.json may set (vLLM's).
+DEFAULTS_FROM_GENERATION_CONFIG = ("temperature", "top_p", "top_k", "repetition_penalty")
 
 
 class FrontEnd:
@@ -64,7 +62,8 @@ class FrontEnd:
 
     def default_sampling_overrides(self) -> dict[str, Any]:
         """Sampling defaults from the checkpoint's ``generation_config.json`` (may be empty)."""
-        return generation_config_defaults(self.generation_config)
+        names, config = DEFAULTS_FROM_GENERATION_CONFIG, self.generation_config
+        return {n: v for n in names if (v := getattr(config, n, None)) is not None}
 
     def start_preprocessing(self) -> list[concurrent.futures.Future[int]]:
         """Start the preprocessing workers (they warm up while the engine core loads); one

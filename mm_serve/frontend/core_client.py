@@ -302,25 +302,21 @@ class EngineCoreClientBase:
 
 
 class EngineCoreClient(EngineCoreClientBase):
-    """Blocking client: ``add_request`` returns the request's ``queue.Queue`` (see module doc).
+    """Blocking client: ``add_requests`` returns the requests' ``queue.Queue`` (see module doc).
 
     Raises:
         EngineStartupError: from the constructor, see ``EngineCoreClientBase``.
         EngineDeadError: from any call once the engine core is gone.
     """
 
-    def add_request(self, request: Request, output_queue: queue.Queue | None = None) -> queue.Queue:
-        """Send ``request`` to the engine core; its outputs go to ``output_queue`` (which
-        several requests may share: each output names its request) or to a new queue.
-        Returns the queue. Raises ValueError on an id already in flight."""
-        return self.add_requests([request], output_queue)
-
     def add_requests(
         self, requests: list[Request], output_queue: queue.Queue | None = None
     ) -> queue.Queue:
-        """``add_request`` for the ``n`` sibling requests of one user request (they share the
-        prompt and images, which are sent once), all to one queue. Raises ValueError on an id
-        already in flight, or requests that are no siblings (``messages.requests_to_wire``)."""
+        """Send the ``n`` sibling requests of one user request (they share the prompt and
+        images, which are sent once) to the engine core; their outputs go to ``output_queue``
+        (which several requests may share: each output names its request) or to a new queue.
+        Returns the queue. Raises ValueError on an id already in flight, or requests that are
+        no siblings (``messages.requests_to_wire``)."""
         sink = Sink(queue.Queue() if output_queue is None else output_queue, None)
         self._add(requests, sink)
         return sink.queue
@@ -331,10 +327,6 @@ class EngineCoreClient(EngineCoreClientBase):
     def get_stats(self, timeout_s: float | None = 30.0) -> EngineStats:
         """The engine's counters (``mm_serve.stats.EngineStats``), after all earlier inputs."""
         return self._call("get_stats").result(timeout_s).stats
-
-    def get_kv_cache_info(self, timeout_s: float | None = 30.0) -> KVCacheInfo:
-        """KV pool size and free blocks, after all earlier inputs (e.g. an abort) took effect."""
-        return self._call("get_stats").result(timeout_s).kv_cache
 
     def reset(self, timeout_s: float | None = 60.0) -> None:
         """``EngineCore.reset`` once all earlier inputs took effect. Raises RuntimeError while

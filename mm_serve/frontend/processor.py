@@ -182,16 +182,6 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
-# SamplingParams fields whose default the checkpoint's generation_config.json may set (vLLM's).
-DEFAULTS_FROM_GENERATION_CONFIG = ("temperature", "top_p", "top_k", "repetition_penalty")
-
-
-def generation_config_defaults(generation_config: Any) -> dict[str, Any]:
-    """The sampling defaults a checkpoint's ``generation_config.json`` sets (may be empty)."""
-    names = DEFAULTS_FROM_GENERATION_CONFIG
-    return {n: v for n in names if (v := getattr(generation_config, n, None)) is not None}
-
-
 class InputProcessor:
     """Tokenizes prompts, applies the chat template and builds engine requests.
 

@@ -24,7 +24,7 @@ POLL_S = 0.005
 
 
 class RemoteEngineCore:
-    """``add_request(s)`` / ``abort_requests`` / ``step`` / ``has_unfinished_requests`` /
+    """``add_requests`` / ``abort_requests`` / ``step`` / ``has_unfinished_requests`` /
     ``get_stats`` / ``reset`` of ``EngineCore``, on an engine core process.
 
     ``client``: an ``EngineCoreClient`` started before the config was resolved (None: start
@@ -40,9 +40,6 @@ class RemoteEngineCore:
         self.client.start(config)
         self._outputs: queue.Queue = queue.Queue()  # every request's outputs, in arrival order
         self._unfinished: set[str] = set()
-
-    def add_request(self, request: Request) -> None:
-        self.add_requests([request])
 
     def add_requests(self, requests: list[Request]) -> None:
         """The ``n`` siblings of one user request, in one message (see ``EngineCore``)."""

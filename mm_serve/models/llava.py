@@ -39,7 +39,6 @@ class LlavaForConditionalGeneration(VisionLanguageModelBase):
         ("language_model.model.", "model."),
         ("language_model.lm_head.", "lm_head."),
     )
-    VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)

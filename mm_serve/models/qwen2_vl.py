@@ -20,7 +20,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
 from mm_serve.encoders.base import ProcessedImage
 from mm_serve.encoders.qwen2_5_vl import Qwen2_5_VisionTransformer
@@ -73,18 +72,15 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModelBase):
         ("model.", "model."),
         ("lm_head.", "lm_head."),
     )
-    VISION_PREFIXES = ("visual.",)
+    tower_class: type[Qwen2VisionTransformer] = Qwen2VisionTransformer
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.spatial_merge_size: int = config.vision_config.spatial_merge_size
-        self.visual = self._build_tower(config.vision_config)
+        self.visual = self.tower_class(config.vision_config)
         # ``(pixel_values, grids) -> embeddings`` in place of ``visual``'s forward: the model
         # runner sets it to run the tower through CUDA graphs (``worker.tower_graphs``).
         self.tower_runner: Callable[[torch.Tensor, list[list[int]]], torch.Tensor] | None = None
-
-    def _build_tower(self, vision_config: Any) -> nn.Module:
-        return Qwen2VisionTransformer(vision_config)
 
     def embed_images(self, images: list[ProcessedImage]) -> list[torch.Tensor]:
         """One ``[num_tokens, hidden]`` tensor per image, in order, from one tower call.
@@ -113,5 +109,4 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
     """Qwen2.5-VL: the same model with the windowed-attention tower
     (``Qwen2_5_VisionTransformer``, SwiGLU MLP, RMSNorm); ``config`` is ``Qwen2_5_VLConfig``."""
 
-    def _build_tower(self, vision_config: Any) -> nn.Module:
-        return Qwen2_5_VisionTransformer(vision_config)
+    tower_class = Qwen2_5_VisionTransformer

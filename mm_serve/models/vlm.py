@@ -45,10 +45,9 @@ def load_tower_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> str 
 class VisionLanguageModelBase(LlamaForCausalLM):
     """A ``VisionLanguageModel`` (``models.interface``) of the HF VLM ``config``. Subclasses
     add ``embed_images`` and set ``PREFIXES`` (checkpoint name prefix -> ours, first match
-    wins) and ``VISION_PREFIXES`` (our names that ``load_tower_tensor`` loads)."""
+    wins); ``load_tower_tensor`` loads our names outside the LM's (``model.``, ``lm_head.``)."""
 
     PREFIXES: tuple[tuple[str, str], ...] = ()
-    VISION_PREFIXES: tuple[str, ...] = ()
 
     def __init__(self, config: Any) -> None:
         super().__init__(config.text_config)
@@ -78,7 +77,7 @@ class VisionLanguageModelBase(LlamaForCausalLM):
         def language_model_weights() -> Iterator[tuple[str, torch.Tensor]]:
             for ckpt_name, tensor in weights:
                 name = self.rename(ckpt_name)
-                vision = name.startswith(self.VISION_PREFIXES)
+                vision = not name.startswith(("model.", "lm_head."))
                 written = load_tower_tensor(self, name, tensor) if vision else None
                 if written is not None:
                     loaded.add(written)
