@@ -26,7 +26,7 @@ def main() -> int:
 
         return cli_main(argv, engine_process)
     finally:  # a no-op once the engine core client took it over and shut it down
-        engine_process.discard()
+        engine_process.stop()
 
 
 def cache_bytecode(argv: list[str]) -> None:

@@ -82,7 +82,7 @@ class EngineCoreClientBase:
         self._thread = threading.Thread(
             target=self._output_loop, name="mm_serve-engine-core-output", daemon=True
         )
-        self._resources = ClientResources(self._proc, self._thread, self._ctx, (), process.ipc_dir)
+        self._resources = ClientResources(process, self._thread, self._ctx)
         # Stop the child at exit, before multiprocessing's own exit hook would wait for it
         # forever: atexit runs hooks last-in first-out, and that one was registered when
         # multiprocessing.util was imported (by the process's start at the latest).
@@ -140,7 +140,6 @@ class EngineCoreClientBase:
         sockets and remove the ipc files. In-flight requests get ``EngineDeadError``.
         Idempotent."""
         atexit.unregister(self._resources.release)
-        self._config_writer.close()  # an engine core still waiting for its config exits
         self._resources.release(timeout_s)
         self._mark_dead(EngineDeadError("The engine core was shut down."))
 

@@ -63,13 +63,17 @@ class EngineProcess:
     ipc_paths: tuple[str, str]
     config_writer: Connection
 
-    def discard(self, timeout_s: float = 5.0) -> None:
-        """Stop a process no client took over: close the pipe (it exits), wait, clean up."""
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Close the pipe (a process still waiting for its config exits), then SIGTERM, SIGKILL
+        after ``timeout_s``; remove the ipc folder. Safe to repeat."""
         self.config_writer.close()
-        self.proc.join(timeout_s)
         if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(timeout_s)
+        if self.proc.is_alive():
+            logger.warning("The engine core (pid %d) ignored SIGTERM; killing it.", self.proc.pid)
             self.proc.kill()
-            self.proc.join()
+        self.proc.join()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
@@ -94,29 +98,19 @@ def start_engine_core() -> EngineProcess:
 class ClientResources:
     """What the client must release; apart from it, so that the atexit hook does not hold it."""
 
-    proc: BaseProcess
+    process: EngineProcess
     thread: threading.Thread  # the output thread
     ctx: zmq.Context
-    sockets: tuple[zmq.Socket, ...]
-    ipc_dir: str
+    sockets: tuple[zmq.Socket, ...] = ()
     closing: threading.Event = field(default_factory=threading.Event)
 
     def release(self, timeout_s: float = 5.0) -> None:
-        """Stop the process (SIGTERM, SIGKILL after ``timeout_s``), the output thread and the
-        sockets; remove the ipc files. Safe to repeat, and on a process that never started."""
+        """Stop the process (``EngineProcess.stop``), the output thread and the sockets. Safe
+        to repeat."""
         self.closing.set()
-        proc = self.proc
-        if proc.pid is not None:
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout_s)
-            if proc.is_alive():
-                logger.warning("The engine core (pid %d) ignored SIGTERM; killing it.", proc.pid)
-                proc.kill()
-            proc.join()
+        self.process.stop(timeout_s)
         if self.thread.is_alive() and self.thread is not threading.current_thread():
             self.thread.join(timeout=2 * POLL_INTERVAL_MS / 1000 + 1)
         for socket in self.sockets:
             socket.close(linger=0)
         self.ctx.term()
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
