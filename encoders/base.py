@@ -28,6 +28,8 @@ class ProcessedImage:
       - Qwen2-VL / Qwen2.5-VL: ``[grid_t * grid_h * grid_w, C * temporal_patch * patch * patch]``
         patches (HF's flattened layout), with ``image_grid_thw = (t, h, w)`` in patches.
       - CLIP / LLaVA: ``[3, H, W]`` float32, resized, cropped and normalised.
+      - Idefics3 / SmolVLM: ``[num_tiles, 3, tile, tile]`` float32 (tiles, then the global
+        image), with ``token_ids`` its prompt tokens (tile tags, newlines and image tokens).
 
     Float32 pixels are final. uint8 pixels (``preprocess(..., defer_normalization=True)``) are
     resized but not yet normalised: the consumer computes ``(x - pixel_mean[c]) / pixel_std[c]``
@@ -41,6 +43,10 @@ class ProcessedImage:
     image_grid_thw: tuple[int, int, int] | None = None
     pixel_mean: tuple[float, ...] = ()  # per channel, in 0..255 pixel units (uint8 pixels only)
     pixel_std: tuple[float, ...] = ()
+    # The placeholder's prompt tokens (``num_tokens`` of them) where they are not all the image
+    # token (Idefics3: tile tags and newlines among them); None: ``num_tokens`` image tokens.
+    # The model's ``embed_images`` gives a row for every one of them.
+    token_ids: tuple[int, ...] | None = None
 
 
 class ImageProcessor:

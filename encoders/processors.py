@@ -23,6 +23,11 @@ from typing import Any
 
 from mm_serve.encoders.base import ImageProcessor
 from mm_serve.encoders.clip_processor import CLIPImageProcessor
+from mm_serve.encoders.idefics3_processor import (
+    Idefics3ImageProcessor,
+    Idefics3Tokens,
+    image_seq_len,
+)
 from mm_serve.encoders.qwen2_vl_processor import Qwen2VLImageProcessor
 from mm_serve.families import VLM_MODEL_TYPES, config_get, find_family, resolve
 
@@ -123,7 +128,7 @@ def llava_num_image_tokens(hf_config: Any) -> int:
 
 
 def qwen2_vl_image_processor(
-    config: dict[str, Any], hf_config: Any, max_pixels: int | None
+    config: dict[str, Any], hf_config: Any, max_pixels: int | None, model_path: str | Path
 ) -> Qwen2VLImageProcessor:
     """Qwen2-VL and Qwen2.5-VL: ``max_pixels`` overrides the settings' bound on the resized
     area (``min_pixels`` is clamped not to exceed it)."""
@@ -131,10 +136,27 @@ def qwen2_vl_image_processor(
 
 
 def clip_image_processor(
-    config: dict[str, Any], hf_config: Any, max_pixels: int | None
+    config: dict[str, Any], hf_config: Any, max_pixels: int | None, model_path: str | Path
 ) -> CLIPImageProcessor:
     """LLaVA: fixed resolution (``max_pixels`` does not apply), ``llava_num_image_tokens``."""
     return CLIPImageProcessor.from_config(config, num_tokens=llava_num_image_tokens(hf_config))
+
+
+def idefics3_image_processor(
+    config: dict[str, Any], hf_config: Any, max_pixels: int | None, model_path: str | Path
+) -> Idefics3ImageProcessor:
+    """Idefics3 / SmolVLM: tiles of ``max_image_size`` (``max_pixels`` does not apply); the
+    expansion's token ids from the checkpoint's ``tokenizer.json``.
+
+    Raises:
+        FileNotFoundError: the checkpoint has no ``tokenizer.json``.
+        ValueError: the tokenizer lacks one of Idefics3's image tokens.
+    """
+    tokenizer_file = Path(model_path) / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise FileNotFoundError(f"Idefics3 needs the checkpoint's {tokenizer_file}.")
+    tokens = Idefics3Tokens.from_tokenizer_file(tokenizer_file)
+    return Idefics3ImageProcessor.from_config(config, tokens, image_seq_len(hf_config))
 
 
 def get_image_processor(
@@ -162,5 +184,5 @@ def get_image_processor(
     if max_pixels is not None and max_pixels <= 0:
         raise ValueError(f"max_pixels must be positive, got {max_pixels}.")
     config = read_image_processor_config(model_path)
-    processor = resolve(family.image_processor)(config, hf_config, max_pixels)
+    processor = resolve(family.image_processor)(config, hf_config, max_pixels, model_path)
     return processor.with_kwargs(mm_processor_kwargs or {})

@@ -12,7 +12,7 @@ from typing import Any
 @dataclass(frozen=True)
 class ModelFamily:
     """``model_class``: a ``models.interface.LanguageModel``; ``image_processor``: None for a
-    text-only model, else ``(settings, hf_config, max_pixels) -> ImageProcessor``."""
+    text-only model, else ``(settings, hf_config, max_pixels, model_path) -> ImageProcessor``."""
 
     architectures: tuple[str, ...]
     model_types: tuple[str, ...]
@@ -42,6 +42,12 @@ FAMILIES = (
         ("llava",),
         "mm_serve.models.llava:LlavaForConditionalGeneration",
         "mm_serve.encoders.processors:clip_image_processor",
+    ),
+    ModelFamily(
+        ("Idefics3ForConditionalGeneration",),
+        ("idefics3",),
+        "mm_serve.models.idefics3:Idefics3ForConditionalGeneration",
+        "mm_serve.encoders.processors:idefics3_image_processor",
     ),
 )
 VLM_MODEL_TYPES = tuple(t for f in FAMILIES if f.image_processor for t in f.model_types)

@@ -64,6 +64,7 @@ class MultiModalFeatureWire(msgspec.Struct, omit_defaults=True):
     frame: int = -1
     pixel_mean: tuple[float, ...] = ()  # uint8 pixels: the normalisation left to the engine
     pixel_std: tuple[float, ...] = ()
+    token_ids: tuple[int, ...] | None = None  # ``ProcessedImage.token_ids``
 
 
 class Sibling(msgspec.Struct, array_like=True):
@@ -252,6 +253,7 @@ def requests_to_wire(requests: Sequence[Request]) -> tuple[AddRequest, list[memo
             wire.dtype = str(pixels.dtype).removeprefix("torch.")
             wire.shape = tuple(pixels.shape)
             wire.pixel_mean, wire.pixel_std = tuple(data.pixel_mean), tuple(data.pixel_std)
+            wire.token_ids = data.token_ids
             wire.frame = len(buffers) + 1
             buffers.append(tensor_to_buffer(pixels))
         features.append(wire)
@@ -296,7 +298,12 @@ def _feature_from_wire(wire: MultiModalFeatureWire, frames: Sequence[Buffer]) ->
             raise ValueError(f"Image {wire.mm_hash!r} refers to missing frame {wire.frame}.")
         pixels = tensor_from_buffer(frames[wire.frame], wire.dtype, wire.shape)
         data = ProcessedImage(
-            pixels, wire.num_tokens, wire.image_grid_thw, wire.pixel_mean, wire.pixel_std
+            pixels,
+            wire.num_tokens,
+            wire.image_grid_thw,
+            wire.pixel_mean,
+            wire.pixel_std,
+            wire.token_ids,
         )
     return MultiModalFeature(wire.mm_hash, PlaceholderRange(wire.offset, wire.length), data)
 

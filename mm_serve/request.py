@@ -68,11 +68,20 @@ def check_image_tokens(
     spell the placeholder without passing an image; the model cannot run that)."""
     if image_token is None:
         return
-    if token_ids.count(image_token) != sum(f.placeholder.length for f in features):
+    if token_ids.count(image_token) != sum(_num_image_tokens(f, image_token) for f in features):
         raise ValueError(
             "The prompt contains image placeholder tokens that no image fills; pass images "
             "as image parts (or multi_modal_data), not as placeholder text."
         )
+
+
+def _num_image_tokens(feature: MultiModalFeature, image_token: int) -> int:
+    """Image tokens in ``feature``'s placeholder: all of it, unless its image has its own
+    ``token_ids`` (Idefics3: tile tags and newlines among them)."""
+    token_ids = getattr(feature.data, "token_ids", None)
+    if token_ids is None:
+        return feature.placeholder.length
+    return token_ids.count(image_token)
 
 
 @dataclass

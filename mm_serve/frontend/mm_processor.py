@@ -77,7 +77,8 @@ class PendingImages:
 
     def result(self) -> tuple[list[int], list[MultiModalFeature]]:
         """Wait for the images; then (token ids with the i-th placeholder replaced by image i's
-        ``num_tokens`` placeholder tokens, one feature per image in prompt order).
+        ``num_tokens`` placeholder tokens, or its ``token_ids`` where it has them, one feature
+        per image in prompt order).
 
         Raises:
             ValueError: an image failed in the pool (undecodable, above ``max_pixels``, ...).
@@ -107,7 +108,10 @@ class PendingImages:
             mm_hash, item = next(images)
             placeholder = PlaceholderRange(offset=len(expanded), length=item.num_tokens)
             features.append(MultiModalFeature(mm_hash, placeholder, data=item))
-            expanded.extend([self.image_token_id] * item.num_tokens)
+            if item.token_ids is None:
+                expanded.extend([self.image_token_id] * item.num_tokens)
+            else:  # the image's own tokens: tile tags, newlines, image tokens (Idefics3)
+                expanded.extend(item.token_ids)
         return expanded, features
 
 

@@ -63,11 +63,14 @@ class PreprocessResult:
     pid: int
     pixel_mean: tuple[float, ...] = ()
     pixel_std: tuple[float, ...] = ()
+    token_ids: tuple[int, ...] | None = None  # ``ProcessedImage.token_ids``
 
     def to_processed_image(self) -> ProcessedImage:
         """The torch form, sharing the array's memory (no copy)."""
         pixels, grid = torch.from_numpy(self.pixel_values), self.image_grid_thw
-        return ProcessedImage(pixels, self.num_tokens, grid, self.pixel_mean, self.pixel_std)
+        return ProcessedImage(
+            pixels, self.num_tokens, grid, self.pixel_mean, self.pixel_std, self.token_ids
+        )
 
 
 def warm_up_image(size: int = 224) -> bytes:
@@ -131,7 +134,13 @@ def _run_job(source: Any, processor: ImageProcessor | None = None) -> Preprocess
     item = (processor or _processor).preprocess(image, defer_normalization=True)
     pixels = item.pixel_values.numpy()
     return PreprocessResult(
-        pixels, item.num_tokens, item.image_grid_thw, os.getpid(), item.pixel_mean, item.pixel_std
+        pixels,
+        item.num_tokens,
+        item.image_grid_thw,
+        os.getpid(),
+        item.pixel_mean,
+        item.pixel_std,
+        item.token_ids,
     )
 
 
