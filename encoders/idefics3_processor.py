@@ -31,6 +31,7 @@ from PIL import Image
 
 from mm_serve.encoders.base import ImageProcessor, ProcessedImage
 from mm_serve.encoders.image_io import Normalization, pil_to_tensor, resize
+from mm_serve.families import config_get
 
 MAX_IMAGE_SIZE = 4096  # transformers' cap on the resized longest edge
 IMAGENET_STANDARD = (0.5, 0.5, 0.5)
@@ -212,6 +213,8 @@ class Idefics3ImageProcessor(ImageProcessor):
 
 
 def image_seq_len(hf_config: Any) -> int:
-    """Image tokens per tile: ``(image_size // patch_size) ** 2 / scale_factor ** 2``."""
-    vision = hf_config.vision_config
-    return int((vision.image_size // vision.patch_size) ** 2 / hf_config.scale_factor**2)
+    """Image tokens per tile: ``(image_size // patch_size) ** 2 / scale_factor ** 2``, of an
+    ``Idefics3Config`` or its dict form."""
+    vision = config_get(hf_config, "vision_config")
+    size = config_get(vision, "image_size") // config_get(vision, "patch_size")
+    return int(size**2 / config_get(hf_config, "scale_factor") ** 2)
