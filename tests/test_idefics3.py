@@ -160,3 +160,43 @@ def test_prefix_cache_hits_repeated_image(path, reference):
         assert first.outputs[0].token_ids == second.outputs[0].token_ids
     finally:
         llm.shutdown()
+
+
+def test_chat_with_image_part(path, reference):
+    """A chat turn with an image part: the chat template's ``<image>`` expanded as HF's
+    processor does, and HF's greedy tokens."""
+    processor, model = reference
+    image = photo("rocket.jpg")
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": image}, {"type": "text", "text": "What?"}],
+        }
+    ]
+    llm = LLM(path)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+        (output,) = llm.chat(messages, params, use_tqdm=False)
+        text = processor.apply_chat_template(messages, add_generation_prompt=True)
+        prompt_ids, ref_tokens, _ = hf_greedy(reference, text, [image])
+        assert output.prompt_token_ids == prompt_ids
+        assert output.outputs[0].token_ids == ref_tokens
+        assert_llm_idle(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_token_ids_cross_the_wire(path):
+    """An image's own prompt tokens travel to the engine core with its pixels."""
+    from mm_serve.messages import InputCodec
+    from mm_serve.request import MultiModalFeature, PlaceholderRange, Request
+
+    item = get_image_processor(path, processor_config(path)).preprocess(generated(100, 60, 0))
+    prompt = [1, 2, *item.token_ids, 3]
+    feature = MultiModalFeature("h", PlaceholderRange(2, item.num_tokens), item)
+    request = Request("r", prompt, SamplingParams(), mm_features=[feature])
+    codec = InputCodec()
+    (decoded,) = codec.decode(codec.encode_request(request))
+    data = decoded.mm_features[0].data
+    assert data.token_ids == item.token_ids and data.num_tokens == item.num_tokens
+    assert torch.equal(data.pixel_values, item.pixel_values)

@@ -256,7 +256,7 @@ class EngineCoreProc:
         Raises:
             ValueError: token ids (prompt or stop) outside the vocabulary, image tokens that no
                 image fills, or an image without pixels or whose placeholder range is outside
-                the prompt or disagrees with its size.
+                the prompt or disagrees with its size (or with its own ``token_ids``).
         """
         token_ids, model = request.prompt_token_ids, self.engine_core.config.model
         vocab_size = model.vocab_size
@@ -274,6 +274,9 @@ class EngineCoreProc:
                     f"Image {feature.mm_hash!r}: no pixels, or a token count that differs from "
                     "its placeholder's length."
                 )
+            own = data.token_ids
+            if own is not None and token_ids[placeholder.offset : placeholder.end] != list(own):
+                raise ValueError(f"Image {feature.mm_hash!r}: the prompt differs from its tokens.")
 
     def _call_utility(self, call: UtilityRequest) -> EngineCoreOutputs:
         """``get_stats`` (the counters and the KV pool) or ``reset`` (``EngineCore.reset``)."""
