@@ -138,6 +138,15 @@ class Idefics3ImageProcessor(ImageProcessor):
     normalization: Normalization = field(default_factory=Normalization)
     do_convert_rgb: bool = True
 
+    def __post_init__(self) -> None:
+        side = self.max_grid_side()
+        if side > len(self.tokens.row_col):
+            raise ValueError(
+                f"size longest_edge {self.longest_edge} makes up to {side} tiles of "
+                f"{self.tile} per side; the tokenizer has <row_r_col_c> tags for "
+                f"{len(self.tokens.row_col)}."
+            )
+
     @classmethod
     def from_config(
         cls, config: Mapping[str, Any], tokens: Idefics3Tokens, image_seq_len: int
@@ -171,13 +180,17 @@ class Idefics3ImageProcessor(ImageProcessor):
     def num_tokens(self, rows: int, cols: int) -> int:
         return len(self.tokens.expansion(rows, cols, self.image_seq_len))
 
-    @property
-    def max_num_tokens(self) -> int:
+    def max_grid_side(self) -> int:
+        """The most tiles per side of any image (1: never split)."""
         if not self.do_image_splitting:
-            return self.num_tokens(0, 0)
+            return 1
         # The short side is made even: an odd longest edge may become one pixel longer.
         bound = self.longest_edge + self.longest_edge % 2 if self.do_resize else MAX_IMAGE_SIZE
-        n = math.ceil(bound / self.tile)
+        return math.ceil(bound / self.tile)
+
+    @property
+    def max_num_tokens(self) -> int:
+        n = self.max_grid_side()
         return self.num_tokens(n, n) if n > 1 else self.num_tokens(0, 0)
 
     def tiles(self, pixels: torch.Tensor) -> tuple[torch.Tensor, int, int]:
