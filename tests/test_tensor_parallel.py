@@ -3,13 +3,16 @@ multiprocess executor's outputs against one rank and against HF."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from safetensors import safe_open
 
-from mm_serve import distributed
+from mm_serve import LLM, SamplingParams, distributed
 from mm_serve.config import EngineArgs, check_tensor_parallel
 from mm_serve.models.loader import load_model, mapped_safetensors, safetensors_files
+from mm_serve.testing.leaks import assert_llm_idle
 
 
 def test_mapped_safetensors_match_safe_open(qwen2_path) -> None:
@@ -61,3 +64,59 @@ def test_sizes_that_do_not_divide_the_model_fail_at_start_up(llama_path) -> None
     config.intermediate_size = 130
     with pytest.raises(ValueError, match="intermediate_size=130"):
         check_tensor_parallel(config, 4)
+
+
+# ---- the multiprocess executor: TP=2 against TP=1 and HF --------------------------------
+
+MAX_NEW_TOKENS = 12
+LOGPROB_TOL = 1e-4
+# Chunked prefill (20 tokens a step), preemption (32 blocks of 4) and prefix caching.
+ENGINE_ARGS = {"device": "cpu", "max_num_batched_tokens": 20, "block_size": 4, "num_kv_blocks": 32}
+
+
+def _prompts(vocab_size: int) -> list[list[int]]:
+    rng = random.Random(5)
+    prefix = [rng.randrange(vocab_size) for _ in range(13)]  # shared: prefix-cache hits
+    lengths = [3, 40, 8, 21, 17, 30]
+    return [prefix + [rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [output.outputs[0] for output in outputs]
+
+
+def _assert_same(tp2: list, tp1: list) -> None:
+    """Same greedy tokens; the same top-5 logprobs within ``LOGPROB_TOL``."""
+    for a, b in zip(tp2, tp1, strict=True):
+        assert a.token_ids == b.token_ids
+        for step_a, step_b in zip(a.logprobs, b.logprobs, strict=True):
+            top_a = sorted(step_a.items(), key=lambda kv: kv[1].rank)[:5]
+            for token_id, logprob in top_a:
+                assert abs(logprob.logprob - step_b[token_id].logprob) < LOGPROB_TOL
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_tp2_matches_tp1_and_hf(family, llama_path, qwen2_path, hf_reference) -> None:
+    """Two CPU ranks (gloo): greedy tokens equal one rank's and HF's, with chunked prefill,
+    preemption and prefix caching; the second batch is served from the prefix cache."""
+    path = {"llama": llama_path, "qwen2": qwen2_path}[family]
+    tp1 = LLM(path, **ENGINE_ARGS)
+    prompts = _prompts(tp1.config.model.vocab_size)
+    expected = _generate(tp1, prompts) + _generate(tp1, prompts[::-1])
+    tp1.shutdown()
+    llm = LLM(path, tensor_parallel_size=2, **ENGINE_ARGS)
+    try:
+        got = _generate(llm, prompts)
+        hits = llm.get_stats().prefix_cache_hits
+        got += _generate(llm, prompts[::-1])
+        stats = llm.get_stats()
+        assert stats.prefix_cache_hits > hits and stats.num_preemptions > 0
+        assert_llm_idle(llm)
+    finally:
+        llm.shutdown()
+    _assert_same(got, expected)
+    reference = hf_reference(path)
+    for prompt, completion in zip(prompts, got, strict=False):
+        assert completion.token_ids == reference.greedy(prompt, MAX_NEW_TOKENS)[0]
