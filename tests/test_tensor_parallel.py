@@ -3,16 +3,23 @@ multiprocess executor's outputs against one rank and against HF."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import time
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from safetensors import safe_open
 
 from mm_serve import LLM, SamplingParams, distributed
 from mm_serve.config import EngineArgs, check_tensor_parallel
+from mm_serve.engine.executor import WorkerDiedError
 from mm_serve.models.loader import load_model, mapped_safetensors, safetensors_files
 from mm_serve.testing.leaks import assert_llm_idle
+from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 
 def test_mapped_safetensors_match_safe_open(qwen2_path) -> None:
@@ -120,3 +127,54 @@ def test_tp2_matches_tp1_and_hf(family, llama_path, qwen2_path, hf_reference) ->
     reference = hf_reference(path)
     for prompt, completion in zip(prompts, got, strict=False):
         assert completion.token_ids == reference.greedy(prompt, MAX_NEW_TOKENS)[0]
+
+
+VLM_PLACEHOLDER = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>"}
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_tp2_vlm_matches_tp1(family, tmp_path) -> None:
+    """The vision tower is replicated on each rank, the LM sharded: the same greedy tokens
+    and top-5 logprobs as one rank (which ``test_vlm_vs_hf`` checks against HF)."""
+    path = build_tiny_vlm_checkpoint(tmp_path, family=family, seed=3)
+    tag = VLM_PLACEHOLDER[family]
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in
+              ((64, 96), (120, 40))]  # fmt: skip
+    prompts = [
+        {"prompt": f"{tag}Describe the image.", "multi_modal_data": {"image": images[:1]}},
+        {"prompt": f"Compare {tag} with {tag}.", "multi_modal_data": {"image": images}},
+        {"prompt": "Only text here.", "multi_modal_data": {"image": []}},
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5)
+    args = {"device": "cpu", "max_model_len": 512, "num_kv_blocks": 128}
+    tp1 = LLM(path, **args)
+    expected = [o.outputs[0] for o in tp1.generate(prompts, params, use_tqdm=False)]
+    tp1.shutdown()
+    llm = LLM(path, tensor_parallel_size=2, **args)
+    try:
+        got = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert_llm_idle(llm)
+    finally:
+        llm.shutdown()
+    _assert_same(got, expected)
+
+
+def test_a_killed_worker_fails_the_engine_fast(llama_path) -> None:
+    """SIGKILL to rank 1: the next step raises ``WorkerDiedError`` within seconds, and no
+    worker process is left."""
+    llm = LLM(llama_path, tensor_parallel_size=2, device="cpu")
+    executor = llm.engine_core.model_runner
+    processes = list(executor._workers.processes)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    try:
+        llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)
+        os.kill(processes[1].pid, signal.SIGKILL)
+        processes[1].join(10)
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="worker 1"):
+            llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, params, use_tqdm=False)
+        assert time.monotonic() - start < 10
+        assert not any(process.is_alive() for process in processes)
+    finally:
+        llm.shutdown()
