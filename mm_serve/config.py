@@ -137,6 +137,37 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
 
 
+def check_tensor_parallel(hf_config: Any, tp_size: int) -> None:
+    """Check that the LM of ``hf_config`` splits over ``tp_size`` ranks, at start-up.
+
+    Attention heads and the MLP's intermediate size are split evenly; KV heads are split, or
+    replicated when the ranks outnumber them (``tp_size`` a multiple of their count). The
+    vocabulary needs no check: each rank holds ``ceil(vocab / tp_size)`` rows, the last one
+    zero-padded (``models/layers/embedding.py``). A vision tower is replicated on each rank.
+
+    Raises:
+        ValueError: ``tp_size`` is below 1, or a count above does not divide as said.
+    """
+    if tp_size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, not {tp_size}.")
+    text = getattr(hf_config, "text_config", None) or hf_config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    problems = []
+    if heads % tp_size:
+        problems.append(f"num_attention_heads={heads}")
+    if kv_heads % tp_size and tp_size % kv_heads:
+        problems.append(f"num_key_value_heads={kv_heads} (nor is the size a multiple of it)")
+    intermediate = getattr(text, "intermediate_size", None)
+    if intermediate is not None and intermediate % tp_size:
+        problems.append(f"intermediate_size={intermediate}")
+    if problems:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} does not divide the model's "
+            f"{', '.join(problems)}; choose a size that divides them."
+        )
+
+
 KERNEL_MODES = ("auto", "triton", "ref")
 KERNELS_ENV = "MM_SERVE_KERNELS"  # the default of --kernel-mode
 
@@ -218,11 +249,10 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the arguments (download, read config.json, pick dtype and lengths) once."""
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet.")
         device = resolve_device(self.device)
         path = resolve_model_path(self.model, self.revision)
         hf_config = load_hf_config(path)
+        check_tensor_parallel(hf_config, self.tensor_parallel_size)
         text_config = getattr(hf_config, "text_config", None) or hf_config
         max_model_len = resolve_max_model_len(text_config, self.max_model_len)
         model = self._config(

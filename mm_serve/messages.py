@@ -240,23 +240,7 @@ def requests_to_wire(requests: Sequence[Request]) -> tuple[AddRequest, list[memo
         ):
             raise ValueError(f"Request {sibling.request_id!r} is no sibling of the first.")
     buffers: list[memoryview] = []
-    features = []
-    for feature in request.mm_features:
-        wire = MultiModalFeatureWire(
-            feature.mm_hash, feature.placeholder.offset, feature.placeholder.length
-        )
-        data = feature.data
-        if data is not None:
-            pixels = data.pixel_values
-            wire.num_tokens = data.num_tokens
-            wire.image_grid_thw = tuple(data.image_grid_thw) if data.image_grid_thw else None
-            wire.dtype = str(pixels.dtype).removeprefix("torch.")
-            wire.shape = tuple(pixels.shape)
-            wire.pixel_mean, wire.pixel_std = tuple(data.pixel_mean), tuple(data.pixel_std)
-            wire.token_ids = data.token_ids
-            wire.frame = len(buffers) + 1
-            buffers.append(tensor_to_buffer(pixels))
-        features.append(wire)
+    features = [feature_to_wire(feature, buffers) for feature in request.mm_features]
     message = AddRequest(
         request_id=request.request_id,
         prompt_token_ids=list(request.prompt_token_ids),
@@ -270,6 +254,26 @@ def requests_to_wire(requests: Sequence[Request]) -> tuple[AddRequest, list[memo
     return message, buffers
 
 
+def feature_to_wire(feature: MultiModalFeature, buffers: list[memoryview]) -> MultiModalFeatureWire:
+    """One image's message; its pixel tensor is appended to ``buffers``, the frames that follow
+    the message body (frame ``len(buffers)`` after the append: frame 0 is the body)."""
+    wire = MultiModalFeatureWire(
+        feature.mm_hash, feature.placeholder.offset, feature.placeholder.length
+    )
+    data = feature.data
+    if data is not None:
+        pixels = data.pixel_values
+        wire.num_tokens = data.num_tokens
+        wire.image_grid_thw = tuple(data.image_grid_thw) if data.image_grid_thw else None
+        wire.dtype = str(pixels.dtype).removeprefix("torch.")
+        wire.shape = tuple(pixels.shape)
+        wire.pixel_mean, wire.pixel_std = tuple(data.pixel_mean), tuple(data.pixel_std)
+        wire.token_ids = data.token_ids
+        wire.frame = len(buffers) + 1
+        buffers.append(tensor_to_buffer(pixels))
+    return wire
+
+
 def requests_from_wire(message: AddRequest, frames: Sequence[Buffer]) -> list[Request]:
     """The engine ``Request``s of an ``AddRequest`` (the first, then its siblings, sharing
     the prompt and the image tensors) whose tensor frames are ``frames``.
@@ -278,7 +282,7 @@ def requests_from_wire(message: AddRequest, frames: Sequence[Buffer]) -> list[Re
         RequestDecodeError: on a missing or malformed tensor frame or an invalid request.
     """
     try:
-        features = [_feature_from_wire(f, frames) for f in message.mm_features]
+        features = [feature_from_wire(f, frames) for f in message.mm_features]
         children = [(message.request_id, message.sampling_params)]
         children += [(s.request_id, s.sampling_params) for s in message.siblings]
         shared = {"mm_features": features, "cache_salt": message.cache_salt}
@@ -291,7 +295,9 @@ def requests_from_wire(message: AddRequest, frames: Sequence[Buffer]) -> list[Re
         raise RequestDecodeError(message.request_ids, str(e)) from e
 
 
-def _feature_from_wire(wire: MultiModalFeatureWire, frames: Sequence[Buffer]) -> MultiModalFeature:
+def feature_from_wire(wire: MultiModalFeatureWire, frames: Sequence[Buffer]) -> MultiModalFeature:
+    """The image of ``wire``, its pixels a view of ``frames[wire.frame]`` (ValueError when that
+    frame is missing or malformed)."""
     data = None
     if wire.frame >= 0:
         if not 1 <= wire.frame < len(frames):

@@ -304,7 +304,7 @@ def test_startup_error_is_raised_and_leaves_nothing(vlm_path):
     before = set(glob.glob(pattern))
     children = set(multiprocessing.active_children())
     config = EngineArgs(model=vlm_path).create_engine_config()
-    config = dataclasses.replace(config, parallel=ParallelConfig(tensor_parallel_size=2))
+    config = dataclasses.replace(config, parallel=ParallelConfig(tensor_parallel_size=3))
     with pytest.raises(EngineStartupError, match="tensor_parallel_size"):
         EngineCoreClient(config)
     assert set(glob.glob(pattern)) <= before

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from mm_serve.config import EngineConfig
+from mm_serve.config import EngineConfig, check_tensor_parallel
 from mm_serve.engine.step_timeline import install_from_env
 from mm_serve.outputs import EngineCoreOutput
 from mm_serve.request import Request, RequestStatus
@@ -26,16 +26,26 @@ class EngineCore:
     before it reads the previous one's tokens, so scheduling and input preparation on the host
     overlap the device's work; each ``step()`` then returns the outputs of the step before.
 
+    With ``tensor_parallel_size > 1``, ``model_runner`` is a ``MultiprocExecutor`` (same
+    methods): one worker process per rank, each with its shard and its own ``ModelRunner``.
+
     Raises (from the constructor):
-        ValueError: ``config.parallel.tensor_parallel_size`` is not 1 (one device for now).
+        ValueError: the model does not split over ``config.parallel.tensor_parallel_size``
+            ranks (``config.check_tensor_parallel``).
+        WorkerDiedError: a tensor-parallel worker failed (also from ``step()``).
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        if config.parallel.tensor_parallel_size != 1:  # a config built by hand may ask for it
-            raise ValueError("tensor_parallel_size > 1 is not supported yet.")
+        tp_size = config.parallel.tensor_parallel_size
+        check_tensor_parallel(config.model.hf_config, tp_size)  # a config built by hand
         self.config = config
-        self.model_runner = ModelRunner(config)
-        self.model_runner.load_model()
+        if tp_size == 1:
+            self.model_runner = ModelRunner(config)
+            self.model_runner.load_model()
+        else:  # ZeroMQ and the workers only when used
+            from mm_serve.engine.executor import MultiprocExecutor
+
+            self.model_runner = MultiprocExecutor(config)  # the workers load their shards
         self.num_kv_blocks = self.model_runner.determine_num_kv_blocks()
         self.model_runner.initialize_kv_cache(self.num_kv_blocks)
         self.model_runner.capture_cuda_graphs()  # a no-op on CPU / enforce_eager
@@ -105,6 +115,11 @@ class EngineCore:
             self.structured_output.accept_tokens(previous[1].get(), requests)
         return self.structured_output.grammar_bitmask(scheduler_output, requests)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to stop with one rank); idempotent."""
+        if self.config.parallel.tensor_parallel_size > 1:
+            self.model_runner.shutdown()
+
     def reset(self) -> None:
         """Forget what finished requests left behind, as after start-up: the prefix cache's
         block hashes, the encoder cache's entries and the scheduler's counters (after the
@@ -121,7 +136,7 @@ class EngineCore:
             self.scheduler.update_from_output(scheduler_output, pending.get())
         # An empty step hands the runner the finished requests, whose states it then drops.
         self.model_runner.execute_model(self.scheduler.schedule())
-        self.model_runner.encoder_cache.clear()
+        self.model_runner.reset_encoder_cache()
         self.scheduler = self._make_scheduler()
         self.iteration_tokens = IterationTokens()
 

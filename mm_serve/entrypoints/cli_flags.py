@@ -62,7 +62,7 @@ _ENGINE_ARG_HELP = {
     "max_num_batched_tokens": "Token budget of one engine step; longer prompts are chunked.",
     "max_num_seqs": "Most requests in one engine step.",
     "enable_chunked_prefill": "Split long prompts over several steps.",
-    "tensor_parallel_size": "GPUs per model (only 1 for now).",
+    "tensor_parallel_size": "Tensor-parallel ranks (GPUs) per model, one worker process each.",
     "device": "auto, cpu or cuda.",
     "max_pixels": "Largest input image accepted, in pixels (width x height); larger: 400.",
     "processor_max_pixels": "Override of the image processor's resize target, in pixels.",

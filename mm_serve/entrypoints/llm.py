@@ -82,6 +82,7 @@ class LLM(FrontEnd):
             self.engine_core = RemoteEngineCore(self.config, client)
         else:
             self.engine_core = EngineCore(self.config)
+            self._finalizers.append(weakref.finalize(self, self.engine_core.shutdown))
         self._request_counter = itertools.count()
         if self.config.device.type == "cuda":
             self._warm_up()

@@ -14,11 +14,19 @@ from mm_serve.config import EngineConfig
 logger = logging.getLogger(__name__)
 
 
+def kv_heads_per_rank(config: EngineConfig) -> int:
+    """The KV heads one tensor-parallel rank holds: its share, or one replicated head when
+    the ranks outnumber them (``QKVParallelLinear``)."""
+    return max(1, config.model.num_kv_heads // config.parallel.tensor_parallel_size)
+
+
 def kv_block_bytes(config: EngineConfig) -> int:
-    """Bytes of one KV block over all layers: 2 (K, V) x layers x block x kv heads x head dim."""
+    """Bytes of one KV block over all layers, on one rank: 2 (K, V) x layers x block x the
+    rank's kv heads x head dim."""
     model = config.model
     element_size = torch.empty((), dtype=model.dtype).element_size()
-    per_layer = 2 * config.cache.block_size * model.num_kv_heads * model.head_dim * element_size
+    kv_heads = kv_heads_per_rank(config)
+    per_layer = 2 * config.cache.block_size * kv_heads * model.head_dim * element_size
     return per_layer * model.num_layers
 
 
@@ -83,14 +91,15 @@ def available_memory_bytes() -> int:
 
 
 def allocate_kv_caches(config: EngineConfig, num_blocks: int) -> list[torch.Tensor]:
-    """One zeroed ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer.
+    """One zeroed ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer
+    (``num_kv_heads`` of this rank).
 
     On CPU the memory is an anonymous mapping, which the kernel hands out zeroed one page at
     a time as blocks are first written: the process's resident memory grows with the blocks
     used, up to the pool's size, rather than all at start-up.
     """
     model = config.model
-    shape = (2, num_blocks, config.cache.block_size, model.num_kv_heads, model.head_dim)
+    shape = (2, num_blocks, config.cache.block_size, kv_heads_per_rank(config), model.head_dim)
     if config.device.type == "cpu":
         return [_zeros_on_demand(shape, model.dtype) for _ in range(model.num_layers)]
     device, dtype = config.device, model.dtype

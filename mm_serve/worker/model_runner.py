@@ -64,10 +64,12 @@ class StepInputs:
 
 
 class ModelRunner:
-    """Owns the model, the KV cache tensors and the persistent input batch of one device."""
+    """Owns the model, the KV cache tensors and the persistent input batch of one device;
+    ``rank``: its tensor-parallel rank (of ``config.parallel.tensor_parallel_size``)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         self.config = config
+        self.rank = rank
         self.device = config.device
         self.block_size = config.cache.block_size
         self.max_model_len = config.model.max_model_len
@@ -97,7 +99,7 @@ class ModelRunner:
     def load_model(self) -> None:
         # This process's worker state, before the model is built: its tensor-parallel rank
         # (one device: rank 0 of 1) and the kernels' mode and PDL.
-        init_tensor_parallel(0, self.config.parallel.tensor_parallel_size)
+        init_tensor_parallel(self.rank, self.config.parallel.tensor_parallel_size)
         configure_kernels(self.config.kernels)
         model_config = self.config.model
         logger.info(
@@ -123,6 +125,10 @@ class ModelRunner:
         self.cuda_graphs, self.mixed_graphs = capture_graphs(
             self.model, self.lm_forward, self.config
         )
+
+    def reset_encoder_cache(self) -> None:
+        """Drop every image embedding (``EngineCore.reset``)."""
+        self.encoder_cache.clear()
 
     # ---- one step ------------------------------------------------------------------------
 

@@ -1,0 +1,138 @@
+"""A tensor-parallel worker process: one rank's model shard, KV cache and request state.
+
+Started by ``engine.executor.MultiprocExecutor`` (spawn), one per rank. It joins the
+``torch.distributed`` group (gloo on CPU, NCCL on CUDA), sets its TP rank, builds its own
+``ModelRunner`` and loads its shard of the weights. Then it replays every step the engine core
+sends: all ranks run the same forward pass (the layers all-reduce and all-gather between
+them) and sample the same tokens (the logits are gathered whole on every rank; the RNG is
+seeded alike), so each rank's request state stays the same; only rank 0 returns the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import traceback
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+import zmq
+
+from mm_serve.config import EngineConfig
+from mm_serve.worker.model_runner import ModelRunner
+from mm_serve.worker.worker_messages import (
+    ExecuteModel,
+    StepResult,
+    WorkerCall,
+    WorkerFailed,
+    WorkerResult,
+    decode_step,
+    decode_to_worker,
+)
+
+logger = logging.getLogger(__name__)
+
+PARENT_CHECK_INTERVAL_MS = 200  # a worker notices a dead engine core within this
+CALLS = ("determine_num_kv_blocks", "initialize_kv_cache", "capture_cuda_graphs",
+         "reset_encoder_cache")  # fmt: skip
+
+
+def init_worker_distributed(config: EngineConfig, rank: int, init_method: str) -> EngineConfig:
+    """Join the TP group as ``rank`` and return the config with this rank's device
+    (``cuda:rank`` on CUDA; the CPU is shared). Gloo on CPU, NCCL on CUDA."""
+    size = config.parallel.tensor_parallel_size
+    if config.device.type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        config = dataclasses.replace(config, device=device)
+        backend = "nccl"
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        backend = "gloo"
+    dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank)
+    return config
+
+
+def run_worker(
+    config: EngineConfig,
+    rank: int,
+    init_method: str,
+    input_address: str,
+    output_address: str,
+    parent_pid: int,
+) -> None:
+    """Entry point of the worker process of ``rank``: connect to the core's sockets, load the
+    shard, answer ``WorkerResult`` (loaded), then serve until told to shut down or until the
+    core is gone. A fatal error is sent as ``WorkerFailed`` and the process exits with 1."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when to stop
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    ctx = zmq.Context()
+    inputs, outputs = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inputs.connect(input_address)
+    outputs.connect(output_address)
+    try:
+        config = init_worker_distributed(config, rank, init_method)
+        runner = ModelRunner(config, rank=rank)
+        runner.load_model()
+        outputs.send(msgspec.msgpack.encode(WorkerResult(rank)))
+        serve(runner, rank, inputs, outputs, parent_pid)
+    except Exception:
+        error = traceback.format_exc()
+        logger.error("Tensor-parallel worker %d failed:\n%s", rank, error)
+        outputs.send(msgspec.msgpack.encode(WorkerFailed(rank, error)))
+        outputs.close(linger=2000)
+        sys.exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    inputs.close(linger=0)
+    outputs.close(linger=2000)
+
+
+def serve(
+    runner: ModelRunner, rank: int, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int
+) -> None:
+    """Run the core's messages in order until ``WorkerCall("shutdown")``; exit at once if the
+    core process is gone (nobody would read the outputs)."""
+    while True:
+        if not inputs.poll(PARENT_CHECK_INTERVAL_MS, zmq.POLLIN):
+            if os.getppid() != parent_pid:
+                logger.warning("The engine core is gone; TP worker %d exits.", rank)
+                os._exit(1)
+            continue
+        frames = inputs.recv_multipart(copy=False)
+        message = decode_to_worker(frames[0])
+        if isinstance(message, ExecuteModel):
+            output = execute(runner, message, frames)
+            if rank == 0:
+                outputs.send(msgspec.msgpack.encode(StepResult(output)))
+        elif message.method == "shutdown":
+            return
+        else:
+            outputs.send(msgspec.msgpack.encode(call(runner, rank, message)))
+
+
+def execute(runner: ModelRunner, message: ExecuteModel, frames: list[Any]):
+    """One step on this rank; every rank waits for its sampled tokens, which its request
+    states record (``ModelRunner._record_tokens``) before the next step."""
+    scheduler_output, bitmask = decode_step(message, frames)
+    pending = runner.execute_model(scheduler_output, None if bitmask is None else lambda: bitmask)
+    return pending.get()
+
+
+def call(runner: ModelRunner, rank: int, message: WorkerCall) -> WorkerResult:
+    """Run one of ``CALLS`` (ValueError for another name); the answer carries its int result."""
+    if message.method not in CALLS:
+        raise ValueError(f"Unknown worker call {message.method!r}.")
+    method = getattr(runner, message.method)
+    value = method(message.arg) if message.method == "initialize_kv_cache" else method()
+    return WorkerResult(rank, value if isinstance(value, int) else None)
+
+
+def _raise_system_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)

@@ -1,0 +1,190 @@
+"""Tensor parallelism on the CPU (gloo): sharded loading, start-up checks, and the
+multiprocess executor's outputs against one rank and against HF."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors import safe_open
+
+from mm_serve import LLM, SamplingParams, distributed
+from mm_serve.config import EngineArgs, check_tensor_parallel
+from mm_serve.engine.executor import WorkerDiedError
+from mm_serve.models.loader import load_model, mapped_safetensors, safetensors_files
+from mm_serve.testing.leaks import assert_llm_idle
+from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+
+
+def test_mapped_safetensors_match_safe_open(qwen2_path) -> None:
+    (file,) = safetensors_files(qwen2_path)
+    mapped = dict(mapped_safetensors(file))
+    with safe_open(file, framework="pt") as f:
+        assert sorted(mapped) == sorted(f.keys())
+        for name, tensor in mapped.items():
+            assert torch.equal(tensor, f.get_tensor(name)), name
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_rank_loads_its_shard(family, rank, llama_path, qwen2_path, monkeypatch) -> None:
+    """Rank ``rank`` of 2, built without a process group, holds its slice of each tensor."""
+    path = {"llama": llama_path, "qwen2": qwen2_path}[family]
+    monkeypatch.setattr(distributed, "_TP", distributed.TensorParallelState(rank, 2))
+    config = EngineArgs(model=path, device="cpu").create_engine_config().model
+    model = load_model(config, "cpu")
+    with safe_open(safetensors_files(path)[0], framework="pt") as f:
+        full = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    layer = model.model.layers[0]
+    prefix = "model.layers.0."
+    q, k = full[prefix + "self_attn.q_proj.weight"], full[prefix + "self_attn.k_proj.weight"]
+    qkv = layer.self_attn.qkv_proj
+    q_rows, kv_rows = qkv.q_size, qkv.kv_size
+    assert torch.equal(qkv.weight[:q_rows], q[rank * q_rows : (rank + 1) * q_rows])
+    assert torch.equal(
+        qkv.weight[q_rows : q_rows + kv_rows], k[rank * kv_rows : (rank + 1) * kv_rows]
+    )
+    down = full[prefix + "mlp.down_proj.weight"]
+    cols = down.shape[1] // 2
+    assert torch.equal(layer.mlp.down_proj.weight, down[:, rank * cols : (rank + 1) * cols])
+    embed = full["model.embed_tokens.weight"]
+    shard = model.model.embed_tokens
+    part = embed[shard.vocab_start : shard.vocab_end]
+    assert torch.equal(shard.weight[: len(part)], part)
+    assert shard.weight.shape[0] == -(-embed.shape[0] // 2)
+
+
+def test_sizes_that_do_not_divide_the_model_fail_at_start_up(llama_path) -> None:
+    """The tiny Llama: 4 heads, 2 KV heads, intermediate 128."""
+    with pytest.raises(ValueError, match="num_attention_heads=4"):
+        EngineArgs(model=llama_path, device="cpu", tensor_parallel_size=3).create_engine_config()
+    with pytest.raises(ValueError, match="at least 1"):
+        EngineArgs(model=llama_path, device="cpu", tensor_parallel_size=0).create_engine_config()
+    config = EngineArgs(model=llama_path, device="cpu").create_engine_config().model.hf_config
+    check_tensor_parallel(config, 4)  # 2 KV heads, each replicated on 2 ranks
+    config.intermediate_size = 130
+    with pytest.raises(ValueError, match="intermediate_size=130"):
+        check_tensor_parallel(config, 4)
+
+
+# ---- the multiprocess executor: TP=2 against TP=1 and HF --------------------------------
+
+MAX_NEW_TOKENS = 12
+LOGPROB_TOL = 1e-4
+# Chunked prefill (20 tokens a step), preemption (32 blocks of 4) and prefix caching.
+ENGINE_ARGS = {"device": "cpu", "max_num_batched_tokens": 20, "block_size": 4, "num_kv_blocks": 32}
+
+
+def _prompts(vocab_size: int) -> list[list[int]]:
+    rng = random.Random(5)
+    prefix = [rng.randrange(vocab_size) for _ in range(13)]  # shared: prefix-cache hits
+    lengths = [3, 40, 8, 21, 17, 30]
+    return [prefix + [rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [output.outputs[0] for output in outputs]
+
+
+def _assert_same(tp2: list, tp1: list) -> None:
+    """Same greedy tokens; the same top-5 logprobs within ``LOGPROB_TOL``."""
+    for a, b in zip(tp2, tp1, strict=True):
+        assert a.token_ids == b.token_ids
+        for step_a, step_b in zip(a.logprobs, b.logprobs, strict=True):
+            top_a = sorted(step_a.items(), key=lambda kv: kv[1].rank)[:5]
+            for token_id, logprob in top_a:
+                assert abs(logprob.logprob - step_b[token_id].logprob) < LOGPROB_TOL
+
+
+# (family, how the engine runs): in this process; or in the engine core process (the served
+# API's), with async scheduling (the next step sent before the last one's tokens are read).
+MODES = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "llama-engine-process-async": ("llama", {"multiprocess": True, "async_scheduling": True}),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tp2_matches_tp1_and_hf(mode, llama_path, qwen2_path, hf_reference) -> None:
+    """Two CPU ranks (gloo): greedy tokens equal one rank's and HF's, with chunked prefill,
+    preemption and prefix caching; the second batch is served from the prefix cache."""
+    family, extra = MODES[mode]
+    path = {"llama": llama_path, "qwen2": qwen2_path}[family]
+    tp1 = LLM(path, **ENGINE_ARGS)
+    prompts = _prompts(tp1.config.model.vocab_size)
+    expected = _generate(tp1, prompts) + _generate(tp1, prompts[::-1])
+    tp1.shutdown()
+    llm = LLM(path, tensor_parallel_size=2, **ENGINE_ARGS, **extra)
+    try:
+        got = _generate(llm, prompts)
+        hits = llm.get_stats().prefix_cache_hits
+        got += _generate(llm, prompts[::-1])
+        stats = llm.get_stats()
+        assert stats.prefix_cache_hits > hits and stats.num_preemptions > 0
+        assert_llm_idle(llm)
+    finally:
+        llm.shutdown()
+    _assert_same(got, expected)
+    reference = hf_reference(path)
+    for prompt, completion in zip(prompts, got, strict=False):
+        assert completion.token_ids == reference.greedy(prompt, MAX_NEW_TOKENS)[0]
+
+
+VLM_PLACEHOLDER = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>"}
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_tp2_vlm_matches_tp1(family, tmp_path) -> None:
+    """The vision tower is replicated on each rank, the LM sharded: the same greedy tokens
+    and top-5 logprobs as one rank (which ``test_vlm_vs_hf`` checks against HF)."""
+    path = build_tiny_vlm_checkpoint(tmp_path, family=family, seed=3)
+    tag = VLM_PLACEHOLDER[family]
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in
+              ((64, 96), (120, 40))]  # fmt: skip
+    prompts = [
+        {"prompt": f"{tag}Describe the image.", "multi_modal_data": {"image": images[:1]}},
+        {"prompt": f"Compare {tag} with {tag}.", "multi_modal_data": {"image": images}},
+        {"prompt": "Only text here.", "multi_modal_data": {"image": []}},
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5)
+    args = {"device": "cpu", "max_model_len": 512, "num_kv_blocks": 128}
+    tp1 = LLM(path, **args)
+    expected = [o.outputs[0] for o in tp1.generate(prompts, params, use_tqdm=False)]
+    tp1.shutdown()
+    llm = LLM(path, tensor_parallel_size=2, **args)
+    try:
+        got = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert_llm_idle(llm)
+    finally:
+        llm.shutdown()
+    _assert_same(got, expected)
+
+
+def test_a_killed_worker_fails_the_engine_fast(llama_path) -> None:
+    """SIGKILL to rank 1: the next step raises ``WorkerDiedError`` within seconds, and no
+    worker process is left."""
+    llm = LLM(llama_path, tensor_parallel_size=2, device="cpu")
+    executor = llm.engine_core.model_runner
+    processes = list(executor._workers.processes)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    try:
+        llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)
+        os.kill(processes[1].pid, signal.SIGKILL)
+        processes[1].join(10)
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="worker 1"):
+            llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, params, use_tqdm=False)
+        assert time.monotonic() - start < 10
+        assert not any(process.is_alive() for process in processes)
+    finally:
+        llm.shutdown()
