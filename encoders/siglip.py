@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mm_serve.encoders.clip import CLIPEncoderLayer
+from mm_serve.encoders.clip import CLIPEncoder
 
 
 def bucketed_position_ids(num_patches: int, num_patches_per_side: int) -> torch.Tensor:
@@ -59,14 +59,6 @@ class SiglipVisionEmbeddings(nn.Module):
         return patches + self.position_embedding(ids.to(weight.device))
 
 
-class SiglipEncoder(nn.Module):
-    def __init__(self, config) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(
-            [CLIPEncoderLayer(config) for _ in range(config.num_hidden_layers)]
-        )
-
-
 class SiglipVisionTransformer(nn.Module):
     """``forward(pixel_values [N, 3, S, S]) -> [N, (S / patch)**2, hidden]``: every layer,
     then ``post_layernorm`` (Idefics3 takes the last hidden state)."""
@@ -74,7 +66,7 @@ class SiglipVisionTransformer(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.embeddings = SiglipVisionEmbeddings(config)
-        self.encoder = SiglipEncoder(config)
+        self.encoder = CLIPEncoder(config)  # SigLIP's layers are CLIP's
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:

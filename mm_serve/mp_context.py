@@ -19,6 +19,9 @@ import threading
 from multiprocessing import context, spawn
 from typing import Any
 
+# How often a child process (engine core, TP worker) checks that its parent is still there.
+PARENT_CHECK_INTERVAL_MS = 200
+
 _MAIN_KEYS = ("init_main_from_name", "init_main_from_path")
 _launching = threading.local()  # .active: this thread is starting one of our processes
 _install_lock = threading.Lock()

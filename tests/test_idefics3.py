@@ -19,6 +19,7 @@ from PIL import Image
 
 from mm_serve import LLM, SamplingParams
 from mm_serve.encoders.processors import get_image_processor
+from mm_serve.testing.hf_reference import hf_greedy_generate
 from mm_serve.testing.leaks import assert_llm_idle
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 
@@ -67,21 +68,11 @@ def reference(path):
     return processor, model
 
 
-@torch.inference_mode()
 def hf_greedy(reference, text: str, images: list[Image.Image]):
     """(prompt ids, greedy ids, per-step log-softmax ``[steps, vocab]``) of HF."""
     processor, model = reference
     inputs = processor(text=[text], images=[images] if images else None, return_tensors="pt")
-    out = model.generate(
-        **inputs,
-        max_new_tokens=MAX_NEW_TOKENS,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    prompt_ids = inputs["input_ids"][0].tolist()
-    logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
-    return prompt_ids, out.sequences[0, len(prompt_ids) :].tolist(), logprobs
+    return hf_greedy_generate(model, inputs, MAX_NEW_TOKENS)
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ import torch
 from PIL import Image
 
 from mm_serve import LLM, SamplingParams
+from mm_serve.testing.hf_reference import hf_greedy_generate
 from mm_serve.testing.leaks import assert_llm_idle
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 
@@ -110,18 +111,8 @@ class HFVisionReference:
         )
         return self.generate(inputs)
 
-    @torch.inference_mode()
     def generate(self, inputs):
-        out = self.model.generate(
-            **inputs,
-            max_new_tokens=MAX_NEW_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        prompt_ids = inputs["input_ids"][0].tolist()
-        logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
-        return prompt_ids, out.sequences[0, len(prompt_ids) :].tolist(), logprobs
+        return hf_greedy_generate(self.model, inputs, MAX_NEW_TOKENS)
 
 
 def assert_no_kv_leak(llm: LLM) -> None:

@@ -45,11 +45,11 @@ from mm_serve.messages import (
     UtilityRequest,
     output_to_wire,
 )
+from mm_serve.mp_context import PARENT_CHECK_INTERVAL_MS
 from mm_serve.request import Request, check_image_tokens
 
 logger = logging.getLogger(__name__)
 
-PARENT_CHECK_INTERVAL_MS = 200  # the input thread notices a dead parent within this
 _SHUTDOWN = object()  # input/output queue marker: stop the loop / the output thread
 
 

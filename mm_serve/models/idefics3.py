@@ -28,14 +28,9 @@ from mm_serve.models.vlm import VisionLanguageModelBase
 
 
 class Idefics3ForConditionalGeneration(VisionLanguageModelBase):
-    """Idefics3: ``vision_model`` + ``connector`` + the Llama LM (1-D RoPE).
+    """Idefics3: ``vision_model`` + ``connector`` + the Llama LM (1-D RoPE); ``config`` is
+    the HF ``Idefics3Config``."""
 
-    ``config`` is the HF ``Idefics3Config``. Inherits the LM interface (``get_input_embeddings``,
-    ``forward`` with positions ``[T]``, ``compute_logits``, ``attention_layers``,
-    ``bind_kv_cache``).
-    """
-
-    uses_mrope = False
     PREFIXES = (
         ("model.vision_model.", "vision_model."),
         ("model.connector.", "connector."),

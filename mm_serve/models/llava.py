@@ -24,14 +24,9 @@ from mm_serve.models.vlm import VisionLanguageModelBase
 
 
 class LlavaForConditionalGeneration(VisionLanguageModelBase):
-    """LLaVA: ``vision_tower`` + ``multi_modal_projector`` + the Llama LM (1-D RoPE).
+    """LLaVA: ``vision_tower`` + ``multi_modal_projector`` + the Llama LM (1-D RoPE); ``config``
+    is the HF ``LlavaConfig``."""
 
-    ``config`` is the HF ``LlavaConfig``. Inherits the LM interface (``get_input_embeddings``,
-    ``forward`` with positions ``[T]``, ``compute_logits``, ``attention_layers``,
-    ``bind_kv_cache``).
-    """
-
-    uses_mrope = False
     PREFIXES = (
         ("model.vision_tower.", "vision_tower."),
         ("model.multi_modal_projector.", "multi_modal_projector."),

@@ -43,9 +43,12 @@ def load_tower_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> str 
 
 
 class VisionLanguageModelBase(LlamaForCausalLM):
-    """A ``VisionLanguageModel`` (``models.interface``) of the HF VLM ``config``. Subclasses
-    add ``embed_images`` and set ``PREFIXES`` (checkpoint name prefix -> ours, first match
-    wins); ``load_tower_tensor`` loads our names outside the LM's (``model.``, ``lm_head.``)."""
+    """A ``VisionLanguageModel`` (``models.interface``) of the HF VLM ``config``, with the LM
+    interface of ``LlamaForCausalLM`` (``get_input_embeddings``, ``forward`` with positions
+    ``[T]`` unless ``uses_mrope``, ``compute_logits``, ``attention_layers``, ``bind_kv_cache``).
+    Subclasses add ``embed_images`` and set ``PREFIXES`` (checkpoint name prefix -> ours, first
+    match wins); ``load_tower_tensor`` loads our names outside the LM's (``model.``,
+    ``lm_head.``)."""
 
     PREFIXES: tuple[tuple[str, str], ...] = ()
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import zmq
 
 from mm_serve.config import EngineConfig
+from mm_serve.mp_context import PARENT_CHECK_INTERVAL_MS
 from mm_serve.worker.model_runner import ModelRunner
 from mm_serve.worker.worker_messages import (
     ExecuteModel,
@@ -37,7 +38,6 @@ from mm_serve.worker.worker_messages import (
 
 logger = logging.getLogger(__name__)
 
-PARENT_CHECK_INTERVAL_MS = 200  # a worker notices a dead engine core within this
 CALLS = ("determine_num_kv_blocks", "initialize_kv_cache", "capture_cuda_graphs",
          "reset_encoder_cache")  # fmt: skip
 

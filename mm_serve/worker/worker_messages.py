@@ -9,6 +9,7 @@ only, one per step, in order) or ``WorkerFailed``. Nothing is pickled.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import msgspec
@@ -111,17 +112,14 @@ def encode_step(scheduler_output: SchedulerOutput, bitmask: GrammarBitmask | Non
         buffers.append(tensor_to_buffer(bitmask.bitmask))
         shape = tuple(bitmask.bitmask.shape)
         grammar = GrammarBitmaskWire(bitmask.req_ids, bitmask.num_tokens, shape, len(buffers))
-    message = ExecuteModel(
-        scheduled_new_reqs=new_reqs,
-        scheduled_cached_reqs=scheduler_output.scheduled_cached_reqs,
-        num_scheduled_tokens=scheduler_output.num_scheduled_tokens,
-        total_num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
-        finished_req_ids=sorted(scheduler_output.finished_req_ids),
-        scheduled_encoder_inputs=scheduler_output.scheduled_encoder_inputs,
-        free_encoder_mm_hashes=scheduler_output.free_encoder_mm_hashes,
-        structured_output_request_ids=scheduler_output.structured_output_request_ids,
-        grammar_bitmask=grammar,
-    )
+    fields = {
+        f.name: getattr(scheduler_output, f.name) for f in dataclasses.fields(SchedulerOutput)
+    }
+    fields |= {
+        "scheduled_new_reqs": new_reqs,
+        "finished_req_ids": sorted(fields["finished_req_ids"]),
+    }
+    message = ExecuteModel(**fields, grammar_bitmask=grammar)
     return [msgspec.msgpack.encode(message), *buffers]
 
 
@@ -140,16 +138,10 @@ def decode_step(
     if grammar is not None:
         tensor = tensor_from_buffer(frames[grammar.frame], "int32", grammar.shape)
         bitmask = GrammarBitmask(grammar.req_ids, tensor, grammar.num_tokens)
-    scheduler_output = SchedulerOutput(
-        scheduled_new_reqs=new_reqs,
-        scheduled_cached_reqs=message.scheduled_cached_reqs,
-        num_scheduled_tokens=message.num_scheduled_tokens,
-        total_num_scheduled_tokens=message.total_num_scheduled_tokens,
-        finished_req_ids=set(message.finished_req_ids),
-        scheduled_encoder_inputs=message.scheduled_encoder_inputs,
-        free_encoder_mm_hashes=message.free_encoder_mm_hashes,
-        structured_output_request_ids=message.structured_output_request_ids,
-    )
+    fields = msgspec.structs.asdict(message)
+    del fields["grammar_bitmask"]
+    fields |= {"scheduled_new_reqs": new_reqs, "finished_req_ids": set(fields["finished_req_ids"])}
+    scheduler_output = SchedulerOutput(**fields)
     return scheduler_output, bitmask
 
 
