@@ -7,7 +7,9 @@ import os
 import random
 import signal
 import time
+from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -19,6 +21,7 @@ from mm_serve.config import EngineArgs, check_tensor_parallel
 from mm_serve.engine.executor import WorkerDiedError
 from mm_serve.models.loader import load_model, mapped_safetensors, safetensors_files
 from mm_serve.testing.leaks import assert_llm_idle
+from mm_serve.testing.server import RemoteServer, assert_group_gone, image_question, noise_png_url
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 
@@ -188,3 +191,37 @@ def test_a_killed_worker_fails_the_engine_fast(llama_path) -> None:
         assert not any(process.is_alive() for process in processes)
     finally:
         llm.shutdown()
+
+
+def test_served_tp2_answers_as_tp1_and_dies_with_a_worker(vlm_path, vlm_llm) -> None:
+    """``mm-serve serve --tensor-parallel-size 2``: a greedy chat answer about an image equals
+    the offline one-rank engine's; after SIGKILL to a worker the next request gets a 503, the
+    server exits with code 1 and leaves no process behind."""
+    messages = image_question(noise_png_url(3, 60, 90))
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    (expected,) = vlm_llm.chat(messages, params, use_tqdm=False)
+    server = RemoteServer(
+        vlm_path, ["--tensor-parallel-size", "2", "--max-model-len", "512", "--num-kv-blocks", "64"]
+    )
+    try:
+        body = {"model": vlm_path, "messages": messages, "temperature": 0, "max_tokens": 8}
+        reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+        assert reply.json()["choices"][0]["message"]["content"] == expected.outputs[0].text
+        (engine_core,) = _spawned_children(server.proc.pid)
+        workers = _spawned_children(engine_core)
+        assert len(workers) == 2
+        os.kill(workers[1], signal.SIGKILL)
+        time.sleep(1)
+        reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+        assert reply.status_code == 503
+        assert server.proc.wait(30) == 1
+        assert_group_gone(server.proc.pid)
+    finally:
+        server.stop()
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """The children of ``pid`` started by multiprocessing's "spawn" (read from /proc)."""
+    tasks = Path(f"/proc/{pid}/task").iterdir()
+    children = sorted(int(c) for task in tasks for c in (task / "children").read_text().split())
+    return [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]

@@ -60,8 +60,9 @@ def free_port() -> int:
 
 
 class RemoteServer:
-    """Starts ``python -m mm_serve.entrypoints.cli serve MODEL --port PORT *args`` in its own
-    process group and waits until ``/health`` answers 200.
+    """Starts ``python -m mm_serve.entrypoints.launch serve MODEL --port PORT *args`` (what the
+    ``mm-serve`` console script runs) in its own process group and waits until ``/health``
+    answers 200.
 
     Use as a context manager; on exit the whole process group is terminated (then killed), so
     no engine core or preprocessing worker outlives the test. ``stderr`` (a file) receives the
@@ -80,7 +81,7 @@ class RemoteServer:
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "mm_serve.entrypoints.cli", "serve", model]
+        command = [sys.executable, "-m", "mm_serve.entrypoints.launch", "serve", model]
         command += ["--host", "127.0.0.1", "--port", str(self.port), *(args or [])]
         self.proc = subprocess.Popen(command, stderr=stderr, start_new_session=True)
         self._wait_healthy(startup_timeout_s)
