@@ -117,8 +117,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to stop with one rank); idempotent."""
-        if self.config.parallel.tensor_parallel_size > 1:
-            self.model_runner.shutdown()
+        self.model_runner.shutdown()
 
     def reset(self) -> None:
         """Forget what finished requests left behind, as after start-up: the prefix cache's

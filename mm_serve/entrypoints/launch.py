@@ -13,20 +13,19 @@ import sys
 
 def main() -> int:
     argv = sys.argv[1:]
-    if argv[:1] != ["serve"] or {"-h", "--help"} & set(argv):
-        from mm_serve.entrypoints.cli import main as cli_main
+    engine_process = None
+    if argv[:1] == ["serve"] and not {"-h", "--help"} & set(argv):
+        cache_bytecode(argv)
+        from mm_serve.frontend.engine_process import start_engine_core
 
-        return cli_main(argv)
-    cache_bytecode(argv)
-    from mm_serve.frontend.engine_process import start_engine_core
-
-    engine_process = start_engine_core()
+        engine_process = start_engine_core()
     try:
         from mm_serve.entrypoints.cli import main as cli_main
 
         return cli_main(argv, engine_process)
-    finally:  # a no-op once the engine core client took it over and shut it down
-        engine_process.stop()
+    finally:  # a no-op once the engine core client took the process over and shut it down
+        if engine_process is not None:
+            engine_process.stop()
 
 
 def cache_bytecode(argv: list[str]) -> None:

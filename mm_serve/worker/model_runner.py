@@ -126,6 +126,10 @@ class ModelRunner:
             self.model, self.lm_forward, self.config
         )
 
+    def shutdown(self) -> None:
+        """Nothing to stop: the runner lives in the engine core's process (the executor of
+        several ranks stops its workers here)."""
+
     def reset_encoder_cache(self) -> None:
         """Drop every image embedding (``EngineCore.reset``)."""
         self.encoder_cache.clear()
