@@ -142,22 +142,27 @@ def flash_varlen(
 class Segments:
     """A vision tower forward's attention segments (``dispatch.varlen_segments``, once per
     forward): rows ``[cu_seqlens[i], cu_seqlens[i + 1])`` (int32, device) attend to each other;
-    ``groups``: one ``[num_segments, length]`` row index per length for SDPA, or None."""
+    ``groups``: one ``[num_segments, length]`` row index per length for SDPA, or None;
+    ``dense``: True when the segments, all of ``max_len`` rows, go to cuDNN as one
+    ``[num_segments, heads, max_len, head_dim]`` batch (``dense_attention``)."""
 
     cu_seqlens: torch.Tensor
     max_len: int
     groups: list[torch.Tensor] | None
+    dense: bool = False
 
 
 def make_segments(bounds: list[int], device: torch.device, flash: bool) -> Segments:
     """The segments ``[bounds[i], bounds[i + 1])`` (empty ones dropped) on ``device``, grouped
-    by length unless ``flash``."""
+    by length unless ``flash``; with ``flash``, segments of one length are ``dense`` where
+    cuDNN's attention is measured faster (``dense_attention``)."""
     bounds = [b for i, b in enumerate(bounds) if i == 0 or b != bounds[i - 1]]
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
     cu_seqlens = host_to_device(torch.tensor(bounds, dtype=torch.int32), device)
     max_len = max(lengths, default=0)
     if flash:
-        return Segments(cu_seqlens, max_len, None)
+        dense = len(set(lengths)) == 1 and has_dense_cudnn(device)
+        return Segments(cu_seqlens, max_len, None, dense)
     by_length: dict[int, list[int]] = {}
     for start, length in zip(bounds[:-1], lengths, strict=True):
         by_length.setdefault(length, []).append(start)
@@ -166,6 +171,32 @@ def make_segments(bounds: list[int], device: torch.device, flash: bool) -> Segme
         for length, starts in by_length.items()
     ]
     return Segments(cu_seqlens, max_len, groups)
+
+
+def has_dense_cudnn(device: torch.device) -> bool:
+    """Whether equal segments go to cuDNN's attention (``dense_attention``): on sm90+ GPUs
+    with cuDNN, where it was measured faster than FlashAttention-2's varlen kernel."""
+    return torch.backends.cudnn.is_available() and _capability(device)[0] >= 9
+
+
+def dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_len: int
+) -> torch.Tensor:
+    """Bidirectional attention within consecutive segments of ``segment_len`` rows each,
+    through cuDNN's fused attention on the ``[num_segments, heads, segment_len, head_dim]``
+    views (no copy): ``q, k, v: [N, heads, head_dim]`` (last dim contiguous) -> ``[N, heads,
+    head_dim]``, scale ``head_dim ** -0.5``.
+
+    Same-size images make such segments. Measured on an H100 (``mm-serve bench kernels``,
+    21 segments of 1,024 rows, 16 heads of 80): 0.28 ms against 0.47 ms for the varlen kernel,
+    which pads head_dim 80 to 96.
+    """
+    n, heads, head_dim = q.shape
+    q, k, v = (
+        t.view(n // segment_len, segment_len, heads, head_dim).transpose(1, 2) for t in (q, k, v)
+    )
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False)[0]
+    return out.transpose(1, 2).reshape(n, heads, head_dim)
 
 
 def segment_attention_ref(

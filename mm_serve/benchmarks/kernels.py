@@ -236,6 +236,7 @@ def main(args: argparse.Namespace) -> dict:
     """Run the tables, print them, write ``kernels.json``; returns what it wrote."""
     # Imported here: the prefill comparison builds on this module's helpers.
     from mm_serve.benchmarks.prefill_attention import prefill_rows, print_prefill
+    from mm_serve.benchmarks.vision_attention import print_vision_attention, vision_attention_rows
 
     copy_bw = copy_rate("cuda")
     result = {"device": torch.cuda.get_device_name(), "copy_GBps": copy_bw / 1e9}
@@ -244,11 +245,13 @@ def main(args: argparse.Namespace) -> dict:
         result["sdpa_prefill_ms"] = sdpa_prefill_ms([(0, 2048)] * 4, (28, 4, 128))
         result["small"] = small_kernel_rows(copy_bw)
     result["prefill_attention"] = prefill_rows()
+    result["vision_attention"] = vision_attention_rows()
     with open(os.path.join(args.out, "kernels.json"), "w") as f:
         json.dump(result, f, indent=1)
     if not args.prefill_only:
         print_tables(copy_bw, result["attention"], result["sdpa_prefill_ms"], result["small"])
     print_prefill(result["prefill_attention"])
+    print_vision_attention(result["vision_attention"])
     return result
 
 

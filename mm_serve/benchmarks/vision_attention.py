@@ -1,0 +1,68 @@
+"""The vision towers' attention on same-size images, for ``mm-serve bench kernels``: what the
+tower runs (``dispatch.varlen_attention``: cuDNN on equal segments where it is used) against
+FlashAttention-2's varlen kernel and batched SDPA (torch's choice of backend).
+
+Qwen2-VL's tower (16 heads of 80, bf16) over 21 images of 448x448 (1,024 patches each, about
+one encode step of the image workload), and SigLIP-so400m's (16 heads of 72) over 16 images
+of 729 patches. Each method is checked once against the SDPA result, then timed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mm_serve.benchmarks.kernels import bench, rel_err
+from mm_serve.kernels import varlen_attention as varlen
+from mm_serve.kernels.dispatch import varlen_attention, varlen_segments
+
+CASES = (  # name, number of images, patches per image, heads, head dim
+    ("Qwen2-VL 21 x 1024, 16x80", 21, 1024, 16, 80),
+    ("SigLIP 16 x 729, 16x72", 16, 729, 16, 72),
+)
+
+
+def vision_attention_rows() -> list[dict]:
+    """One row per case and method: ms, TFLOP/s (``4 * len**2 * heads * head_dim`` per
+    image) and the relative error against SDPA."""
+    return [row for case in CASES for row in _case_rows(*case)]
+
+
+def _case_rows(name: str, images: int, length: int, heads: int, head_dim: int) -> list[dict]:
+    device = torch.device("cuda")
+    q, k, v = (
+        torch.randn(images * length, heads, head_dim, device=device, dtype=torch.bfloat16)
+        for _ in range(3)
+    )
+    segments = varlen_segments([i * length for i in range(images + 1)], device, q.dtype)
+    batched = [t.view(images, length, heads, head_dim).transpose(1, 2) for t in (q, k, v)]
+
+    def sdpa():
+        return F.scaled_dot_product_attention(*batched).transpose(1, 2).reshape(q.shape)
+
+    methods = {
+        "engine (varlen_attention)": lambda: varlen_attention(q, k, v, segments),
+        "FlashAttention-2 varlen": lambda: varlen.flash_varlen(
+            q, k, v, segments.cu_seqlens, length, causal=False
+        ),
+        "SDPA batched": sdpa,
+    }
+    if varlen.has_dense_cudnn(device):
+        methods["cuDNN dense"] = lambda: varlen.dense_attention(q, k, v, length)
+    reference = sdpa()
+    flops = 4 * images * length**2 * heads * head_dim
+    rows = []
+    for method, fn in methods.items():
+        ms = bench(fn)
+        error = rel_err(fn(), reference)
+        rows.append(dict(case=name, method=method, ms=ms, tflops=flops / ms / 1e9, rel_err=error))
+    return rows
+
+
+def print_vision_attention(rows: list[dict]) -> None:
+    print("\nVision tower attention (bf16, same-size images)")
+    print(f"{'case':28} {'method':28} {'ms':>8} {'TFLOP/s':>8} {'rel err':>9}")
+    for r in rows:
+        print(
+            f"{r['case']:28} {r['method']:28} {r['ms']:8.3f} {r['tflops']:8.0f} {r['rel_err']:9.1e}"
+        )
