@@ -157,6 +157,34 @@ def test_tower_options_match_hf(options, feature_layer):
         torch.testing.assert_close(ours(pixels), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("name", "billions"), [("internvl3-8b", 7.94), ("internvl3-2b", 2.09)], ids=["8b", "2b"]
+)
+def test_benchmark_architecture(tmp_path, name, billions):
+    """The weightless InternVL3 folders: HF's model and ours have the same parameters (the
+    published count), and our processor gives HF's pixels on the published 448-pixel tiles."""
+    from transformers import AutoConfig, AutoProcessor
+    from transformers import InternVLForConditionalGeneration as HFModel
+
+    from mm_serve.benchmarks.architectures import write_architecture
+    from mm_serve.models.internvl import InternVLForConditionalGeneration
+
+    folder = write_architecture(name, tmp_path)
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        counts = [
+            sum(p.numel() for p in cls(config).parameters())
+            for cls in (HFModel, InternVLForConditionalGeneration)
+        ]
+    assert counts[0] == counts[1] and round(counts[0] / 1e9, 2) == billions
+    image = photo("chelsea.png")
+    hf = AutoProcessor.from_pretrained(folder)(text=[IMAGE], images=[[image]], return_tensors="pt")
+    ours = get_image_processor(folder, config).preprocess(image)
+    assert torch.equal(ours.pixel_values, hf["pixel_values"])
+    assert list(ours.token_ids) == hf["input_ids"][0].tolist()
+    assert ours.num_tokens == 2 + 256 * len(ours.pixel_values)
+
+
 def assert_matches_hf(llm: LLM, reference, prompts: list[tuple[str, list[Image.Image]]]):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5)
     inputs = [{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in prompts]
