@@ -17,6 +17,7 @@ may cut it anywhere.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -86,8 +87,6 @@ class InternVLTokens:
             FileNotFoundError: no ``tokenizer.json``.
             ValueError: the tokenizer lacks one of the tokens.
         """
-        import json
-
         from tokenizers import Tokenizer
 
         folder = Path(folder)

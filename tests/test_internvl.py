@@ -215,6 +215,15 @@ def test_greedy_matches_hf(path, reference, engine_args):
         llm.shutdown()
 
 
+def test_tensor_parallel_matches_hf(path, reference):
+    """Two ranks (the tower replicated, the Qwen2 LM sharded) give HF's tokens too."""
+    llm = LLM(path, tensor_parallel_size=2, device="cpu", max_num_batched_tokens=32)
+    try:
+        assert_matches_hf(llm, reference, cases())
+    finally:
+        llm.shutdown()
+
+
 def test_prefix_cache_hits_repeated_image(path, reference):
     """The same photograph twice, one request after the other: the second reuses the first's
     KV blocks (prefix cache, image hash in the block hashes) and still matches HF; a different
