@@ -30,6 +30,8 @@ class ProcessedImage:
       - CLIP / LLaVA: ``[3, H, W]`` float32, resized, cropped and normalised.
       - Idefics3 / SmolVLM: ``[num_tiles, 3, tile, tile]`` float32 (tiles, then the global
         image), with ``token_ids`` its prompt tokens (tile tags, newlines and image tokens).
+      - InternVL3: ``[num_tiles, 3, tile, tile]`` float32 (tiles, then the thumbnail), with
+        ``token_ids`` its prompt tokens (``<img>``, the image tokens, ``</img>``).
 
     Float32 pixels are final. uint8 pixels (``preprocess(..., defer_normalization=True)``) are
     resized but not yet normalised: the consumer computes ``(x - pixel_mean[c]) / pixel_std[c]``

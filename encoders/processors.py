@@ -28,6 +28,8 @@ from mm_serve.encoders.idefics3_processor import (
     Idefics3Tokens,
     image_seq_len,
 )
+from mm_serve.encoders.internvl_processor import InternVLImageProcessor, InternVLTokens
+from mm_serve.encoders.internvl_processor import image_seq_len as internvl_image_seq_len
 from mm_serve.encoders.qwen2_vl_processor import Qwen2VLImageProcessor
 from mm_serve.families import VLM_MODEL_TYPES, config_get, find_family, resolve
 
@@ -157,6 +159,20 @@ def idefics3_image_processor(
         raise FileNotFoundError(f"Idefics3 needs the checkpoint's {tokenizer_file}.")
     tokens = Idefics3Tokens.from_tokenizer_file(tokenizer_file)
     return Idefics3ImageProcessor.from_config(config, tokens, image_seq_len(hf_config))
+
+
+def internvl_image_processor(
+    config: dict[str, Any], hf_config: Any, max_pixels: int | None, model_path: str | Path
+) -> InternVLImageProcessor:
+    """InternVL3: dynamic tiling into tiles of ``size`` (``max_pixels`` does not apply); the
+    expansion's token ids from the checkpoint's tokenizer files.
+
+    Raises:
+        FileNotFoundError: the checkpoint has no ``tokenizer.json``.
+        ValueError: the tokenizer lacks one of InternVL's image tokens, or bad settings.
+    """
+    tokens = InternVLTokens.from_tokenizer_files(model_path)
+    return InternVLImageProcessor.from_config(config, tokens, internvl_image_seq_len(hf_config))
 
 
 def get_image_processor(

@@ -9,7 +9,8 @@ ids only: the benchmarks pass their own sampling parameters) and a tokenizer. No
 from its config.
 
 The tokenizer is the small byte-level BPE of ``mm_serve.testing`` with Qwen2-VL's special
-tokens and chat template: a real vocabulary cannot be shipped offline. So the special token
+tokens and chat template (InternVL3: with InternVL's image tokens, ``internvl_checkpoint``):
+a real vocabulary cannot be shipped offline. So the special token
 ids of the config are the small tokenizer's (they must agree with what it encodes), while
 ``vocab_size`` stays the published one: the embedding and LM head have their real sizes, and a
 random model samples ids the tokenizer does not know (they decode to nothing).
@@ -48,6 +49,53 @@ _QWEN2_VL_VISION: dict[str, Any] = {
     "spatial_patch_size": 14,
     "spatial_merge_size": 2,
     "temporal_patch_size": 2,
+}
+
+# InternVL3-8B-hf / -2B-hf config.json (Hugging Face Hub, transformers-native): the
+# InternViT-300M-448px-V2.5 tower (1025 tokens per 448x448 tile, 256 image tokens after the
+# pixel shuffle) and a Qwen2.5 LM with InternVL3's dynamic RoPE scaling, minus the token ids.
+_INTERNVIT_300M: dict[str, Any] = {
+    "model_type": "internvl_vision",
+    "hidden_size": 1024,
+    "intermediate_size": 4096,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "attention_bias": True,
+    "use_qk_norm": False,
+    "hidden_act": "gelu",
+    "norm_type": "layer_norm",
+    "layer_norm_eps": 1e-06,
+    "image_size": [448, 448],
+    "patch_size": [14, 14],
+    "layer_scale_init_value": 0.1,
+    "use_absolute_position_embeddings": True,
+    "use_mean_pooling": True,
+    "use_mask_token": False,
+}
+_INTERNVL3_TEXT: dict[str, Any] = {
+    "model_type": "qwen2",
+    "hidden_act": "silu",
+    "max_position_embeddings": 32768,
+    "num_hidden_layers": 28,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "rope_scaling": {"factor": 2.0, "rope_type": "dynamic", "type": "dynamic"},
+    "sliding_window": None,
+    "use_sliding_window": False,
+    "vocab_size": 151674,
+    "torch_dtype": "bfloat16",
+}
+_INTERNVL3_COMMON: dict[str, Any] = {
+    "architectures": ["InternVLForConditionalGeneration"],
+    "model_type": "internvl",
+    "downsample_ratio": 0.5,
+    "image_seq_length": 256,
+    "projector_hidden_act": "gelu",
+    "vision_feature_layer": -1,
+    "vision_feature_select_strategy": "default",
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "vision_config": _INTERNVIT_300M,
 }
 
 ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -125,6 +173,26 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
             "hidden_size": 64,
         },
     },
+    "internvl3-8b": {
+        **_INTERNVL3_COMMON,
+        "text_config": {
+            **_INTERNVL3_TEXT,
+            "hidden_size": 3584,
+            "intermediate_size": 18944,
+            "num_attention_heads": 28,
+            "num_key_value_heads": 4,
+        },
+    },
+    "internvl3-2b": {
+        **_INTERNVL3_COMMON,
+        "text_config": {
+            **_INTERNVL3_TEXT,
+            "hidden_size": 1536,
+            "intermediate_size": 8960,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 2,
+        },
+    },
 }
 
 # Qwen2-VL's and Qwen2.5-VL's preprocessor_config.json settings: 14-pixel patches, 2x2 merge
@@ -199,6 +267,9 @@ def write_architecture(name: str, folder: str | os.PathLike) -> str:
 
     from mm_serve.testing.vlm_checkpoints import vlm_tokenizer
 
+    if ARCHITECTURES.get(name, {}).get("model_type") == "internvl":
+        return _write_internvl(name, folder)
+
     # The tests' byte-level BPE with Qwen2's and Qwen2-VL's special tokens and chat template.
     tokenizer = vlm_tokenizer("qwen2_vl")
     ids = _token_ids(tokenizer)
@@ -210,4 +281,28 @@ def write_architecture(name: str, folder: str | os.PathLike) -> str:
     eos = [ids["eos_token_id"], pad]
     GenerationConfig(bos_token_id=pad, pad_token_id=pad, eos_token_id=eos).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def _write_internvl(name: str, folder: str | os.PathLike) -> str:
+    """``write_architecture`` for an InternVL3 architecture: the tests' byte-level BPE with
+    Qwen2's special tokens and InternVL's image tokens, and ``InternVLProcessor`` with the
+    published image settings (448 x 448 tiles, 1 to 12 of them and the thumbnail, ImageNet
+    statistics, 256 image tokens per tile)."""
+    from transformers import GenerationConfig
+
+    from mm_serve.testing.internvl_checkpoint import internvl_processor, internvl_tokenizer
+
+    tokenizer = internvl_tokenizer()
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    ids = {"bos_token_id": pad, "eos_token_id": eos, "pad_token_id": pad}
+    text = {**ARCHITECTURES[name]["text_config"], **ids}
+    image_token_id = tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>")
+    config = _build_config(name, {"text_config": text, "image_token_id": image_token_id})
+    os.makedirs(folder, exist_ok=True)
+    config.save_pretrained(folder)
+    internvl_processor(tokenizer, 448, config.image_seq_length).save_pretrained(folder)
+    GenerationConfig(bos_token_id=pad, pad_token_id=pad, eos_token_id=[eos, pad]).save_pretrained(
+        folder
+    )
     return str(folder)

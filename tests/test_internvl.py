@@ -1,0 +1,287 @@
+"""InternVL3 against HF transformers on a tiny checkpoint (Qwen2 LM, InternViT tiles).
+
+The processor: our pixels and our placeholder expansion (``<img>``, the tiles' image tokens,
+``</img>``) equal ``InternVLProcessor``'s for photographs, odd-sized images of several tile
+counts and a grayscale image. The tower: equal to HF's ``InternVLVisionModel`` with the
+options InternVL3 leaves off (q/k norm, RMSNorm, the final LayerNorm, an inner feature
+layer). The engine: greedy tokens and top-5 log-probs equal HF's ``generate`` for a batch
+mixing a text-only prompt, a photograph, three odd-sized images in one prompt and a grayscale
+image, whole and in 8-token chunks that cut every expansion, and with prefix caching hitting a
+repeated image.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mm_serve import LLM, SamplingParams
+from mm_serve.encoders.processors import get_image_processor
+from mm_serve.testing.hf_reference import hf_greedy_generate
+from mm_serve.testing.leaks import assert_llm_idle
+from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+
+MAX_NEW_TOKENS = 12
+LOGPROB_TOL = 1e-4
+IMAGE = "<IMG_CONTEXT>"
+
+
+def photo(name: str) -> Image.Image:
+    """A real photograph shipped inside an installed package."""
+    if name == "grace_hopper.jpg":
+        import matplotlib
+
+        return Image.open(Path(matplotlib.get_data_path()) / "sample_data" / name)
+    import skimage
+
+    return Image.open(Path(skimage.__file__).parent / "data" / name)
+
+
+def generated(width: int, height: int, seed: int) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def cases() -> list[tuple[str, list[Image.Image]]]:
+    odd = [generated(301, 87, 1), generated(23, 45, 2), generated(40, 41, 3)]  # 13, 3, 1 tiles
+    return [
+        ("A text-only question about nothing in particular.", []),
+        (f"User: {IMAGE}\nDescribe the image.", [photo("grace_hopper.jpg")]),
+        (f"Compare {IMAGE} with {IMAGE} and {IMAGE} please.", odd),
+        (f"{IMAGE}\nWhat is here?", [photo("chelsea.png").convert("L")]),
+    ]
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory) -> str:
+    return build_tiny_vlm_checkpoint(tmp_path_factory.mktemp("internvl"), "internvl", seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(path):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(path)
+    model = AutoModelForImageTextToText.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    return processor, model
+
+
+def hf_config(path: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+def hf_greedy(reference, text: str, images: list[Image.Image]):
+    """(prompt ids, greedy ids, per-step log-softmax ``[steps, vocab]``) of HF."""
+    processor, model = reference
+    inputs = processor(text=[text], images=[images] if images else None, return_tensors="pt")
+    return hf_greedy_generate(model, inputs, MAX_NEW_TOKENS)
+
+
+@pytest.mark.parametrize(
+    ("image", "num_tiles"),
+    [
+        (photo("grace_hopper.jpg"), 13),
+        (photo("coffee.png"), 7),
+        (generated(301, 87, 1), 13),
+        (generated(23, 45, 2), 3),
+        (generated(40, 41, 3), 1),
+        (generated(97, 33, 4), 4),
+        (photo("chelsea.png").convert("L"), 7),
+    ],
+    ids=["photograph", "photograph2", "wide", "tall", "one_tile", "three_by_one", "grayscale"],
+)
+def test_processor_matches_hf(path, reference, image, num_tiles):
+    processor = reference[0]
+    text = f"User: {IMAGE}\nDescribe."
+    hf = processor(text=[text], images=[[image]], return_tensors="pt")
+    ours = get_image_processor(path, hf_config(path)).preprocess(image)
+    assert ours.pixel_values.shape[0] == num_tiles
+    assert torch.equal(ours.pixel_values, hf["pixel_values"])
+    ids = processor.tokenizer(text)["input_ids"]
+    at = ids.index(processor.image_token_id)
+    assert ids[:at] + list(ours.token_ids) + ids[at + 1 :] == hf["input_ids"][0].tolist()
+    assert ours.num_tokens == len(ours.token_ids)
+
+
+def test_max_num_tokens_bounds_every_image(path):
+    processor = get_image_processor(path, hf_config(path))
+    sizes = [(1, 1), (7, 1000), (1000, 7), (143, 144), (5000, 3000), (32, 33), (13, 1)]
+    counts = [processor.preprocess(generated(w, h, 0)).num_tokens for w, h in sizes]
+    assert max(counts) == processor.max_num_tokens == 2 + 13 * processor.image_seq_len
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(use_qk_norm=True, norm_type="rms_norm", use_mean_pooling=False),
+        dict(use_qk_norm=False, norm_type="layer_norm", use_mean_pooling=False),
+    ],
+    ids=["qk_norm_rms_norm", "final_layernorm"],
+)
+@pytest.mark.parametrize("feature_layer", [-1, -2])
+def test_tower_options_match_hf(options, feature_layer):
+    """The tower options InternVL3 leaves off, against HF's ``InternVLVisionModel``."""
+    from transformers import InternVLVisionConfig, InternVLVisionModel
+
+    from mm_serve.encoders.internvl import InternVisionModel
+
+    config = InternVLVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+        **options,
+    )
+    torch.manual_seed(0)
+    hf = InternVLVisionModel(config).eval()
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.copy_(torch.randn_like(param) * 0.3)
+    ours = InternVisionModel(config, feature_layer)
+    missing, unexpected = ours.load_state_dict(hf.state_dict(), strict=False)
+    assert not missing and not unexpected
+    pixels = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        out = hf(pixels, output_hidden_states=True)
+        expected = out.last_hidden_state if feature_layer == -1 else out.hidden_states[-2]
+        torch.testing.assert_close(ours(pixels), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("name", "billions"), [("internvl3-8b", 7.94), ("internvl3-2b", 2.09)], ids=["8b", "2b"]
+)
+def test_benchmark_architecture(tmp_path, name, billions):
+    """The weightless InternVL3 folders: HF's model and ours have the same parameters (the
+    published count), and our processor gives HF's pixels on the published 448-pixel tiles."""
+    from transformers import AutoConfig, AutoProcessor
+    from transformers import InternVLForConditionalGeneration as HFModel
+
+    from mm_serve.benchmarks.architectures import write_architecture
+    from mm_serve.models.internvl import InternVLForConditionalGeneration
+
+    folder = write_architecture(name, tmp_path)
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        counts = [
+            sum(p.numel() for p in cls(config).parameters())
+            for cls in (HFModel, InternVLForConditionalGeneration)
+        ]
+    assert counts[0] == counts[1] and round(counts[0] / 1e9, 2) == billions
+    image = photo("chelsea.png")
+    hf = AutoProcessor.from_pretrained(folder)(text=[IMAGE], images=[[image]], return_tensors="pt")
+    ours = get_image_processor(folder, config).preprocess(image)
+    assert torch.equal(ours.pixel_values, hf["pixel_values"])
+    assert list(ours.token_ids) == hf["input_ids"][0].tolist()
+    assert ours.num_tokens == 2 + 256 * len(ours.pixel_values)
+
+
+def assert_matches_hf(llm: LLM, reference, prompts: list[tuple[str, list[Image.Image]]]):
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5)
+    inputs = [{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in prompts]
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    for (text, images), output in zip(prompts, outputs, strict=True):
+        prompt_ids, ref_tokens, ref_logprobs = hf_greedy(reference, text, images)
+        assert output.prompt_token_ids == prompt_ids  # expansion as HF's processor
+        completion = output.outputs[0]
+        assert completion.token_ids == ref_tokens
+        for step, step_logprobs in enumerate(completion.logprobs):
+            assert len(step_logprobs) >= 5
+            for token_id, logprob in step_logprobs.items():
+                assert abs(logprob.logprob - ref_logprobs[step, token_id].item()) < LOGPROB_TOL
+    assert_llm_idle(llm)
+    return outputs
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [{}, {"max_num_batched_tokens": 8, "block_size": 4}],
+    ids=["whole", "chunked"],
+)
+def test_greedy_matches_hf(path, reference, engine_args):
+    llm = LLM(path, **engine_args)
+    try:
+        assert_matches_hf(llm, reference, cases())
+    finally:
+        llm.shutdown()
+
+
+def test_tensor_parallel_matches_hf(path, reference):
+    """Two ranks (the tower replicated, the Qwen2 LM sharded) give HF's tokens too."""
+    llm = LLM(path, tensor_parallel_size=2, device="cpu", max_num_batched_tokens=32)
+    try:
+        assert_matches_hf(llm, reference, cases())
+    finally:
+        llm.shutdown()
+
+
+def test_prefix_cache_hits_repeated_image(path, reference):
+    """The same photograph twice, one request after the other: the second reuses the first's
+    KV blocks (prefix cache, image hash in the block hashes) and still matches HF; a different
+    image behind the same text does not hit past the text."""
+    llm = LLM(path, enable_prefix_caching=True, block_size=4, max_num_batched_tokens=16)
+    try:
+        text = f"User: {IMAGE}\nDescribe the image."
+        (first,) = assert_matches_hf(llm, reference, [(text, [photo("grace_hopper.jpg")])])
+        (second,) = assert_matches_hf(llm, reference, [(text, [photo("grace_hopper.jpg")])])
+        assert second.num_cached_tokens >= len(second.prompt_token_ids) - 4
+        (third,) = assert_matches_hf(llm, reference, [(text, [photo("coffee.png")])])
+        assert third.num_cached_tokens < 8
+        assert first.outputs[0].token_ids == second.outputs[0].token_ids
+    finally:
+        llm.shutdown()
+
+
+def test_repeated_image_hits_encoder_cache(path, reference):
+    """Two requests with the same photograph, chunked side by side without prefix caching:
+    its tiles go through the tower once (encoder cache), and both match HF."""
+    llm = LLM(path, enable_prefix_caching=False, block_size=4, max_num_batched_tokens=16)
+    try:
+        model = llm.engine_core.model_runner.model
+        encoded_tiles: list[int] = []
+        embed_images = model.embed_images
+
+        def counting(images):
+            encoded_tiles.extend(len(image.pixel_values) for image in images)
+            return embed_images(images)
+
+        model.embed_images = counting
+        image = photo("grace_hopper.jpg")
+        prompts = [(f"User: {IMAGE}\nDescribe.", [image]), (f"{IMAGE}\nWhat is it?", [image])]
+        assert_matches_hf(llm, reference, prompts)
+        assert encoded_tiles == [13]
+    finally:
+        llm.shutdown()
+
+
+def test_chat_with_image_part(path, reference):
+    """A chat turn with an image part: the chat template's image token expanded as HF's
+    processor does, and HF's greedy tokens."""
+    processor, _ = reference
+    image = photo("rocket.jpg")
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": image}, {"type": "text", "text": "What?"}],
+        }
+    ]
+    llm = LLM(path)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+        (output,) = llm.chat(messages, params, use_tqdm=False)
+        text = processor.apply_chat_template(messages, add_generation_prompt=True)
+        prompt_ids, ref_tokens, _ = hf_greedy(reference, text, [image])
+        assert output.prompt_token_ids == prompt_ids
+        assert output.outputs[0].token_ids == ref_tokens
+        assert_llm_idle(llm)
+    finally:
+        llm.shutdown()
