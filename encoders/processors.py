@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mm_serve.encoders.anyres import max_tiles
 from mm_serve.encoders.base import ImageProcessor
 from mm_serve.encoders.clip_processor import CLIPImageProcessor
 from mm_serve.encoders.idefics3_processor import (
@@ -28,6 +29,7 @@ from mm_serve.encoders.idefics3_processor import (
     Idefics3Tokens,
     image_seq_len,
 )
+from mm_serve.encoders.llava_onevision_processor import LlavaOnevisionImageProcessor
 from mm_serve.encoders.qwen2_vl_processor import Qwen2VLImageProcessor
 from mm_serve.families import VLM_MODEL_TYPES, config_get, find_family, resolve
 
@@ -157,6 +159,28 @@ def idefics3_image_processor(
         raise FileNotFoundError(f"Idefics3 needs the checkpoint's {tokenizer_file}.")
     tokens = Idefics3Tokens.from_tokenizer_file(tokenizer_file)
     return Idefics3ImageProcessor.from_config(config, tokens, image_seq_len(hf_config))
+
+
+def llava_onevision_image_processor(
+    config: dict[str, Any], hf_config: Any, max_pixels: int | None, model_path: str | Path
+) -> LlavaOnevisionImageProcessor:
+    """LLaVA-OneVision: anyres tiles of the tower's ``image_size`` (``max_pixels`` does not
+    apply); features per tile side and ``anyres_max_N`` from the model config.
+
+    Raises:
+        ValueError: a select strategy other than "full", an unsupported
+            ``vision_aspect_ratio``, or tile settings the tower cannot take.
+    """
+    strategy = config_get(hf_config, "vision_feature_select_strategy", "full")
+    if strategy != "full":
+        raise ValueError(
+            f"LLaVA-OneVision supports the 'full' select strategy only, not {strategy!r}."
+        )
+    vision = config_get(hf_config, "vision_config")
+    tile = int(config_get(vision, "image_size"))
+    side = tile // int(config_get(vision, "patch_size"))
+    tiles = max_tiles(config_get(hf_config, "vision_aspect_ratio", "anyres_max_9"))
+    return LlavaOnevisionImageProcessor.from_config(config, tile, side, tiles)
 
 
 def get_image_processor(

@@ -49,6 +49,12 @@ FAMILIES = (
         "mm_serve.models.idefics3:Idefics3ForConditionalGeneration",
         "mm_serve.encoders.processors:idefics3_image_processor",
     ),
+    ModelFamily(
+        ("LlavaOnevisionForConditionalGeneration",),
+        ("llava_onevision",),
+        "mm_serve.models.llava_onevision:LlavaOnevisionForConditionalGeneration",
+        "mm_serve.encoders.processors:llava_onevision_image_processor",
+    ),
 )
 VLM_MODEL_TYPES = tuple(t for f in FAMILIES if f.image_processor for t in f.model_types)
 
