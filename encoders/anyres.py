@@ -140,12 +140,13 @@ def anyres_layout(
 
 def max_anyres_tokens(pinpoints: Sequence[Sequence[int]], tile: int, side: int, tiles: int) -> int:
     """An upper bound of ``AnyresLayout.num_tokens`` over all image sizes: for each pinpoint,
-    every crop of its map along one axis (the unpadding keeps one axis whole)."""
+    every crop of its map along one axis (the unpadding keeps one axis whole and cuts the
+    other equally on both sides)."""
     most = 0
     for pin_height, pin_width in pinpoints:
         map_height, map_width = pin_height // tile * side, pin_width // tile * side
-        shapes = [(h, map_width) for h in range(1, map_height + 1)]
-        shapes += [(map_height, w) for w in range(1, map_width + 1)]
+        shapes = [(h, map_width) for h in range(map_height, -1, -2)]
+        shapes += [(map_height, w) for w in range(map_width, -1, -2)]
         for shape in shapes:
             rows, cols = downsampled_size(*shape, side, tiles) or shape
             most = max(most, side**2 + rows * (cols + 1))

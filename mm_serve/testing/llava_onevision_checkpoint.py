@@ -82,7 +82,16 @@ def _config(tokenizer: Any, text: dict[str, Any]) -> Any:
     )
 
 
-def _processor(tokenizer: Any) -> Any:
+def onevision_processor(
+    tokenizer: Any,
+    tile: int = ONEVISION_TILE,
+    pinpoints: list[list[int]] | None = None,
+    num_image_tokens: int = ONEVISION_TILE_TOKENS,
+    vision_aspect_ratio: str = ONEVISION_ASPECT_RATIO,
+) -> Any:
+    """transformers' ``LlavaOnevisionProcessor`` with ``tile x tile`` tiles, SigLIP's mean and
+    std (0.5) and bicubic resizing, as the published checkpoints have it; by default the tiny
+    checkpoint's settings."""
     ensure_torchvision_importable()
     from transformers import (
         LlavaOnevisionImageProcessor,
@@ -90,18 +99,18 @@ def _processor(tokenizer: Any) -> Any:
         LlavaOnevisionVideoProcessor,
     )
 
-    tile = {"height": ONEVISION_TILE, "width": ONEVISION_TILE}
-    half = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}  # as SigLIP's
+    size = {"height": tile, "width": tile}
+    half = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
     image_processor = LlavaOnevisionImageProcessor(
-        size=tile, image_grid_pinpoints=ONEVISION_PINPOINTS, **half
+        size=size, image_grid_pinpoints=pinpoints or ONEVISION_PINPOINTS, **half
     )
     return LlavaOnevisionProcessor(
         image_processor=image_processor,
         tokenizer=tokenizer,
-        video_processor=LlavaOnevisionVideoProcessor(size=tile, **half),
-        num_image_tokens=ONEVISION_TILE_TOKENS,
+        video_processor=LlavaOnevisionVideoProcessor(size=size, **half),
+        num_image_tokens=num_image_tokens,
         vision_feature_select_strategy="full",
-        vision_aspect_ratio=ONEVISION_ASPECT_RATIO,
+        vision_aspect_ratio=vision_aspect_ratio,
         chat_template=ONEVISION_CHAT_TEMPLATE,
     )
 
@@ -137,5 +146,5 @@ def build_tiny_llava_onevision_checkpoint(
     )
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
-    _processor(tokenizer).save_pretrained(path)
+    onevision_processor(tokenizer).save_pretrained(path)
     return str(path)
