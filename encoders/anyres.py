@@ -84,11 +84,11 @@ def unpadded_crop(height: int, width: int, map_height: int, map_width: int) -> t
 
 
 def downsampled_size(
-    map_height: int, map_width: int, side: int, max_tiles: int
+    map_height: int, map_width: int, side: int, tiles: int
 ) -> tuple[int, int] | None:
     """The size the ``map_height x map_width`` map is bilinearly shrunk to, or None when it
-    holds at most ``DOWNSAMPLE_THRESHOLD**2`` times ``max_tiles`` tiles of ``side**2``."""
-    ratio = math.sqrt(map_height * map_width / (max_tiles * side**2))
+    holds at most ``DOWNSAMPLE_THRESHOLD**2`` times ``tiles`` tiles of ``side**2`` features."""
+    ratio = math.sqrt(map_height * map_width / (tiles * side**2))
     if ratio <= DOWNSAMPLE_THRESHOLD:
         return None
     return int(map_height // ratio), int(map_width // ratio)

@@ -180,6 +180,8 @@ def llava_onevision_image_processor(
     tile = int(config_get(vision, "image_size"))
     side = tile // int(config_get(vision, "patch_size"))
     tiles = max_tiles(config_get(hf_config, "vision_aspect_ratio", "anyres_max_9"))
+    pinpoints = config_get(hf_config, "image_grid_pinpoints")  # where the settings lack them
+    config = {"image_grid_pinpoints": pinpoints, **config}
     return LlavaOnevisionImageProcessor.from_config(config, tile, side, tiles)
 
 

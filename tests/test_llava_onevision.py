@@ -286,6 +286,41 @@ def test_chat_with_image_parts(path, reference):
         llm.shutdown()
 
 
+def _hub_name(name: str) -> str:
+    """llava-hf's names: the tower under ``vision_model.``."""
+    return name.replace("vision_tower.", "vision_tower.vision_model.", 1)
+
+
+def _in_memory_name(name: str) -> str:
+    """transformers 5's module names: everything but the LM head under ``model.``."""
+    if name.startswith("language_model.model."):
+        return "model.language_model." + name.removeprefix("language_model.model.")
+    return "model." + name
+
+
+@pytest.mark.parametrize("rename", [_hub_name, _in_memory_name], ids=["hub", "in_memory"])
+def test_checkpoint_names_load_the_same_weights(path, tmp_path, rename):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from mm_serve.config import EngineArgs
+    from mm_serve.models.loader import load_model
+
+    folder = tmp_path / "renamed"
+    shutil.copytree(path, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file({rename(k): v for k, v in tensors.items()}, str(folder / "model.safetensors"))
+
+    def weights(model_path) -> dict[str, torch.Tensor]:
+        config = EngineArgs(model=str(model_path), device="cpu").create_engine_config()
+        return dict(load_model(config.model, "cpu").named_parameters())
+
+    expected, renamed = weights(path), weights(folder)
+    assert expected.keys() == renamed.keys()
+    assert all(torch.equal(expected[k], renamed[k]) for k in expected)
+
+
 def test_image_size_crosses_the_wire(path):
     """An image's original size travels to the engine core with its pixels."""
     from mm_serve.messages import InputCodec
