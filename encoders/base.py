@@ -32,6 +32,8 @@ class ProcessedImage:
         image), with ``token_ids`` its prompt tokens (tile tags, newlines and image tokens).
       - InternVL3: ``[num_tiles, 3, tile, tile]`` float32 (tiles, then the thumbnail), with
         ``token_ids`` its prompt tokens (``<img>``, the image tokens, ``</img>``).
+      - LLaVA-OneVision: ``[num_tiles, 3, tile, tile]`` (the base tile, then the anyres grid),
+        with ``image_size`` the original ``(height, width)``.
 
     Float32 pixels are final. uint8 pixels (``preprocess(..., defer_normalization=True)``) are
     resized but not yet normalised: the consumer computes ``(x - pixel_mean[c]) / pixel_std[c]``
@@ -49,6 +51,9 @@ class ProcessedImage:
     # token (Idefics3: tile tags and newlines among them); None: ``num_tokens`` image tokens.
     # The model's ``embed_images`` gives a row for every one of them.
     token_ids: tuple[int, ...] | None = None
+    # The image's ``(height, width)`` in pixels before preprocessing, where the model needs it
+    # (LLaVA-OneVision unpads its anyres features by it); None elsewhere.
+    image_size: tuple[int, int] | None = None
 
 
 class ImageProcessor:
@@ -81,6 +86,12 @@ class ImageProcessor:
                 f"Unknown mm_processor_kwargs {sorted(kwargs)}: this model's image processor "
                 "takes none."
             )
+        return self
+
+    def for_prompt(self, num_images: int) -> ImageProcessor:
+        """This processor for an image of a prompt of ``num_images`` images: ``self`` unless
+        the family preprocesses images otherwise when a prompt has several (LLaVA-OneVision:
+        one tile each, not anyres tiles, as HF's processor does)."""
         return self
 
     def low_detail(self) -> ImageProcessor:

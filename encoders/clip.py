@@ -38,6 +38,21 @@ def tower_weight_name(name: str) -> str:
     return name if name.startswith("vision_model.") else "vision_model." + name
 
 
+def feature_state_indices(feature_layer: int | list[int], vision_config) -> list[int]:
+    """``vision_feature_layer`` (an index or a list of them into HF's ``hidden_states``: 0 the
+    embeddings, ``i`` layer ``i``'s output, negative from the end) as non-negative indices, in
+    order. Raises ``ValueError`` for an empty list or an index out of range of the tower's
+    ``num_hidden_layers + 1`` states."""
+    num_states = vision_config.num_hidden_layers + 1
+    layers = [feature_layer] if isinstance(feature_layer, int) else list(feature_layer)
+    if not layers or any(not -num_states <= i < num_states for i in layers):
+        raise ValueError(
+            f"vision_feature_layer {feature_layer!r} is out of range for a vision tower with "
+            f"{vision_config.num_hidden_layers} layers."
+        )
+    return [i % num_states for i in layers]
+
+
 class CLIPVisionEmbeddings(nn.Module):
     """``[N, 3, H, W] -> [N, 1 + (H / patch)**2, hidden]``: class token, then the patches in
     raster order, plus learned position embeddings. ``H = W = image_size`` (no interpolation)."""
@@ -155,14 +170,7 @@ class CLIPVisionTower(nn.Module):
                 f"Unknown vision_feature_select_strategy {select_strategy!r}; "
                 f"expected one of {SELECT_STRATEGIES}."
             )
-        num_states = vision_config.num_hidden_layers + 1
-        layers = [feature_layer] if isinstance(feature_layer, int) else list(feature_layer)
-        if not layers or any(not -num_states <= i < num_states for i in layers):
-            raise ValueError(
-                f"vision_feature_layer {feature_layer!r} is out of range for a CLIP tower with "
-                f"{vision_config.num_hidden_layers} layers."
-            )
-        self.feature_states = [i % num_states for i in layers]  # indices into hidden_states
+        self.feature_states = feature_state_indices(feature_layer, vision_config)
         self.num_layers_to_run = max(self.feature_states)
         self.select_strategy = select_strategy
         self.vision_model = CLIPVisionTransformer(vision_config)

@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mm_serve.encoders.anyres import max_tiles
 from mm_serve.encoders.base import ImageProcessor
 from mm_serve.encoders.clip_processor import CLIPImageProcessor
 from mm_serve.encoders.idefics3_processor import (
@@ -30,6 +31,7 @@ from mm_serve.encoders.idefics3_processor import (
 )
 from mm_serve.encoders.internvl_processor import InternVLImageProcessor, InternVLTokens
 from mm_serve.encoders.internvl_processor import image_seq_len as internvl_image_seq_len
+from mm_serve.encoders.llava_onevision_processor import LlavaOnevisionImageProcessor
 from mm_serve.encoders.qwen2_vl_processor import Qwen2VLImageProcessor
 from mm_serve.families import VLM_MODEL_TYPES, config_get, find_family, resolve
 
@@ -173,6 +175,28 @@ def internvl_image_processor(
     """
     tokens = InternVLTokens.from_tokenizer_files(model_path)
     return InternVLImageProcessor.from_config(config, tokens, internvl_image_seq_len(hf_config))
+def llava_onevision_image_processor(
+    config: dict[str, Any], hf_config: Any, max_pixels: int | None, model_path: str | Path
+) -> LlavaOnevisionImageProcessor:
+    """LLaVA-OneVision: anyres tiles of the tower's ``image_size`` (``max_pixels`` does not
+    apply); features per tile side and ``anyres_max_N`` from the model config.
+
+    Raises:
+        ValueError: a select strategy other than "full", an unsupported
+            ``vision_aspect_ratio``, or tile settings the tower cannot take.
+    """
+    strategy = config_get(hf_config, "vision_feature_select_strategy", "full")
+    if strategy != "full":
+        raise ValueError(
+            f"LLaVA-OneVision supports the 'full' select strategy only, not {strategy!r}."
+        )
+    vision = config_get(hf_config, "vision_config")
+    tile = int(config_get(vision, "image_size"))
+    side = tile // int(config_get(vision, "patch_size"))
+    tiles = max_tiles(config_get(hf_config, "vision_aspect_ratio", "anyres_max_9"))
+    pinpoints = config_get(hf_config, "image_grid_pinpoints")  # where the settings lack them
+    config = {"image_grid_pinpoints": pinpoints, **config}
+    return LlavaOnevisionImageProcessor.from_config(config, tile, side, tiles)
 
 
 def get_image_processor(

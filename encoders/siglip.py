@@ -1,4 +1,5 @@
-"""The SigLIP vision tower of Idefics3 / SmolVLM, and Idefics3's pixel-shuffle connector.
+"""The SigLIP vision tower of Idefics3 / SmolVLM and LLaVA-OneVision, and Idefics3's
+pixel-shuffle connector.
 
 The encoder layers are SigLIP's, which are CLIP's pre-LayerNorm blocks with the same parameter
 names (``encoder.layers.{i}.{self_attn.{q,k,v,out}_proj, layer_norm1, mlp.fc1, mlp.fc2,
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mm_serve.encoders.clip import CLIPEncoder
+from mm_serve.encoders.clip import CLIPEncoder, feature_state_indices
 
 
 def bucketed_position_ids(num_patches: int, num_patches_per_side: int) -> torch.Tensor:
@@ -74,6 +75,33 @@ class SiglipVisionTransformer(nn.Module):
         for layer in self.encoder.layers:
             x = layer(x)
         return self.post_layernorm(x)
+
+
+class SiglipFeatureTower(nn.Module):
+    """SigLIP hidden states as LLaVA-OneVision selects them (``vision_feature_layer``).
+
+    ``forward(pixel_values [N, 3, S, S]) -> [N, (S / patch)**2, hidden * len(layers)]``: the
+    states of HF's ``hidden_states`` (0: the embeddings, ``i``: layer ``i``'s output, without
+    ``post_layernorm``; see ``clip.feature_state_indices``), concatenated along hidden in the
+    order given. Runs only the layers it needs; every layer is built so the checkpoint loads.
+    Parameter names: ``vision_model.*`` (``SiglipVisionTransformer``'s); a checkpoint's are
+    ``X`` (as transformers 5 saves them) or ``vision_model.X``: ``clip.tower_weight_name``.
+    """
+
+    def __init__(self, vision_config, feature_layer: int | list[int]) -> None:
+        super().__init__()
+        self.feature_states = feature_state_indices(feature_layer, vision_config)
+        self.vision_model = SiglipVisionTransformer(vision_config)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        model = self.vision_model
+        x = model.embeddings(pixel_values)  # [N, L, hidden]
+        states = {0: x}
+        for i in range(max(self.feature_states)):
+            x = model.encoder.layers[i](x)
+            states[i + 1] = x
+        features = [states[i] for i in self.feature_states]
+        return features[0] if len(features) == 1 else torch.cat(features, dim=-1)
 
 
 def pixel_shuffle(x: torch.Tensor, scale: int) -> torch.Tensor:

@@ -55,6 +55,12 @@ FAMILIES = (
         "mm_serve.models.internvl:InternVLForConditionalGeneration",
         "mm_serve.encoders.processors:internvl_image_processor",
     ),
+    ModelFamily(
+        ("LlavaOnevisionForConditionalGeneration",),
+        ("llava_onevision",),
+        "mm_serve.models.llava_onevision:LlavaOnevisionForConditionalGeneration",
+        "mm_serve.encoders.processors:llava_onevision_image_processor",
+    ),
 )
 VLM_MODEL_TYPES = tuple(t for f in FAMILIES if f.image_processor for t in f.model_types)
 

@@ -65,6 +65,7 @@ class MultiModalFeatureWire(msgspec.Struct, omit_defaults=True):
     pixel_mean: tuple[float, ...] = ()  # uint8 pixels: the normalisation left to the engine
     pixel_std: tuple[float, ...] = ()
     token_ids: tuple[int, ...] | None = None  # ``ProcessedImage.token_ids``
+    image_size: tuple[int, int] | None = None  # ``ProcessedImage.image_size``
 
 
 class Sibling(msgspec.Struct, array_like=True):
@@ -269,6 +270,7 @@ def feature_to_wire(feature: MultiModalFeature, buffers: list[memoryview]) -> Mu
         wire.shape = tuple(pixels.shape)
         wire.pixel_mean, wire.pixel_std = tuple(data.pixel_mean), tuple(data.pixel_std)
         wire.token_ids = data.token_ids
+        wire.image_size = data.image_size
         wire.frame = len(buffers) + 1
         buffers.append(tensor_to_buffer(pixels))
     return wire
@@ -310,6 +312,7 @@ def feature_from_wire(wire: MultiModalFeatureWire, frames: Sequence[Buffer]) -> 
             wire.pixel_mean,
             wire.pixel_std,
             wire.token_ids,
+            wire.image_size,
         )
     return MultiModalFeature(wire.mm_hash, PlaceholderRange(wire.offset, wire.length), data)
 

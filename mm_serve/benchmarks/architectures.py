@@ -9,8 +9,8 @@ ids only: the benchmarks pass their own sampling parameters) and a tokenizer. No
 from its config.
 
 The tokenizer is the small byte-level BPE of ``mm_serve.testing`` with Qwen2-VL's special
-tokens and chat template (InternVL3: with InternVL's image tokens, ``internvl_checkpoint``):
-a real vocabulary cannot be shipped offline. So the special token
+tokens and chat template (InternVL3's and LLaVA-OneVision's: with their image tokens, their
+checkpoint modules): a real vocabulary cannot be shipped offline. So the special token
 ids of the config are the small tokenizer's (they must agree with what it encodes), while
 ``vocab_size`` stays the published one: the embedding and LM head have their real sizes, and a
 random model samples ids the tokenizer does not know (they decode to nothing).
@@ -96,6 +96,38 @@ _INTERNVL3_COMMON: dict[str, Any] = {
     "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
     "vision_config": _INTERNVIT_300M,
+}
+# llava-hf/llava-onevision-qwen2-{0.5b,7b}-ov-hf config.json: SigLIP-so400m cut to 26 layers (the
+# last one's output, "full": 27 x 27 features per 384-pixel tile), anyres up to 6 x 6 tiles
+# kept to about 9 tiles of features, the Qwen2-{0.5B,7B}-Instruct LM with two image/video
+# tokens added and the vocabulary padded to a multiple of 64.
+_LLAVA_ONEVISION_COMMON: dict[str, Any] = {
+    "architectures": ["LlavaOnevisionForConditionalGeneration"],
+    "model_type": "llava_onevision",
+    "projector_hidden_act": "gelu",
+    "vision_feature_layer": -1,
+    "vision_feature_select_strategy": "full",
+    "vision_aspect_ratio": "anyres_max_9",
+    "image_grid_pinpoints": [[384 * r, 384 * c] for r in range(1, 7) for c in range(1, 7)],
+    "vision_config": {
+        "model_type": "siglip_vision_model",
+        "hidden_size": 1152,
+        "intermediate_size": 4304,
+        "image_size": 384,
+        "patch_size": 14,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 26,
+        "vision_use_head": False,
+    },
+}
+_QWEN2_INSTRUCT_TEXT: dict[str, Any] = {
+    "model_type": "qwen2",
+    "hidden_act": "silu",
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "use_sliding_window": False,
+    "torch_dtype": "bfloat16",
 }
 
 ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -193,6 +225,34 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
             "num_key_value_heads": 2,
         },
     },
+    "llava-onevision-qwen2-0.5b-ov": {
+        **_LLAVA_ONEVISION_COMMON,
+        "tie_word_embeddings": True,
+        "text_config": {
+            **_QWEN2_INSTRUCT_TEXT,
+            "hidden_size": 896,
+            "intermediate_size": 4864,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 14,
+            "num_key_value_heads": 2,
+            "vocab_size": 152000,
+            "tie_word_embeddings": True,
+        },
+    },
+    "llava-onevision-qwen2-7b-ov": {
+        **_LLAVA_ONEVISION_COMMON,
+        "tie_word_embeddings": False,
+        "text_config": {
+            **_QWEN2_INSTRUCT_TEXT,
+            "hidden_size": 3584,
+            "intermediate_size": 18944,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 28,
+            "num_key_value_heads": 4,
+            "vocab_size": 152128,
+            "tie_word_embeddings": False,
+        },
+    },
 }
 
 # Qwen2-VL's and Qwen2.5-VL's preprocessor_config.json settings: 14-pixel patches, 2x2 merge
@@ -269,6 +329,8 @@ def write_architecture(name: str, folder: str | os.PathLike) -> str:
 
     if ARCHITECTURES.get(name, {}).get("model_type") == "internvl":
         return _write_internvl(name, folder)
+    if ARCHITECTURES.get(name, {}).get("model_type") == "llava_onevision":
+        return _write_llava_onevision(name, folder)
 
     # The tests' byte-level BPE with Qwen2's and Qwen2-VL's special tokens and chat template.
     tokenizer = vlm_tokenizer("qwen2_vl")
@@ -302,6 +364,47 @@ def _write_internvl(name: str, folder: str | os.PathLike) -> str:
     os.makedirs(folder, exist_ok=True)
     config.save_pretrained(folder)
     internvl_processor(tokenizer, 448, config.image_seq_length).save_pretrained(folder)
+    GenerationConfig(bos_token_id=pad, pad_token_id=pad, eos_token_id=[eos, pad]).save_pretrained(
+        folder
+    )
+    return str(folder)
+
+
+def _write_llava_onevision(name: str, folder: str | os.PathLike) -> str:
+    """``write_architecture`` for a LLaVA-OneVision architecture: ``config.json``,
+    ``generation_config.json`` and the ``LlavaOnevisionProcessor``'s files (the published
+    image processor settings: 384-pixel tiles, the config's pinpoints; 729 tokens per tile;
+    the small tokenizer with ``<image>`` and ``<video>``)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from mm_serve.testing.llava_onevision_checkpoint import (
+        onevision_processor,
+        onevision_tokenizer,
+    )
+
+    tokenizer = onevision_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids
+    pad, eos = ids("<|endoftext|>"), ids("<|im_end|>")
+    values = dict(ARCHITECTURES[name])
+    text = {**values.pop("text_config"), "bos_token_id": pad, "eos_token_id": eos}
+    config = AutoConfig.for_model(
+        values.pop("model_type"),
+        **values,
+        text_config=text,
+        image_token_index=ids("<image>"),
+        video_token_index=ids("<video>"),
+    )
+    os.makedirs(folder, exist_ok=True)
+    config.save_pretrained(folder)
+    vision = config.vision_config
+    processor = onevision_processor(
+        tokenizer,
+        tile=vision.image_size,
+        pinpoints=config.image_grid_pinpoints,
+        num_image_tokens=(vision.image_size // vision.patch_size) ** 2,
+        vision_aspect_ratio=config.vision_aspect_ratio,
+    )
+    processor.save_pretrained(folder)
     GenerationConfig(bos_token_id=pad, pad_token_id=pad, eos_token_id=[eos, pad]).save_pretrained(
         folder
     )

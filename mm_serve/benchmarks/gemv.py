@@ -33,7 +33,7 @@ L2_BYTES = 50 * 2**20  # H100 and H200: 50 MiB
 
 def layer_shapes(arch: str) -> list[tuple[str, int, int, bool, bool]]:
     """``(name, out_features, in_features, bias, gated)`` of one decoder layer's linears."""
-    text = ARCHITECTURES[arch]
+    text = ARCHITECTURES[arch].get("text_config", ARCHITECTURES[arch])  # nested for LLaVA-OV
     hidden, inter = text["hidden_size"], text["intermediate_size"]
     head_dim = hidden // text["num_attention_heads"]
     qkv = hidden + 2 * text["num_key_value_heads"] * head_dim

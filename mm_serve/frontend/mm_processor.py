@@ -175,7 +175,9 @@ class MultiModalProcessor:
         details = [None] * len(images) if details is None else list(details)
         if len(details) != len(images):
             raise ValueError(f"Got {len(details)} image details for {len(images)} images.")
-        variants = {d: self._variant(mm_processor_kwargs or {}, d) for d in set(details)}
+        variants = {
+            d: self._variant(mm_processor_kwargs or {}, d, len(images)) for d in set(details)
+        }
         # Hash all first: a bad image then queues nothing.
         mm_hashes = [
             variants[detail][1].hash_image(image, uuid)
@@ -190,10 +192,10 @@ class MultiModalProcessor:
         )
 
     def _variant(
-        self, mm_processor_kwargs: dict[str, Any], detail: str | None
+        self, mm_processor_kwargs: dict[str, Any], detail: str | None, num_images: int
     ) -> tuple[ImageProcessor | None, MultiModalHasher]:
-        """(the processor of images with these settings, None where it is the server's; the
-        hasher whose hashes cover its settings)."""
+        """(the processor of images with these settings in a prompt of ``num_images``
+        images, None where it is the server's; the hasher whose hashes cover its settings)."""
         if detail is not None and detail not in IMAGE_DETAILS:
             raise ValueError(f"An image's detail must be one of {IMAGE_DETAILS}, not {detail!r}.")
         try:
@@ -202,6 +204,7 @@ class MultiModalProcessor:
             raise InvalidParamError("mm_processor_kwargs", str(e)) from e
         if detail == "low":
             processor = processor.low_detail()
+        processor = processor.for_prompt(num_images)
         settings = processor.hash_kwargs()
         if settings == self.processor.hash_kwargs():
             return None, self.hasher

@@ -64,12 +64,19 @@ class PreprocessResult:
     pixel_mean: tuple[float, ...] = ()
     pixel_std: tuple[float, ...] = ()
     token_ids: tuple[int, ...] | None = None  # ``ProcessedImage.token_ids``
+    image_size: tuple[int, int] | None = None  # ``ProcessedImage.image_size``
 
     def to_processed_image(self) -> ProcessedImage:
         """The torch form, sharing the array's memory (no copy)."""
         pixels, grid = torch.from_numpy(self.pixel_values), self.image_grid_thw
         return ProcessedImage(
-            pixels, self.num_tokens, grid, self.pixel_mean, self.pixel_std, self.token_ids
+            pixels,
+            self.num_tokens,
+            grid,
+            self.pixel_mean,
+            self.pixel_std,
+            self.token_ids,
+            self.image_size,
         )
 
 
@@ -141,6 +148,7 @@ def _run_job(source: Any, processor: ImageProcessor | None = None) -> Preprocess
         item.pixel_mean,
         item.pixel_std,
         item.token_ids,
+        item.image_size,
     )
 
 

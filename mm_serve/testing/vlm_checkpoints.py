@@ -65,9 +65,10 @@ LLAVA_CHAT_TEMPLATE = (
 )
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava")
-# Families whose images expand to more than image tokens (tile tags, newlines): built by their
-# own module, and not in ``FAMILIES`` (tests/test_vlm_models.py runs those).
-TILED_FAMILIES = ("idefics3", "internvl")
+# Families whose images expand to more than image tokens (tile tags, newlines) or to tiles of
+# any resolution: built by their own module, and not in ``FAMILIES`` (tests/test_vlm_models.py
+# runs those).
+TILED_FAMILIES = ("idefics3", "internvl", "llava_onevision")
 _TEXT = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -236,14 +237,15 @@ def build_tiny_vlm_checkpoint(
     vocab_size: int | None = None,
     layout: str = "transformers",
 ) -> str:
-    """Write a tiny ``family`` ("qwen2_vl", "qwen2_5_vl", "llava", "idefics3" or "internvl")
-    checkpoint.
+    """Write a tiny ``family`` ("qwen2_vl", "qwen2_5_vl", "llava", "idefics3", "internvl" or
+    "llava_onevision") checkpoint.
 
     Text: hidden 64, 2 layers, 4 heads, 2 KV heads, intermediate 128 (Qwen: mrope sections
     2:3:3, tied embeddings). Vision: 2-3 layers of width 32, patch 14, merge 2; Qwen images
     are resized into ``[QWEN_MIN_PIXELS, QWEN_MAX_PIXELS]`` (4 to 64 image tokens), LLaVA's to
     56 x 56 (16 image tokens); Idefics3's (a Llama LM): see ``idefics3_checkpoint``; InternVL's
-    (a Qwen2 LM): see ``internvl_checkpoint``. Float32
+    and LLaVA-OneVision's (Qwen2 LMs): see ``internvl_checkpoint``, ``llava_onevision_checkpoint``.
+    Float32
     weights; same arguments, same bytes. Returns ``path``.
 
     ``vocab_size`` (default: the tokenizer's length) sets the embedding and LM-head rows; more
@@ -272,6 +274,14 @@ def build_tiny_vlm_checkpoint(
         from mm_serve.testing.internvl_checkpoint import build_tiny_internvl_checkpoint
 
         return build_tiny_internvl_checkpoint(path, dict(_TEXT), seed, vocab_size)
+    if family == "llava_onevision":
+        if layout != "transformers":
+            raise ValueError("The llava_onevision checkpoint has the transformers layout only.")
+        from mm_serve.testing.llava_onevision_checkpoint import (
+            build_tiny_llava_onevision_checkpoint,
+        )
+
+        return build_tiny_llava_onevision_checkpoint(path, dict(_TEXT), seed, vocab_size)
     tokenizer = vlm_tokenizer(family)
     if vocab_size is None:
         vocab_size = len(tokenizer)
