@@ -19,19 +19,10 @@ from safetensors import safe_open
 from mm_serve import LLM, SamplingParams, distributed
 from mm_serve.config import EngineArgs, check_tensor_parallel
 from mm_serve.engine.executor import WorkerDiedError
-from mm_serve.models.loader import load_model, mapped_safetensors, safetensors_files
+from mm_serve.models.loader import load_model, safetensors_files
 from mm_serve.testing.leaks import assert_llm_idle
 from mm_serve.testing.server import RemoteServer, assert_group_gone, image_question, noise_png_url
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
-
-
-def test_mapped_safetensors_match_safe_open(qwen2_path) -> None:
-    (file,) = safetensors_files(qwen2_path)
-    mapped = dict(mapped_safetensors(file))
-    with safe_open(file, framework="pt") as f:
-        assert sorted(mapped) == sorted(f.keys())
-        for name, tensor in mapped.items():
-            assert torch.equal(tensor, f.get_tensor(name)), name
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
