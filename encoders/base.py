@@ -30,12 +30,17 @@ class ProcessedImage:
       - CLIP / LLaVA: ``[3, H, W]`` float32, resized, cropped and normalised.
       - Idefics3 / SmolVLM: ``[num_tiles, 3, tile, tile]`` float32 (tiles, then the global
         image), with ``token_ids`` its prompt tokens (tile tags, newlines and image tokens).
+      - A Qwen2-VL / Qwen2.5-VL video (``modality == "video"``): the same patches with
+        ``grid_t`` temporal patches of ``temporal_patch`` frames each, or uint8 frames
+        ``[T, C, H, W]`` (see below); ``second_per_grid_t`` is the time one temporal patch
+        spans, in seconds (Qwen2.5-VL's ``second_per_grid_ts``, for its M-RoPE time positions).
 
     Float32 pixels are final. uint8 pixels (``preprocess(..., defer_normalization=True)``) are
     resized but not yet normalised: the consumer computes ``(x - pixel_mean[c]) / pixel_std[c]``
     per channel ``c`` in float32 on the device, the same operations as on the CPU, so that a
     quarter of the bytes cross processes and the host-to-device copy. Qwen2-VL's uint8 form is
-    the resized image ``[C, H, W]``, patchified on the device (an eighth of the bytes).
+    the resized image ``[C, H, W]``, patchified on the device (an eighth of the bytes), and a
+    video's the resized frames ``[T, C, H, W]`` (``T`` not yet padded to a whole temporal patch).
     """
 
     pixel_values: torch.Tensor
@@ -47,6 +52,9 @@ class ProcessedImage:
     # token (Idefics3: tile tags and newlines among them); None: ``num_tokens`` image tokens.
     # The model's ``embed_images`` gives a row for every one of them.
     token_ids: tuple[int, ...] | None = None
+    # "image" or "video": which placeholder token (the model's image or video token) it fills.
+    modality: str = "image"
+    second_per_grid_t: float | None = None  # videos: seconds per temporal patch
 
 
 class ImageProcessor:

@@ -52,7 +52,8 @@ class RequestDecodeError(ValueError):
 
 
 class MultiModalFeatureWire(msgspec.Struct, omit_defaults=True):
-    """One image of a request; its pixel tensor travels as raw frame ``frame`` (-1: none)."""
+    """One image or video of a request; its pixel tensor travels as raw frame ``frame`` (-1:
+    none)."""
 
     mm_hash: str
     offset: int  # placeholder range [offset, offset + length) in the prompt, in tokens
@@ -65,6 +66,8 @@ class MultiModalFeatureWire(msgspec.Struct, omit_defaults=True):
     pixel_mean: tuple[float, ...] = ()  # uint8 pixels: the normalisation left to the engine
     pixel_std: tuple[float, ...] = ()
     token_ids: tuple[int, ...] | None = None  # ``ProcessedImage.token_ids``
+    modality: str = "image"  # ``ProcessedImage.modality``: "image" or "video"
+    second_per_grid_t: float | None = None  # a video's seconds per temporal patch
 
 
 class Sibling(msgspec.Struct, array_like=True):
@@ -269,6 +272,7 @@ def feature_to_wire(feature: MultiModalFeature, buffers: list[memoryview]) -> Mu
         wire.shape = tuple(pixels.shape)
         wire.pixel_mean, wire.pixel_std = tuple(data.pixel_mean), tuple(data.pixel_std)
         wire.token_ids = data.token_ids
+        wire.modality, wire.second_per_grid_t = data.modality, data.second_per_grid_t
         wire.frame = len(buffers) + 1
         buffers.append(tensor_to_buffer(pixels))
     return wire
@@ -310,6 +314,8 @@ def feature_from_wire(wire: MultiModalFeatureWire, frames: Sequence[Buffer]) -> 
             wire.pixel_mean,
             wire.pixel_std,
             wire.token_ids,
+            wire.modality,
+            wire.second_per_grid_t,
         )
     return MultiModalFeature(wire.mm_hash, PlaceholderRange(wire.offset, wire.length), data)
 
