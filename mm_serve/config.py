@@ -332,7 +332,10 @@ class EngineArgs:
         if self.max_video_frames < 1:
             raise ValueError("max_video_frames must be at least 1.")
         return self._config(
-            MultiModalConfig, max_image_tokens=max_image_tokens, mm_preprocess_workers=workers
+            MultiModalConfig,
+            max_image_tokens=max_image_tokens,
+            mm_preprocess_workers=workers,
+            max_video_tokens=0,  # set once the encoder budgets are known
         )
 
     def _config(self, cls: type[_C], **resolved: Any) -> _C:

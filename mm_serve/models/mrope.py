@@ -55,7 +55,11 @@ def _spans(
         t, h, w = grid
         end = pos + t * h * w // merge**2
         if end > len(token_ids) or any(tok != token for tok in token_ids[pos:end]):
-            raise ValueError(f"Item {len(spans)} (grid {grid}) needs {end - pos} of token {token}.")
+            kind = "video" if token == video_token else "image"
+            raise ValueError(
+                f"Item {len(spans)} ({kind}, grid {grid}) needs {end - pos} {kind} tokens "
+                f"at prompt position {pos}."
+            )
         spans.append((pos, end, grid, interval))
         pos = end
     if len(spans) != len(items):

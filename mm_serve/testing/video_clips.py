@@ -31,7 +31,8 @@ def encode_clip(
     """``frames`` (``[T, H, W, 3]`` uint8 RGB) as a video file of ``fps`` frames per second.
 
     The default, PNG frames in a QuickTime container, is lossless (decoded frames equal
-    ``frames``) and takes any frame size; ``("mp4", "mpeg4")`` is lossy and needs even sides.
+    ``frames``) and takes any frame size, as does ``("matroska", "ffv1")`` (a container that
+    stores no frame count); ``("mp4", "mpeg4")`` is lossy (YUV 4:2:0) and needs even sides.
     """
     import av
 
@@ -39,7 +40,7 @@ def encode_clip(
     with av.open(buffer, "w", format=container) as out:
         stream = out.add_stream(codec, rate=fps)
         stream.height, stream.width = frames.shape[1:3]
-        stream.pix_fmt = "rgb24" if codec == "png" else "yuv420p"
+        stream.pix_fmt = {"png": "rgb24", "ffv1": "bgr0"}.get(codec, "yuv420p")
         for frame in frames:
             out.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         out.mux(stream.encode())

@@ -200,7 +200,9 @@ def _build_processor(family: str, tokenizer: Any) -> Any:
     processor_cls = _processor_class(family)
     return processor_cls(
         image_processor=Qwen2VLImageProcessor(**pixels),
-        video_processor=Qwen2VLVideoProcessor(**pixels),
+        # cap_pixels_per_frame given (transformers' present default, False): unset, each
+        # call warns that the default will change.
+        video_processor=Qwen2VLVideoProcessor(**pixels, cap_pixels_per_frame=False),
         tokenizer=tokenizer,
         chat_template=QWEN_VL_CHAT_TEMPLATE,
     )
