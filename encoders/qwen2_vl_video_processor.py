@@ -17,6 +17,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -256,3 +257,11 @@ class Qwen2VLVideoProcessor(VideoProcessor):
             modality="video",
             second_per_grid_t=self.temporal_patch_size / sampled_fps,
         )
+
+
+def qwen2_vl_video_processor(
+    config: dict[str, Any], hf_config: Any, model_path: str | Path
+) -> Qwen2VLVideoProcessor:
+    """Qwen2-VL and Qwen2.5-VL (the family registry's factory): transformers'
+    ``Qwen2VLVideoProcessor`` settings, as ``from_config``."""
+    return Qwen2VLVideoProcessor.from_config(config)

@@ -120,15 +120,6 @@ def read_video_processor_config(model_path: str | Path) -> dict[str, Any]:
     raise FileNotFoundError(f"No video processor settings in {folder}.")
 
 
-def qwen2_vl_video_processor(
-    config: dict[str, Any], hf_config: Any, model_path: str | Path
-) -> VideoProcessor:
-    """Qwen2-VL and Qwen2.5-VL: transformers' ``Qwen2VLVideoProcessor`` settings."""
-    from mm_serve.encoders.qwen2_vl_video_processor import Qwen2VLVideoProcessor
-
-    return Qwen2VLVideoProcessor.from_config(config)
-
-
 def get_video_processor(
     model_path: str | Path, hf_config: Any, mm_processor_kwargs: Mapping[str, Any] | None = None
 ) -> VideoProcessor | None:

@@ -24,7 +24,7 @@ class ModelFamily:
 
 
 _QWEN2_VL_PROCESSOR = "mm_serve.encoders.processors:qwen2_vl_image_processor"
-_QWEN2_VL_VIDEO_PROCESSOR = "mm_serve.encoders.video_processors:qwen2_vl_video_processor"
+_QWEN2_VL_VIDEO_PROCESSOR = "mm_serve.encoders.qwen2_vl_video_processor:qwen2_vl_video_processor"
 FAMILIES = (
     ModelFamily(("LlamaForCausalLM",), ("llama",), "mm_serve.models.llama:LlamaForCausalLM"),
     ModelFamily(("Qwen2ForCausalLM",), ("qwen2",), "mm_serve.models.llama:LlamaForCausalLM"),
