@@ -156,7 +156,7 @@ def test_greedy_matches_hf(path, reference, clip, engine_args):
 def test_repeated_video_hits_the_caches(path, reference, clip):
     """The same clip behind another text: no preprocessing (processor cache) and no tower run
     (encoder cache) the second time, and still HF's tokens."""
-    llm = LLM(path, block_size=4)
+    llm = LLM(path, block_size=4, multiprocess=False)  # its scheduler inspectable on CUDA too
     try:
         first = {"prompt": turn(f"{VIDEO}What moves?"), "videos": [str(clip)]}
         second = {"prompt": turn(f"Once more: {VIDEO}What moves?"), "videos": [clip.read_bytes()]}

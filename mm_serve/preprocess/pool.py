@@ -45,7 +45,13 @@ logger = logging.getLogger(__name__)
 
 # Imported once by the forkserver, so that every forked worker starts with them loaded. This
 # module first: importing mm_serve makes torchvision importable on CPU hosts (see _compat).
-_FORKSERVER_PRELOAD = [__name__, "torchvision.transforms.v2.functional"]
+# PyAV (0.15 s to import) and the video processor: a worker's first video pays no import.
+_FORKSERVER_PRELOAD = [
+    __name__,
+    "torchvision.transforms.v2.functional",
+    "av",
+    "mm_serve.encoders.qwen2_vl_video_processor",
+]
 
 # The worker process's image processor, built by _init_worker.
 _processor: ImageProcessor | None = None
