@@ -19,6 +19,7 @@ prompts while the pool works.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -35,6 +36,8 @@ from mm_serve.encoders.video_processors import VideoProcessor, get_video_process
 from mm_serve.frontend.exceptions import InvalidParamError
 from mm_serve.preprocess.pool import PreprocessPool, PreprocessResult
 from mm_serve.request import MultiModalFeature, PlaceholderRange
+
+logger = logging.getLogger(__name__)
 
 # OpenAI's image_url "detail": "low" preprocesses with ``ImageProcessor.low_detail()`` (Qwen2-VL:
 # at most 448 x 448 pixels), "high" and "auto" (or none) as the server does.
@@ -133,9 +136,12 @@ class MultiModalProcessor:
         self.hasher = MultiModalHasher(model_config.model, self.processor.hash_kwargs())
         self.video_processor: VideoProcessor | None = None
         if self.video_token_id is not None:
-            self.video_processor = get_video_processor(
-                model_config.path, model_config.hf_config, mm_config.mm_processor_kwargs
-            )
+            try:
+                self.video_processor = get_video_processor(
+                    model_config.path, model_config.hf_config, mm_config.mm_processor_kwargs
+                )
+            except FileNotFoundError as e:  # images still served; a video is a 400
+                logger.warning("%s Videos will be refused.", e)
         self.cache = ProcessorCache(int(mm_config.mm_processor_cache_gb * (1 << 30)))
         self.pool = PreprocessPool(model_config, mm_config)
         self._in_flight: dict[str, Future[PreprocessResult]] = {}
