@@ -244,3 +244,22 @@ def test_mrope_positions_match_hf(tmp_path, family):
     assert temporal == ([8, 10] if family == "qwen2_5_vl" else [8, 9])
     with pytest.raises(ValueError, match=r"Item 1 \(image.*6 image tokens at prompt position 11"):
         get_mrope_input_positions(ids, [image_grid, image_grid], config)
+
+
+def test_video_crosses_the_wire(ours):
+    """A video's modality and seconds per temporal patch travel with its frames to the
+    engine core (M-RoPE needs both)."""
+    from mm_serve import SamplingParams
+    from mm_serve.messages import InputCodec
+    from mm_serve.request import MultiModalFeature, PlaceholderRange, Request
+
+    source = VideoFrames(moving_shapes(5, 30, 40), fps=10.0)
+    item = ours.preprocess(source, VideoLimits(), defer_normalization=True)
+    feature = MultiModalFeature("v", PlaceholderRange(1, item.num_tokens), item)
+    request = Request("r", [1] * (item.num_tokens + 2), SamplingParams(), mm_features=[feature])
+    codec = InputCodec()
+    (decoded,) = codec.decode(codec.encode_request(request))
+    data = decoded.mm_features[0].data
+    assert (data.modality, data.second_per_grid_t) == ("video", 2 / 10.0)
+    assert data.image_grid_thw == item.image_grid_thw == (3, 4, 6)
+    assert torch.equal(data.pixel_values, item.pixel_values)
