@@ -263,3 +263,20 @@ def test_video_crosses_the_wire(ours):
     assert (data.modality, data.second_per_grid_t) == ("video", 2 / 10.0)
     assert data.image_grid_thw == item.image_grid_thw == (3, 4, 6)
     assert torch.equal(data.pixel_values, item.pixel_values)
+
+
+def test_multi_modal_data_video_forms():
+    """vLLM's forms: a file, an array, a list of frames or a (frames, metadata) pair is one
+    video; a list of those is several."""
+    from mm_serve.frontend.processor import Prompt
+
+    clip = moving_shapes(3, 8, 8)
+    frames = [Image.fromarray(f) for f in clip]
+    one = [b"file", "clip.mp4", clip, frames, list(clip), (clip, {"fps": 2.0})]
+    for video in one:
+        parsed = Prompt.parse({"prompt": "x", "multi_modal_data": {"video": video}})
+        assert len(parsed.videos) == 1
+    several = Prompt.parse({"prompt": "x", "multi_modal_data": {"video": [clip, "a.mp4"]}})
+    assert len(several.videos) == 2 and several.images is None
+    with pytest.raises(ValueError, match="'image' and/or 'video'"):
+        Prompt.parse({"prompt": "x", "multi_modal_data": {"audio": b""}})
