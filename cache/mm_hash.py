@@ -81,6 +81,37 @@ class MultiModalHasher:
             )
         return hasher.hexdigest()
 
+    def hash_video(self, video: Any, uuid: str | None = None) -> str:
+        """xxh3-128 hex digest of the model, the video processor's settings (this hasher's
+        ``processor_kwargs``: frame sampling, pixel bounds), a "video" tag, and ``uuid`` or
+        the video's content: the encoded file as sent (bytes, or a path's bytes: the same
+        file hashes equally either way; hashing the bytes costs far less than decoding), or
+        frames given decoded, through their ``content_for_hash()`` (``(metadata, pixel
+        bytes)``: shape, dtype, frame rate, pixels).
+
+        Raises:
+            ValueError: a missing file, or a ``video`` of another type.
+        """
+        hasher = xxhash.xxh3_128(seed=self.seed)
+        header: list[bytes] = []
+        _encode((self.model_id, self.processor_kwargs, "video"), header)
+        hasher.update(b"".join(header))
+        if uuid is not None:
+            _update(hasher, "uuid", (), uuid.encode("utf-8"))
+        elif isinstance(video, (bytes, bytearray, memoryview)):
+            _update(hasher, "bytes", (), video)
+        elif isinstance(video, (str, Path)):
+            path = Path(video)
+            if not path.is_file():
+                raise ValueError(f"Video file not found: {str(path)!r}.")
+            _update(hasher, "bytes", (), path.read_bytes())
+        elif hasattr(video, "content_for_hash"):
+            metadata, pixels = video.content_for_hash()
+            _update(hasher, "frames", metadata, pixels)
+        else:
+            raise ValueError(f"Cannot hash a video given as a {type(video).__name__}.")
+        return hasher.hexdigest()
+
 
 def _update(hasher: Any, kind: str, metadata: tuple, payload: bytes | bytearray | memoryview):
     """Frame ``(kind, metadata)`` then the payload (tag, length, bytes) without copying it."""

@@ -34,12 +34,17 @@ class ProcessedImage:
         ``token_ids`` its prompt tokens (``<img>``, the image tokens, ``</img>``).
       - LLaVA-OneVision: ``[num_tiles, 3, tile, tile]`` (the base tile, then the anyres grid),
         with ``image_size`` the original ``(height, width)``.
+      - A Qwen2-VL / Qwen2.5-VL video (``modality == "video"``): the same patches with
+        ``grid_t`` temporal patches of ``temporal_patch`` frames each, or uint8 frames
+        ``[T, C, H, W]`` (see below); ``second_per_grid_t`` is the time one temporal patch
+        spans, in seconds (Qwen2.5-VL's ``second_per_grid_ts``, for its M-RoPE time positions).
 
     Float32 pixels are final. uint8 pixels (``preprocess(..., defer_normalization=True)``) are
     resized but not yet normalised: the consumer computes ``(x - pixel_mean[c]) / pixel_std[c]``
     per channel ``c`` in float32 on the device, the same operations as on the CPU, so that a
     quarter of the bytes cross processes and the host-to-device copy. Qwen2-VL's uint8 form is
-    the resized image ``[C, H, W]``, patchified on the device (an eighth of the bytes).
+    the resized image ``[C, H, W]``, patchified on the device (an eighth of the bytes), and a
+    video's the resized frames ``[T, C, H, W]`` (``T`` not yet padded to a whole temporal patch).
     """
 
     pixel_values: torch.Tensor
@@ -54,6 +59,9 @@ class ProcessedImage:
     # The image's ``(height, width)`` in pixels before preprocessing, where the model needs it
     # (LLaVA-OneVision unpads its anyres features by it); None elsewhere.
     image_size: tuple[int, int] | None = None
+    # "image" or "video": which placeholder token (the model's image or video token) it fills.
+    modality: str = "image"
+    second_per_grid_t: float | None = None  # videos: seconds per temporal patch
 
 
 class ImageProcessor:

@@ -39,6 +39,10 @@ PROCESSOR_CONFIG = "processor_config.json"
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
 CHAT_TEMPLATE_JSON = "chat_template.json"  # the older processor layout's template file
 CHAT_TEMPLATE_JINJA = "chat_template.jinja"
+# A video processor's own mm_processor_kwargs (frame sampling): where the family takes videos,
+# its image processor never sees them. Keys both take (Qwen2-VL's min_pixels, max_pixels)
+# apply to both, as transformers routes a processor call's kwargs.
+VIDEO_SAMPLING_KWARGS = ("fps", "num_frames", "do_sample_frames", "min_frames", "max_frames")
 
 
 def _read_json_object(path: Path) -> dict[str, Any] | None:
@@ -175,6 +179,8 @@ def internvl_image_processor(
     """
     tokens = InternVLTokens.from_tokenizer_files(model_path)
     return InternVLImageProcessor.from_config(config, tokens, internvl_image_seq_len(hf_config))
+
+
 def llava_onevision_image_processor(
     config: dict[str, Any], hf_config: Any, max_pixels: int | None, model_path: str | Path
 ) -> LlavaOnevisionImageProcessor:
@@ -207,7 +213,8 @@ def get_image_processor(
 ) -> ImageProcessor:
     """The image processor of the checkpoint at ``model_path`` (a local folder), as its family
     (``mm_serve.families``) builds it from ``read_image_processor_config``'s settings, then
-    ``mm_processor_kwargs`` applied (``ImageProcessor.with_kwargs``: the server's defaults).
+    ``mm_processor_kwargs`` applied (``ImageProcessor.with_kwargs``: the server's defaults;
+    ``image_kwargs``).
 
     Raises:
         ValueError: a family without images, bad image processor settings, or
@@ -225,4 +232,13 @@ def get_image_processor(
         raise ValueError(f"max_pixels must be positive, got {max_pixels}.")
     config = read_image_processor_config(model_path)
     processor = resolve(family.image_processor)(config, hf_config, max_pixels, model_path)
-    return processor.with_kwargs(mm_processor_kwargs or {})
+    return processor.with_kwargs(image_kwargs(mm_processor_kwargs, hf_config))
+
+
+def image_kwargs(kwargs: dict[str, Any] | None, hf_config: Any) -> dict[str, Any]:
+    """``mm_processor_kwargs`` for the image processor: without ``VIDEO_SAMPLING_KWARGS`` where
+    the family takes videos (there they are the video processor's)."""
+    family = find_family(hf_config)
+    if family is None or family.video_processor is None:
+        return dict(kwargs or {})
+    return {k: v for k, v in (kwargs or {}).items() if k not in VIDEO_SAMPLING_KWARGS}

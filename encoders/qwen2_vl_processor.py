@@ -74,19 +74,26 @@ def smart_resize(
 def patchify(
     pixels: torch.Tensor, patch_size: int, temporal_patch_size: int, merge_size: int
 ) -> torch.Tensor:
-    """``[C, H, W]`` → ``[grid_h * grid_w, C * temporal_patch_size * patch_size**2]``.
+    """``[C, H, W]`` (an image) or ``[T, C, H, W]`` (video frames) →
+    ``[grid_t * grid_h * grid_w, C * temporal_patch_size * patch_size**2]``.
 
     Row order groups each ``merge_size x merge_size`` block of neighbouring patches together
-    (the vision tower's patch merger relies on it); each row is ``(C, t, py, px)`` flattened.
-    A still image is one frame repeated ``temporal_patch_size`` times, so ``grid_t = 1``.
+    (the vision tower's patch merger relies on it), temporal patch by temporal patch; each row
+    is ``(C, t, py, px)`` flattened. A still image is one frame repeated
+    ``temporal_patch_size`` times (``grid_t = 1``); video frames are padded to a multiple of
+    ``temporal_patch_size`` by repeating the last one, as HF's ``Qwen2VLVideoProcessor``.
     """
-    channels, height, width = pixels.shape
-    p, m = patch_size, merge_size
-    grid_h, grid_w = height // p, width // p
-    blocks = pixels.reshape(channels, grid_h // m, m, p, grid_w // m, m, p)
-    blocks = blocks.permute(1, 4, 2, 5, 0, 3, 6)  # [grid_h/m, grid_w/m, m, m, C, p, p]
-    frames = blocks.unsqueeze(5).expand(-1, -1, -1, -1, -1, temporal_patch_size, -1, -1)
-    return frames.reshape(grid_h * grid_w, channels * temporal_patch_size * patch_size**2)
+    tp, p, m = temporal_patch_size, patch_size, merge_size
+    if pixels.dim() == 3:
+        frames = pixels.unsqueeze(0).expand(tp, -1, -1, -1)
+    else:
+        pad = -pixels.shape[0] % tp
+        frames = torch.cat([pixels, pixels[-1:].expand(pad, -1, -1, -1)]) if pad else pixels
+    num_frames, channels, height, width = frames.shape
+    grid_t, grid_h, grid_w = num_frames // tp, height // p, width // p
+    blocks = frames.reshape(grid_t, tp, channels, grid_h // m, m, p, grid_w // m, m, p)
+    blocks = blocks.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # [gt, gh/m, gw/m, m, m, C, tp, p, p]
+    return blocks.reshape(grid_t * grid_h * grid_w, channels * tp * p * p)
 
 
 def normalize_patches(

@@ -10,7 +10,7 @@ explicitly; they are never written back into the config.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -73,6 +73,14 @@ class ModelConfig:
         values = (getattr(self.hf_config, name, None) for name in names)
         return next((value for value in values if value is not None), None)
 
+    @property
+    def video_token_id(self) -> int | None:
+        """The video placeholder token id of a VLM whose family takes videos, else None."""
+        family = find_family(self.hf_config)
+        if family is None or family.video_processor is None:
+            return None
+        return getattr(self.hf_config, "video_token_id", None)
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -122,6 +130,9 @@ class MultiModalConfig:
     the most placeholder tokens one image can expand to (0 for a text-only model).
     ``mm_processor_cache_gb`` bounds the processor cache (0 turns it off) and
     ``mm_preprocess_workers`` is the size of the preprocessing process pool.
+    A video may have at most ``max_video_frames`` frames after sampling, frames of at most
+    ``max_pixels`` each, and expand to at most ``max_video_tokens`` placeholder tokens (the
+    least of the encoder budget, the encoder cache and ``max_model_len - 1``; 0: no videos).
     """
 
     max_pixels: int = 8192 * 8192
@@ -130,6 +141,8 @@ class MultiModalConfig:
     max_image_tokens: int = 0
     mm_processor_cache_gb: float = 4.0
     mm_preprocess_workers: int = 1
+    max_video_frames: int = 128
+    max_video_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -237,6 +250,7 @@ class EngineArgs:
     mm_processor_kwargs: dict[str, Any] | None = None  # JSON on the command line (vLLM's flag)
     mm_processor_cache_gb: float = 4.0
     mm_preprocess_workers: int | None = None
+    max_video_frames: int = 128  # sampled frames per video; more: 400
     max_num_encoder_input_tokens: int | None = None
     encoder_cache_size: int | None = None
     enforce_eager: bool = False  # compilation level 0 (always eager on CPU)
@@ -270,6 +284,9 @@ class EngineArgs:
         encoder_budget, encoder_cache_size = self._resolve_encoder_budgets(
             batched_tokens, multimodal.max_image_tokens
         )
+        if model.video_token_id is not None:  # a video is encoded whole, in one step
+            max_video_tokens = min(encoder_budget, encoder_cache_size, max_model_len - 1)
+            multimodal = replace(multimodal, max_video_tokens=max_video_tokens)
         scheduler = self._config(
             SchedulerConfig,
             max_num_batched_tokens=batched_tokens,
@@ -312,8 +329,13 @@ class EngineArgs:
             workers = max(1, min(8, (os.cpu_count() or 2) // 2))
         if workers < 1:
             raise ValueError("mm_preprocess_workers must be at least 1.")
+        if self.max_video_frames < 1:
+            raise ValueError("max_video_frames must be at least 1.")
         return self._config(
-            MultiModalConfig, max_image_tokens=max_image_tokens, mm_preprocess_workers=workers
+            MultiModalConfig,
+            max_image_tokens=max_image_tokens,
+            mm_preprocess_workers=workers,
+            max_video_tokens=0,  # set once the encoder budgets are known
         )
 
     def _config(self, cls: type[_C], **resolved: Any) -> _C:

@@ -12,15 +12,19 @@ from typing import Any
 @dataclass(frozen=True)
 class ModelFamily:
     """``model_class``: a ``models.interface.LanguageModel``; ``image_processor``: None for a
-    text-only model, else ``(settings, hf_config, max_pixels, model_path) -> ImageProcessor``."""
+    text-only model, else ``(settings, hf_config, max_pixels, model_path) -> ImageProcessor``;
+    ``video_processor``: None for a model without videos, else ``(settings, hf_config,
+    model_path) -> VideoProcessor`` (``encoders/video_processors.py``)."""
 
     architectures: tuple[str, ...]
     model_types: tuple[str, ...]
     model_class: str
     image_processor: str | None = None
+    video_processor: str | None = None
 
 
 _QWEN2_VL_PROCESSOR = "mm_serve.encoders.processors:qwen2_vl_image_processor"
+_QWEN2_VL_VIDEO_PROCESSOR = "mm_serve.encoders.qwen2_vl_video_processor:qwen2_vl_video_processor"
 FAMILIES = (
     ModelFamily(("LlamaForCausalLM",), ("llama",), "mm_serve.models.llama:LlamaForCausalLM"),
     ModelFamily(("Qwen2ForCausalLM",), ("qwen2",), "mm_serve.models.llama:LlamaForCausalLM"),
@@ -30,12 +34,14 @@ FAMILIES = (
         ("qwen2_vl",),
         "mm_serve.models.qwen2_vl:Qwen2VLForConditionalGeneration",
         _QWEN2_VL_PROCESSOR,
+        _QWEN2_VL_VIDEO_PROCESSOR,
     ),
     ModelFamily(
         ("Qwen2_5_VLForConditionalGeneration",),
         ("qwen2_5_vl",),
         "mm_serve.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
         _QWEN2_VL_PROCESSOR,
+        _QWEN2_VL_VIDEO_PROCESSOR,
     ),
     ModelFamily(
         ("LlavaForConditionalGeneration",),

@@ -52,7 +52,8 @@ class RequestDecodeError(ValueError):
 
 
 class MultiModalFeatureWire(msgspec.Struct, omit_defaults=True):
-    """One image of a request; its pixel tensor travels as raw frame ``frame`` (-1: none)."""
+    """One image or video of a request; its pixel tensor travels as raw frame ``frame`` (-1:
+    none)."""
 
     mm_hash: str
     offset: int  # placeholder range [offset, offset + length) in the prompt, in tokens
@@ -66,6 +67,8 @@ class MultiModalFeatureWire(msgspec.Struct, omit_defaults=True):
     pixel_std: tuple[float, ...] = ()
     token_ids: tuple[int, ...] | None = None  # ``ProcessedImage.token_ids``
     image_size: tuple[int, int] | None = None  # ``ProcessedImage.image_size``
+    modality: str = "image"  # ``ProcessedImage.modality``: "image" or "video"
+    second_per_grid_t: float | None = None  # a video's seconds per temporal patch
 
 
 class Sibling(msgspec.Struct, array_like=True):
@@ -271,6 +274,7 @@ def feature_to_wire(feature: MultiModalFeature, buffers: list[memoryview]) -> Mu
         wire.pixel_mean, wire.pixel_std = tuple(data.pixel_mean), tuple(data.pixel_std)
         wire.token_ids = data.token_ids
         wire.image_size = data.image_size
+        wire.modality, wire.second_per_grid_t = data.modality, data.second_per_grid_t
         wire.frame = len(buffers) + 1
         buffers.append(tensor_to_buffer(pixels))
     return wire
@@ -313,6 +317,8 @@ def feature_from_wire(wire: MultiModalFeatureWire, frames: Sequence[Buffer]) -> 
             wire.pixel_std,
             wire.token_ids,
             wire.image_size,
+            wire.modality,
+            wire.second_per_grid_t,
         )
     return MultiModalFeature(wire.mm_hash, PlaceholderRange(wire.offset, wire.length), data)
 

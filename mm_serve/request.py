@@ -50,7 +50,8 @@ class PlaceholderRange:
 
 @dataclass
 class MultiModalFeature:
-    """One image of a request: its content hash, its placeholder range and (later) its data.
+    """One image or video of a request: its content hash, its placeholder range and (later)
+    its data (a ``ProcessedImage``, whose ``modality`` says which).
 
     ``mm_hash`` identifies the content (``cache/mm_hash.py``); it keys the
     encoder cache and enters the prefix-cache hash of every KV block the range overlaps.
@@ -62,26 +63,37 @@ class MultiModalFeature:
 
 
 def check_image_tokens(
-    token_ids: list[int], features: list[MultiModalFeature], image_token: int | None
+    token_ids: list[int],
+    features: list[MultiModalFeature],
+    image_token: int | None,
+    video_token: int | None = None,
 ) -> None:
-    """Raises ValueError when the prompt holds image tokens that no image fills (its text may
-    spell the placeholder without passing an image; the model cannot run that)."""
-    if image_token is None:
-        return
-    if token_ids.count(image_token) != sum(_num_image_tokens(f, image_token) for f in features):
-        raise ValueError(
-            "The prompt contains image placeholder tokens that no image fills; pass images "
-            "as image parts (or multi_modal_data), not as placeholder text."
-        )
+    """Raises ValueError when the prompt holds image (or video) tokens that no image (or
+    video) fills (its text may spell the placeholder without passing one; the model cannot run
+    that)."""
+    for token, modality in ((image_token, "image"), (video_token, "video")):
+        if token is None:
+            continue
+        filled = sum(_num_tokens(f, token) for f in features if _modality(f) == modality)
+        if token_ids.count(token) != filled:
+            raise ValueError(
+                f"The prompt contains {modality} placeholder tokens that no {modality} fills; "
+                f"pass {modality}s as {modality} parts (or multi_modal_data), not as "
+                "placeholder text."
+            )
 
 
-def _num_image_tokens(feature: MultiModalFeature, image_token: int) -> int:
-    """Image tokens in ``feature``'s placeholder: all of it, unless its image has its own
+def _modality(feature: MultiModalFeature) -> str:
+    return getattr(feature.data, "modality", "image")
+
+
+def _num_tokens(feature: MultiModalFeature, token: int) -> int:
+    """Placeholder tokens in ``feature``'s range: all of it, unless its item has its own
     ``token_ids`` (Idefics3: tile tags and newlines among them)."""
     token_ids = getattr(feature.data, "token_ids", None)
     if token_ids is None:
         return feature.placeholder.length
-    return token_ids.count(image_token)
+    return token_ids.count(token)
 
 
 @dataclass

@@ -264,7 +264,9 @@ class EngineCoreProc:
             raise ValueError(f"Prompt token ids must be in [0, {vocab_size}).")
         if any(not 0 <= t < vocab_size for t in request.sampling_params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab_size}).")
-        check_image_tokens(token_ids, request.mm_features, model.image_token_id)
+        check_image_tokens(
+            token_ids, request.mm_features, model.image_token_id, model.video_token_id
+        )
         for feature in request.mm_features:
             placeholder, data = feature.placeholder, feature.data
             if placeholder.offset < 0 or placeholder.end > len(token_ids):

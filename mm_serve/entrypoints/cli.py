@@ -31,17 +31,19 @@ logger = logging.getLogger(__name__)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def _images_limit(text: str) -> int:
-    """``4`` or vLLM's ``{"image": 4}``."""
+def _mm_limits(text: str) -> dict[str, int]:
+    """``4`` (images) or vLLM's ``{"image": 4, "video": 1}`` → the limits given."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
         value = None
-    if isinstance(value, dict) and set(value) <= {"image"}:
-        value = value.get("image")
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise argparse.ArgumentTypeError(f"expected a count or '{{\"image\": N}}', not {text!r}")
-    return value
+    limits = value if isinstance(value, dict) else {"image": value}
+    counts = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in limits.values())
+    if not limits or set(limits) - {"image", "video"} or not counts:
+        raise argparse.ArgumentTypeError(
+            f'expected a count or \'{{"image": N, "video": M}}\', not {text!r}'
+        )
+    return limits
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -64,7 +66,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--allowed-media-domains",
-        "Hosts whose http(s) image URLs are fetched.",
+        "Hosts whose http(s) image and video URLs are fetched.",
         list(media.allowed_domains),
         shown="none",
         nargs="+",
@@ -72,9 +74,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add("--allowed-local-media-path", "Folder whose files file:// URLs may name.", shown="none")
     add(
         "--limit-mm-per-prompt",
-        "Most images per request, as N or '{\"image\": N}'; more: 400.",
-        media.max_images,
-        type=_images_limit,
+        'Most images and videos per request, as N (images) or \'{"image": N, "video": M}\'; '
+        "more: 400.",
+        {},
+        shown=f'{{"image": {media.max_images}, "video": {media.max_videos}}}',
+        type=_mm_limits,
     )
     add(
         "--max-request-body-bytes",
@@ -83,12 +87,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--max-media-bytes",
-        "Largest image fetched from a URL or read from a file (bytes, or 20MiB, ...).",
+        "Largest image or video fetched from a URL or read from a file (bytes, or 20MiB, ...).",
         media.max_bytes,
     )
     add(
         "--media-fetch-timeout",
-        "Time limit of an image URL fetch, in seconds.",
+        "Time limit of an image or video URL fetch, in seconds.",
         media.fetch_timeout_s,
         type=float,
     )
@@ -116,7 +120,8 @@ def server_config_from(args: argparse.Namespace):
         allowed_local_path=args.allowed_local_media_path,
         max_bytes=args.max_media_bytes,
         fetch_timeout_s=args.media_fetch_timeout,
-        max_images=args.limit_mm_per_prompt,
+        max_images=args.limit_mm_per_prompt.get("image", MediaConfig.max_images),
+        max_videos=args.limit_mm_per_prompt.get("video", MediaConfig.max_videos),
     )
     return ServerConfig(
         host=args.host,

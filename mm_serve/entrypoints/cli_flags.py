@@ -69,7 +69,8 @@ _ENGINE_ARG_HELP = {
     "mm_processor_kwargs": "Image processor settings as JSON (vLLM's), e.g. "
     "'{\"max_pixels\": 802816}' for Qwen2-VL; a request's own mm_processor_kwargs apply on top.",
     "mm_processor_cache_gb": "Processor cache size (preprocessed images) in GiB; 0: off.",
-    "mm_preprocess_workers": "Image preprocessing processes.",
+    "mm_preprocess_workers": "Image and video preprocessing processes.",
+    "max_video_frames": "Most frames of a video after sampling; more: 400.",
     "max_num_encoder_input_tokens": "Image embedding tokens encoded per step.",
     "encoder_cache_size": "Encoder cache size in image embedding tokens.",
     "enforce_eager": "No CUDA graphs, no compile: run every step eagerly (compilation level 0).",

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mm_serve.config import ModelConfig, MultiModalConfig
+from mm_serve.frontend.chat_media import split_chat_media
 from mm_serve.frontend.exceptions import InvalidParamError
-from mm_serve.frontend.mm_processor import MultiModalProcessor, PendingImages, split_chat_images
+from mm_serve.frontend.mm_processor import MultiModalProcessor, PendingImages
 from mm_serve.hub import eos_token_ids
 from mm_serve.request import MultiModalFeature, Request, check_image_tokens
 from mm_serve.sampling_params import SamplingParams
@@ -24,10 +25,11 @@ from mm_serve.structured_outputs import check_grammar
 logger = logging.getLogger(__name__)
 
 # A prompt as users give it (vLLM's forms): text, {"prompt": text}, or {"prompt_token_ids":
-# [...]}; VLMs add "multi_modal_data": {"image": [...]} and optionally "multi_modal_uuids":
-# {"image": [...]}, vLLM's "mm_processor_kwargs" (dict: ``ImageProcessor.with_kwargs``) and
-# mm_serve's "multi_modal_detail": {"image": [...]} (each image's OpenAI detail, or None); any
-# prompt may carry a "cache_salt" (str) that keeps its KV blocks from being shared.
+# [...]}; VLMs add "multi_modal_data": {"image": [...], "video": [...]} and optionally
+# "multi_modal_uuids": {"image": [...], "video": [...]}, vLLM's "mm_processor_kwargs" (dict:
+# ``ImageProcessor.with_kwargs``, ``VideoProcessor.with_kwargs``) and mm_serve's
+# "multi_modal_detail": {"image": [...]} (each image's OpenAI detail, or None); any prompt may
+# carry a "cache_salt" (str) that keeps its KV blocks from being shared.
 # ``Prompt.parse`` checks it and makes it a ``Prompt``.
 PromptType = str | dict[str, Any]
 
@@ -48,6 +50,8 @@ class Prompt:
     cache_salt: str | None = None
     mm_processor_kwargs: dict[str, Any] | None = None  # None: the server's
     image_details: list[str | None] | None = None  # None: the server's detail for every image
+    videos: list[Any] | None = None  # None: no videos
+    video_uuids: list[str | None] | None = None  # None: videos identified by their content
 
     @classmethod
     def parse(cls, prompt: PromptType | Prompt) -> Prompt:
@@ -70,8 +74,13 @@ class Prompt:
         if "prompt" not in prompt and "prompt_token_ids" not in prompt:
             raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
         token_ids = prompt.get("prompt_token_ids")
-        images = (prompt.get("multi_modal_data") or {}).get("image")
-        uuids = (prompt.get("multi_modal_uuids") or {}).get("image")
+        data, ids = prompt.get("multi_modal_data") or {}, prompt.get("multi_modal_uuids") or {}
+        for name, value in (("multi_modal_data", data), ("multi_modal_uuids", ids)):
+            unknown = sorted(set(value) - {"image", "video"}) if isinstance(value, dict) else []
+            if not isinstance(value, dict) or unknown:
+                raise ValueError(f"{name} must be a dict with 'image' and/or 'video' keys.")
+        images, videos = data.get("image"), data.get("video")
+        uuids, video_uuids = ids.get("image"), ids.get("video")
         details = (prompt.get("multi_modal_detail") or {}).get("image")
         return cls(
             text=prompt.get("prompt"),
@@ -81,11 +90,27 @@ class Prompt:
             cache_salt=cache_salt,
             mm_processor_kwargs=mm_kwargs,
             image_details=None if details is None else _as_list(details),
+            videos=None if videos is None else _as_videos(videos),
+            video_uuids=None if video_uuids is None else _as_list(video_uuids),
         )
 
 
 def _as_list(value: Any) -> list[Any]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _as_videos(value: Any) -> list[Any]:
+    """``multi_modal_data["video"]`` → a list of videos, as vLLM reads it: a file (bytes or a
+    path), an array of ``ndim`` 4, a ``(frames, metadata)`` pair or a list of frames (PIL
+    images, 3-d arrays) is one video; any other list or tuple is a list of videos."""
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict):
+        return [value]
+    if not isinstance(value, (list, tuple)):
+        return [value]
+    frame_like = [
+        getattr(v, "ndim", None) == 3 or type(v).__module__.startswith("PIL") for v in value
+    ]
+    return [list(value)] if value and all(frame_like) else list(value)
 
 
 @dataclass
@@ -125,7 +150,8 @@ class PendingPrompt:
         if self.images is not None:
             token_ids, features = self.images.result()
             check_token_ids(token_ids, self.model_config)
-        check_image_tokens(token_ids, features, self.model_config.image_token_id)
+        model = self.model_config
+        check_image_tokens(token_ids, features, model.image_token_id, model.video_token_id)
         return ProcessedPrompt(self.text, token_ids, features, self.cache_salt)
 
 
@@ -228,17 +254,19 @@ class InputProcessor:
         # Placeholders only grow on expansion: a prompt too long already fails here.
         check_token_ids(token_ids, self.model_config)
         pending = None
-        if prompt.images is not None:
+        if prompt.images is not None or prompt.videos is not None:
             if self.mm_processor is None:
                 raise ValueError(
                     f"The model {self.model_config.model!r} is text-only and takes no images."
                 )
             pending = self.mm_processor.submit(
                 token_ids,
-                prompt.images,
+                prompt.images or [],
                 prompt.image_uuids,
                 prompt.mm_processor_kwargs,
                 prompt.image_details,
+                prompt.videos,
+                prompt.video_uuids,
             )
         return PendingPrompt(self.model_config, prompt.text, token_ids, prompt.cache_salt, pending)
 
@@ -262,9 +290,10 @@ class InputProcessor:
         and ``template_kwargs`` are further variables of the template (e.g. Qwen3's
         ``enable_thinking``).
 
-        Image parts (``image_url`` with a data/file URL or path, or ``image``) become the
-        template's image placeholder and the prompt's ``multi_modal_data``; their ``uuid`` keys
-        its ``multi_modal_uuids``, an ``image_url``'s ``detail`` its ``multi_modal_detail``.
+        Image parts (``image_url`` with a data/file URL or path, or ``image``) and video parts
+        (``video_url``, ``video``) become the template's image and video placeholders and the
+        prompt's ``multi_modal_data``; their ``uuid`` keys its ``multi_modal_uuids``, an
+        ``image_url``'s ``detail`` its ``multi_modal_detail`` (``chat_media.split_chat_media``).
         BOS is added as HF's processors do, unless the template already wrote it (no double
         BOS); ``add_special_tokens`` adds the tokenizer's special tokens regardless (vLLM's).
 
@@ -273,7 +302,7 @@ class InputProcessor:
                 (``messages``, ``add_generation_prompt``, ``tokenize``, ...).
         """
         template_kwargs |= self._checked_template_kwargs(chat_template_kwargs or {})
-        messages, images, uuids, details = split_chat_images(messages)
+        messages, media = split_chat_media(messages)
         text = self.tokenizer.apply_chat_template(
             messages,
             chat_template=chat_template or self.model_config.chat_template,
@@ -286,13 +315,7 @@ class InputProcessor:
         add_special_tokens = add_special_tokens or not (bos and text.startswith(bos))
         token_ids = self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
         prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": token_ids}
-        if images:
-            prompt["multi_modal_data"] = {"image": images}
-        if any(uuid is not None for uuid in uuids):
-            prompt["multi_modal_uuids"] = {"image": uuids}
-        if any(detail is not None for detail in details):
-            prompt["multi_modal_detail"] = {"image": details}
-        return prompt
+        return prompt | media.multi_modal_fields()
 
     def _checked_template_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """``kwargs`` unless one of them is set by the rendering (an argument of the

@@ -2,75 +2,118 @@
 
 M-RoPE (Qwen2-VL paper, arXiv:2409.12191, section 2.1) gives every token three positions:
 temporal, height, width. Text tokens have all three equal and count up by one. The tokens
-of an image (a ``t x (h / merge) x (w / merge)`` grid of merged patches) all start from the
-position ``p`` after the preceding text: token ``(i, j, k)`` of the grid gets
-``(p + i, p + j, p + k)``; the text after the image resumes at ``p + max(h, w) / merge``.
-Same result as HF ``Qwen2VLModel.get_rope_index`` for images (videos are not supported).
+of an image or a video (a ``t x (h / merge) x (w / merge)`` grid of merged patches) all start
+from the position ``p`` after the preceding text: token ``(i, j, k)`` of the grid gets
+``(p + time(i), p + j, p + k)``; the text after it resumes at ``p + max(h, w) / merge``.
+``time(i) = i`` for images and Qwen2-VL's videos; Qwen2.5-VL spaces a video's temporal patches
+by their duration (its paper's absolute time encoding, arXiv:2502.13923, section 2.1):
+``time(i) = int(i * tokens_per_second * second_per_grid_t)`` in float32. Same result as HF
+``Qwen2VLModel.get_rope_index`` and ``Qwen2_5_VLModel.get_rope_index`` (transformers 5.23).
 
 Because an image takes fewer positions than tokens, the last position of a prompt is below
-``len(prompt) - 1``; ``mrope_position_delta`` (<= 0) is that shift: the token at sequence
-index ``i >= len(prompt)`` (decode) has position ``i + delta`` on all three axes.
+``len(prompt) - 1``; ``mrope_position_delta`` is the shift from the largest position: the
+token at sequence index ``i >= len(prompt)`` (decode) has position ``i + delta`` on all axes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from mm_serve.encoders.base import ProcessedImage
 
-def _image_spans(
-    token_ids: list[int], image_token_id: int, grids: list[tuple[int, int, int]], merge: int
-) -> list[tuple[int, int, tuple[int, int, int]]]:
-    """``(start, end, grid_thw)`` of each image's placeholder run, in prompt order.
+# An image's grid ``(t, h, w)``, or a ``ProcessedImage`` (an image or a video).
+MRopeItem = tuple[int, int, int] | ProcessedImage
 
-    Each image takes ``t * h * w // merge**2`` consecutive image tokens (two adjacent images
-    are told apart by their sizes). Raises ``ValueError`` if the runs do not match ``grids``.
+
+def _spans(
+    token_ids: list[int], items: Sequence[MRopeItem], hf_config: Any, merge: int
+) -> list[tuple[int, int, tuple[int, int, int], float | None]]:
+    """``(start, end, grid_thw, time_interval)`` of each item's placeholder run, in prompt
+    order (``time_interval`` None: consecutive temporal positions).
+
+    Each item takes ``t * h * w // merge**2`` consecutive tokens of its placeholder token (the
+    config's ``image_token_id``, or ``video_token_id`` for a video; two adjacent items are told
+    apart by their sizes). Raises ``ValueError`` if the runs do not match ``items``.
     """
-    spans = []
-    pos, grid_iter = 0, iter(grids)
+    image_token = hf_config.image_token_id
+    video_token = getattr(hf_config, "video_token_id", None)
+    tokens_per_second = getattr(hf_config.vision_config, "tokens_per_second", None)
+    spans, pos, item_iter = [], 0, iter(items)
     while pos < len(token_ids):
-        if token_ids[pos] != image_token_id:
+        if token_ids[pos] not in (image_token, video_token):
             pos += 1
             continue
-        grid = next(grid_iter, None)
-        if grid is None:
-            raise ValueError(f"More image tokens in the prompt than the {len(grids)} images.")
+        item = next(item_iter, None)
+        if item is None:
+            raise ValueError(
+                f"More image or video tokens in the prompt than the {len(items)} items."
+            )
+        grid, token, interval = _describe(item, image_token, video_token, tokens_per_second)
         t, h, w = grid
         end = pos + t * h * w // merge**2
-        if end > len(token_ids) or any(tok != image_token_id for tok in token_ids[pos:end]):
-            raise ValueError(f"Image {len(spans)} (grid {grid}) needs {end - pos} image tokens.")
-        spans.append((pos, end, (t, h, w)))
+        if end > len(token_ids) or any(tok != token for tok in token_ids[pos:end]):
+            kind = "video" if token == video_token else "image"
+            raise ValueError(
+                f"Item {len(spans)} ({kind}, grid {grid}) needs {end - pos} {kind} tokens "
+                f"at prompt position {pos}."
+            )
+        spans.append((pos, end, grid, interval))
         pos = end
-    if len(spans) != len(grids):
-        raise ValueError(f"The prompt has {len(spans)} image placeholders for {len(grids)} images.")
+    if len(spans) != len(items):
+        raise ValueError(
+            f"The prompt has {len(spans)} image or video placeholders for {len(items)} items."
+        )
     return spans
+
+
+def _describe(
+    item: MRopeItem, image_token: int, video_token: int | None, tokens_per_second: Any
+) -> tuple[tuple[int, int, int], int, float | None]:
+    """(grid, placeholder token, time interval) of one item."""
+    if not isinstance(item, ProcessedImage):
+        return tuple(item), image_token, None
+    grid = tuple(item.image_grid_thw)
+    if item.modality != "video":
+        return grid, image_token, None
+    if video_token is None:
+        raise ValueError("A video was given, but the model has no video token.")
+    if tokens_per_second is None or item.second_per_grid_t is None:
+        return grid, video_token, None  # Qwen2-VL: consecutive temporal positions
+    # As HF: the processor's second_per_grid_ts is a float32 tensor.
+    interval = torch.tensor(item.second_per_grid_t, dtype=torch.float32) * tokens_per_second
+    return grid, video_token, interval
 
 
 def get_mrope_input_positions(
     prompt_token_ids: list[int],
-    image_grid_thws: list[tuple[int, int, int]],
+    items: Sequence[MRopeItem],
     hf_config: Any,
 ) -> tuple[torch.Tensor, int]:
     """M-RoPE positions of a whole prompt: ``([3, len(prompt)] int64, mrope_position_delta)``.
 
-    ``image_grid_thws`` are the images' patch grids ``(t, h, w)`` (before the spatial merge),
-    in prompt order; ``hf_config`` is the model's HF config (``image_token_id``,
-    ``vision_config.spatial_merge_size``). A text-only prompt gives ``arange`` and delta 0.
-    Raises ``ValueError`` if the image placeholders do not match the grids.
+    ``items`` are the prompt's images and videos in prompt order: an image's patch grid
+    ``(t, h, w)`` (before the spatial merge), or its ``ProcessedImage`` (a video's gives its
+    ``second_per_grid_t``); ``hf_config`` is the model's HF config (``image_token_id``,
+    ``video_token_id``, ``vision_config.spatial_merge_size`` and, Qwen2.5-VL,
+    ``vision_config.tokens_per_second``). A text-only prompt gives ``arange`` and delta 0.
+    Raises ``ValueError`` if the placeholders do not match the items.
     """
     merge = hf_config.vision_config.spatial_merge_size
-    spans = _image_spans(
-        list(prompt_token_ids), hf_config.image_token_id, list(image_grid_thws), merge
-    )
+    spans = _spans(list(prompt_token_ids), items, hf_config, merge)
     num_tokens = len(prompt_token_ids)
     positions = torch.empty(3, num_tokens, dtype=torch.int64)
     next_pos, cursor = 0, 0  # next text position; first prompt index not yet filled
-    for start, end, (t, h, w) in spans:
+    for start, end, (t, h, w), interval in spans:
         positions[:, cursor:start] = torch.arange(next_pos, next_pos + start - cursor)
         next_pos += start - cursor
+        times = torch.arange(t)
+        if interval is not None:
+            times = (times * interval).long()
         grid = torch.meshgrid(
-            torch.arange(t), torch.arange(h // merge), torch.arange(w // merge), indexing="ij"
+            times, torch.arange(h // merge), torch.arange(w // merge), indexing="ij"
         )
         positions[:, start:end] = torch.stack(grid).reshape(3, -1) + next_pos
         next_pos += max(h, w) // merge

@@ -31,12 +31,13 @@ from mm_serve.models.vlm import VisionLanguageModelBase
 def pixels_on_device(
     images: list[ProcessedImage], device: torch.device, vision_config: Any
 ) -> torch.Tensor:
-    """The images' patches concatenated on ``device``, float32 ``[sum of rows, C * K]``.
+    """The images' (and videos') patches concatenated on ``device``, float32 ``[sum of rows,
+    C * K]``.
 
-    uint8 images (resized ``[C, H, W]``, see ``ProcessedImage``) are gathered into one pinned
-    host buffer, copied without blocking, then patchified and normalised on the device;
-    float32 patches are copied as they are. ``vision_config`` gives ``patch_size``,
-    ``temporal_patch_size`` and ``spatial_merge_size``.
+    uint8 items (a resized image ``[C, H, W]`` or video frames ``[T, C, H, W]``, see
+    ``ProcessedImage``) are gathered into one pinned host buffer, copied without blocking,
+    then patchified and normalised on the device; float32 patches are copied as they are.
+    ``vision_config`` gives ``patch_size``, ``temporal_patch_size`` and ``spatial_merge_size``.
     """
     pixels = [image.pixel_values for image in images]
     if any(p.dtype != torch.uint8 for p in pixels):  # final pixels, or a mix: one at a time
@@ -83,11 +84,13 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModelBase):
         self.tower_runner: Callable[[torch.Tensor, list[list[int]]], torch.Tensor] | None = None
 
     def embed_images(self, images: list[ProcessedImage]) -> list[torch.Tensor]:
-        """One ``[num_tokens, hidden]`` tensor per image, in order, from one tower call.
+        """One ``[num_tokens, hidden]`` tensor per image or video, in order, from one tower
+        call (HF's ``get_image_features`` and ``get_video_features`` alike).
 
-        Each image's ``pixel_values`` is ``[t * h * w, C * T * P * P]`` (or uint8 ``[C, H, W]``,
-        see ``pixels_on_device``) with ``image_grid_thw = (t, h, w)`` in patches; it gives
-        ``t * h * w // merge**2`` rows.
+        Each item's ``pixel_values`` is ``[t * h * w, C * T * P * P]`` (or uint8 ``[C, H, W]``
+        or ``[frames, C, H, W]``, see ``pixels_on_device``) with ``image_grid_thw = (t, h, w)``
+        in patches; it gives ``t * h * w // merge**2`` rows. The tower attends within each
+        temporal patch of ``h * w`` patches.
         """
         if not images:
             return []

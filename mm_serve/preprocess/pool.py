@@ -1,4 +1,5 @@
-"""The preprocessing pool: worker processes that decode, validate and preprocess images.
+"""The preprocessing pool: worker processes that decode, validate and preprocess images and
+videos.
 
 Decoding a JPEG and resizing it take milliseconds to tens of milliseconds of CPU per image and hold
 the GIL for much of it, so the front end hands them to a pool of processes and keeps tokenizing,
@@ -7,7 +8,9 @@ imported torch, torchvision and the processors, so they start fast and share tho
 inheriting the front end's threads or memory (no plain ``fork``), and they never run the user's
 main script (``mp_context``): a script needs no ``if __name__ == "__main__":`` guard.
 
-Each worker builds the checkpoint's image processor once and warms it on a small image.
+Each worker builds the checkpoint's image processor once and warms it on a small image; a
+video job carries its video processor (``VideoProcessor``, a few settings) and decodes with
+PyAV, checking the server's ``VideoLimits`` before it decodes a frame.
 Results come back as numpy arrays (pickled through the pool's pipe: no torch shared memory or
 file descriptors) and become torch tensors in the caller (``PreprocessResult.to_processed_image``).
 """
@@ -35,17 +38,25 @@ from mm_serve.config import ModelConfig, MultiModalConfig
 from mm_serve.encoders.base import ImageProcessor, ProcessedImage
 from mm_serve.encoders.image_io import load_image
 from mm_serve.encoders.processors import get_image_processor
+from mm_serve.encoders.video_processors import VideoLimits, VideoProcessor
 from mm_serve.mp_context import no_main_context
 
 logger = logging.getLogger(__name__)
 
 # Imported once by the forkserver, so that every forked worker starts with them loaded. This
 # module first: importing mm_serve makes torchvision importable on CPU hosts (see _compat).
-_FORKSERVER_PRELOAD = [__name__, "torchvision.transforms.v2.functional"]
+# PyAV (0.15 s to import) and the video processor: a worker's first video pays no import.
+_FORKSERVER_PRELOAD = [
+    __name__,
+    "torchvision.transforms.v2.functional",
+    "av",
+    "mm_serve.encoders.qwen2_vl_video_processor",
+]
 
 # The worker process's image processor, built by _init_worker.
 _processor: ImageProcessor | None = None
 _max_pixels: int = 0
+_video_limits = VideoLimits()
 
 
 @dataclass
@@ -65,6 +76,24 @@ class PreprocessResult:
     pixel_std: tuple[float, ...] = ()
     token_ids: tuple[int, ...] | None = None  # ``ProcessedImage.token_ids``
     image_size: tuple[int, int] | None = None  # ``ProcessedImage.image_size``
+    modality: str = "image"  # ``ProcessedImage.modality``
+    second_per_grid_t: float | None = None  # ``ProcessedImage.second_per_grid_t``
+
+    @classmethod
+    def of(cls, item: ProcessedImage) -> PreprocessResult:
+        """The numpy form of ``item``, made in this worker (no copy)."""
+        return cls(
+            item.pixel_values.numpy(),
+            item.num_tokens,
+            item.image_grid_thw,
+            os.getpid(),
+            item.pixel_mean,
+            item.pixel_std,
+            item.token_ids,
+            item.image_size,
+            item.modality,
+            item.second_per_grid_t,
+        )
 
     def to_processed_image(self) -> ProcessedImage:
         """The torch form, sharing the array's memory (no copy)."""
@@ -77,6 +106,8 @@ class PreprocessResult:
             self.pixel_std,
             self.token_ids,
             self.image_size,
+            self.modality,
+            self.second_per_grid_t,
         )
 
 
@@ -96,15 +127,16 @@ def _init_worker(
     processor_max_pixels: int | None,
     mm_processor_kwargs: dict[str, Any] | None,
     max_pixels: int,
+    video_limits: VideoLimits,
 ) -> None:
-    global _processor, _max_pixels
+    global _processor, _max_pixels, _video_limits
     _exit_with_owner()
     # One image per worker at a time: parallelism comes from the number of workers.
     torch.set_num_threads(1)
     _processor = get_image_processor(
         model_path, hf_config, processor_max_pixels, mm_processor_kwargs
     )
-    _max_pixels = max_pixels
+    _max_pixels, _video_limits = max_pixels, video_limits
     # Pillow's plugins and the first resize load lazily: pay that now, not on a user's image.
     _run_job(warm_up_image())
 
@@ -139,17 +171,15 @@ def _run_job(source: Any, processor: ImageProcessor | None = None) -> Preprocess
     assert _processor is not None, "worker not initialised"
     image = load_image(source, _max_pixels)
     item = (processor or _processor).preprocess(image, defer_normalization=True)
-    pixels = item.pixel_values.numpy()
-    return PreprocessResult(
-        pixels,
-        item.num_tokens,
-        item.image_grid_thw,
-        os.getpid(),
-        item.pixel_mean,
-        item.pixel_std,
-        item.token_ids,
-        item.image_size,
-    )
+    return PreprocessResult.of(item)
+
+
+def _run_video_job(source: Any, processor: VideoProcessor) -> PreprocessResult:
+    """Decode ``source`` (``video_io.VideoSource``), sample, check the server's
+    ``VideoLimits`` before decoding, resize (uint8 frames: normalised and patchified on the
+    device). Raises ``ValueError``: undecodable data, a missing file, a video over a limit."""
+    item = processor.preprocess(source, _video_limits, defer_normalization=True)
+    return PreprocessResult.of(item)
 
 
 class PreprocessPool:
@@ -173,6 +203,9 @@ class PreprocessPool:
             mm_config.processor_max_pixels,
             mm_config.mm_processor_kwargs,
             mm_config.max_pixels,
+            VideoLimits(
+                mm_config.max_video_frames, mm_config.max_video_tokens, mm_config.max_pixels
+            ),
         )
         self._executor: concurrent.futures.ProcessPoolExecutor | None = None
         self._finalizer: weakref.finalize | None = None
@@ -189,16 +222,30 @@ class PreprocessPool:
         Raises:
             RuntimeError: the pool was shut down.
         """
+        return self._submit(_run_job, source, processor)
+
+    def submit_video(
+        self, source: Any, processor: VideoProcessor
+    ) -> concurrent.futures.Future[PreprocessResult]:
+        """Queue one video (``video_io.VideoSource``: encoded bytes, a file path or decoded
+        frames) for ``processor`` (the checkpoint's video processor, or a request's variant).
+
+        Raises:
+            RuntimeError: the pool was shut down.
+        """
+        return self._submit(_run_video_job, source, processor)
+
+    def _submit(self, job: Any, source: Any, processor: Any) -> concurrent.futures.Future:
         if isinstance(source, memoryview):
             source = source.tobytes()  # memoryviews do not pickle
         with self._lock:
             try:
-                return self._get_executor().submit(_run_job, source, processor)
+                return self._get_executor().submit(job, source, processor)
             except BrokenProcessPool:
                 # A worker died (killed, out of memory): its futures failed; start afresh.
                 logger.warning("a preprocessing worker died; restarting the pool")
                 self._stop_executor(wait=False)
-                return self._get_executor().submit(_run_job, source, processor)
+                return self._get_executor().submit(job, source, processor)
 
     def start(self) -> list[concurrent.futures.Future[int]]:
         """Start every worker now, rather than with the first images; returns at once.

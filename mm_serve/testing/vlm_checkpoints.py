@@ -30,7 +30,8 @@ QWEN_VL_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|vi
 LLAVA_IMAGE_TOKEN = "<image>"
 
 # As Qwen2-VL-Instruct's template: image parts become <|vision_start|><|image_pad|><|vision_end|>
-# (the processor repeats <|image_pad|> once per image token).
+# (the processor repeats <|image_pad|> once per image token), video parts the same with
+# <|video_pad|>.
 QWEN_VL_CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "{%- if loop.first and message['role'] != 'system' -%}"
@@ -40,6 +41,8 @@ QWEN_VL_CHAT_TEMPLATE = (
     "{%- else -%}{%- for part in message['content'] -%}"
     "{%- if part['type'] in ('image', 'image_url') -%}"
     "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] in ('video', 'video_url') -%}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
     "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
     "{{- '<|im_end|>\\n' -}}"
@@ -198,7 +201,9 @@ def _build_processor(family: str, tokenizer: Any) -> Any:
     processor_cls = _processor_class(family)
     return processor_cls(
         image_processor=Qwen2VLImageProcessor(**pixels),
-        video_processor=Qwen2VLVideoProcessor(**pixels),
+        # cap_pixels_per_frame given (transformers' present default, False): unset, each
+        # call warns that the default will change.
+        video_processor=Qwen2VLVideoProcessor(**pixels, cap_pixels_per_frame=False),
         tokenizer=tokenizer,
         chat_template=QWEN_VL_CHAT_TEMPLATE,
     )

@@ -228,9 +228,9 @@ class ModelRunner:
         if self.model.uses_mrope:
             from mm_serve.models.mrope import get_mrope_input_positions
 
-            grids = [f.data.image_grid_thw for f in new.mm_features]
+            items = [f.data for f in new.mm_features]  # images and videos, in prompt order
             table, state.mrope_delta = get_mrope_input_positions(
-                new.prompt_token_ids, grids, self.config.model.hf_config
+                new.prompt_token_ids, items, self.config.model.hf_config
             )
             state.mrope_positions = table.numpy()
         return state

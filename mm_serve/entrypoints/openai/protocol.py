@@ -78,7 +78,19 @@ class ImageURLPart(BaseModel):
     uuid: str | None = None
 
 
-ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
+class VideoURL(BaseModel):
+    url: str  # data:video/...;base64,..., http(s)://... (allowed hosts), file://... (allowed root)
+
+
+class VideoURLPart(BaseModel):
+    """vLLM's video part: a video file (any container and codec FFmpeg decodes)."""
+
+    type: Literal["video_url"]
+    video_url: VideoURL
+    uuid: str | None = None  # identifies the video in place of its content in the caches
+
+
+ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart, Field(discriminator="type")]
 
 
 class ChatMessage(BaseModel):

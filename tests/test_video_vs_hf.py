@@ -1,0 +1,224 @@
+"""Videos through the offline engine against HF transformers, for Qwen2-VL and Qwen2.5-VL.
+
+Greedy tokens equal HF's ``generate`` (top-5 log-probs within 1e-4, float32) for a batch
+mixing a text-only prompt, a generated clip (odd size, odd frame count: every frame), a clip
+sampled by fps next to an image in one prompt (Qwen2.5-VL: time positions 2.75 apart), a video
+given as PIL frames, and a real clip shipped by scikit-image; whole, and with a 8-token budget
+that cuts the videos across chunks. HF gets the same frames decoded by its own
+``read_video_pyav``. A repeated video hits the processor and encoder caches; a chat turn
+with a video part expands as HF's processor does. No KV block or encoder-cache entry is left.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mm_serve import LLM, SamplingParams
+from mm_serve.testing.hf_reference import hf_greedy_generate
+from mm_serve.testing.leaks import assert_llm_idle
+from mm_serve.testing.video_clips import encode_clip, moving_shapes
+from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+
+warnings.filterwarnings("ignore", message=".*per-frame pixel cap.*")
+
+MAX_NEW_TOKENS = 10
+LOGPROB_TOL = 1e-4
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def turn(text: str) -> str:
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def real_clip() -> Path:
+    import skimage
+
+    return Path(skimage.__file__).parent / "data" / "no_time_for_that_tiny.gif"
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def path(request, tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp(request.param)
+    return build_tiny_vlm_checkpoint(folder, request.param, seed=7)
+
+
+@pytest.fixture(scope="module")
+def reference(path):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(path)
+    model = AutoModelForImageTextToText.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    return processor, model
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory) -> Path:
+    """11 frames of 91 x 53 pixels at 8 fps, lossless (PNG frames in a QuickTime file)."""
+    file = tmp_path_factory.mktemp("clips") / "shapes.mov"
+    file.write_bytes(encode_clip(moving_shapes(11, 53, 91, seed=0), fps=8))
+    return file
+
+
+def hf_frames(video: Any) -> tuple[Any, dict | None]:
+    """What HF's processor gets for one of our videos: a file decoded by its own PyAV reader
+    (with its metadata), frames as they are."""
+    if not isinstance(video, (str, Path)):
+        return video, None
+    from transformers.video_utils import load_video
+
+    frames, meta = load_video(str(video), backend="pyav")
+    return frames, {"total_num_frames": meta.total_num_frames, "fps": meta.fps}
+
+
+def hf_greedy(reference, case: dict[str, Any]):
+    processor, model = reference
+    videos = [hf_frames(v) for v in case.get("hf_videos", case.get("videos", []))]
+    kwargs = dict(case.get("kwargs") or {})
+    if "fps" in kwargs or "num_frames" in kwargs:
+        kwargs["do_sample_frames"] = True
+    inputs = processor(
+        text=[case["prompt"]],
+        images=case.get("images") or None,
+        videos=[frames for frames, _ in videos] or None,
+        video_metadata=[meta for _, meta in videos] if any(m for _, m in videos) else None,
+        return_tensors="pt",
+        **kwargs,
+    )
+    return hf_greedy_generate(model, inputs, MAX_NEW_TOKENS)
+
+
+def cases(clip: Path) -> list[dict[str, Any]]:
+    pixels = np.random.default_rng(5).integers(0, 256, (45, 77, 3), dtype=np.uint8)
+    frames = [Image.fromarray(f) for f in moving_shapes(5, 41, 66, seed=2)]
+    return [
+        {"prompt": turn("A text-only question.")},
+        {"prompt": turn(f"{VIDEO}What moves?"), "videos": [str(clip)]},
+        {
+            "prompt": turn(f"{IMAGE}And then {VIDEO}Compare."),
+            "images": [Image.fromarray(pixels)],
+            "videos": [clip.read_bytes()],
+            "hf_videos": [str(clip)],
+            "kwargs": {"fps": 4},
+        },
+        {"prompt": turn(f"Frames: {VIDEO}"), "videos": [frames]},
+        {"prompt": turn(f"{VIDEO}Describe."), "videos": [str(real_clip())], "kwargs": {"fps": 5}},
+    ]
+
+
+def engine_prompt(case: dict[str, Any]) -> dict[str, Any]:
+    prompt: dict[str, Any] = {"prompt": case["prompt"]}
+    data = {k: case[k] for k in ("images", "videos") if case.get(k)}
+    if data:
+        prompt["multi_modal_data"] = {k[:-1]: v for k, v in data.items()}
+    if case.get("kwargs"):
+        prompt["mm_processor_kwargs"] = case["kwargs"]
+    return prompt
+
+
+def assert_matches_hf(llm: LLM, reference, batch: list[dict[str, Any]]):
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5)
+    outputs = llm.generate([engine_prompt(c) for c in batch], params, use_tqdm=False)
+    for case, output in zip(batch, outputs, strict=True):
+        prompt_ids, ref_tokens, ref_logprobs = hf_greedy(reference, case)
+        assert output.prompt_token_ids == prompt_ids  # the video placeholders as HF expands them
+        completion = output.outputs[0]
+        assert completion.token_ids == ref_tokens
+        for step, step_logprobs in enumerate(completion.logprobs):
+            for token_id, logprob in step_logprobs.items():
+                assert abs(logprob.logprob - ref_logprobs[step, token_id].item()) < LOGPROB_TOL
+    assert_llm_idle(llm)
+    return outputs
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [{}, {"max_num_batched_tokens": 8, "block_size": 4}],
+    ids=["whole", "chunked"],
+)
+def test_greedy_matches_hf(path, reference, clip, engine_args):
+    llm = LLM(path, **engine_args)
+    try:
+        assert_matches_hf(llm, reference, cases(clip))
+    finally:
+        llm.shutdown()
+
+
+def test_repeated_video_hits_the_caches(path, reference, clip):
+    """The same clip behind another text: no preprocessing (processor cache) and no tower run
+    (encoder cache) the second time, and still HF's tokens."""
+    llm = LLM(path, block_size=4, multiprocess=False)  # its scheduler inspectable on CUDA too
+    try:
+        first = {"prompt": turn(f"{VIDEO}What moves?"), "videos": [str(clip)]}
+        second = {"prompt": turn(f"Once more: {VIDEO}What moves?"), "videos": [clip.read_bytes()]}
+        second["hf_videos"] = [str(clip)]
+        encoder = llm.engine_core.scheduler.encoder_cache_manager
+        processor_cache = llm.input_processor.mm_processor.cache
+        assert_matches_hf(llm, reference, [first])
+        hits, cache_hits = encoder.hits, processor_cache.hits
+        (output,) = assert_matches_hf(llm, reference, [second])
+        assert encoder.hits == hits + 1  # the video's embeddings, not encoded again
+        assert processor_cache.hits == cache_hits + 1  # bytes and path hash alike
+        assert output.num_cached_tokens < 8  # another prefix: no KV reuse hid the hit
+        sampled = {**second, "kwargs": {"num_frames": 4}}  # other frames: another video
+        assert_matches_hf(llm, reference, [sampled])
+        assert encoder.hits == hits + 1
+    finally:
+        llm.shutdown()
+
+
+def test_chat_with_video_part(path, reference, clip):
+    processor, _ = reference
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "video", "video": str(clip)},
+                {"type": "video_url", "video_url": {"url": f"file://{clip}"}},
+                {"type": "text", "text": "Same?"},
+            ],
+        }
+    ]
+    llm = LLM(path)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+        (output,) = llm.chat(messages, params, use_tqdm=False)
+        text = processor.apply_chat_template(messages, add_generation_prompt=True)
+        case = {"prompt": text, "videos": [str(clip), str(clip)]}
+        prompt_ids, ref_tokens, _ = hf_greedy(reference, case)
+        assert output.prompt_token_ids == prompt_ids
+        assert output.outputs[0].token_ids == ref_tokens
+        assert_llm_idle(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_bad_videos_are_value_errors(path, clip):
+    """Offline, a bad video raises ValueError naming the problem; the engine serves on."""
+    llm = LLM(path, max_video_frames=8)
+    try:
+        bad = [
+            ({"video": b"\x00not a video\xff" * 20}, "Cannot decode the video"),
+            ({"video": str(clip)}, "11 frames after sampling.*limit of 8"),
+            ({"video": [str(clip), str(clip)]}, "1 video placeholders but 2 videos"),
+            ({"image": [], "video": "/nonexistent.mp4"}, "not found"),
+        ]
+        for data, match in bad:
+            with pytest.raises(ValueError, match=match):
+                llm.generate({"prompt": turn(VIDEO), "multi_modal_data": data}, use_tqdm=False)
+        ok = {"prompt": turn(VIDEO), "multi_modal_data": {"video": str(clip)}}
+        ok["mm_processor_kwargs"] = {"num_frames": 8}
+        (output,) = llm.generate(ok, SamplingParams(max_tokens=2), use_tqdm=False)
+        assert len(output.outputs[0].token_ids) == 2
+        assert_llm_idle(llm)
+    finally:
+        llm.shutdown()
