@@ -102,21 +102,24 @@ class TowerPlan:
 
 
 class PatchEmbed(nn.Module):
-    """``[N, C * T * P * P] -> [N, embed_dim]``: HF's ``Conv3d`` with kernel = stride = (T, P, P).
+    """``[N, C * T * P * P] -> [N, embed_dim]``: HF's ``Conv3d`` with kernel = stride = (T, P, P)
+    (with a bias for Qwen3-VL).
 
     The weight keeps the ``Conv3d`` shape ``[embed_dim, C, T, P, P]`` for loading, but the
     forward is the equivalent matmul over the flattened patch (one kernel window per row), which
     is much faster than a ``Conv3d`` call on such inputs.
     """
 
-    def __init__(self, patch_size: int, temporal_patch_size: int, in_channels: int, dim: int):
+    def __init__(
+        self, patch_size: int, temporal_patch_size: int, in_channels: int, dim: int, bias=False
+    ):
         super().__init__()
         kernel = (temporal_patch_size, patch_size, patch_size)
-        self.proj = nn.Conv3d(in_channels, dim, kernel_size=kernel, stride=kernel, bias=False)
+        self.proj = nn.Conv3d(in_channels, dim, kernel_size=kernel, stride=kernel, bias=bias)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight
-        return F.linear(pixel_values.to(weight.dtype), weight.flatten(1))
+        return F.linear(pixel_values.to(weight.dtype), weight.flatten(1), self.proj.bias)
 
 
 class VisionAttention(nn.Module):

@@ -254,9 +254,11 @@ def apply_mrotary(
     head_dim: int,
     mrope_section: list[int] | None,
     kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    mrope_interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen2-VL multimodal RoPE (plain RoPE for ``[T]`` positions or no ``mrope_section``);
-    see ``apply_mrotary_ref``, and ``apply_rotary`` for ``kv_write``."""
+    """Multimodal RoPE (plain RoPE for ``[T]`` positions or no ``mrope_section``), Qwen2-VL's
+    chunked layout or Qwen3-VL's ``mrope_interleaved`` one; see ``apply_mrotary_ref``, and
+    ``apply_rotary`` for ``kv_write``."""
     section = mrope_section if positions.ndim == 2 else None
     extra = () if kv_write is None else (kv_write[0], kv_write[1])
     same = all(t.dtype == query.dtype for t in (key, *extra))
@@ -265,12 +267,15 @@ def apply_mrotary(
         from mm_serve.kernels.triton_rotary import apply_rotary_triton
 
         return apply_rotary_triton(
-            positions, query, key, cos_sin_cache, head_dim, section, kv_write=kv_write
-        )
+            positions, query, key, cos_sin_cache, head_dim, section, kv_write=kv_write,
+            mrope_interleaved=mrope_interleaved,
+        )  # fmt: skip
     if section is None:
         query, key = apply_rotary_ref(positions, query, key, cos_sin_cache, head_dim)
     else:
-        query, key = apply_mrotary_ref(positions, query, key, cos_sin_cache, head_dim, section)
+        query, key = apply_mrotary_ref(
+            positions, query, key, cos_sin_cache, head_dim, section, mrope_interleaved
+        )
     if kv_write is not None:
         value, kv_cache, slot_mapping = kv_write
         head_shape = (key.shape[0], -1, head_dim)

@@ -36,6 +36,22 @@ def apply_rotary_ref(
     return rotate(query), rotate(key)
 
 
+def mrope_axes(mrope_section: list[int], half: int, interleaved: bool = False) -> list[int]:
+    """The position axis (0: t, 1: h, 2: w) of each of the ``half = head_dim // 2`` rotary
+    frequencies.
+
+    Chunked (Qwen2-VL, arXiv:2409.12191, section 2.1): ``mrope_section[0]`` frequencies of t,
+    then of h, then of w. Interleaved (Qwen3-VL, HF ``Qwen3VLTextRotaryEmbedding``'s
+    ``recomposition_frequencies``): t h w t h w ...; frequency ``i`` takes axis ``i % 3`` while
+    that axis has frequencies left (h: ``i < 3 * mrope_section[1]``, w: ``i < 3 *
+    mrope_section[2]``), else t.
+    """
+    if not interleaved:
+        return [axis for axis, n in enumerate(mrope_section) for _ in range(n)]
+    bounds = (0, 3 * mrope_section[1], 3 * mrope_section[2])
+    return [i % 3 if i % 3 and i < bounds[i % 3] else 0 for i in range(half)]
+
+
 def apply_mrotary_ref(
     positions: torch.Tensor,  # [3, num_tokens] int (t, h, w), or [num_tokens]
     query: torch.Tensor,  # [num_tokens, num_heads * head_dim] or [num_tokens, num_heads, head_dim]
@@ -43,20 +59,23 @@ def apply_mrotary_ref(
     cos_sin_cache: torch.Tensor,  # [max_position, head_dim]: cos | sin, each head_dim // 2
     head_dim: int,
     mrope_section: list[int],  # 3 parts summing to head_dim // 2
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Multimodal RoPE (Qwen2-VL, arXiv:2409.12191, section 2.1); returns new tensors.
 
-    Rotary frequency ``i`` of section ``s`` (``mrope_section`` splits the ``head_dim // 2``
-    frequencies into t, h, w parts) rotates by the token's position on axis ``s``; the cos and
-    sin halves are split alike (HF ``Qwen2VLRotaryEmbedding`` recomposition). ``[T]``
-    positions (all axes equal: text, decode) is plain :func:`apply_rotary_ref`.
+    Rotary frequency ``i`` rotates by the token's position on axis ``mrope_axes(...)[i]``
+    (``mrope_section`` splits the ``head_dim // 2`` frequencies into t, h, w parts, chunked or
+    ``interleaved``); the cos and sin halves are picked alike (HF ``Qwen2VLRotaryEmbedding``
+    and ``Qwen3VLTextRotaryEmbedding`` recomposition). ``[T]`` positions (all axes equal:
+    text, decode) is plain :func:`apply_rotary_ref`.
     """
     if positions.ndim == 1:
         return apply_rotary_ref(positions, query, key, cos_sin_cache, head_dim)
-    cos_sin = cos_sin_cache[positions]  # [3, T, head_dim]
-    # cos and sin halves are split alike: section i of each half takes axis i.
-    parts = cos_sin.split(list(mrope_section) * 2, dim=-1)
-    table = torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)  # [T, head_dim]
+    half = head_dim // 2
+    axes = mrope_axes(mrope_section, half, interleaved)
+    axis = torch.tensor(axes * 2, device=positions.device)  # cos half, then sin half
+    # [T, head_dim]: entry j of token t from the table row of its position on axis[j].
+    table = cos_sin_cache[positions[axis].T, torch.arange(head_dim, device=positions.device)]
     # Each token now has its own row of the table: rotate token t by row t.
     rows = torch.arange(table.shape[0], device=table.device)
     return apply_rotary_ref(rows, query, key, table, head_dim)

@@ -1,4 +1,5 @@
-"""Triton rotary position embedding (NeoX style), plain and Qwen2-VL multimodal (mrope).
+"""Triton rotary position embedding (NeoX style), plain and multimodal (M-RoPE: Qwen2-VL's
+chunked layout, Qwen3-VL's interleaved one).
 
 The GPU counterpart of ``apply_rotary_ref`` and ``apply_mrotary_ref``. RoPE: Su et al.,
 "RoFormer", arXiv:2104.09864; the half-split ("rotate_half") layout of GPT-NeoX / HF Llama;
@@ -61,15 +62,20 @@ def _rotary_kernel(
     stride_qo_tok, stride_ko_tok, num_heads, num_kv_heads,
     v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_v_tok, stride_v_head, stride_c_slot,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
-    K_HEADS_PAD: tl.constexpr, MROPE: tl.constexpr, SECTION_0: tl.constexpr,
-    SECTION_01: tl.constexpr, ROUND: tl.constexpr, WRITE_CACHE: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    K_HEADS_PAD: tl.constexpr, MROPE: tl.constexpr, INTERLEAVED: tl.constexpr,
+    SECTION_0: tl.constexpr, SECTION_1: tl.constexpr, SECTION_2: tl.constexpr,
+    ROUND: tl.constexpr, WRITE_CACHE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     offs_i = tl.arange(0, HALF_PAD)
     i_ok = offs_i < HALF
-    if MROPE:  # frequency i takes its position from axis 0 (t), 1 (h) or 2 (w)
-        axis = tl.where(offs_i < SECTION_0, 0, tl.where(offs_i < SECTION_01, 1, 2))
+    if MROPE:  # frequency i takes its position from axis 0 (t), 1 (h) or 2 (w): mrope_axes
+        if INTERLEAVED:  # t h w t h w ...: axis i % 3 while it has frequencies left
+            rem = offs_i % 3
+            axis = tl.where((rem == 1) & (offs_i < 3 * SECTION_1), 1, 0)
+            axis = tl.where((rem == 2) & (offs_i < 3 * SECTION_2), 2, axis)
+        else:
+            axis = tl.where(offs_i < SECTION_0, 0, tl.where(offs_i < SECTION_0 + SECTION_1, 1, 2))
         pos = tl.load(positions_ptr + axis * stride_pos_axis + token, mask=i_ok, other=0)
     else:
         pos = tl.load(positions_ptr + token + offs_i * 0)
@@ -128,11 +134,13 @@ def apply_rotary_triton(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,  # (query, key) shapes, written
     round_products: bool | None = None,
     kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    mrope_interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``query`` and ``key`` by their positions; returns new tensors of their shapes.
 
     Contract of ``apply_rotary_ref`` (``positions [T]``) and, with ``mrope_section`` and
-    ``positions [3, T]``, of ``apply_mrotary_ref``. ``query`` and ``key`` share one dtype and
+    ``positions [3, T]``, of ``apply_mrotary_ref`` (``mrope_interleaved``: Qwen3-VL's
+    layout, see ``rotary.mrope_axes``). ``query`` and ``key`` share one dtype and
     may be strided views (e.g. slices of a fused QKV output) with a contiguous last dim.
     ``round_products`` (default: for fp16/bf16 inputs) rounds the table and every product to
     the input dtype, as the references' torch ops do; False computes in float32 and rounds
@@ -168,7 +176,8 @@ def apply_rotary_triton(
         HALF=half, HALF_PAD=triton.next_power_of_2(half),
         Q_HEADS_PAD=triton.next_power_of_2(q.shape[1]),
         K_HEADS_PAD=triton.next_power_of_2(k.shape[1]),
-        MROPE=mrope, SECTION_0=sections[0], SECTION_01=sections[0] + sections[1],
+        MROPE=mrope, INTERLEAVED=mrope and mrope_interleaved,
+        SECTION_0=sections[0], SECTION_1=sections[1], SECTION_2=sections[2],
         ROUND=query.dtype != torch.float32 if round_products is None else round_products,
         WRITE_CACHE=kv_write is not None,
         num_warps=4 if q.shape[1] * half >= 1024 else 1,

@@ -44,6 +44,12 @@ FAMILIES = (
         _QWEN2_VL_VIDEO_PROCESSOR,
     ),
     ModelFamily(
+        ("Qwen3VLForConditionalGeneration",),
+        ("qwen3_vl",),
+        "mm_serve.models.qwen3_vl:Qwen3VLForConditionalGeneration",
+        _QWEN2_VL_PROCESSOR,  # Qwen3-VL checkpoints use Qwen2VLImageProcessor (patch 16)
+    ),
+    ModelFamily(
         ("LlavaForConditionalGeneration",),
         ("llava",),
         "mm_serve.models.llava:LlavaForConditionalGeneration",

@@ -18,13 +18,17 @@ class LanguageModel(Protocol):
 
     # True: ``forward`` takes M-RoPE positions ``[3, T]`` (``models.mrope``), else ``[T]``.
     uses_mrope: bool
+    # Width of ``inputs_embeds`` rows: ``hidden``, or more where the LM takes extra per-token
+    # inputs beside the embeddings (Qwen3-VL: DeepStack features, ``models.qwen3_vl``).
+    inputs_embeds_size: int
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors in; the names of the parameters now fully loaded."""
         ...
 
     def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``[T] -> [T, hidden]``."""
+        """``[T] -> [T, inputs_embeds_size]``: the token embeddings, then zeros in any extra
+        columns (what a text token adds there)."""
         ...
 
     def forward(
@@ -32,7 +36,7 @@ class LanguageModel(Protocol):
         input_ids: torch.Tensor | None,  # [T]
         positions: torch.Tensor,  # [T], or [3, T] with uses_mrope
         attn_metadata: AttentionMetadata | None,
-        inputs_embeds: torch.Tensor | None = None,  # [T, hidden], replaces input_ids
+        inputs_embeds: torch.Tensor | None = None,  # [T, inputs_embeds_size], replaces input_ids
     ) -> torch.Tensor:
         """Final hidden states ``[T, hidden]``."""
         ...
@@ -55,5 +59,7 @@ class VisionLanguageModel(LanguageModel, Protocol):
     image_token_id: int
 
     def embed_images(self, images: list[ProcessedImage]) -> list[torch.Tensor]:
-        """One ``[num_tokens, hidden]`` tensor per image, in order."""
+        """One ``[num_tokens, inputs_embeds_size]`` tensor per image, in order: the rows that
+        replace its placeholder tokens' ``get_input_embeddings`` rows, whole, so any slice of
+        them (a chunk's) carries everything the LM needs of those tokens."""
         ...

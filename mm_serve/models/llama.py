@@ -1,8 +1,10 @@
-"""Llama-family decoder LM (Llama 2/3, Qwen2, Mistral) over a flattened varlen batch.
+"""Llama-family decoder LM (Llama 2/3, Qwen2, Mistral, Qwen3) over a flattened varlen batch.
 
 Parameter names follow the HF checkpoints (``model.layers.{i}.self_attn...``) except that
 q/k/v are stacked into ``qkv_proj`` and gate/up into ``gate_up_proj``; ``load_weights`` maps
-the checkpoint names. Qwen2 differs from Llama only in having q/k/v biases.
+the checkpoint names. Qwen2 differs from Llama only in having q/k/v biases; Qwen3 (and
+Qwen3-VL's LM) only in an RMSNorm over each head of q and of k before RoPE (``q_norm``,
+``k_norm``, weights ``[head_dim]``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,11 @@ def _attention_biases(config: Any) -> tuple[bool, bool]:
     return bias, bias
 
 
+def _has_qk_norm(config: Any) -> bool:
+    """Qwen3's per-head q/k RMSNorm (HF ``Qwen3Attention``, ``Qwen3VLTextAttention``)."""
+    return config.model_type.startswith("qwen3")
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
@@ -59,6 +66,12 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = RowParallelLinear(total_heads * head_dim, config.hidden_size, bias=o_bias)
         self.split_sizes = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]
+        self.head_dim = head_dim
+        if _has_qk_norm(config):
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
         self.attn = Attention(
             self.qkv_proj.num_heads,
             head_dim,
@@ -74,6 +87,10 @@ class LlamaAttention(nn.Module):
         attn_metadata: AttentionMetadata | None,
     ) -> torch.Tensor:
         q, k, v = qkv.split(self.split_sizes, dim=-1)
+        if self.q_norm is not None:  # each head normed on its own, before RoPE
+            d = self.head_dim
+            q = self.q_norm(q.reshape(-1, d)).view(q.shape[0], -1)
+            k = self.k_norm(k.reshape(-1, d)).view(k.shape[0], -1)
         return self.o_proj(self.attn(positions, q, k, v, attn_metadata))
 
 
@@ -139,11 +156,19 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         attn_metadata: AttentionMetadata | None,
         inputs_embeds: torch.Tensor | None = None,
+        layer_additions: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``layer_additions``: ``[T, n, hidden]``, row ``[:, i]`` added to the hidden states
+        after layer ``i`` for the first ``n`` layers (Qwen3-VL's DeepStack, as HF
+        ``Qwen3VLTextModel``: zero rows where nothing is added)."""
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
-        for layer in self.layers:
+        num_additions = 0 if layer_additions is None else layer_additions.shape[1]
+        for i, layer in enumerate(self.layers):
             hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+            if i < num_additions:  # the residual sum made here, not in the next norm
+                hidden_states = hidden_states + residual + layer_additions[:, i]
+                residual = None
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -159,6 +184,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
+        # Width of the rows get_input_embeddings returns and forward takes as inputs_embeds.
+        self.inputs_embeds_size: int = config.hidden_size
         if getattr(config, "sliding_window", None) is not None:
             logger.warning(
                 "Sliding-window attention is not implemented: outputs match HF only for "

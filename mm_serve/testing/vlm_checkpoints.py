@@ -72,6 +72,8 @@ FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava")
 # any resolution: built by their own module, and not in ``FAMILIES`` (tests/test_vlm_models.py
 # runs those).
 TILED_FAMILIES = ("idefics3", "internvl", "llava_onevision")
+# Built by its own module (``qwen3_vl_checkpoint``) with this module's tokenizer and text sizes.
+QWEN3_VL = "qwen3_vl"
 _TEXT = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -242,14 +244,15 @@ def build_tiny_vlm_checkpoint(
     vocab_size: int | None = None,
     layout: str = "transformers",
 ) -> str:
-    """Write a tiny ``family`` ("qwen2_vl", "qwen2_5_vl", "llava", "idefics3", "internvl" or
-    "llava_onevision") checkpoint.
+    """Write a tiny ``family`` ("qwen2_vl", "qwen2_5_vl", "llava", "idefics3", "internvl",
+    "llava_onevision" or "qwen3_vl") checkpoint.
 
     Text: hidden 64, 2 layers, 4 heads, 2 KV heads, intermediate 128 (Qwen: mrope sections
     2:3:3, tied embeddings). Vision: 2-3 layers of width 32, patch 14, merge 2; Qwen images
     are resized into ``[QWEN_MIN_PIXELS, QWEN_MAX_PIXELS]`` (4 to 64 image tokens), LLaVA's to
     56 x 56 (16 image tokens); Idefics3's (a Llama LM): see ``idefics3_checkpoint``; InternVL's
-    and LLaVA-OneVision's (Qwen2 LMs): see ``internvl_checkpoint``, ``llava_onevision_checkpoint``.
+    and LLaVA-OneVision's (Qwen2 LMs): see ``internvl_checkpoint``, ``llava_onevision_checkpoint``;
+    Qwen3-VL's (Qwen2-VL's tokenizer, a Qwen3 LM with DeepStack): see ``qwen3_vl_checkpoint``.
     Float32
     weights; same arguments, same bytes. Returns ``path``.
 
@@ -263,8 +266,9 @@ def build_tiny_vlm_checkpoint(
     """
     from transformers import GenerationConfig
 
-    if family not in FAMILIES + TILED_FAMILIES:
-        raise ValueError(f"Unknown family {family!r}; choose from {FAMILIES + TILED_FAMILIES}.")
+    known = FAMILIES + TILED_FAMILIES + (QWEN3_VL,)
+    if family not in known:
+        raise ValueError(f"Unknown family {family!r}; choose from {known}.")
     if layout not in LAYOUTS:
         raise ValueError(f"Unknown layout {layout!r}; choose from {LAYOUTS}.")
     if family == "idefics3":
@@ -292,6 +296,14 @@ def build_tiny_vlm_checkpoint(
         vocab_size = len(tokenizer)
     elif vocab_size < len(tokenizer):
         raise ValueError(f"vocab_size {vocab_size} is below the tokenizer's {len(tokenizer)}.")
+    if family == QWEN3_VL:
+        if layout != "transformers":
+            raise ValueError("The qwen3_vl checkpoint has the transformers layout only.")
+        from mm_serve.testing.qwen3_vl_checkpoint import build_tiny_qwen3_vl_checkpoint
+
+        ids = _token_ids(tokenizer, vocab_size)
+        text = {**_TEXT, **ids.pop("text")}
+        return build_tiny_qwen3_vl_checkpoint(path, tokenizer, text, ids, seed)
     config = _build_config(family, tokenizer, vocab_size)
     torch.manual_seed(seed)
     model = _model_class(family)(config).to(torch.float32).eval()

@@ -2,7 +2,8 @@
 
 ``get_rope`` reads the rope type from the HF config and matches the inverse-frequency math
 of transformers' ``modeling_rope_utils`` for ``default``, ``linear``, ``dynamic`` and
-``llama3``, plus multimodal RoPE (``mrope_section`` in the rope dict, Qwen2-VL). The table
+``llama3``, plus multimodal RoPE (``mrope_section`` in the rope dict: Qwen2-VL, and Qwen3-VL
+with ``mrope_interleaved``). The table
 ``cos_sin_cache`` is ``[max_position, head_dim]`` float32: the first half is
 ``cos(pos * inv_freq)``, the second ``sin``, times the attention factor.
 """
@@ -38,6 +39,7 @@ class RotaryEmbedding(nn.Module):
     """
 
     mrope_section: list[int] | None = None  # M-RoPE's split of the frequencies (subclass)
+    mrope_interleaved = False  # M-RoPE's layout of that split: Qwen3-VL's interleaved one
 
     def __init__(self, head_dim: int, max_position: int, base: float) -> None:
         super().__init__()
@@ -74,8 +76,9 @@ class RotaryEmbedding(nn.Module):
         """``kv_write = (value, kv_cache, slot_mapping)``: also write the rotated key and the
         value to the cache (see ``apply_rotary``)."""
         return apply_mrotary(
-            positions, query, key, self.cos_sin_cache, self.head_dim, self.mrope_section, kv_write
-        )
+            positions, query, key, self.cos_sin_cache, self.head_dim, self.mrope_section,
+            kv_write, self.mrope_interleaved,
+        )  # fmt: skip
 
 
 class LinearScalingRotaryEmbedding(RotaryEmbedding):
@@ -144,14 +147,21 @@ class MRotaryEmbedding(RotaryEmbedding):
     Each token has three positions (temporal, height, width). The ``head_dim // 2`` rotary
     frequencies are split into ``mrope_section`` (e.g. ``[16, 24, 24]`` for head_dim 128,
     summing to ``head_dim // 2``); section ``i`` rotates by the position on axis ``i``. This is
-    HF ``Qwen2VLRotaryEmbedding.recomposition_frequencies``.
+    HF ``Qwen2VLRotaryEmbedding.recomposition_frequencies``. With ``interleaved`` (Qwen3-VL,
+    ``mrope_interleaved`` in the rope dict) the three axes take turns over the frequencies
+    instead (HF ``Qwen3VLTextRotaryEmbedding``; ``kernels.rotary.mrope_axes``).
 
     ``forward(positions, query, key)`` takes ``positions`` ``[3, T]`` (rows t, h, w), or ``[T]``
     when all three axes are equal (text, decode), which is plain RoPE.
     """
 
     def __init__(
-        self, head_dim: int, max_position: int, base: float, mrope_section: list[int]
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        mrope_section: list[int],
+        interleaved: bool = False,
     ) -> None:
         if len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2:
             raise ValueError(
@@ -159,6 +169,7 @@ class MRotaryEmbedding(RotaryEmbedding):
                 f"{head_dim // 2}."
             )
         self.mrope_section = [int(n) for n in mrope_section]
+        self.mrope_interleaved = bool(interleaved)
         super().__init__(head_dim, max_position, base)
 
 
@@ -170,8 +181,8 @@ def get_rope(
     ``max_position`` is the config's ``max_position_embeddings``. For ``linear`` and
     ``dynamic`` that is the original window and the table covers ``max_position * factor``
     positions; for ``llama3`` it is already the extended length. A dict with ``mrope_section``
-    gives ``MRotaryEmbedding``. Raises ``ValueError`` for other rope types (yarn, longrope,
-    ...).
+    gives ``MRotaryEmbedding`` (interleaved with a true ``mrope_interleaved``). Raises
+    ``ValueError`` for other rope types (yarn, longrope, ...).
     """
     params = rope_scaling or {}
     rope_type = params.get("rope_type") or params.get("type") or "default"
@@ -180,7 +191,8 @@ def get_rope(
     if "mrope_section" in params:
         if rope_type not in ("default", "mrope"):
             raise ValueError(f"mrope with rope type {rope_type!r} is not supported.")
-        return MRotaryEmbedding(head_dim, max_position, base, params["mrope_section"])
+        interleaved = bool(params.get("mrope_interleaved", False))
+        return MRotaryEmbedding(head_dim, max_position, base, params["mrope_section"], interleaved)
     if rope_type == "default":
         return RotaryEmbedding(head_dim, max_position, base)
     if rope_type == "linear":

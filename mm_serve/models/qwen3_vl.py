@@ -1,0 +1,86 @@
+"""Qwen3-VL (dense): a ViT with DeepStack (``encoders.qwen3_vl``) in front of a Qwen3 decoder
+with interleaved M-RoPE.
+
+The language model is our ``LlamaForCausalLM`` on the HF ``text_config`` (``qwen3_vl_text``):
+Qwen3's per-head q/k RMSNorm (``models.llama``), and M-RoPE with the interleaved layout
+(``MRotaryEmbedding``, ``mrope_interleaved``). Positions are Qwen2-VL's
+(``models.mrope.get_mrope_input_positions``, as HF ``Qwen3VLModel.get_rope_index`` for
+images).
+
+DeepStack (arXiv:2406.04334; HF ``Qwen3VLTextModel._deepstack_process``): the tower's features
+from ``n = len(deepstack_visual_indexes)`` inner blocks are added to the LM's hidden states at
+the image tokens after its layers ``0 .. n - 1``. They travel with the image's embeddings, so
+that the encoder cache, the placeholder ranges and the model runner's chunk slicing treat one
+row per image token as for any VLM:
+
+- ``embed_images`` gives each image ``[num_tokens, (1 + n) * hidden]``: the merged tokens, then
+  the ``n`` DeepStack features of each token side by side (the tower's output as it is);
+- ``get_input_embeddings`` gives ``[T, (1 + n) * hidden]``: the token embeddings, then zeros
+  (``inputs_embeds_size`` says the width), so the runner writes an image's rows into it whole;
+- ``forward`` splits ``inputs_embeds`` back into the embeddings and ``[T, n, hidden]`` layer
+  additions (zero for text tokens: adding zero leaves them as HF, which adds nothing there).
+
+Parameter names: ``visual.*`` (the tower's, as HF's), ``model.*`` and ``lm_head.*`` (the LM's).
+Checkpoints (Qwen/Qwen3-VL-*, and transformers 5) name them ``model.visual.*``,
+``model.language_model.*``, ``lm_head.*``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mm_serve.attention import AttentionMetadata
+from mm_serve.encoders.qwen3_vl import Qwen3VisionTransformer
+from mm_serve.models.layers.rotary import MRotaryEmbedding
+from mm_serve.models.qwen2_vl import Qwen2VLForConditionalGeneration
+
+
+class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
+    """Qwen3-VL: ``visual`` (``Qwen3VisionTransformer``) + the Qwen3 LM with interleaved M-RoPE
+    and DeepStack; ``config`` is the HF ``Qwen3VLConfig``. ``embed_images`` and the tower's
+    CUDA graphs (``tower_runner``) are Qwen2-VL's; the module doc gives the embedding width.
+
+    Raises:
+        ValueError: the text config's rope parameters have no ``mrope_section``.
+    """
+
+    tower_class = Qwen3VisionTransformer
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        rotary = self.model.rotary_emb
+        if not isinstance(rotary, MRotaryEmbedding):
+            raise ValueError("Qwen3-VL needs mrope_section in the text config's rope_parameters.")
+        # HF's Qwen3VLTextRotaryEmbedding interleaves whatever mrope_interleaved says; the one
+        # module is shared by every layer.
+        rotary.mrope_interleaved = True
+        self.hidden_size: int = config.text_config.hidden_size
+        self.num_deepstack = len(config.vision_config.deepstack_visual_indexes)
+        self.inputs_embeds_size = (1 + self.num_deepstack) * self.hidden_size
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T] -> [T, (1 + num_deepstack) * hidden]``: the token embeddings, then zeros (the
+        DeepStack columns of a text token)."""
+        embeds = self.model.embed_tokens(input_ids)
+        extra = embeds.new_zeros(embeds.shape[0], self.inputs_embeds_size - self.hidden_size)
+        return torch.cat([embeds, extra], dim=-1)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,  # [T]
+        positions: torch.Tensor,  # [3, T], or [T] when the axes are equal
+        attn_metadata: AttentionMetadata | None,
+        inputs_embeds: torch.Tensor | None = None,  # [T, (1 + num_deepstack) * hidden]
+    ) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]``. From ``input_ids`` (decode, text): no
+        DeepStack; from ``inputs_embeds`` (``get_input_embeddings`` with image rows written
+        in): its DeepStack columns are added after the first layers."""
+        if inputs_embeds is None:
+            return self.model(input_ids, positions, attn_metadata)
+        embeds, deepstack = inputs_embeds.split(
+            [self.hidden_size, self.inputs_embeds_size - self.hidden_size], dim=-1
+        )
+        additions = deepstack.unflatten(-1, (self.num_deepstack, self.hidden_size))
+        return self.model(None, positions, attn_metadata, embeds, additions)
