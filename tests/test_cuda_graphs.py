@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 import torch
 from test_llm_vs_hf import check_against_hf, random_prompts
-from test_vlm_vs_hf import qwen2_vl_cases
+from test_vlm_vs_hf import HFVisionReference, prompt_cases, qwen2_vl_cases
 
 from mm_serve import LLM, SamplingParams
 from mm_serve.compilation_config import cuda_graph_batch_sizes, cuda_graph_num_tokens
 from mm_serve.config import EngineArgs
+from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 from mm_serve.worker.cuda_graphs import (
     CudaGraphRunner,
     MixedCudaGraphRunner,
@@ -168,7 +169,7 @@ def _install_mixed_eager_replays(llm: LLM, sizes: tuple[int, ...]) -> MixedCudaG
         config.model.max_model_len,
         config.cache.block_size,
         config.scheduler.max_num_seqs,
-        hidden,
+        runner.model.inputs_embeds_size,  # wider than hidden with Qwen3-VL's DeepStack
         config.model.dtype,
         runner.device,
     )
@@ -210,6 +211,29 @@ def test_padded_replay_path_qwen2_vl_on_cpu(tmp_path):
     assert graphs.num_replays > 0 and mixed.num_replays > 0
 
 
+def test_padded_replay_path_qwen3_vl_on_cpu(tmp_path):
+    """Qwen3-VL's wide ``inputs_embeds`` (DeepStack columns) through the mixed graphs' static
+    buffer, image chunks included, and decode through the decode graphs."""
+    path, reference, cases, prompts = qwen3_vl_cases(tmp_path)
+    llm = LLM(path, device="cpu", max_num_seqs=16, max_num_batched_tokens=8, block_size=4)
+    graphs = _install_eager_replays(llm)
+    mixed = _install_mixed_eager_replays(llm, (4, 8))
+    assert mixed.inputs_embeds.shape[1] == 3 * llm.config.model.text_config.hidden_size
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+    for (text, images), output in zip(cases, outputs, strict=True):
+        assert output.outputs[0].token_ids == reference.greedy(text, images)[1]
+    assert graphs.num_replays > 0 and mixed.num_replays > 0
+
+
+def qwen3_vl_cases(tmp_path):
+    """The tiny Qwen3-VL checkpoint, its HF reference, Qwen2-VL's prompt cases (same
+    placeholders) and the same cases as ``LLM.generate`` prompts."""
+    path = build_tiny_vlm_checkpoint(tmp_path, family="qwen3_vl", seed=3)
+    cases = prompt_cases("qwen2_vl")
+    prompts = [{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in cases]
+    return path, HFVisionReference(path), cases, prompts
+
+
 # ---- CUDA: real graphs --------------------------------------------------------------------
 
 
@@ -249,8 +273,9 @@ def test_graphs_match_eager_and_hf(model_path, hf_reference, engine_args):
 
 @needs_cuda
 @pytest.mark.parametrize("engine_args", [{}, {"max_num_batched_tokens": 8, "block_size": 4}])
-def test_qwen2_vl_graphs_match_eager_and_hf(tmp_path, engine_args):
-    path, reference, cases, prompts = qwen2_vl_cases(tmp_path)  # 5: padded to 8, then fewer
+@pytest.mark.parametrize("make_cases", [qwen2_vl_cases, qwen3_vl_cases], ids=["qwen2", "qwen3"])
+def test_qwen_vl_graphs_match_eager_and_hf(tmp_path, engine_args, make_cases):
+    path, reference, cases, prompts = make_cases(tmp_path)  # 5: padded to 8, then fewer
     params = SamplingParams(temperature=0.0, max_tokens=12)
     llm = LLM(path, multiprocess=False, **engine_args)
     eager = LLM(path, enforce_eager=True, multiprocess=False, **engine_args)

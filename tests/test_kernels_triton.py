@@ -315,6 +315,33 @@ def test_rotary_and_mrope(head_dim, section, dtype) -> None:
 
 @kernel_test
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,section", [(32, [6, 5, 5]), (128, [24, 20, 20])])
+def test_interleaved_mrope(head_dim, section, dtype) -> None:
+    """Qwen3-VL's layout (t h w t h w ...), with the fused KV-cache write too."""
+    positions, query, key, cache = _rotary_inputs(head_dim, dtype, seed=head_dim + 1)
+    outs = (_nan_like(query), _nan_like(key))
+    _rotary.apply_rotary_triton(
+        positions, query, key, cache, head_dim, section, out=outs, mrope_interleaved=True
+    )
+    refs = apply_mrotary_ref(positions, query, key, cache, head_dim, section, interleaved=True)
+    _check_rotary(outs, refs)
+    chunked = apply_mrotary_ref(positions, query, key, cache, head_dim, section)
+    assert not torch.equal(refs[0], chunked[0])  # the layouts differ
+    num_tokens, num_kv_heads = key.shape[:2]
+    value = _randn(num_tokens, num_kv_heads * head_dim, dtype=dtype, gen=torch.Generator())
+    kv_cache = torch.full((2, num_tokens, 1, num_kv_heads, head_dim), float("nan"),
+                          dtype=dtype, device=DEVICE)  # fmt: skip
+    slots = torch.arange(num_tokens, device=DEVICE)
+    q, k = _rotary.apply_rotary_triton(
+        positions, query, key, cache, head_dim, section, kv_write=(value, kv_cache, slots),
+        mrope_interleaved=True,
+    )  # fmt: skip
+    _check_rotary((q, k), refs)
+    assert torch.equal(kv_cache[0].view(k.shape), k)
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mrope", [False, True])
 def test_rotary_with_kv_cache_write(mrope, dtype) -> None:
     """RoPE with ``reshape_and_cache`` fused in: the same q/k as without, and the cache as

@@ -255,6 +255,82 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     },
 }
 
+# Qwen3-VL-2B-Instruct / -8B-Instruct config.json (Hugging Face Hub), minus the token ids: a
+# Qwen3 LM (q/k norms, interleaved M-RoPE 24:20:20, theta 5e6) and a tower of 16-pixel patches
+# with a 48 x 48 learned position grid and three DeepStack mergers.
+_QWEN3_VL_TEXT: dict[str, Any] = {
+    "model_type": "qwen3_vl_text",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "max_position_embeddings": 262144,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "mrope_interleaved": True,
+        "mrope_section": [24, 20, 20],
+        "rope_type": "default",
+    },
+    "rope_theta": 5000000,
+    "use_cache": True,
+    "vocab_size": 151936,
+    "dtype": "bfloat16",
+}
+_QWEN3_VL_VISION: dict[str, Any] = {
+    "hidden_act": "gelu_pytorch_tanh",
+    "in_channels": 3,
+    "initializer_range": 0.02,
+    "num_heads": 16,
+    "num_position_embeddings": 2304,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+}
+ARCHITECTURES["qwen3-vl-2b"] = {
+    "architectures": ["Qwen3VLForConditionalGeneration"],
+    "model_type": "qwen3_vl",
+    "tie_word_embeddings": True,
+    "text_config": {
+        **_QWEN3_VL_TEXT,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 28,
+        "tie_word_embeddings": True,
+    },
+    "vision_config": {
+        **_QWEN3_VL_VISION,
+        "depth": 24,
+        "hidden_size": 1024,
+        "intermediate_size": 4096,
+        "out_hidden_size": 2048,
+        "deepstack_visual_indexes": [5, 11, 17],
+    },
+}
+ARCHITECTURES["qwen3-vl-8b"] = {
+    "architectures": ["Qwen3VLForConditionalGeneration"],
+    "model_type": "qwen3_vl",
+    "tie_word_embeddings": False,
+    "text_config": {
+        **_QWEN3_VL_TEXT,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 36,
+        "tie_word_embeddings": False,
+    },
+    "vision_config": {
+        **_QWEN3_VL_VISION,
+        "depth": 27,
+        "hidden_size": 1152,
+        "intermediate_size": 4304,
+        "out_hidden_size": 4096,
+        "deepstack_visual_indexes": [8, 16, 24],
+    },
+}
+
 # Qwen2-VL's and Qwen2.5-VL's preprocessor_config.json settings: 14-pixel patches, 2x2 merge
 # (28x28 pixels per image token), images resized into [min_pixels, max_pixels], CLIP
 # normalisation. (Its "processor_class" is not a setting: transformers 5 no longer writes it,
@@ -272,6 +348,18 @@ QWEN2_VL_PREPROCESSOR: dict[str, Any] = {
     "merge_size": 2,
     "image_mean": [0.48145466, 0.4578275, 0.40821073],
     "image_std": [0.26862954, 0.26130258, 0.27577711],
+}
+
+
+# Qwen3-VL's preprocessor_config.json settings: 16-pixel patches, 2x2 merge (32x32 pixels per
+# image token), the resized area in [size.shortest_edge, size.longest_edge], mean and std 0.5.
+QWEN3_VL_PREPROCESSOR: dict[str, Any] = {
+    "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
 }
 
 
@@ -301,17 +389,24 @@ def _build_config(name: str, token_ids: dict[str, int]) -> Any:
     if name not in ARCHITECTURES:
         raise ValueError(f"Unknown architecture {name!r}; choose from {architecture_names()}.")
     values = {**ARCHITECTURES[name], **token_ids}
+    text_ids = {k: values.pop(k) for k in ("bos_token_id", "eos_token_id") if k in values}
+    if text_ids and "text_config" in values:  # nested (Qwen3-VL): they go in text_config
+        values["text_config"] = {**values["text_config"], **text_ids}
+    else:
+        values.update(text_ids)
     return AutoConfig.for_model(values.pop("model_type"), **values)
 
 
-def _build_image_processor() -> Any:
-    """transformers' ``Qwen2VLImageProcessor`` with the published settings (both families)."""
+def _build_image_processor(name: str) -> Any:
+    """transformers' ``Qwen2VLImageProcessor`` with the published settings of architecture
+    ``name`` (Qwen2-VL's and Qwen2.5-VL's, or Qwen3-VL's, which loads the same class)."""
     from mm_serve._compat import ensure_torchvision_importable
 
     ensure_torchvision_importable()
     from transformers import Qwen2VLImageProcessor
 
-    return Qwen2VLImageProcessor(**QWEN2_VL_PREPROCESSOR)
+    qwen3 = ARCHITECTURES[name]["model_type"] == "qwen3_vl"
+    return Qwen2VLImageProcessor(**(QWEN3_VL_PREPROCESSOR if qwen3 else QWEN2_VL_PREPROCESSOR))
 
 
 def write_architecture(name: str, folder: str | os.PathLike) -> str:
@@ -338,7 +433,7 @@ def write_architecture(name: str, folder: str | os.PathLike) -> str:
     config = _build_config(name, ids)
     os.makedirs(folder, exist_ok=True)
     config.save_pretrained(folder)
-    _build_image_processor().save_pretrained(folder)
+    _build_image_processor(name).save_pretrained(folder)
     pad = ids["bos_token_id"]
     eos = [ids["eos_token_id"], pad]
     GenerationConfig(bos_token_id=pad, pad_token_id=pad, eos_token_id=eos).save_pretrained(folder)

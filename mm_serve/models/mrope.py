@@ -1,4 +1,4 @@
-"""Multimodal RoPE positions (M-RoPE) of a prompt for Qwen2-VL and Qwen2.5-VL.
+"""Multimodal RoPE positions (M-RoPE) of a prompt for Qwen2-VL, Qwen2.5-VL and Qwen3-VL.
 
 M-RoPE (Qwen2-VL paper, arXiv:2409.12191, section 2.1) gives every token three positions:
 temporal, height, width. Text tokens have all three equal and count up by one. The tokens
@@ -8,7 +8,8 @@ from the position ``p`` after the preceding text: token ``(i, j, k)`` of the gri
 ``time(i) = i`` for images and Qwen2-VL's videos; Qwen2.5-VL spaces a video's temporal patches
 by their duration (its paper's absolute time encoding, arXiv:2502.13923, section 2.1):
 ``time(i) = int(i * tokens_per_second * second_per_grid_t)`` in float32. Same result as HF
-``Qwen2VLModel.get_rope_index`` and ``Qwen2_5_VLModel.get_rope_index`` (transformers 5.23).
+``Qwen2VLModel.get_rope_index`` and ``Qwen2_5_VLModel.get_rope_index`` (transformers 5.23), and
+``Qwen3VLModel.get_rope_index`` for images (Qwen3-VL's videos are not supported yet).
 
 Because an image takes fewer positions than tokens, the last position of a prompt is below
 ``len(prompt) - 1``; ``mrope_position_delta`` is the shift from the largest position: the

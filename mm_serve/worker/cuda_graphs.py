@@ -213,7 +213,7 @@ class MixedCudaGraphRunner(_GraphFamily):
     ``forward(positions, inputs_embeds, attn_metadata)`` (``worker.compile.lm_forward``:
     compiled at level 2) is captured over static buffers
     of ``T = max(sizes)`` tokens and ``R = min(T, max_num_reqs)`` requests: ``inputs_embeds
-    [T, hidden]``, ``positions [T]`` (``[3, T]`` with M-RoPE), ``slot_mapping [T]``,
+    [T, inputs_embeds_size]``, ``positions [T]`` (``[3, T]`` with M-RoPE), ``slot_mapping [T]``,
     ``query_start_loc [R + 1]``, ``seq_lens [R]``, ``block_table [R, max_blocks_per_seq]``.
     The graph of ``size`` tokens serves any step of at most ``size`` tokens (and so at most
     ``min(size, max_num_reqs)`` requests); see the module doc for its padding.
@@ -229,7 +229,7 @@ class MixedCudaGraphRunner(_GraphFamily):
         max_model_len: int,
         block_size: int,
         max_num_reqs: int,
-        hidden_size: int,
+        inputs_embeds_size: int,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
@@ -238,7 +238,7 @@ class MixedCudaGraphRunner(_GraphFamily):
         r = self._num_reqs(t)
         super().__init__(model, sizes, max_model_len, block_size, r, device)
         self.forward = forward
-        self.inputs_embeds = torch.zeros((t, hidden_size), dtype=dtype, device=device)
+        self.inputs_embeds = torch.zeros((t, inputs_embeds_size), dtype=dtype, device=device)
         self.query_start_loc = torch.zeros(r + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(r, dtype=torch.int32, device=device)
 
@@ -270,7 +270,7 @@ class MixedCudaGraphRunner(_GraphFamily):
 
     def run(
         self,
-        inputs_embeds: torch.Tensor,  # [num_tokens, hidden]
+        inputs_embeds: torch.Tensor,  # [num_tokens, inputs_embeds_size]
         positions: torch.Tensor,  # [num_tokens] or [3, num_tokens] int64 (device)
         attn_metadata: AttentionMetadata,  # of the real step
     ) -> torch.Tensor:
@@ -318,7 +318,7 @@ def capture_graphs(
             max_model_len,
             block_size,
             config.scheduler.max_num_seqs,
-            model_config.text_config.hidden_size,
+            model.inputs_embeds_size,  # the LM's hidden size, or wider (Qwen3-VL's DeepStack)
             model_config.dtype,
             device,
         )

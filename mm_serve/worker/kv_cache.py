@@ -30,12 +30,13 @@ def kv_block_bytes(config: EngineConfig) -> int:
     return per_layer * model.num_layers
 
 
-def encoder_cache_bytes(config: EngineConfig) -> int:
-    """Bytes the encoder cache can hold: ``encoder_cache_size`` embeddings of the LM's hidden
-    size in the model dtype (0 for a text-only model)."""
+def encoder_cache_bytes(config: EngineConfig, model: torch.nn.Module | None = None) -> int:
+    """Bytes the encoder cache can hold: ``encoder_cache_size`` embeddings of ``model``'s
+    ``inputs_embeds_size`` (the LM's hidden size without a model; wider for Qwen3-VL's
+    DeepStack rows) in the model dtype (0 for a text-only model)."""
     element_size = torch.empty((), dtype=config.model.dtype).element_size()
-    hidden = config.model.text_config.hidden_size
-    return config.scheduler.encoder_cache_size * hidden * element_size
+    width = getattr(model, "inputs_embeds_size", None) or config.model.text_config.hidden_size
+    return config.scheduler.encoder_cache_size * width * element_size
 
 
 def determine_num_kv_blocks(config: EngineConfig, model: torch.nn.Module) -> int:
@@ -57,7 +58,7 @@ def determine_num_kv_blocks(config: EngineConfig, model: torch.nn.Module) -> int
     if config.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(config.device)
         budget = total * cache.gpu_memory_utilization - (total - free)
-        budget -= encoder_cache_bytes(config)
+        budget -= encoder_cache_bytes(config, model)
     else:
         budget = min(cache.cpu_kv_cache_bytes, available_memory_bytes() // 2)
     block_bytes = kv_block_bytes(config)
