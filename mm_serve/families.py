@@ -44,12 +44,6 @@ FAMILIES = (
         _QWEN2_VL_VIDEO_PROCESSOR,
     ),
     ModelFamily(
-        ("Qwen3VLForConditionalGeneration",),
-        ("qwen3_vl",),
-        "mm_serve.models.qwen3_vl:Qwen3VLForConditionalGeneration",
-        _QWEN2_VL_PROCESSOR,  # Qwen3-VL checkpoints use Qwen2VLImageProcessor (patch 16)
-    ),
-    ModelFamily(
         ("LlavaForConditionalGeneration",),
         ("llava",),
         "mm_serve.models.llava:LlavaForConditionalGeneration",
@@ -72,6 +66,12 @@ FAMILIES = (
         ("llava_onevision",),
         "mm_serve.models.llava_onevision:LlavaOnevisionForConditionalGeneration",
         "mm_serve.encoders.processors:llava_onevision_image_processor",
+    ),
+    ModelFamily(
+        ("Qwen3VLForConditionalGeneration",),
+        ("qwen3_vl",),
+        "mm_serve.models.qwen3_vl:Qwen3VLForConditionalGeneration",
+        _QWEN2_VL_PROCESSOR,  # Qwen3-VL checkpoints use Qwen2VLImageProcessor (patch 16)
     ),
 )
 VLM_MODEL_TYPES = tuple(t for f in FAMILIES if f.image_processor for t in f.model_types)

@@ -180,8 +180,10 @@ def test_greedy_matches_hf(path, reference, engine_args):
 
 def test_repeated_image_is_encoded_once_and_hits_the_prefix_cache(path, reference):
     """Two prompts of one batch with the same photograph: the tower encodes it once (encoder
-    cache). Then the same prompt again: the prefix cache covers it. A different image behind
-    the same text hits no further than the text. All match HF."""
+    cache). Then the same prompt again: the prefix cache covers it. The same image before
+    other text: the hit ends inside the image (block size 4), so the step after it takes the
+    image's last rows, DeepStack columns included, from the encoder output. A different image
+    behind the same text hits nothing. All match HF."""
     llm = LLM(path, enable_prefix_caching=True, block_size=4, max_num_batched_tokens=16)
     model = llm.engine_core.model_runner.model
     encoded: list[int] = []
@@ -200,6 +202,9 @@ def test_repeated_image_is_encoded_once_and_hits_the_prefix_cache(path, referenc
         assert len(encoded) == 1
         (second,) = assert_matches_hf(llm, reference, [case])
         assert second.num_cached_tokens >= len(second.prompt_token_ids) - 4
+        (branch,) = assert_matches_hf(llm, reference, [(f"{TAG}Something else?", [image])])
+        image_end = 1 + branch.prompt_token_ids.count(model.image_token_id)  # after the start
+        assert image_end - 4 < branch.num_cached_tokens < image_end
         (third,) = assert_matches_hf(llm, reference, [(case[0], [photo("coffee.png")])])
         assert third.num_cached_tokens < 4
         assert first.outputs[0].token_ids == second.outputs[0].token_ids

@@ -133,10 +133,11 @@ def test_tp2_matches_tp1_and_hf(mode, llama_path, qwen2_path, hf_reference) -> N
         assert completion.token_ids == reference.greedy(prompt, MAX_NEW_TOKENS)[0]
 
 
-VLM_PLACEHOLDER = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>"}
+QWEN_TAG = "<|vision_start|><|image_pad|><|vision_end|>"
+VLM_PLACEHOLDER = {"qwen2_vl": QWEN_TAG, "llava": "<image>", "qwen3_vl": QWEN_TAG}
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "qwen3_vl"])
 def test_tp2_vlm_matches_tp1(family, tmp_path) -> None:
     """The vision tower is replicated on each rank, the LM sharded: the same greedy tokens
     and top-5 logprobs as one rank (which ``test_vlm_vs_hf`` checks against HF)."""

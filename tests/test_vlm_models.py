@@ -1,4 +1,5 @@
-"""Our VLMs (Qwen2-VL, Qwen2.5-VL, LLaVA) over a paged KV cache against HF transformers.
+"""Our VLMs (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA) over a paged KV cache against HF
+transformers.
 
 Each tiny checkpoint is loaded twice: by ``load_model`` and by HF. Prompts come from the HF
 processor (chat template, images -> pixel values, expanded placeholders); our side embeds the
@@ -83,7 +84,7 @@ class Setup:
         return self.hf(**inputs).logits[0].float()
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=FAMILIES + ("qwen3_vl",))
 def setup(request, tmp_path_factory) -> Setup:
     path = build_tiny_vlm_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
     return Setup(path, request.param)
@@ -239,7 +240,7 @@ def test_interface(setup: Setup) -> None:
         assert isinstance(model.model.rotary_emb, MRotaryEmbedding)
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_mrope_positions_match_hf_get_rope_index(family: str, tmp_path) -> None:
     from transformers import AutoModelForImageTextToText
 
