@@ -67,8 +67,14 @@ def hf_config(path: str):
 
 @pytest.mark.parametrize(
     "image",
-    [photo("grace_hopper.jpg"), generated(301, 87, 1), photo("chelsea.png").convert("L")],
-    ids=["photograph", "odd_size", "grayscale"],
+    [
+        photo("grace_hopper.jpg"),
+        photo("coffee.png"),
+        generated(301, 87, 1),
+        generated(23, 45, 2),
+        photo("chelsea.png").convert("L"),
+    ],
+    ids=["photograph", "photograph_png", "odd_size", "tiny_odd_size", "grayscale"],
 )
 def test_processor_matches_hf(path, reference, image):
     """Final float32 patches equal HF's bit for bit, and so do the uint8 pixels the pool
