@@ -34,8 +34,9 @@ def bucketed_position_ids(num_patches: int, num_patches_per_side: int) -> torch.
 
 
 class SiglipVisionEmbeddings(nn.Module):
-    """``[N, 3, H, W] -> [N, (H / patch) * (W / patch), hidden]``: patch convolution plus the
-    bucketed position embeddings (square tiles, no padding: ``H == W``)."""
+    """``[N, 3, S, S] -> [N, (S // patch)**2, hidden]``: patch convolution plus the bucketed
+    position embeddings (square tiles, no padding). As HF's convolution, a side that is not a
+    whole number of patches drops its last pixels (SigLIP-so400m: 384 / 14 -> 27 patches)."""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -49,11 +50,8 @@ class SiglipVisionEmbeddings(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         _, _, height, width = pixel_values.shape
-        if height != width or height % self.patch_size:
-            raise ValueError(
-                f"Expected square tiles of whole {self.patch_size}-pixel patches, got "
-                f"{height}x{width}."
-            )
+        if height != width:
+            raise ValueError(f"Expected square tiles, got {height}x{width}.")
         weight = self.patch_embedding.weight
         patches = self.patch_embedding(pixel_values.to(weight.dtype)).flatten(2).transpose(1, 2)
         ids = bucketed_position_ids(height // self.patch_size, self.num_patches_per_side)

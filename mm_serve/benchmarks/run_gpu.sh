@@ -17,6 +17,9 @@
 # peer-serve: vLLM's bench serve (random-mm, 448x448, 50 in / 128 out) at 2, 16, 32 req/s against
 #             mm-serve and vLLM 0.33 (installed in /tmp/vsite), each fresh; cold start; verdicts.
 #             PEER_ENGINES=vllm (or mm_serve) runs one; a later run into the same $OUT reports both.
+# families:   bench throughput of each family's published architecture (dummy weights), 128
+#             requests x one 448x448 image + 18 words -> 128 tokens; FAMILIES=... picks some,
+#             PEER=vllm adds vLLM 0.33 side by side (installed in /tmp/vsite)
 set -uo pipefail
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
@@ -84,6 +87,13 @@ for _ in range(300):
     peer-serve)
       $PY -m mm_serve.benchmarks.peer_serve --model-arch qwen2-vl-2b --out "$OUT/peer_serve" \
         --engines ${PEER_ENGINES:-mm_serve vllm} 2>&1 | tee "$OUT/peer_serve.log" | tail -22 ;;
+    families)
+      for arch in ${FAMILIES:-qwen2.5-vl-7b qwen3-vl-8b internvl3-8b llava-onevision-qwen2-7b-ov}; do
+        peer=(); [ -n "${PEER:-}" ] && peer=(--peer "$PEER" --peer-pythonpath /tmp/vsite)
+        bench throughput --model-arch "$arch" --num-prompts 128 --input-len 18 --output-len 128 \
+          --image-size 448 448 --max-model-len 8192 --no-hf --repeats 1 "${peer[@]}" \
+          --output-json "$OUT/family_$arch.json" 2>&1 | tee "$OUT/family_$arch.log" | tail -6
+      done ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
