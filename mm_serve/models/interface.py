@@ -18,6 +18,9 @@ class LanguageModel(Protocol):
 
     # True: ``forward`` takes M-RoPE positions ``[3, T]`` (``models.mrope``), else ``[T]``.
     uses_mrope: bool
+    # True: the image tokens of one image attend to each other in prefill (the model runner
+    # sets ``AttentionMetadata.key_end``; the family's ``bidirectional_images``).
+    bidirectional_images: bool
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors in; the names of the parameters now fully loaded."""

@@ -67,7 +67,7 @@ LLAVA_CHAT_TEMPLATE = (
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava")
 # Families whose images expand to more than image tokens (tile tags, newlines): built by their
 # own module, and not in ``FAMILIES`` (tests/test_vlm_models.py runs those).
-TILED_FAMILIES = ("idefics3",)
+TILED_FAMILIES = ("idefics3", "gemma3")
 _TEXT = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -236,12 +236,14 @@ def build_tiny_vlm_checkpoint(
     vocab_size: int | None = None,
     layout: str = "transformers",
 ) -> str:
-    """Write a tiny ``family`` ("qwen2_vl", "qwen2_5_vl", "llava" or "idefics3") checkpoint.
+    """Write a tiny ``family`` ("qwen2_vl", "qwen2_5_vl", "llava", "idefics3" or "gemma3")
+    checkpoint.
 
     Text: hidden 64, 2 layers, 4 heads, 2 KV heads, intermediate 128 (Qwen: mrope sections
     2:3:3, tied embeddings). Vision: 2-3 layers of width 32, patch 14, merge 2; Qwen images
     are resized into ``[QWEN_MIN_PIXELS, QWEN_MAX_PIXELS]`` (4 to 64 image tokens), LLaVA's to
-    56 x 56 (16 image tokens); Idefics3's (a Llama LM): see ``idefics3_checkpoint``. Float32
+    56 x 56 (16 image tokens); Idefics3's (a Llama LM): see ``idefics3_checkpoint``; Gemma 3's:
+    see ``gemma3_checkpoint``. Float32
     weights; same arguments, same bytes. Returns ``path``.
 
     ``vocab_size`` (default: the tokenizer's length) sets the embedding and LM-head rows; more
@@ -264,6 +266,12 @@ def build_tiny_vlm_checkpoint(
         from mm_serve.testing.idefics3_checkpoint import build_tiny_idefics3_checkpoint
 
         return build_tiny_idefics3_checkpoint(path, dict(_TEXT), seed, vocab_size)
+    if family == "gemma3":
+        if layout != "transformers":
+            raise ValueError("The gemma3 checkpoint has the transformers layout only.")
+        from mm_serve.testing.gemma3_checkpoint import build_tiny_gemma3_checkpoint
+
+        return build_tiny_gemma3_checkpoint(path, dict(_TEXT), seed, vocab_size)
     tokenizer = vlm_tokenizer(family)
     if vocab_size is None:
         vocab_size = len(tokenizer)
