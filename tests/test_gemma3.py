@@ -152,23 +152,32 @@ def record_chunks(llm: LLM) -> list[tuple[Request, int, int]]:
 
 @pytest.mark.parametrize(
     "engine_args",
-    [{}, {"max_num_batched_tokens": 12, "block_size": 4}],
-    ids=["whole", "chunked"],
+    [
+        {},
+        {"max_num_batched_tokens": 12, "block_size": 4},
+        {"max_num_batched_tokens": 16, "block_size": 4, "num_kv_blocks": 90},
+    ],
+    ids=["whole", "chunked", "preempted"],
 )
 def test_greedy_matches_hf(path, reference, engine_args):
     llm = LLM(path, **engine_args)
     try:
         chunks = record_chunks(llm)
         assert_matches_hf(llm, reference, cases())
+        preemptions = llm.engine_core.scheduler.num_preemptions
     finally:
         llm.shutdown()
+    assert (preemptions > 0) == ("num_kv_blocks" in engine_args)
     cut_before_image = 0
     for request, start, end in chunks:
         for feature in request.mm_features:
             image = feature.placeholder
             assert not image.offset < end < image.end, (start, end, image)
             cut_before_image += end == image.offset and end - start < 12
-    assert cut_before_image > 0 if engine_args else len(chunks) == len(cases())
+    if not engine_args:
+        assert len(chunks) == len(cases())  # one chunk per prompt
+    else:
+        assert cut_before_image > 0  # chunks that end early, before an image
 
 
 def test_blocks_outside_the_window_are_freed(path, reference):
