@@ -13,8 +13,12 @@ that the two masks matter at all on this checkpoint: HF's output changes without
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from mm_serve import LLM, SamplingParams
 from mm_serve.encoders.processors import get_image_processor
@@ -22,7 +26,6 @@ from mm_serve.request import Request
 from mm_serve.testing.hf_reference import hf_greedy_generate
 from mm_serve.testing.leaks import assert_llm_idle
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
-from tests.test_idefics3 import generated, photo
 
 MAX_NEW_TOKENS = 12
 LOGPROB_TOL = 1e-4
@@ -30,6 +33,22 @@ LONG_TEXT = (
     "A text-only question about the harbor town, the fishing boats and the gulls, long "
     "enough to run past the sliding window several times over."
 )
+
+
+def photo(name: str) -> Image.Image:
+    """A real photograph shipped inside an installed package."""
+    if name == "grace_hopper.jpg":
+        import matplotlib
+
+        return Image.open(Path(matplotlib.get_data_path()) / "sample_data" / name)
+    import skimage
+
+    return Image.open(Path(skimage.__file__).parent / "data" / name)
+
+
+def generated(width: int, height: int, seed: int) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
 
 
 def cases() -> list[tuple[str, list]]:

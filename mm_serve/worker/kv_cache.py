@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from mm_serve.cache.kv_cache_groups import kv_cache_layout
+from mm_serve.cache.kv_cache_groups import KVCacheLayout, kv_cache_layout
 from mm_serve.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -112,7 +112,9 @@ def allocate_kv_caches(config: EngineConfig, num_blocks: int) -> list[torch.Tens
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_tensors)]
 
 
-def bind_kv_caches(model: torch.nn.Module, kv_caches: list[torch.Tensor], layout) -> None:
+def bind_kv_caches(
+    model: torch.nn.Module, kv_caches: list[torch.Tensor], layout: KVCacheLayout
+) -> None:
     """Give each attention layer of ``model`` its KV tensor and KV-cache group: tensor ``j``
     of ``kv_caches`` (``allocate_kv_caches``) to the ``j``-th layer of every group.
 
