@@ -121,15 +121,25 @@ class BlockPool:
     Blocks are allocated from the free-queue head and freed to its tail; a freed block keeps
     its hash (a later request may hit it) until it is popped for reuse, when it is evicted
     from the map (lazy LRU eviction, vLLM V1).
+
+    ``null_block`` (block 0 when ``reserve_null_block``, else None) is never allocated, freed
+    or hashed: it stands in the block tables of sliding-window groups for blocks that fell out
+    of the window (``hybrid_kv_cache_manager``), and is never read.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {num_blocks}.")
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, reserve_null_block: bool = False
+    ) -> None:
+        if num_blocks <= int(reserve_null_block):
+            raise ValueError(f"num_blocks must be positive, got {num_blocks - reserve_null_block}.")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.null_block = self.blocks[0] if reserve_null_block else None
+        self.num_usable_blocks = num_blocks - int(reserve_null_block)
+        self.free_block_queue = FreeKVCacheBlockQueue(
+            self.blocks[num_blocks - self.num_usable_blocks :]
+        )
         # One block per hash: a duplicate full block stays un-hashed (see cache_full_blocks).
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
 
@@ -141,7 +151,7 @@ class BlockPool:
     @property
     def usage(self) -> float:
         """Fraction of blocks in use by requests, in [0, 1]."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take ``num_blocks`` blocks from the free-queue head, evicting their hashes; ref_cnt 1.
@@ -215,7 +225,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only when no block is in use. Returns whether it reset."""
-        num_used = self.num_blocks - self.num_free_blocks
+        num_used = self.num_usable_blocks - self.num_free_blocks
         if num_used > 0:
             logger.warning("Cannot reset the prefix cache: %d blocks are still in use.", num_used)
             return False

@@ -61,6 +61,10 @@ class KVCacheManager:
         """Fraction of blocks in use by requests, in [0, 1]."""
         return self.block_pool.usage
 
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks ``num_tokens`` tokens of one request occupy."""
+        return -(-num_tokens // self.block_size)
+
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """Return the counters gathered since the last call and start new ones."""
         stats, self.stats = self.stats, PrefixCacheStats()

@@ -107,6 +107,11 @@ class ImageProcessor:
         budget where the family resizes (fewer image tokens), else ``self``."""
         return self
 
+    def prompt_text(self, text: str) -> str:
+        """A text prompt as the family's HF processor writes it before tokenizing, its image
+        placeholders left in place (Gemma 3 frames them with newlines); ``text`` as is."""
+        return text
+
     def hash_kwargs(self) -> dict[str, str]:
         """Every setting that changes ``preprocess``'s result, for the image content hash."""
         return {name: repr(value) for name, value in sorted(vars(self).items())}

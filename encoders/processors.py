@@ -24,6 +24,7 @@ from typing import Any
 from mm_serve.encoders.anyres import max_tiles
 from mm_serve.encoders.base import ImageProcessor
 from mm_serve.encoders.clip_processor import CLIPImageProcessor
+from mm_serve.encoders.gemma3_processor import Gemma3ImageProcessor
 from mm_serve.encoders.idefics3_processor import (
     Idefics3ImageProcessor,
     Idefics3Tokens,
@@ -203,6 +204,28 @@ def llava_onevision_image_processor(
     pinpoints = config_get(hf_config, "image_grid_pinpoints")  # where the settings lack them
     config = {"image_grid_pinpoints": pinpoints, **config}
     return LlavaOnevisionImageProcessor.from_config(config, tile, side, tiles)
+
+
+def gemma3_image_processor(
+    config: dict[str, Any], hf_config: Any, max_pixels: int | None, model_path: str | Path
+) -> Gemma3ImageProcessor:
+    """Gemma 3: the tower's fixed size (``max_pixels`` does not apply); the placeholder range
+    ``<start_of_image>``, ``mm_tokens_per_image`` soft tokens, ``<end_of_image>`` (ids from
+    the config, the placeholder's text from the checkpoint's ``tokenizer.json``).
+
+    Raises:
+        FileNotFoundError: the checkpoint has no ``tokenizer.json``.
+    """
+    from tokenizers import Tokenizer
+
+    tokenizer_file = Path(model_path) / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise FileNotFoundError(f"Gemma 3 needs the checkpoint's {tokenizer_file}.")
+    boi, eoi = config_get(hf_config, "boi_token_index"), config_get(hf_config, "eoi_token_index")
+    image = config_get(hf_config, "image_token_index")
+    token_ids = (boi, *[image] * config_get(hf_config, "mm_tokens_per_image"), eoi)
+    placeholder = Tokenizer.from_file(str(tokenizer_file)).id_to_token(boi)
+    return Gemma3ImageProcessor.from_gemma3_config(config, token_ids, placeholder)
 
 
 def get_image_processor(

@@ -33,38 +33,59 @@ def reshape_and_cache_ref(
 
 
 def gather_kv_ref(
-    kv_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int
+    kv_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int, first_block: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one request's first ``seq_len`` tokens, each ``[seq_len, kv_heads, head_dim]``."""
+    """K and V of one request's tokens ``first_block * block_size .. seq_len - 1``, each
+    ``[seq_len - first_block * block_size, kv_heads, head_dim]`` (the blocks before
+    ``first_block`` are not read: a sliding window's freed blocks)."""
     block_size = kv_cache.shape[2]
     num_blocks = -(-seq_len // block_size)
-    blocks = block_table_row[:num_blocks].long()
-    kv = kv_cache[:, blocks].flatten(1, 2)[:, :seq_len]  # [2, seq_len, num_kv_heads, head_dim]
+    blocks = block_table_row[first_block:num_blocks].long()
+    kv = kv_cache[:, blocks].flatten(1, 2)[:, : seq_len - first_block * block_size]
     return kv[0], kv[1]
 
 
 def causal_attention_ref(
     query: torch.Tensor,  # [query_len, num_heads, head_dim]
-    key: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
-    value: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
+    key: torch.Tensor,  # [num_keys, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_keys, num_kv_heads, head_dim]
     scale: float,
+    key_end: torch.Tensor | None = None,  # [query_len]
+    sliding_window: int | None = None,
+    key_start: int = 0,
 ) -> torch.Tensor:
     """Causal GQA attention of the *last* ``query_len`` tokens of a sequence, in float32.
 
-    Query row ``j`` sits at position ``seq_len - query_len + j`` and sees keys ``0..`` that
-    position. Returns ``[query_len, num_heads, head_dim]`` in the query's dtype.
+    The keys are the sequence's positions ``key_start .. seq_len - 1`` (``seq_len = key_start
+    + num_keys``); query row ``j`` sits at position ``p = seq_len - query_len + j`` and sees
+    the keys at positions ``k < key_end[j]`` (default ``p + 1``: causal) with, for a sliding
+    window ``W``, ``k > p - W`` (HF's ``sliding_window_overlay``). Returns ``[query_len,
+    num_heads, head_dim]`` in the query's dtype.
     """
     query_len, num_heads, _ = query.shape
-    seq_len, num_kv_heads, _ = key.shape
+    num_keys, num_kv_heads, _ = key.shape
+    seq_len = key_start + num_keys
     group = num_heads // num_kv_heads  # query heads h uses KV head h // group, as HF repeat_kv
     k = key.float().repeat_interleave(group, dim=1)
     v = value.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", query.float(), k) * scale
     q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
-    k_pos = torch.arange(seq_len, device=query.device)
-    scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    k_pos = torch.arange(key_start, seq_len, device=query.device)
+    end = q_pos + 1 if key_end is None else key_end.to(q_pos.device, q_pos.dtype)
+    hidden = k_pos[None, :] >= end[:, None]
+    if sliding_window is not None:
+        hidden |= k_pos[None, :] <= q_pos[:, None] - sliding_window
+    scores.masked_fill_(hidden, float("-inf"))
     probs = scores.softmax(dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+
+
+def first_window_block(first_query: int, sliding_window: int | None, block_size: int) -> int:
+    """The first block any query from position ``first_query`` on reads: 0 without a window,
+    else the block of ``first_query - sliding_window + 1`` (blocks before it may be freed)."""
+    if sliding_window is None:
+        return 0
+    return max(0, first_query - sliding_window + 1) // block_size
 
 
 def paged_attention_ref(
@@ -72,19 +93,29 @@ def paged_attention_ref(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention over the paged cache for a mixed prefill/chunk/decode batch.
 
     Request ``i``'s queries (rows ``query_start_loc[i]:query_start_loc[i+1]``) attend causally
-    to its ``seq_lens[i]`` cached tokens (which must already include this step's K/V). Returns
-    ``[num_tokens, num_heads, head_dim]``; rows past ``metadata.num_tokens`` stay zero.
+    to its ``seq_lens[i]`` cached tokens (which must already include this step's K/V), up to
+    ``metadata.key_end`` where it is set, and within ``sliding_window`` keys of their own
+    position where that is set (see ``causal_attention_ref``; only the blocks of the window are
+    read). Returns ``[num_tokens, num_heads, head_dim]``; rows past ``metadata.num_tokens``
+    stay zero.
     """
     out = torch.zeros_like(query)
     starts = metadata.query_start_loc_cpu
+    block_size = kv_cache.shape[2]
     for i in range(metadata.num_reqs):
         start, end = starts[i], starts[i + 1]
         if end == start:
             continue
-        key, value = gather_kv_ref(kv_cache, metadata.block_table[i], metadata.seq_lens_cpu[i])
-        out[start:end] = causal_attention_ref(query[start:end], key, value, scale)
+        seq_len = metadata.seq_lens_cpu[i]
+        first = first_window_block(seq_len - (end - start), sliding_window, block_size)
+        key, value = gather_kv_ref(kv_cache, metadata.block_table[i], seq_len, first)
+        key_end = None if metadata.key_end is None else metadata.key_end[start:end]
+        out[start:end] = causal_attention_ref(
+            query[start:end], key, value, scale, key_end, sliding_window, first * block_size
+        )
     return out

@@ -99,29 +99,36 @@ def paged_attention(
     scale: float,
     key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim], this step's
     value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Paged attention; see ``paged_attention_ref``. The backend chosen is logged once.
 
     With ``key``/``value`` (this step's, already in the cache) and ``metadata.prefill_split``,
     the fresh prefills go through FlashAttention-2's varlen kernel as bundled in torch and the
-    other requests through the Triton kernel (``varlen_attention.paged_attention_split``)."""
+    other requests through the Triton kernel (``varlen_attention.paged_attention_split``).
+    A step with ``metadata.key_end`` (image tokens attending to each other) or a layer with a
+    ``sliding_window`` runs the Triton kernel (or the reference), which alone masks both."""
     fits = query.dtype == kv_cache.dtype and query.shape[-1] <= 256
     if not (fits and use_kernels(query, kv_cache)):
-        return paged_attention_ref(query, kv_cache, metadata, scale)
+        return paged_attention_ref(query, kv_cache, metadata, scale, sliding_window)
     from mm_serve.kernels.flash_attention import flash_attn_unusable_reason, paged_attention_flash
     from mm_serve.kernels.triton_attention import paged_attention_triton
 
+    masked = metadata.key_end is not None or sliding_window is not None
     reason = "kernel mode triton" if kernel_mode() == "triton" else None
+    if masked:
+        reason = reason or "bidirectional image tokens or a sliding window"
     reason = reason or flash_attn_unusable_reason(query, kv_cache)
     if reason is None:
         _log_once("Paged attention: flash_attn (flash_attn_varlen_func with block_table).")
         return paged_attention_flash(query, kv_cache, metadata, scale)
-    if metadata.prefill_split is not None and key is not None and kernel_mode() == "auto":
+    split = metadata.prefill_split is not None and key is not None and not masked
+    if split and kernel_mode() == "auto":
         out = _prefill_split_attention(query, key, value, kv_cache, metadata, scale)
         if out is not None:
             return out
     _log_once("Paged attention: Triton kernel (%s).", reason)
-    return paged_attention_triton(query, kv_cache, metadata, scale)
+    return paged_attention_triton(query, kv_cache, metadata, scale, sliding_window=sliding_window)
 
 
 def _prefill_split_attention(query, key, value, kv_cache, metadata, scale) -> torch.Tensor | None:

@@ -17,6 +17,12 @@ Work split, in the manner of vLLM's Triton "unified attention" kernel:
   when the batch is mostly decode tokens and too small to fill the GPU, a third grid axis cuts
   each request's keys into ``num_segments`` ranges; each writes a partial output with its own
   ``(m, l)`` and a second kernel merges them.
+
+Masks beyond causal: a per-row key limit (``AttentionMetadata.key_end``: the tokens of one
+image attend to each other, Gemma 3) widens a row's keys up to its image's end, and a sliding
+window (``sliding_window``: keys ``k > position - window``, HF's ``sliding_window_overlay``)
+starts each program's key tiles at its first row's window: the keys before it are never
+loaded (their blocks may be freed, ``cache.kv_cache_groups``).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import triton.language as tl
 
 from mm_serve.attention import AttentionMetadata
 from mm_serve.kernels.pdl import pdl_enter, pdl_options
+from mm_serve.kernels.triton_split_kv import merge_segments_kernel
 
 LOG2E = 1.4426950408889634
 MAX_SEGMENTS = 32
@@ -57,6 +64,9 @@ def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr)
 def _attend_tiles(
     q,  # [BLOCK_M, HEAD_DIM_PAD]
     q_abs,  # [BLOCK_M] absolute position of each row
+    q_end,  # [BLOCK_M] one past the last key of each row (q_abs + 1 when causal)
+    win_lo,  # the first key any row sees (0 without a sliding window)
+    window,  # the sliding window (used when SLIDING)
     kv_len,
     tile_lo,
     tile_hi,
@@ -72,8 +82,11 @@ def _attend_tiles(
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
-    """FlashAttention-2 inner loop over key tiles ``[tile_lo, tile_hi)``, causal per row.
+    """FlashAttention-2 inner loop over key tiles ``[tile_lo, tile_hi)``: row ``r`` sees the
+    keys ``k < q_end[r]`` and, when ``SLIDING``, ``k > q_abs[r] - window``; keys outside
+    ``[win_lo, kv_len)`` are not loaded.
 
     Returns the unnormalised output ``acc [BLOCK_M, HEAD_DIM_PAD]``, the running row max ``m``
     (log2 domain, -inf for rows that saw no key) and the row sum ``l``.
@@ -85,7 +98,7 @@ def _attend_tiles(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     for tile in range(tile_lo, tile_hi):
         offs_n = tile * TILE_N + tl.arange(0, TILE_N)
-        n_ok = offs_n < kv_len
+        n_ok = (offs_n < kv_len) & (offs_n >= win_lo)
         block = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         kv_offs = block * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_slot
         k = tl.load(
@@ -99,7 +112,9 @@ def _attend_tiles(
             other=0.0,
         )  # [TILE_N, HEAD_DIM_PAD]
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
-        visible = (offs_n[None, :] <= q_abs[:, None]) & n_ok[None, :]
+        visible = (offs_n[None, :] < q_end[:, None]) & n_ok[None, :]
+        if SLIDING:
+            visible = visible & (offs_n[None, :] > q_abs[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
@@ -123,7 +138,9 @@ def _paged_attention_kernel(
     block_table_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    key_end_ptr,  # [num_tokens] int32 (HAS_KEY_END)
     scale_log2,
+    window,
     num_reqs,
     num_heads,
     stride_q_tok,
@@ -143,6 +160,8 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_KEY_END: tl.constexpr,
+    SLIDING: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # The metadata comes from host copies, never from a kernel: read it before the PDL wait.
@@ -169,17 +188,29 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     context_len = seq_len - query_len  # tokens cached before this step's chunk
-    q_abs = context_len + q_pos  # absolute position of each row: sees keys 0..q_abs
-    last_row = tl.minimum(local_block * BLOCK_Q + BLOCK_Q, query_len) - 1
-    kv_len = context_len + last_row + 1  # keys any row of this block can see
+    q_abs = context_len + q_pos  # absolute position of each row: sees keys 0..q_abs (causal)
+    if HAS_KEY_END:
+        q_end = tl.load(key_end_ptr + q_rows, mask=row_ok, other=0)
+        kv_len = tl.max(tl.where(row_ok, q_end, 0), 0)  # keys any row of this block can see
+    else:
+        q_end = q_abs + 1
+        last_row = tl.minimum(local_block * BLOCK_Q + BLOCK_Q, query_len) - 1
+        kv_len = context_len + last_row + 1
+    win_lo = 0
+    if SLIDING:  # the first row's window start: no row of the block sees a key before it
+        win_lo = tl.maximum(context_len + local_block * BLOCK_Q - window + 1, 0)
+    tile_start = win_lo // TILE_N
     num_tiles = tl.cdiv(kv_len, TILE_N)
-    tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
-    tile_lo = segment * tiles_per_segment
+    tiles_per_segment = tl.cdiv(num_tiles - tile_start, NUM_SEGMENTS)
+    tile_lo = tile_start + segment * tiles_per_segment
     tile_hi = tl.minimum(tile_lo + tiles_per_segment, num_tiles)
 
     acc, m_i, l_i = _attend_tiles(
         q,
         q_abs,
+        q_end,
+        win_lo,
+        window,
         kv_len,
         tile_lo,
         tile_hi,
@@ -195,6 +226,7 @@ def _paged_attention_kernel(
         BLOCK_M,
         TILE_N,
         DOT_PRECISION,
+        SLIDING,
     )
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -212,43 +244,6 @@ def _paged_attention_kernel(
         tl.store(seg_sum_ptr + part, l_i, mask=row_ok)
         seg_offs = part[:, None] * HEAD_DIM_PAD + offs_d[None, :]
         tl.store(seg_out_ptr + seg_offs, out, mask=row_ok[:, None])
-
-
-@triton.jit
-def _merge_segments_kernel(
-    out_ptr,  # [num_tokens, num_heads, head_dim]
-    seg_out_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS, HEAD_DIM_PAD] fp32
-    seg_max_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS] fp32 (log2 domain)
-    seg_sum_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS] fp32
-    num_heads,
-    stride_o_tok,
-    stride_o_head,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    NUM_SEGMENTS: tl.constexpr,
-    SEGMENTS_PAD: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """``out = sum_s w_s * out_s / sum_s w_s`` with ``w_s = l_s * 2^(m_s - max_s m_s)``."""
-    pdl_enter(USE_PDL)
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, SEGMENTS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    s_ok = offs_s < NUM_SEGMENTS
-    part = (token * num_heads + head) * NUM_SEGMENTS + offs_s
-    m = tl.load(seg_max_ptr + part, mask=s_ok, other=float("-inf"))
-    l = tl.load(seg_sum_ptr + part, mask=s_ok, other=0.0)  # noqa: E741
-    w = l * tl.exp2(m - tl.max(m, 0))  # segment 0 always has keys: max(m) is finite
-    o = tl.load(
-        seg_out_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0
-    )
-    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(
-        out_ptr + token * stride_o_tok + head * stride_o_head + offs_d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=offs_d < HEAD_DIM,
-    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -289,8 +284,10 @@ def paged_attention_triton(
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], written
     config: dict[str, int] | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Varlen causal GQA attention over the paged cache; contract of ``paged_attention_ref``.
+    """Varlen causal GQA attention over the paged cache; contract of ``paged_attention_ref``
+    (``metadata.key_end`` and ``sliding_window`` included).
 
     Request ``i``'s query rows ``query_start_loc[i]:query_start_loc[i+1]`` attend causally to its
     ``seq_lens[i]`` cached tokens (this step's K/V already written), found through
@@ -321,20 +318,23 @@ def paged_attention_triton(
     if num_tokens == 0 or metadata.num_reqs == 0:
         return out
     group = num_heads // num_kv_heads
+    max_keys = metadata.max_seq_len  # the most keys one row reads
+    if sliding_window is not None:
+        max_keys = min(max_keys, sliding_window + metadata.max_query_len)
     cfg = _launch_config(
         group,
         metadata.max_query_len,
-        metadata.max_seq_len,
+        max_keys,
         metadata.num_reqs,
         num_kv_heads,
         query.device,
     )
     cfg.update(config or {})
-    _launch(query, kv_cache, metadata, scale, out, group, cfg)
+    _launch(query, kv_cache, metadata, scale, out, group, cfg, sliding_window)
     return out
 
 
-def _launch(query, kv_cache, metadata, scale, out, group, cfg) -> None:
+def _launch(query, kv_cache, metadata, scale, out, group, cfg, sliding_window=None) -> None:
     """Run the attention kernel (and the merge when split) with the launch config ``cfg``."""
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = kv_cache.shape[3]
@@ -351,6 +351,7 @@ def _launch(query, kv_cache, metadata, scale, out, group, cfg) -> None:
     else:
         seg_out = seg_max = seg_sum = out  # unused
     key_cache, value_cache = kv_cache[0], kv_cache[1]
+    key_end = metadata.key_end
     _paged_attention_kernel[grid](
         out,
         seg_out,
@@ -362,7 +363,9 @@ def _launch(query, kv_cache, metadata, scale, out, group, cfg) -> None:
         metadata.block_table,
         metadata.seq_lens,
         metadata.query_start_loc,
+        metadata.query_start_loc if key_end is None else key_end,  # unread without key_end
         scale * LOG2E,
+        sliding_window or 0,
         num_reqs,
         num_heads,
         query.stride(0),
@@ -382,12 +385,14 @@ def _launch(query, kv_cache, metadata, scale, out, group, cfg) -> None:
         TILE_N=cfg["TILE_N"],
         NUM_SEGMENTS=num_segments,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        HAS_KEY_END=key_end is not None,
+        SLIDING=sliding_window is not None,
         num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 2),
         **pdl_options(query.device),
     )
     if num_segments > 1:
-        _merge_segments_kernel[(num_tokens, num_heads)](
+        merge_segments_kernel[(num_tokens, num_heads)](
             out, seg_out, seg_max, seg_sum, num_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SEGMENTS=num_segments,
             SEGMENTS_PAD=max(2, triton.next_power_of_2(num_segments)),

@@ -27,6 +27,16 @@ class AttentionMetadata:
 
     ``prefill_split`` (set by the model runner on CUDA for steps with a fresh prefill) sends
     those prefills through FlashAttention-2's varlen kernel, the others through the paged one.
+
+    ``key_end`` (None: causal) gives each query row one past the absolute position of the last
+    key it sees: ``position + 1`` for causal rows, the end of its image for the tokens of an
+    image that attend to each other bidirectionally (Gemma 3, as HF's token-type mask). It never
+    exceeds the request's ``seq_lens[i]``: the scheduler never cuts such an image.
+
+    A model whose layers use several KV-cache groups (``cache.kv_cache_groups``: sliding-window
+    and full-attention layers) has one block table and slot mapping per group: this object is
+    group 0's, and ``group_metadata[g - 1]`` group ``g``'s, alike in everything else
+    (``for_group``).
     """
 
     num_reqs: int
@@ -40,3 +50,9 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]  # host copies, for the pure-torch reference's loop
     seq_lens_cpu: list[int]
     prefill_split: PrefillSplit | None = None
+    key_end: torch.Tensor | None = None  # [num_tokens] int32
+    group_metadata: tuple[AttentionMetadata, ...] = ()
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata of KV-cache group ``group`` (0: this one)."""
+        return self if group == 0 else self.group_metadata[group - 1]

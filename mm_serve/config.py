@@ -68,7 +68,11 @@ class ModelConfig:
 
     @property
     def image_token_id(self) -> int | None:
-        """The image placeholder token id of a VLM, None for a text-only model."""
+        """The image placeholder token id of a VLM (its family's ``placeholder_token``, e.g.
+        Gemma 3's ``<start_of_image>``, else the image token), None for a text-only model."""
+        family = find_family(self.hf_config)
+        if family is not None and family.placeholder_token is not None:
+            return getattr(self.hf_config, family.placeholder_token)
         names = ("image_token_id", "image_token_index")
         values = (getattr(self.hf_config, name, None) for name in names)
         return next((value for value in values if value is not None), None)
@@ -115,6 +119,10 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     max_num_encoder_input_tokens: int = 0
     encoder_cache_size: int = 0
+    # A prefill chunk never cuts an image's placeholder range (its tokens attend to each
+    # other: ``ModelFamily.bidirectional_images``); the chunk ends before an image that does
+    # not fit whole, and each image must fit ``max_num_batched_tokens``.
+    whole_images: bool = False
     # Schedule step n+1 while step n runs on the device (its sampled tokens stay there).
     async_scheduling: bool = False
 
@@ -287,8 +295,10 @@ class EngineArgs:
         if model.video_token_id is not None:  # a video is encoded whole, in one step
             max_video_tokens = min(encoder_budget, encoder_cache_size, max_model_len - 1)
             multimodal = replace(multimodal, max_video_tokens=max_video_tokens)
+        family = find_family(hf_config)
         scheduler = self._config(
             SchedulerConfig,
+            whole_images=family is not None and family.bidirectional_images,
             max_num_batched_tokens=batched_tokens,
             max_model_len=max_model_len,
             max_num_encoder_input_tokens=encoder_budget,

@@ -14,13 +14,23 @@ class ModelFamily:
     """``model_class``: a ``models.interface.LanguageModel``; ``image_processor``: None for a
     text-only model, else ``(settings, hf_config, max_pixels, model_path) -> ImageProcessor``;
     ``video_processor``: None for a model without videos, else ``(settings, hf_config,
-    model_path) -> VideoProcessor`` (``encoders/video_processors.py``)."""
+    model_path) -> VideoProcessor`` (``encoders/video_processors.py``).
+
+    ``placeholder_token``: the config attribute naming the prompt's image placeholder token
+    (None: the image token itself, ``image_token_id``). ``bidirectional_images``: the tokens
+    of one image attend to each other in prefill, so a prefill chunk never cuts an image
+    (``SchedulerConfig.whole_images``). ``sliding_window``: the text config's ``layer_types``
+    and ``sliding_window`` are honoured, sliding-window layers in KV-cache groups of their own
+    (``cache.kv_cache_groups``)."""
 
     architectures: tuple[str, ...]
     model_types: tuple[str, ...]
     model_class: str
     image_processor: str | None = None
     video_processor: str | None = None
+    placeholder_token: str | None = None
+    bidirectional_images: bool = False
+    sliding_window: bool = False
 
 
 _QWEN2_VL_PROCESSOR = "mm_serve.encoders.processors:qwen2_vl_image_processor"
@@ -72,6 +82,15 @@ FAMILIES = (
         ("qwen3_vl",),
         "mm_serve.models.qwen3_vl:Qwen3VLForConditionalGeneration",
         _QWEN2_VL_PROCESSOR,  # Qwen3-VL checkpoints use Qwen2VLImageProcessor (patch 16)
+    ),
+    ModelFamily(
+        ("Gemma3ForConditionalGeneration",),
+        ("gemma3",),
+        "mm_serve.models.gemma3:Gemma3ForConditionalGeneration",
+        "mm_serve.encoders.processors:gemma3_image_processor",
+        placeholder_token="boi_token_id",
+        bidirectional_images=True,
+        sliding_window=True,
     ),
 )
 VLM_MODEL_TYPES = tuple(t for f in FAMILIES if f.image_processor for t in f.model_types)

@@ -330,6 +330,47 @@ ARCHITECTURES["qwen3-vl-8b"] = {
         "deepstack_visual_indexes": [8, 16, 24],
     },
 }
+# google/gemma-3-4b-it config.json, its text_config's unset values at Gemma3TextConfig's
+# defaults (8 heads, 4 KV heads of 256, query_pre_attn_scalar 256, window 1024 on five
+# layers in six, RoPE 1e6 linear x8 on the full ones, 10,000 on the others). Written by
+# ``gemma3_architecture`` (Gemma's image tokens, its processor).
+ARCHITECTURES["gemma-3-4b"] = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "model_type": "gemma3",
+    "mm_tokens_per_image": 256,
+    "initializer_range": 0.02,
+    "torch_dtype": "bfloat16",
+    "text_config": {
+        "model_type": "gemma3_text",
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "num_hidden_layers": 34,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "vocab_size": 262208,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-06,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": 1024,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "torch_dtype": "bfloat16",
+    },
+    "vision_config": {
+        "model_type": "siglip_vision_model",
+        "hidden_size": 1152,
+        "image_size": 896,
+        "intermediate_size": 4304,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 27,
+        "patch_size": 14,
+        "layer_norm_eps": 1e-06,
+        "vision_use_head": False,
+    },
+}
 
 # Qwen2-VL's and Qwen2.5-VL's preprocessor_config.json settings: 14-pixel patches, 2x2 merge
 # (28x28 pixels per image token), images resized into [min_pixels, max_pixels], CLIP
@@ -426,6 +467,10 @@ def write_architecture(name: str, folder: str | os.PathLike) -> str:
         return _write_internvl(name, folder)
     if ARCHITECTURES.get(name, {}).get("model_type") == "llava_onevision":
         return _write_llava_onevision(name, folder)
+    if ARCHITECTURES.get(name, {}).get("model_type") == "gemma3":
+        from mm_serve.benchmarks.gemma3_architecture import write_gemma3_architecture
+
+        return write_gemma3_architecture(ARCHITECTURES[name], folder)
 
     # The tests' byte-level BPE with Qwen2's and Qwen2-VL's special tokens and chat template.
     tokenizer = vlm_tokenizer("qwen2_vl")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 
+from mm_serve.cache.kv_cache_groups import kv_cache_layout
 from mm_serve.config import EngineConfig, check_tensor_parallel
 from mm_serve.engine.step_timeline import install_from_env
 from mm_serve.outputs import EngineCoreOutput
@@ -141,4 +142,7 @@ class EngineCore:
 
     def _make_scheduler(self) -> Scheduler:
         config = self.config
-        return Scheduler(config.scheduler, config.cache, self.num_kv_blocks, self.structured_output)
+        layout = kv_cache_layout(config.model.hf_config)
+        return Scheduler(
+            config.scheduler, config.cache, self.num_kv_blocks, self.structured_output, layout
+        )

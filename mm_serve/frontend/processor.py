@@ -250,7 +250,8 @@ class InputProcessor:
         prompt = Prompt.parse(prompt)
         token_ids = prompt.token_ids
         if token_ids is None:
-            token_ids = self.tokenizer(prompt.text, add_special_tokens=add_special_tokens).input_ids
+            text = self._text_to_tokenize(prompt.text)
+            token_ids = self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
         # Placeholders only grow on expansion: a prompt too long already fails here.
         check_token_ids(token_ids, self.model_config)
         pending = None
@@ -269,6 +270,11 @@ class InputProcessor:
                 prompt.video_uuids,
             )
         return PendingPrompt(self.model_config, prompt.text, token_ids, prompt.cache_salt, pending)
+
+    def _text_to_tokenize(self, text: str) -> str:
+        """The prompt text as the family's processor tokenizes it (``ImageProcessor.
+        prompt_text``: Gemma 3's newlines around image placeholders)."""
+        return text if self.mm_processor is None else self.mm_processor.processor.prompt_text(text)
 
     def shutdown(self) -> None:
         """Stop the preprocessing pool's processes, if any were started."""
@@ -313,7 +319,8 @@ class InputProcessor:
         )
         bos = self.tokenizer.bos_token
         add_special_tokens = add_special_tokens or not (bos and text.startswith(bos))
-        token_ids = self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+        tokenized = self._text_to_tokenize(text)
+        token_ids = self.tokenizer(tokenized, add_special_tokens=add_special_tokens).input_ids
         prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": token_ids}
         return prompt | media.multi_modal_fields()
 

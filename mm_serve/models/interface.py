@@ -21,6 +21,9 @@ class LanguageModel(Protocol):
     # Width of ``inputs_embeds`` rows: ``hidden``, or more where the LM takes extra per-token
     # inputs beside the embeddings (Qwen3-VL: DeepStack features, ``models.qwen3_vl``).
     inputs_embeds_size: int
+    # True: the image tokens of one image attend to each other in prefill (the model runner
+    # sets ``AttentionMetadata.key_end``; the family's ``bidirectional_images``).
+    bidirectional_images: bool
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors in; the names of the parameters now fully loaded."""

@@ -180,6 +180,7 @@ class LlamaForCausalLM(nn.Module):
     """
 
     uses_mrope = False  # positions are [T]; True on VLMs whose positions are [3, T]
+    bidirectional_images = False  # True: an image's tokens attend to each other (Gemma 3)
 
     def __init__(self, config: Any) -> None:
         super().__init__()

@@ -13,8 +13,9 @@ from mm_serve.request import Request
 
 
 def check_images_fit(config: SchedulerConfig, request: Request) -> None:
-    """Every image must fit the encoder budget and cache; without chunked prefill, all of a
-    prompt's images must fit one step's encoder budget.
+    """Every image must fit the encoder budget and cache (and, with ``whole_images``, one
+    step's token budget); without chunked prefill, all of a prompt's images must fit one
+    step's encoder budget.
 
     Raises:
         ValueError: naming the tokens needed and the budget.
@@ -29,6 +30,11 @@ def check_images_fit(config: SchedulerConfig, request: Request) -> None:
             f"encoder budget of {budget} tokens (max_num_encoder_input_tokens, "
             "encoder_cache_size)."
         )
+    if config.whole_images and lengths and max(lengths) > config.max_num_batched_tokens:
+        raise ValueError(
+            f"An image of the prompt takes {max(lengths)} tokens, which this model computes "
+            f"in one step, above max_num_batched_tokens={config.max_num_batched_tokens}."
+        )
 
 
 def schedule_encoder_inputs(
@@ -37,6 +43,7 @@ def schedule_encoder_inputs(
     num_computed: int,
     num_new: int,
     encoder_budget: int,
+    whole_images: bool = False,
 ) -> tuple[list[int], int]:
     """Which of ``request``'s images to encode for the window
     ``[num_computed, num_computed + num_new)``, and the window's (possibly cut) length.
@@ -44,8 +51,12 @@ def schedule_encoder_inputs(
     An image is skipped when its range lies before ``num_computed`` (its KV exists, e.g. a
     prefix-cache hit) or its embeddings are cached (the request then references them). The
     first image that does not fit the encoder budget or cache cuts the window just before
-    it (to 0 tokens when the window starts inside that image).
+    it (to 0 tokens when the window starts inside that image). With ``whole_images``, a
+    window that would end inside an image ends before it instead (to 0 tokens when it starts
+    inside that image or at its start).
     """
+    if whole_images:
+        num_new = _end_before_cut_image(request, num_computed, num_new)
     to_encode: list[int] = []
     chosen: set[str] = set()
     pending = 0  # encoder tokens chosen for this request, not yet allocated
@@ -64,6 +75,19 @@ def schedule_encoder_inputs(
         chosen.add(feature.mm_hash)
         pending += length
     return to_encode, num_new
+
+
+def _end_before_cut_image(request: Request, num_computed: int, num_new: int) -> int:
+    """``num_new``, or less so that ``[num_computed, num_computed + num_new)`` ends before an
+    image it would otherwise end inside."""
+    end = num_computed + num_new
+    for feature in request.mm_features:  # in prompt order
+        start = feature.placeholder.offset
+        if start >= end:
+            break
+        if end < feature.placeholder.end:
+            return max(0, start - num_computed)
+    return num_new
 
 
 def free_consumed_encoder_inputs(

@@ -31,8 +31,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from mm_serve.cache import KVCacheManager
 from mm_serve.cache.encoder_cache_manager import EncoderCacheManager
+from mm_serve.cache.hybrid_kv_cache_manager import make_kv_cache_manager
+from mm_serve.cache.kv_cache_groups import KVCacheLayout
 from mm_serve.config import CacheConfig, SchedulerConfig
 from mm_serve.outputs import EngineCoreOutput
 from mm_serve.request import Request, RequestStatus
@@ -73,6 +74,7 @@ class Scheduler:
         cache_config: block size and prefix caching switch.
         num_kv_blocks: size of the KV pool in blocks (``ModelRunner.determine_num_kv_blocks``).
         structured_output: compiles grammars; None refuses requests with ``structured_outputs``.
+        kv_cache_layout: the model's KV-cache groups (``cache.kv_cache_groups``); None: one.
     """
 
     def __init__(
@@ -81,13 +83,15 @@ class Scheduler:
         cache_config: CacheConfig,
         num_kv_blocks: int,
         structured_output: StructuredOutputManager | None = None,
+        kv_cache_layout: KVCacheLayout | None = None,
     ) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks=num_kv_blocks,
-            block_size=cache_config.block_size,
-            enable_caching=cache_config.enable_prefix_caching,
+        self.kv_cache_manager = make_kv_cache_manager(
+            num_kv_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            kv_cache_layout,
         )
         self.encoder_cache_manager = EncoderCacheManager(scheduler_config.encoder_cache_size)
         self.requests: dict[str, Request] = {}
@@ -117,7 +121,7 @@ class Scheduler:
                 f"The prompt has {request.num_prompt_tokens} tokens, but the model's maximum "
                 f"length is {max_len} (prompt and at least one output token)."
             )
-        blocks_needed = -(-(request.num_prompt_tokens + 1) // self.block_size)
+        blocks_needed = self.kv_cache_manager.blocks_needed(request.num_prompt_tokens + 1)
         if blocks_needed > self.kv_cache_manager.num_blocks:
             raise ValueError(
                 f"The prompt needs {blocks_needed} KV blocks but the cache holds only "
@@ -191,6 +195,7 @@ class Scheduler:
                 request.num_computed_tokens,
                 num_new,
                 step.encoder_budget,
+                self.config.whole_images,
             )
             if num_new == 0:  # its next image waits for encoder budget or cache space
                 index += 1
@@ -248,6 +253,7 @@ class Scheduler:
                 num_computed,
                 min(num_wanted, step.token_budget),
                 step.encoder_budget,
+                self.config.whole_images,
             )
             if num_new == 0 or (not self.config.enable_chunked_prefill and num_new < num_wanted):
                 break  # Its first image must wait for the encoder; the queue stays in order.

@@ -71,7 +71,7 @@ FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava")
 # Families whose images expand to more than image tokens (tile tags, newlines) or to tiles of
 # any resolution: built by their own module, and not in ``FAMILIES`` (tests/test_vlm_models.py
 # runs those).
-TILED_FAMILIES = ("idefics3", "internvl", "llava_onevision")
+TILED_FAMILIES = ("idefics3", "internvl", "llava_onevision", "gemma3")
 # Built by its own module (``qwen3_vl_checkpoint``) with this module's tokenizer and text sizes.
 QWEN3_VL = "qwen3_vl"
 _TEXT = dict(
@@ -245,14 +245,15 @@ def build_tiny_vlm_checkpoint(
     layout: str = "transformers",
 ) -> str:
     """Write a tiny ``family`` ("qwen2_vl", "qwen2_5_vl", "llava", "idefics3", "internvl",
-    "llava_onevision" or "qwen3_vl") checkpoint.
+    "llava_onevision", "qwen3_vl" or "gemma3") checkpoint.
 
     Text: hidden 64, 2 layers, 4 heads, 2 KV heads, intermediate 128 (Qwen: mrope sections
     2:3:3, tied embeddings). Vision: 2-3 layers of width 32, patch 14, merge 2; Qwen images
     are resized into ``[QWEN_MIN_PIXELS, QWEN_MAX_PIXELS]`` (4 to 64 image tokens), LLaVA's to
     56 x 56 (16 image tokens); Idefics3's (a Llama LM): see ``idefics3_checkpoint``; InternVL's
     and LLaVA-OneVision's (Qwen2 LMs): see ``internvl_checkpoint``, ``llava_onevision_checkpoint``;
-    Qwen3-VL's (Qwen2-VL's tokenizer, a Qwen3 LM with DeepStack): see ``qwen3_vl_checkpoint``.
+    Qwen3-VL's (Qwen2-VL's tokenizer, a Qwen3 LM with DeepStack): see ``qwen3_vl_checkpoint``;
+    Gemma 3's: see ``gemma3_checkpoint``.
     Float32
     weights; same arguments, same bytes. Returns ``path``.
 
@@ -291,6 +292,12 @@ def build_tiny_vlm_checkpoint(
         )
 
         return build_tiny_llava_onevision_checkpoint(path, dict(_TEXT), seed, vocab_size)
+    if family == "gemma3":
+        if layout != "transformers":
+            raise ValueError("The gemma3 checkpoint has the transformers layout only.")
+        from mm_serve.testing.gemma3_checkpoint import build_tiny_gemma3_checkpoint
+
+        return build_tiny_gemma3_checkpoint(path, dict(_TEXT), seed, vocab_size)
     tokenizer = vlm_tokenizer(family)
     if vocab_size is None:
         vocab_size = len(tokenizer)

@@ -28,6 +28,7 @@ attention rows are never written, and nothing reads them but row-wise layers).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import logging
 import time
@@ -36,6 +37,7 @@ import numpy as np
 import torch
 
 from mm_serve.attention import AttentionMetadata
+from mm_serve.cache.kv_cache_groups import kv_cache_layout
 from mm_serve.config import EngineConfig
 from mm_serve.worker.compile import LMForward
 from mm_serve.worker.graph_capture import capture_graph
@@ -65,14 +67,22 @@ class _GraphFamily:
 
     The static buffers every kind shares are allocated here for ``T = max(sizes)`` tokens and
     ``num_reqs`` requests: ``positions [T]`` (``[3, T]`` with M-RoPE), ``slot_mapping [T]``
-    (-1: no write), ``block_table [num_reqs, max_blocks_per_seq]``; a subclass adds its
-    ``query_start_loc`` and ``seq_lens``.
+    (-1: no write), ``block_table [num_reqs, max_blocks_per_seq]`` (and with several KV-cache
+    groups one more of each per group, ``AttentionMetadata.group_metadata``); a subclass adds
+    its ``query_start_loc`` and ``seq_lens``.
     """
 
     kind = ""
 
     def __init__(
-        self, model: torch.nn.Module, sizes, max_model_len: int, block_size: int, num_reqs, device
+        self,
+        model: torch.nn.Module,
+        sizes,
+        max_model_len: int,
+        block_size: int,
+        num_reqs,
+        device,
+        num_kv_cache_groups: int = 1,
     ) -> None:
         self.model = model
         self.sizes = tuple(sorted(sizes))
@@ -84,9 +94,15 @@ class _GraphFamily:
         self.positions = torch.zeros(
             3 * t if self.uses_mrope else t, dtype=torch.int64, device=device
         )
-        self.slot_mapping = torch.full((t,), -1, dtype=torch.int64, device=device)
         max_blocks = -(-max_model_len // block_size)
-        self.block_table = torch.zeros((num_reqs, max_blocks), dtype=torch.int32, device=device)
+        groups = range(num_kv_cache_groups)
+        self.slot_mappings = [
+            torch.full((t,), -1, dtype=torch.int64, device=device) for _ in groups
+        ]
+        self.block_tables = [
+            torch.zeros((num_reqs, max_blocks), dtype=torch.int32, device=device) for _ in groups
+        ]
+        self.slot_mapping, self.block_table = self.slot_mappings[0], self.block_tables[0]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # [size, hidden] hidden states, in the pool
         self.num_replays = 0
@@ -108,11 +124,28 @@ class _GraphFamily:
             self._positions(size)[:, :n].copy_(mrope)
         else:
             self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(metadata.slot_mapping)
-        self.slot_mapping[n:size].fill_(-1)
         self.seq_lens[:r].copy_(metadata.seq_lens)
-        width = metadata.block_table.shape[1]
-        self.block_table[:r, :width].copy_(metadata.block_table)
+        for group, (slots, table) in enumerate(
+            zip(self.slot_mappings, self.block_tables, strict=True)
+        ):
+            step = metadata.for_group(group)
+            slots[:n].copy_(step.slot_mapping)
+            slots[n:size].fill_(-1)
+            table[:r, : step.block_table.shape[1]].copy_(step.block_table)
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        """The step metadata over the static buffers of the graph of ``size``, group 0's."""
+        raise NotImplementedError
+
+    def _step_metadata(self, size: int) -> AttentionMetadata:
+        """``_metadata(size)`` with the other KV-cache groups' buffers."""
+        metadata = self._metadata(size)
+        r = metadata.num_reqs
+        metadata.group_metadata = tuple(
+            dataclasses.replace(metadata, slot_mapping=slots[:size], block_table=table[:r])
+            for slots, table in zip(self.slot_mappings[1:], self.block_tables[1:], strict=True)
+        )
+        return metadata
 
     def capture(self, pool=None) -> None:
         """Capture one graph per size (largest first) into ``pool`` (a fresh one if None)."""
@@ -157,9 +190,10 @@ class CudaGraphRunner(_GraphFamily):
         max_model_len: int,
         block_size: int,
         device: torch.device,
+        num_kv_cache_groups: int = 1,
     ) -> None:
         n = max(sizes)
-        super().__init__(model, sizes, max_model_len, block_size, n, device)
+        super().__init__(model, sizes, max_model_len, block_size, n, device, num_kv_cache_groups)
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
@@ -184,7 +218,7 @@ class CudaGraphRunner(_GraphFamily):
         )
 
     def _call(self, size: int) -> torch.Tensor:
-        return self.model(self.input_ids[:size], self._positions(size), self._metadata(size))
+        return self.model(self.input_ids[:size], self._positions(size), self._step_metadata(size))
 
     def can_run(self, num_reqs: int) -> bool:
         return 0 < num_reqs <= self.max_batch_size
@@ -232,11 +266,12 @@ class MixedCudaGraphRunner(_GraphFamily):
         inputs_embeds_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        num_kv_cache_groups: int = 1,
     ) -> None:
         t = max(sizes)
         self.max_num_reqs = max_num_reqs
         r = self._num_reqs(t)
-        super().__init__(model, sizes, max_model_len, block_size, r, device)
+        super().__init__(model, sizes, max_model_len, block_size, r, device, num_kv_cache_groups)
         self.forward = forward
         self.inputs_embeds = torch.zeros((t, inputs_embeds_size), dtype=dtype, device=device)
         self.query_start_loc = torch.zeros(r + 1, dtype=torch.int32, device=device)
@@ -262,7 +297,9 @@ class MixedCudaGraphRunner(_GraphFamily):
         )
 
     def _call(self, size: int) -> torch.Tensor:
-        return self.forward(self._positions(size), self.inputs_embeds[:size], self._metadata(size))
+        return self.forward(
+            self._positions(size), self.inputs_embeds[:size], self._step_metadata(size)
+        )
 
     def padded_size(self, num_tokens: int) -> int | None:
         """The captured size that serves a step of ``num_tokens`` tokens, or None."""
@@ -306,9 +343,10 @@ def capture_graphs(
     pool = torch.cuda.graph_pool_handle()
     max_model_len, block_size = model_config.max_model_len, config.cache.block_size
     decode = mixed = None
+    groups = kv_cache_layout(model_config.hf_config).num_groups
     if compilation.cuda_graph_batch_sizes:
         sizes = compilation.cuda_graph_batch_sizes
-        decode = CudaGraphRunner(model, sizes, max_model_len, block_size, device)
+        decode = CudaGraphRunner(model, sizes, max_model_len, block_size, device, groups)
         decode.capture(pool)
     if compilation.cuda_graph_num_tokens:
         mixed = MixedCudaGraphRunner(
@@ -321,6 +359,7 @@ def capture_graphs(
             model.inputs_embeds_size,  # the LM's hidden size, or wider (Qwen3-VL's DeepStack)
             model_config.dtype,
             device,
+            groups,
         )
         mixed.capture(pool)
     if hasattr(model, "tower_runner"):

@@ -7,6 +7,7 @@ row is freed and the last rows are moved into the holes (``condense``), so rows
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,16 +68,25 @@ def to_device(array: np.ndarray, device: torch.device, dtype: torch.dtype | None
 class InputBatch:
     """Row-major buffers for up to ``max_num_reqs`` requests.
 
-    Shapes: ``token_ids`` ``[max_num_reqs, max_model_len]`` int32, ``block_table``
-    ``[max_num_reqs, max_blocks_per_req]`` int32, per-row scalars ``[max_num_reqs]``.
+    Shapes: ``token_ids`` ``[max_num_reqs, max_model_len]`` int32, ``block_tables``
+    ``[num_kv_cache_groups, max_num_reqs, max_blocks_per_req]`` int32 (``block_table`` is
+    group 0's), per-row scalars ``[max_num_reqs]``. With several KV-cache groups, a request's
+    block ids arrive interleaved by group (``cache.hybrid_kv_cache_manager``).
     """
 
     def __init__(
-        self, max_num_reqs: int, max_model_len: int, block_size: int, vocab_size: int
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        block_size: int,
+        vocab_size: int,
+        num_kv_cache_groups: int = 1,
     ) -> None:
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.num_groups = num_kv_cache_groups
         max_blocks = -(-max_model_len // block_size)
         self.req_ids: list[str | None] = [None] * max_num_reqs
         self.req_id_to_index: dict[str, int] = {}
@@ -84,7 +94,9 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
-        self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int32)
+        shape = (num_kv_cache_groups, max_num_reqs, max_blocks)
+        self.block_tables = np.zeros(shape, dtype=np.int32)
+        self.block_table = self.block_tables[0]
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
@@ -146,7 +158,7 @@ class InputBatch:
         self.req_id_to_index[req_id] = dst
         num_tokens, num_blocks = self.num_tokens[src], self.num_blocks[src]
         self.token_ids[dst, :num_tokens] = self.token_ids[src, :num_tokens]
-        self.block_table[dst, :num_blocks] = self.block_table[src, :num_blocks]
+        self.block_tables[:, dst, :num_blocks] = self.block_tables[:, src, :num_blocks]
         for array in vars(self).values():  # every per-row column (``[max_num_reqs]``)
             if isinstance(array, np.ndarray) and array.ndim == 1:
                 array[dst] = array[src]
@@ -154,27 +166,42 @@ class InputBatch:
     # ---- per-step updates ----------------------------------------------------------------
 
     def append_block_ids(self, row: int, block_ids: list[int]) -> None:
-        start = self.num_blocks[row]
-        self.block_table[row, start : start + len(block_ids)] = block_ids
-        self.num_blocks[row] = start + len(block_ids)
+        """Append a request's new block ids (interleaved by group) to its block tables."""
+        start, count = self.num_blocks[row], len(block_ids) // self.num_groups
+        if self.num_groups == 1:
+            self.block_table[row, start : start + count] = block_ids
+        else:
+            by_group = np.asarray(block_ids, dtype=np.int32).reshape(count, self.num_groups)
+            self.block_tables[:, row, start : start + count] = by_group.T
+        self.num_blocks[row] = start + count
+
+    def slot_mapping(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """``[num_groups, T]`` int64 cache slot of each token (``rows``, ``positions``: the
+        token's batch row and absolute position, ``[T]``) in each group's blocks."""
+        blocks = self.block_tables[:, rows, positions // self.block_size]
+        return blocks.astype(np.int64) * self.block_size + positions % self.block_size
 
     def attention_metadata(
         self,
-        slot_mapping: np.ndarray,  # [num_tokens] int64
+        slot_mapping: np.ndarray,  # [num_groups, num_tokens] int64 (``slot_mapping()``)
         query_start_loc: np.ndarray,  # [num_reqs + 1]
         seq_lens: np.ndarray,  # [num_reqs]
         device: torch.device,
+        key_end: np.ndarray | None = None,  # [num_tokens]: AttentionMetadata.key_end
     ) -> AttentionMetadata:
         """The step's ``AttentionMetadata`` over rows ``0..num_reqs`` on ``device``, with its
-        host copies, and on CUDA the FlashAttention-2 split of a step of long fresh prompts
-        (``varlen_attention``)."""
+        host copies, each KV-cache group's after the first in ``group_metadata``, and on CUDA
+        the FlashAttention-2 split of a step of long fresh prompts (``varlen_attention``; one
+        group and no ``key_end`` only)."""
         num_reqs = len(seq_lens)
-        block_table = self.block_table[:num_reqs, : int(self.num_blocks[:num_reqs].max())]
-        split = device.type == "cuda" and worth_splitting(query_start_loc, seq_lens)
-        return AttentionMetadata(
+        width = int(self.num_blocks[:num_reqs].max())
+        block_table = self.block_table[:num_reqs, :width]
+        split = device.type == "cuda" and key_end is None and self.num_groups == 1
+        split = split and worth_splitting(query_start_loc, seq_lens)
+        metadata = AttentionMetadata(
             num_reqs=num_reqs,
-            num_tokens=len(slot_mapping),
-            slot_mapping=to_device(slot_mapping, device, torch.int64),
+            num_tokens=slot_mapping.shape[1],
+            slot_mapping=to_device(slot_mapping[0], device, torch.int64),
             query_start_loc=to_device(query_start_loc, device, torch.int32),
             seq_lens=to_device(seq_lens, device, torch.int32),
             block_table=to_device(block_table, device, torch.int32),
@@ -183,11 +210,23 @@ class InputBatch:
             query_start_loc_cpu=query_start_loc.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
             prefill_split=plan_prefill_split(
-                query_start_loc, seq_lens, block_table, slot_mapping, device
+                query_start_loc, seq_lens, block_table, slot_mapping[0], device
             )
             if split
             else None,
+            key_end=None if key_end is None else to_device(key_end, device, torch.int32),
         )
+        if self.num_groups == 1:
+            return metadata
+        metadata.group_metadata = tuple(
+            dataclasses.replace(
+                metadata,
+                slot_mapping=to_device(slot_mapping[g], device, torch.int64),
+                block_table=to_device(self.block_tables[g, :num_reqs, :width], device, torch.int32),
+            )
+            for g in range(1, self.num_groups)
+        )
+        return metadata
 
     def sampling_metadata(self, rows: np.ndarray, device: torch.device) -> SamplingMetadata:
         """Gather the sampling settings of ``rows`` (those that produce a token this step)."""

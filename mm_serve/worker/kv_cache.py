@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from mm_serve.cache.kv_cache_groups import KVCacheLayout, kv_cache_layout
 from mm_serve.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -21,13 +22,14 @@ def kv_heads_per_rank(config: EngineConfig) -> int:
 
 
 def kv_block_bytes(config: EngineConfig) -> int:
-    """Bytes of one KV block over all layers, on one rank: 2 (K, V) x layers x block x the
-    rank's kv heads x head dim."""
+    """Bytes of one KV block over the layers of a KV-cache group (all layers when there is
+    one group, ``cache.kv_cache_groups``), on one rank: 2 (K, V) x layers x block x the rank's
+    kv heads x head dim."""
     model = config.model
     element_size = torch.empty((), dtype=model.dtype).element_size()
     kv_heads = kv_heads_per_rank(config)
     per_layer = 2 * config.cache.block_size * kv_heads * model.head_dim * element_size
-    return per_layer * model.num_layers
+    return per_layer * kv_cache_layout(model.hf_config).layers_per_group
 
 
 def encoder_cache_bytes(config: EngineConfig, model: torch.nn.Module | None = None) -> int:
@@ -43,16 +45,18 @@ def determine_num_kv_blocks(config: EngineConfig, model: torch.nn.Module) -> int
     """The KV pool size in blocks.
 
     ``cache.num_kv_blocks`` wins when set. Otherwise the pool holds what ``max_num_seqs``
-    sequences of ``max_model_len`` tokens can use at most (so a small model gets no more than
-    it can ever fill), within a budget: on CPU ``cache.cpu_kv_cache_bytes``, and never more
-    than half the memory available now; on CUDA ``gpu_memory_utilization`` of the device
-    memory minus what the process already holds (weights) and the encoder cache's reserve.
+    sequences of ``max_model_len`` tokens can use at most, in every KV-cache group (so a small
+    model gets no more than it can ever fill), within a budget: on CPU
+    ``cache.cpu_kv_cache_bytes``, and never more than half the memory available now; on CUDA
+    ``gpu_memory_utilization`` of the device memory minus what the process already holds
+    (weights) and the encoder cache's reserve.
 
     Raises:
         ValueError: if not even one sequence of ``max_model_len`` tokens fits.
     """
     cache = config.cache
-    blocks_per_seq = -(-config.model.max_model_len // cache.block_size)
+    num_groups = kv_cache_layout(config.model.hf_config).num_groups
+    blocks_per_seq = num_groups * -(-config.model.max_model_len // cache.block_size)
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
     if config.device.type == "cuda":
@@ -92,8 +96,9 @@ def available_memory_bytes() -> int:
 
 
 def allocate_kv_caches(config: EngineConfig, num_blocks: int) -> list[torch.Tensor]:
-    """One zeroed ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer
-    (``num_kv_heads`` of this rank).
+    """One zeroed ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer of a
+    KV-cache group (``num_kv_heads`` of this rank): per layer with one group; with several,
+    layer ``j`` of every group shares tensor ``j`` (``cache.kv_cache_groups``).
 
     On CPU the memory is an anonymous mapping, which the kernel hands out zeroed one page at
     a time as blocks are first written: the process's resident memory grows with the blocks
@@ -101,10 +106,31 @@ def allocate_kv_caches(config: EngineConfig, num_blocks: int) -> list[torch.Tens
     """
     model = config.model
     shape = (2, num_blocks, config.cache.block_size, kv_heads_per_rank(config), model.head_dim)
+    num_tensors = kv_cache_layout(model.hf_config).layers_per_group
     if config.device.type == "cpu":
-        return [_zeros_on_demand(shape, model.dtype) for _ in range(model.num_layers)]
+        return [_zeros_on_demand(shape, model.dtype) for _ in range(num_tensors)]
     device, dtype = config.device, model.dtype
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_tensors)]
+
+
+def bind_kv_caches(
+    model: torch.nn.Module, kv_caches: list[torch.Tensor], layout: KVCacheLayout
+) -> None:
+    """Give each attention layer of ``model`` its KV tensor and KV-cache group: tensor ``j``
+    of ``kv_caches`` (``allocate_kv_caches``) to the ``j``-th layer of every group.
+
+    Raises:
+        ValueError: a layer whose ``sliding_window`` differs from its group's.
+    """
+    slots = layout.layer_slots()
+    model.bind_kv_cache([kv_caches[index] for _, index in slots])
+    for i, (attn, (group, _)) in enumerate(zip(model.attention_layers(), slots, strict=True)):
+        window = layout.groups[group].sliding_window
+        if attn.sliding_window != window:
+            raise ValueError(
+                f"Layer {i} has sliding window {attn.sliding_window}, its KV-cache group {window}."
+            )
+        attn.kv_cache_group = group
 
 
 def _zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Multimodal inputs of one step: image embeddings for the scheduled windows, mrope positions.
+"""Multimodal inputs of one step: image embeddings for the scheduled windows, mrope positions,
+and the key limits of image tokens that attend to each other.
 
 A request's step covers prompt positions ``[num_computed, num_computed + num_scheduled)``. The
 scheduler has made sure every image overlapping that window is in the encoder cache (``mm_hash
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from mm_serve.models.interface import VisionLanguageModel
+from mm_serve.request import MultiModalFeature
 from mm_serve.worker.input_batch import CachedRequestState, to_device
 
 
@@ -78,6 +80,53 @@ def gather_image_embeddings(
     rows = torch.cat([torch.arange(p.dst, p.dst + p.end - p.start) for p in slices])
     values = torch.cat([encoder_cache[p.mm_hash][p.start : p.end] for p in slices])
     return to_device(rows.numpy(), device), values
+
+
+def image_token_runs(feature: MultiModalFeature, image_token_id: int) -> list[tuple[int, int]]:
+    """Absolute ``[start, end)`` of each run of consecutive image tokens in the feature's
+    placeholder range (its ``token_ids``; all of it when it has none): the tokens of a run
+    attend to each other (HF's ``get_block_sequence_ids_for_mask``: one block per run)."""
+    offset, token_ids = feature.placeholder.offset, feature.data.token_ids
+    if token_ids is None:
+        return [(offset, feature.placeholder.end)]
+    is_image = np.concatenate([[0], np.asarray(token_ids) == image_token_id, [0]]).astype(np.int8)
+    edges = np.flatnonzero(np.diff(is_image)) + offset
+    return list(zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=True))
+
+
+def image_key_end(
+    states: list[CachedRequestState],
+    positions: np.ndarray,  # [num_tokens] absolute positions
+    query_start_loc: np.ndarray,
+    num_computed: np.ndarray,
+    image_token_id: int,
+) -> np.ndarray | None:
+    """``AttentionMetadata.key_end`` ``[num_tokens]`` int32: ``position + 1`` (causal), and for
+    the image tokens in this step's windows the end of their run (``image_token_runs``); None
+    when no window holds an image token.
+
+    Raises:
+        RuntimeError: a run that ends past its window (the scheduler must not cut one).
+    """
+    key_end = None
+    for row, state in enumerate(states):
+        lo = int(query_start_loc[row])
+        start = int(num_computed[row])
+        end = start + int(query_start_loc[row + 1]) - lo
+        for feature in state.mm_features:
+            placeholder = feature.placeholder
+            if placeholder.offset >= end or placeholder.end <= start:
+                continue
+            for run_start, run_end in image_token_runs(feature, image_token_id):
+                first, last = max(run_start, start), min(run_end, end)
+                if first >= last:
+                    continue
+                if run_end > end:
+                    raise RuntimeError(f"A chunk of {state.req_id} cuts an image at {end}.")
+                if key_end is None:
+                    key_end = (positions + 1).astype(np.int32)
+                key_end[lo + first - start : lo + last - start] = run_end
+    return key_end
 
 
 def mrope_positions(

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from mm_serve.attention import AttentionMetadata
+from mm_serve.cache.kv_cache_groups import kv_cache_layout
 from mm_serve.config import EngineConfig
 from mm_serve.distributed import init_tensor_parallel
 from mm_serve.kernels.dispatch import configure_kernels
@@ -30,10 +31,11 @@ from mm_serve.worker.cuda_graphs import (
     is_decode_only,
 )
 from mm_serve.worker.input_batch import CachedRequestState, InputBatch, to_device
-from mm_serve.worker.kv_cache import allocate_kv_caches, determine_num_kv_blocks
+from mm_serve.worker.kv_cache import allocate_kv_caches, bind_kv_caches, determine_num_kv_blocks
 from mm_serve.worker.mm_inputs import (
     encode_images,
     gather_image_embeddings,
+    image_key_end,
     mrope_positions,
     scheduled_slices,
 )
@@ -74,11 +76,13 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.max_model_len = config.model.max_model_len
         self.requests: dict[str, CachedRequestState] = {}
+        self.kv_cache_layout = kv_cache_layout(config.model.hf_config)
         self.input_batch = InputBatch(
             max_num_reqs=config.scheduler.max_num_seqs,
             max_model_len=self.max_model_len,
             block_size=self.block_size,
             vocab_size=config.model.vocab_size,
+            num_kv_cache_groups=self.kv_cache_layout.num_groups,
         )
         self.sampler = Sampler()
         self.model: LanguageModel | None = None
@@ -117,7 +121,7 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.config, num_blocks)
-        self.model.bind_kv_cache(self.kv_caches)
+        bind_kv_caches(self.model, self.kv_caches, self.kv_cache_layout)
 
     def capture_cuda_graphs(self) -> None:
         """Capture the LM's graphs and send the vision tower through its own (after the KV
@@ -197,7 +201,7 @@ class ModelRunner:
         if self._use_cuda_graph(inputs):
             return self.cuda_graphs.run(inputs.input_ids, inputs.positions, metadata)
         graphs = self.mixed_graphs
-        mixed = graphs is not None and metadata.prefill_split is None
+        mixed = graphs is not None and metadata.prefill_split is None and metadata.key_end is None
         mixed = mixed and graphs.padded_size(metadata.num_tokens) is not None
         inputs_embeds = self.model.get_input_embeddings(inputs.input_ids)
         if inputs.image_embeddings is not None:
@@ -281,21 +285,24 @@ class ModelRunner:
         num_computed = batch.num_computed_tokens[:num_reqs].astype(np.int64)
         positions = num_computed[row_of_token] + offset_in_chunk
         input_ids = batch.token_ids[row_of_token, positions]
-        block_numbers = batch.block_table[row_of_token, positions // self.block_size]
-        slot_mapping = (
-            block_numbers.astype(np.int64) * self.block_size + positions % self.block_size
-        )
+        slot_mapping = batch.slot_mapping(row_of_token, positions)  # [groups, T]
         seq_lens = num_computed + num_scheduled
         query_start_loc = np.concatenate([[0], cu_num_tokens])
         # A request samples once all its tokens are computed (prompt done); ``num_tokens``
         # counts the tokens sampled by steps still in flight.
         sample_rows = np.nonzero(seq_lens == batch.num_tokens[:num_reqs])[0]
         device = self.device
-        attn_metadata = batch.attention_metadata(slot_mapping, query_start_loc, seq_lens, device)
         states = batch.states[:num_reqs]
+        slices = scheduled_slices(states, num_computed, query_start_loc)
+        key_end = None  # image tokens that attend to each other (Gemma 3)
+        if slices and self.model.bidirectional_images:
+            image_token = self.model.image_token_id
+            key_end = image_key_end(states, positions, query_start_loc, num_computed, image_token)
+        attn_metadata = batch.attention_metadata(
+            slot_mapping, query_start_loc, seq_lens, device, key_end
+        )
         if self.model.uses_mrope:
             positions = mrope_positions(states, positions, query_start_loc, num_computed)
-        slices = scheduled_slices(states, num_computed, query_start_loc)
         cache = self.encoder_cache
         image_embeddings = gather_image_embeddings(cache, slices, device) if slices else None
         input_ids = to_device(input_ids, device, torch.int64)

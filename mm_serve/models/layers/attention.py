@@ -66,6 +66,10 @@ class Attention(nn.Module):
     ``self.kv_cache`` (``[2, num_blocks, block_size, num_kv_heads, head_dim]``) is bound by the
     model runner after it sizes the pool; until then it is an empty tensor. It is a plain
     attribute, not a buffer: it is not part of the weights and must survive ``to_empty``.
+
+    ``sliding_window`` (None: full attention) limits each query to the keys less than that many
+    positions behind it; ``kv_cache_group`` is the KV-cache group whose block table the layer
+    reads (``AttentionMetadata.for_group``; set with the cache, ``cache.kv_cache_groups``).
     """
 
     def __init__(
@@ -75,6 +79,7 @@ class Attention(nn.Module):
         scale: float,
         num_kv_heads: int,
         rotary_emb: nn.Module,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         self.rotary_emb = rotary_emb  # RotaryEmbedding, may be shared by all layers
@@ -82,6 +87,8 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
+        self.kv_cache_group = 0
         self.kv_cache = torch.tensor([])
         self.layer_index = -1  # set by register_layers, for a compiled forward
 
@@ -105,13 +112,17 @@ class Attention(nn.Module):
         if torch.compiler.is_compiling():
             return torch.ops.mm_serve.attention(positions, q, k, v, self.layer_index)
         cached = attn_metadata is not None and self.kv_cache.numel() > 0
+        if cached and self.kv_cache_group:
+            attn_metadata = attn_metadata.for_group(self.kv_cache_group)
         kv_write = (v, self.kv_cache, attn_metadata.slot_mapping) if cached else None
         q, k = self.rotary_emb(positions, q, k, kv_write)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if cached:  # k/v too: a fresh prefill may attend to them without reading the cache
-            out = paged_attention(q, self.kv_cache, attn_metadata, self.scale, k, v)
+            out = paged_attention(
+                q, self.kv_cache, attn_metadata, self.scale, k, v, self.sliding_window
+            )
         else:
             out = self._forward_no_cache(q, k, v, attn_metadata)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
@@ -130,8 +141,13 @@ class Attention(nn.Module):
         for start, end in zip(starts[:-1], starts[1:], strict=True):
             if end > start:
                 qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))
+                mask, causal = None, True
+                if self.sliding_window is not None:  # causal and within the window
+                    pos = torch.arange(end - start, device=q.device)
+                    offset = pos[:, None] - pos[None, :]
+                    mask, causal = (offset >= 0) & (offset < self.sliding_window), False
                 o = F.scaled_dot_product_attention(
-                    qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True
+                    qs, ks, vs, mask, is_causal=causal, scale=self.scale, enable_gqa=True
                 )
                 out[start:end] = o.transpose(0, 1)
         return out

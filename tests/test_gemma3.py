@@ -1,0 +1,311 @@
+"""Gemma 3 against HF transformers on a tiny checkpoint (``testing.gemma3_checkpoint``: a
+12-token sliding window, four KV-cache groups, 9 image tokens per image).
+
+The processor: our pixels equal ``Gemma3ImageProcessor``'s for a photograph, an odd size and
+a grayscale image, and our prompt ids ``Gemma3Processor``'s (newlines around each image,
+merged with the text's). The engine: greedy tokens and top-5 log-probs equal HF ``generate``'s
+for a batch mixing a text-only prompt longer than the window, a photograph, two odd-sized
+images in one prompt and a grayscale image, whole and with a token budget of 12 (its chunks
+end between images, never inside one); a long request frees the sliding groups' blocks
+outside the window as it goes; prefix-cache hits (one inside an image) stay correct. First,
+that the two masks matter at all on this checkpoint: HF's output changes without them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mm_serve import LLM, SamplingParams
+from mm_serve.encoders.processors import get_image_processor
+from mm_serve.request import Request
+from mm_serve.testing.hf_reference import hf_greedy_generate
+from mm_serve.testing.leaks import assert_llm_idle
+from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+
+MAX_NEW_TOKENS = 12
+LOGPROB_TOL = 1e-4
+LONG_TEXT = (
+    "A text-only question about the harbor town, the fishing boats and the gulls, long "
+    "enough to run past the sliding window several times over."
+)
+
+
+def photo(name: str) -> Image.Image:
+    """A real photograph shipped inside an installed package."""
+    if name == "grace_hopper.jpg":
+        import matplotlib
+
+        return Image.open(Path(matplotlib.get_data_path()) / "sample_data" / name)
+    import skimage
+
+    return Image.open(Path(skimage.__file__).parent / "data" / name)
+
+
+def generated(width: int, height: int, seed: int) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def cases() -> list[tuple[str, list]]:
+    return [
+        (LONG_TEXT, []),
+        ("Describe this image:<start_of_image>", [photo("grace_hopper.jpg")]),
+        (
+            "Compare <start_of_image> with <start_of_image> please.",
+            [generated(301, 87, 1), generated(23, 45, 2)],
+        ),
+        ("<start_of_image>\nWhat is here?", [photo("chelsea.png").convert("L")]),
+    ]
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory) -> str:
+    return build_tiny_vlm_checkpoint(tmp_path_factory.mktemp("gemma3"), "gemma3", seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(path):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(path)
+    model = AutoModelForImageTextToText.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    return processor, model
+
+
+def hf_inputs(processor, text: str, images: list):
+    return processor(text=[text], images=[images] if images else None, return_tensors="pt")
+
+
+def hf_greedy(reference, text: str, images: list):
+    """(prompt ids, greedy ids, per-step log-softmax ``[steps, vocab]``) of HF."""
+    processor, model = reference
+    return hf_greedy_generate(model, hf_inputs(processor, text, images), MAX_NEW_TOKENS)
+
+
+@pytest.mark.parametrize(
+    "image",
+    [photo("grace_hopper.jpg"), generated(301, 87, 1), photo("chelsea.png").convert("L")],
+    ids=["photograph", "odd_size", "grayscale"],
+)
+def test_processor_matches_hf(path, reference, image):
+    processor = reference[0]
+    text = "Look:\n<start_of_image>Describe."
+    hf = hf_inputs(processor, text, [image])
+    ours = get_image_processor(path, processor_config(path))
+    item = ours.preprocess(image)
+    assert torch.equal(item.pixel_values, hf["pixel_values"][0])
+    ids = processor.tokenizer(ours.prompt_text(text))["input_ids"]
+    at = ids.index(processor.tokenizer.boi_token_id)
+    assert ids[:at] + list(item.token_ids) + ids[at + 1 :] == hf["input_ids"][0].tolist()
+    # The "\n" before the image and HF's "\n\n" are one token, as in Gemma's vocabulary.
+    (three_newlines,) = processor.tokenizer("\n\n\n", add_special_tokens=False)["input_ids"]
+    assert three_newlines in ids
+    assert item.num_tokens == len(item.token_ids) == ours.max_num_tokens == 11
+
+
+def processor_config(path: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+def test_masks_matter_on_this_checkpoint(reference):
+    """HF's logits change without the image tokens' bidirectional mask (no token types) and
+    with a window longer than the prompt: equality with HF below tests both."""
+    processor, model = reference
+    image_case = hf_inputs(processor, *cases()[1])
+    with torch.inference_mode():
+        full = model(**image_case).logits
+        no_types = {k: v for k, v in image_case.items() if k != "token_type_ids"}
+        assert (model(**no_types).logits - full).abs().max() > 1e-3
+        text = hf_inputs(processor, LONG_TEXT, [])
+        windowed = model(**text).logits
+        model.config.text_config.sliding_window = 4096
+        try:
+            assert (model(**text).logits - windowed).abs().max() > 1e-3
+        finally:
+            model.config.text_config.sliding_window = 12
+
+
+def assert_matches_hf(llm: LLM, reference, prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5)
+    inputs = [{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in prompts]
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    for (text, images), output in zip(prompts, outputs, strict=True):
+        prompt_ids, ref_tokens, ref_logprobs = hf_greedy(reference, text, images)
+        assert output.prompt_token_ids == prompt_ids  # expansion as HF's processor
+        completion = output.outputs[0]
+        assert completion.token_ids == ref_tokens
+        for step, step_logprobs in enumerate(completion.logprobs):
+            for token_id, logprob in step_logprobs.items():
+                assert abs(logprob.logprob - ref_logprobs[step, token_id].item()) < LOGPROB_TOL
+    assert_llm_idle(llm)
+    return outputs
+
+
+def record_chunks(llm: LLM) -> list[tuple[Request, int, int]]:
+    """``(request, start, end)`` of every prefill chunk the engine schedules from now on."""
+    scheduler = llm.engine_core.scheduler
+    chunks, schedule = [], scheduler.schedule
+
+    def recording_schedule():
+        output = schedule()
+        for req_id, num in output.num_scheduled_tokens.items():
+            request = scheduler.requests[req_id]
+            if request.num_computed_tokens <= request.num_prompt_tokens:
+                chunks.append(
+                    (request, request.num_computed_tokens - num, request.num_computed_tokens)
+                )
+        return output
+
+    scheduler.schedule = recording_schedule
+    return chunks
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {},
+        {"max_num_batched_tokens": 12, "block_size": 4},
+        {"max_num_batched_tokens": 16, "block_size": 4, "num_kv_blocks": 90},
+    ],
+    ids=["whole", "chunked", "preempted"],
+)
+def test_greedy_matches_hf(path, reference, engine_args):
+    llm = LLM(path, **engine_args)
+    try:
+        chunks = record_chunks(llm)
+        assert_matches_hf(llm, reference, cases())
+        preemptions = llm.engine_core.scheduler.num_preemptions
+    finally:
+        llm.shutdown()
+    assert (preemptions > 0) == ("num_kv_blocks" in engine_args)
+    cut_before_image = 0
+    for request, start, end in chunks:
+        for feature in request.mm_features:
+            image = feature.placeholder
+            assert not image.offset < end < image.end, (start, end, image)
+            cut_before_image += end == image.offset and end - start < 12
+    if not engine_args:
+        assert len(chunks) == len(cases())  # one chunk per prompt
+    else:
+        assert cut_before_image > 0  # chunks that end early, before an image
+
+
+def test_blocks_outside_the_window_are_freed(path, reference):
+    """A long prompt and decode in 8-token chunks: each sliding-window group holds only the
+    blocks of the window and the chunk, the full-attention group all; HF's tokens."""
+    llm = LLM(path, max_num_batched_tokens=8, block_size=4)
+    try:
+        core = llm.engine_core
+        kv = core.scheduler.kv_cache_manager
+        assert kv.num_groups == 4 and kv.windows == [None, 12, 12, 12]
+        prompt_ids, ref_tokens, _ = hf_greedy(reference, LONG_TEXT, [])
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+        request = Request("long", prompt_ids, params)  # no EOS: HF's tokens are a prefix
+        core.add_request(request)
+        held_most = full_most = 0
+        while core.has_unfinished_requests():
+            start = request.num_computed_tokens  # the step's first token: its window's blocks
+            core.step()
+            groups = kv.req_to_blocks.get("long")
+            if groups is None:
+                continue
+            assert len(groups[0]) == -(-request.num_computed_tokens // 4)  # every block
+            first_needed = max(0, start - 12 + 1) // 4
+            for blocks in groups[1:]:
+                held = [b for b in blocks if b is not kv.null_block]
+                assert held == blocks[first_needed:] and len(held) <= 6
+            held_most, full_most = max(held_most, len(held)), len(groups[0])
+            assert kv.num_free_blocks == kv.num_blocks - len(groups[0]) - 3 * len(held)
+        assert full_most > 2 * held_most  # the request is several windows long
+        assert request.output_token_ids[: len(ref_tokens)] == ref_tokens
+        assert kv.num_free_blocks == kv.num_blocks
+        assert_llm_idle(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_prefix_cache_hits_stay_correct(path, reference):
+    """The same image prompt twice: the second takes its prefix from the cache, a hit that
+    ends inside the image's soft tokens (the rest of the image attends to the cached part),
+    and still matches HF; a different image behind the same text does not hit past the text."""
+    llm = LLM(path, enable_prefix_caching=True, block_size=4, max_num_batched_tokens=16)
+    try:
+        image = photo("grace_hopper.jpg")
+        case = ("Look at this:<start_of_image>", [image])
+        (first,) = assert_matches_hf(llm, reference, [case])
+        (second,) = assert_matches_hf(llm, reference, [case])
+        boi = first.prompt_token_ids.index(reference[0].tokenizer.boi_token_id)
+        assert boi + 1 < second.num_cached_tokens < boi + 10  # inside the soft tokens
+        other = ("Look at this:<start_of_image>", [photo("coffee.png")])
+        (third,) = assert_matches_hf(llm, reference, [other])
+        assert third.num_cached_tokens <= boi
+        (text_first,) = assert_matches_hf(llm, reference, [cases()[0]])
+        (text_again,) = assert_matches_hf(llm, reference, [cases()[0]])
+        assert text_again.num_cached_tokens >= len(text_again.prompt_token_ids) - 4
+        assert text_first.outputs[0].token_ids == text_again.outputs[0].token_ids
+    finally:
+        llm.shutdown()
+
+
+def test_chat_with_image_part(path, reference):
+    """A chat turn whose image follows "user\\n": HF's "\\n\\n" merges with that newline, in
+    HF's ids and in ours; HF's greedy tokens."""
+    processor, model = reference
+    image = photo("rocket.jpg")
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": image}, {"type": "text", "text": "What?"}],
+        }
+    ]
+    llm = LLM(path)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+        (output,) = llm.chat(messages, params, use_tqdm=False)
+        inputs = processor.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+            return_tensors="pt",
+        )  # fmt: skip
+        prompt_ids, ref_tokens, _ = hf_greedy_generate(model, inputs, MAX_NEW_TOKENS)
+        assert output.prompt_token_ids == prompt_ids
+        assert output.outputs[0].token_ids == ref_tokens
+        assert_llm_idle(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_gemma_3_4b_architecture(tmp_path):
+    """The dummy-weight folder of Gemma-3-4B has the published sizes, and the engine reads
+    them: 258 placeholder tokens per image, 7 KV-cache groups of 5 layers (29 sliding-window
+    layers of 1,024 tokens, 5 full), whole images in prefill chunks."""
+    from transformers import AutoConfig
+
+    from mm_serve.benchmarks.architectures import write_architecture
+    from mm_serve.cache.kv_cache_groups import kv_cache_layout
+    from mm_serve.config import EngineArgs
+
+    folder = write_architecture("gemma-3-4b", tmp_path)
+    config = AutoConfig.from_pretrained(folder)
+    text, vision = config.text_config, config.vision_config
+    assert (text.hidden_size, text.intermediate_size, text.num_hidden_layers) == (2560, 10240, 34)
+    assert (text.num_attention_heads, text.num_key_value_heads, text.head_dim) == (8, 4, 256)
+    assert (text.vocab_size, text.sliding_window, text.query_pre_attn_scalar) == (262208, 1024, 256)
+    assert text.rope_parameters["full_attention"] == {
+        "rope_type": "linear", "factor": 8.0, "rope_theta": 1e6
+    }  # fmt: skip
+    assert text.rope_parameters["sliding_attention"]["rope_theta"] == 1e4
+    assert (vision.hidden_size, vision.num_hidden_layers, vision.image_size) == (1152, 27, 896)
+    engine = EngineArgs(model=folder, device="cpu", load_format="dummy").create_engine_config()
+    assert engine.multimodal.max_image_tokens == 258 and engine.scheduler.whole_images
+    assert engine.model.image_token_id == config.boi_token_index
+    layout = kv_cache_layout(config)
+    assert layout.num_groups == 7 and layout.layers_per_group == 5
