@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from mm_serve.benchmarks.idefics3_architecture import ARCHITECTURES as IDEFICS3_ARCHITECTURES
+
 # Qwen2-VL-2B-Instruct / -7B-Instruct config.json (Hugging Face Hub), minus the token ids.
 _QWEN2_VL_COMMON: dict[str, Any] = {
     "architectures": ["Qwen2VLForConditionalGeneration"],
@@ -372,6 +374,8 @@ ARCHITECTURES["gemma-3-4b"] = {
     },
 }
 
+ARCHITECTURES.update(IDEFICS3_ARCHITECTURES)
+
 # Qwen2-VL's and Qwen2.5-VL's preprocessor_config.json settings: 14-pixel patches, 2x2 merge
 # (28x28 pixels per image token), images resized into [min_pixels, max_pixels], CLIP
 # normalisation. (Its "processor_class" is not a setting: transformers 5 no longer writes it,
@@ -467,6 +471,10 @@ def write_architecture(name: str, folder: str | os.PathLike) -> str:
         return _write_internvl(name, folder)
     if ARCHITECTURES.get(name, {}).get("model_type") == "llava_onevision":
         return _write_llava_onevision(name, folder)
+    if ARCHITECTURES.get(name, {}).get("model_type") == "idefics3":
+        from mm_serve.benchmarks.idefics3_architecture import write_idefics3_architecture
+
+        return write_idefics3_architecture(ARCHITECTURES[name], folder)
     if ARCHITECTURES.get(name, {}).get("model_type") == "gemma3":
         from mm_serve.benchmarks.gemma3_architecture import write_gemma3_architecture
 

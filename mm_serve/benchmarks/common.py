@@ -32,6 +32,7 @@ IMAGE_PLACEHOLDERS = {
     "idefics3": "<image>",
     "internvl": "<IMG_CONTEXT>\n",
     "llava_onevision": "<image>\n",
+    "gemma3": "<start_of_image>",
 }
 
 

@@ -88,7 +88,7 @@ for _ in range(300):
       $PY -m mm_serve.benchmarks.peer_serve --model-arch qwen2-vl-2b --out "$OUT/peer_serve" \
         --engines ${PEER_ENGINES:-mm_serve vllm} 2>&1 | tee "$OUT/peer_serve.log" | tail -22 ;;
     families)
-      for arch in ${FAMILIES:-qwen2.5-vl-7b qwen3-vl-8b internvl3-8b llava-onevision-qwen2-7b-ov}; do
+      for arch in ${FAMILIES:-qwen2.5-vl-7b qwen3-vl-8b internvl3-8b llava-onevision-qwen2-7b-ov gemma-3-4b}; do
         peer=(); [ -n "${PEER:-}" ] && peer=(--peer "$PEER" --peer-pythonpath /tmp/vsite)
         bench throughput --model-arch "$arch" --num-prompts 128 --input-len 18 --output-len 128 \
           --image-size 448 448 --max-model-len 8192 --no-hf --repeats 1 "${peer[@]}" \
