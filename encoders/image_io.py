@@ -160,7 +160,9 @@ def resize(pixels: torch.Tensor, height: int, width: int, resample: int) -> torc
     """Antialiased resize of ``[C, H, W]`` (uint8 in, uint8 out) to ``[C, height, width]``.
 
     ``resample`` is a Pillow filter id (3 = bicubic). Uses torchvision like HF's default
-    processors; for uint8 bicubic it interpolates in float32, then rounds and clamps.
+    processors; for uint8 bicubic it interpolates in float32, then rounds and clamps. A
+    torchvision that has no tensor lanczos (before 0.28) resizes through Pillow's, as it does
+    for PIL images.
 
     Raises:
         ValueError: a filter torchvision cannot apply to tensors (box, hamming).
@@ -172,7 +174,13 @@ def resize(pixels: torch.Tensor, height: int, width: int, resample: int) -> torc
         supported = sorted(_RESAMPLE_TO_TORCHVISION)
         raise ValueError(f"Unsupported resample filter {resample}; supported: {supported}.")
     interpolation = tvF.InterpolationMode[name]
-    return tvF.resize(pixels, [height, width], interpolation=interpolation, antialias=True)
+    try:
+        return tvF.resize(pixels, [height, width], interpolation=interpolation, antialias=True)
+    except NotImplementedError:
+        if name != "LANCZOS":
+            raise
+    image = tvF.to_pil_image(pixels).resize((width, height), Image.Resampling.LANCZOS)
+    return tvF.pil_to_tensor(image)
 
 
 def _floats(value: float | Sequence[float]) -> tuple[float, ...]:

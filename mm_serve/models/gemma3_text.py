@@ -169,8 +169,8 @@ class Gemma3TextModel(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T] -> [T, hidden]`` scaled token embeddings (the scale rounded to the weight's
         dtype first, as HF's ``Gemma3TextScaledWordEmbedding``)."""
-        weight = self.embed_tokens.weight
-        scale = torch.tensor(self.embed_scale, dtype=weight.dtype, device=weight.device)
+        # A Python float (no host-to-device copy, so CUDA graphs can capture it).
+        scale = torch.tensor(self.embed_scale, dtype=self.embed_tokens.weight.dtype).item()
         return self.embed_tokens(input_ids) * scale
 
     def forward(
