@@ -24,6 +24,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -77,7 +78,7 @@ class EngineCoreClientBase:
     ) -> None:
         process = process or start_engine_core()
         self.ipc_paths = process.ipc_paths
-        self._proc, self._config_writer = process.proc, process.config_writer
+        self._process, self._proc = process, process.proc
         self._ctx = zmq.Context()
         self._thread = threading.Thread(
             target=self._output_loop, name="mm_serve-engine-core-output", daemon=True
@@ -95,9 +96,12 @@ class EngineCoreClientBase:
         self._call_ids = itertools.count()
         self._dead_error: EngineDeadError | None = None
         self._failure: EngineFailed | None = None
+        # Called once with the error when the engine core is found dead (a data-parallel
+        # front end fails its other replicas with it).
+        self.on_dead: Callable[[EngineDeadError], None] | None = None
         try:
-            self._input = self._bind(zmq.PUSH, self.ipc_paths[0])
-            self._output = self._bind(zmq.PULL, self.ipc_paths[1])
+            self._input = self._bind(zmq.PUSH, process.bind_addresses[0])
+            self._output = self._bind(zmq.PULL, process.bind_addresses[1])
         except BaseException:
             self.shutdown()
             raise
@@ -108,27 +112,48 @@ class EngineCoreClientBase:
     def start(self, config: EngineConfig) -> None:
         """Send ``config`` to the engine core and wait until it is ready (``engine_info``).
         On failure the client is shut down and ``EngineStartupError`` raised."""
+        self.send_config(config)
+        self.wait_ready()
+
+    def send_config(self, config: EngineConfig) -> None:
+        """The first half of ``start``: the engine core starts building the engine."""
+        endpoints = tuple(s.getsockopt(zmq.LAST_ENDPOINT).decode() for s in self._sockets)
         try:
-            self._config_writer.send((log_setup(), config))
-            self._config_writer.close()
+            self._process.send_config(log_setup(), config, endpoints)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def wait_ready(self) -> None:
+        """The second half of ``start``: wait for ``EngineReady``, then read outputs."""
+        try:
             self.engine_info = self._wait_ready(self._startup_timeout_s)
         except BaseException:
             self.shutdown()
             raise
         self._thread.start()
 
-    def _bind(self, socket_type: int, path: str) -> zmq.Socket:
+    @property
+    def _sockets(self) -> tuple[zmq.Socket, zmq.Socket]:
+        return self._input, self._output
+
+    def _bind(self, socket_type: int, address: str) -> zmq.Socket:
         socket = self._ctx.socket(socket_type)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM if socket_type == zmq.PUSH else zmq.RCVHWM, 0)
         self._resources.sockets += (socket,)
-        socket.bind(f"ipc://{path}")
+        socket.bind(address)
         return socket
 
     @property
     def pid(self) -> int | None:
         """The engine core process's pid."""
         return self._proc.pid
+
+    @property
+    def pids(self) -> list[int | None]:
+        """The engine core processes' pids (one here; one per replica with data parallelism)."""
+        return [self._proc.pid]
 
     @property
     def is_dead(self) -> bool:
@@ -172,8 +197,12 @@ class EngineCoreClientBase:
 
     # ---- requests in -------------------------------------------------------------------
 
-    def _add(self, requests: list[Request], sink: Sink) -> None:
-        """Send ``requests`` (one, or the siblings of an ``n > 1`` request) in one message."""
+    def _add(self, requests: list[Request], sink: Sink, replica: int | None = None) -> None:
+        """Send ``requests`` (one, or the siblings of an ``n > 1`` request) in one message.
+        ``replica``: None or 0 (there is one engine core). Raises ValueError on an id already
+        in flight."""
+        if replica not in (None, 0):
+            raise ValueError(f"data_parallel_rank {replica}: there is one engine core.")
         with self._lock:
             self._check_alive()
             for request in requests:
@@ -201,6 +230,10 @@ class EngineCoreClientBase:
             self._send(self._codec.encode(UtilityRequest(call_id, method)))
             self._calls[call_id] = future
         return future
+
+    def _call_each(self, method: str) -> list[concurrent.futures.Future]:
+        """``_call`` on each engine core: this one."""
+        return [self._call(method)]
 
     def _check_alive(self) -> None:
         if self._dead_error is not None:
@@ -298,26 +331,28 @@ class EngineCoreClientBase:
         for future in calls:
             if future.set_running_or_notify_cancel():  # False: the caller gave up on it
                 future.set_exception(EngineDeadError(str(error)))
+        if self.on_dead is not None:
+            self.on_dead(error)
 
 
-class EngineCoreClient(EngineCoreClientBase):
-    """Blocking client: ``add_requests`` returns the requests' ``queue.Queue`` (see module doc).
-
-    Raises:
-        EngineStartupError: from the constructor, see ``EngineCoreClientBase``.
-        EngineDeadError: from any call once the engine core is gone.
-    """
+class SyncCalls:
+    """The blocking client's calls, over ``_add``, ``_abort`` and ``_call`` (those of one
+    engine core, or of the data-parallel front end's replicas)."""
 
     def add_requests(
-        self, requests: list[Request], output_queue: queue.Queue | None = None
+        self,
+        requests: list[Request],
+        output_queue: queue.Queue | None = None,
+        data_parallel_rank: int | None = None,
     ) -> queue.Queue:
         """Send the ``n`` sibling requests of one user request (they share the prompt and
         images, which are sent once) to the engine core; their outputs go to ``output_queue``
         (which several requests may share: each output names its request) or to a new queue.
+        ``data_parallel_rank``: the replica to run them (None: the router's choice).
         Returns the queue. Raises ValueError on an id already in flight, or requests that are
         no siblings (``messages.requests_to_wire``)."""
         sink = Sink(queue.Queue() if output_queue is None else output_queue, None)
-        self._add(requests, sink)
+        self._add(requests, sink, data_parallel_rank)
         return sink.queue
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -327,13 +362,66 @@ class EngineCoreClient(EngineCoreClientBase):
         """The engine's counters (``mm_serve.stats.EngineStats``), after all earlier inputs."""
         return self._call("get_stats").result(timeout_s).stats
 
+    def get_replica_stats(self, timeout_s: float | None = 30.0) -> list[EngineStats]:
+        """Each engine core replica's counters (one without data parallelism)."""
+        return [future.result(timeout_s).stats for future in self._call_each("get_stats")]
+
     def reset(self, timeout_s: float | None = 60.0) -> None:
         """``EngineCore.reset`` once all earlier inputs took effect. Raises RuntimeError while
         requests are unfinished."""
         self._call("reset").result(timeout_s)
 
 
-class AsyncEngineCoreClient(EngineCoreClientBase):
+class EngineCoreClient(SyncCalls, EngineCoreClientBase):
+    """Blocking client: ``add_requests`` returns the requests' ``queue.Queue`` (see module doc).
+
+    Raises:
+        EngineStartupError: from the constructor, see ``EngineCoreClientBase``.
+        EngineDeadError: from any call once the engine core is gone.
+    """
+
+
+class AsyncCalls:
+    """The async client's calls, over ``_add``, ``_abort`` and ``_call`` (as ``SyncCalls``)."""
+
+    async def add_request(self, request: Request) -> asyncio.Queue:
+        """Send ``request``; returns its queue. Raises ValueError on an id already in flight."""
+        return await self.add_requests([request])
+
+    async def add_requests(
+        self, requests: list[Request], data_parallel_rank: int | None = None
+    ) -> asyncio.Queue:
+        """Send the ``n`` sibling requests of one user request (they share the prompt and
+        images, which are sent once); returns their one queue, where each output names its
+        request. ``data_parallel_rank``: the replica to run them (None: the router's choice).
+        Raises ValueError as ``EngineCoreClient.add_requests``."""
+        sink = Sink(asyncio.Queue(), asyncio.get_running_loop())
+        self._add(requests, sink, data_parallel_rank)
+        return sink.queue
+
+    async def abort_requests(self, request_ids: list[str]) -> None:
+        self._abort(request_ids)
+
+    async def get_stats(self) -> EngineStats:
+        """The engine's counters (``mm_serve.stats.EngineStats``), after all earlier inputs."""
+        return (await asyncio.wrap_future(self._call("get_stats"))).stats
+
+    async def get_replica_stats(self) -> list[EngineStats]:
+        """Each engine core replica's counters (one without data parallelism)."""
+        futures = [asyncio.wrap_future(f) for f in self._call_each("get_stats")]
+        return [answer.stats for answer in await asyncio.gather(*futures)]
+
+    async def get_kv_cache_info(self) -> KVCacheInfo:
+        """KV pool size and free blocks, after all earlier inputs (e.g. an abort) took effect."""
+        return (await asyncio.wrap_future(self._call("get_stats"))).kv_cache
+
+    async def reset(self) -> None:
+        """``EngineCore.reset`` once all earlier inputs took effect. Raises RuntimeError while
+        requests are unfinished."""
+        await asyncio.wrap_future(self._call("reset"))
+
+
+class AsyncEngineCoreClient(AsyncCalls, EngineCoreClientBase):
     """The API server's client: coroutine calls, an ``asyncio.Queue`` per user request.
 
     The constructor blocks until the engine core is ready (seconds to minutes: the model
@@ -344,31 +432,3 @@ class AsyncEngineCoreClient(EngineCoreClientBase):
         EngineStartupError: from the constructor, see ``EngineCoreClientBase``.
         EngineDeadError: from any call once the engine core is gone.
     """
-
-    async def add_request(self, request: Request) -> asyncio.Queue:
-        """Send ``request``; returns its queue. Raises ValueError on an id already in flight."""
-        return await self.add_requests([request])
-
-    async def add_requests(self, requests: list[Request]) -> asyncio.Queue:
-        """Send the ``n`` sibling requests of one user request (they share the prompt and
-        images, which are sent once); returns their one queue, where each output names its
-        request. Raises ValueError as ``EngineCoreClient.add_requests``."""
-        sink = Sink(asyncio.Queue(), asyncio.get_running_loop())
-        self._add(requests, sink)
-        return sink.queue
-
-    async def abort_requests(self, request_ids: list[str]) -> None:
-        self._abort(request_ids)
-
-    async def get_stats(self) -> EngineStats:
-        """The engine's counters (``mm_serve.stats.EngineStats``), after all earlier inputs."""
-        return (await asyncio.wrap_future(self._call("get_stats"))).stats
-
-    async def get_kv_cache_info(self) -> KVCacheInfo:
-        """KV pool size and free blocks, after all earlier inputs (e.g. an abort) took effect."""
-        return (await asyncio.wrap_future(self._call("get_stats"))).kv_cache
-
-    async def reset(self) -> None:
-        """``EngineCore.reset`` once all earlier inputs took effect. Raises RuntimeError while
-        requests are unfinished."""
-        await asyncio.wrap_future(self._call("reset"))
