@@ -127,6 +127,9 @@ def limit_cpu_threads() -> None:
 
 
 def _raise_system_exit(signum: int, frame: Any) -> None:
+    # Once: a second SIGTERM (the server's process group and the client both send one) must
+    # not interrupt the exit handlers the first one started.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
 

@@ -113,7 +113,7 @@ class DataParallelClientBase:
         self.clients = clients
         self.router: ReplicaRouter | None = None
         self._lock = threading.Lock()
-        self._closing = False
+        self._closing = False  # shutting down, or a replica died: the rest follow
         for rank, client in enumerate(clients):
             client.on_dead = functools.partial(self._replica_died, rank)
 
@@ -162,8 +162,12 @@ class DataParallelClientBase:
             client.shutdown(timeout_s)
 
     def _replica_died(self, rank: int, error: EngineDeadError) -> None:
-        if not self._closing:
-            logger.error("Data-parallel replica %d is gone; the others stop serving.", rank)
+        """The first replica found dead (or shut down) takes the others down with it."""
+        with self._lock:
+            first, self._closing = not self._closing, True
+        if not first:
+            return
+        logger.error("Data-parallel replica %d is gone; the others stop serving.", rank)
         for client in self.clients:
             client._mark_dead(EngineDeadError(f"Data-parallel replica {rank}: {error}"))
 
