@@ -3,6 +3,7 @@ offline ``LLM`` over two replicas against one, and a served fleet of two on the 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -14,7 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mm_serve import LLM, SamplingParams
 from mm_serve.entrypoints.openai.metrics import ServerMetrics
+from mm_serve.frontend.dp_client import DataParallelClientBase
 from mm_serve.frontend.dp_router import ReplicaRouter
+from mm_serve.frontend.exceptions import EngineDeadError
 from mm_serve.request import MultiModalFeature, PlaceholderRange, Request
 from mm_serve.stats import EngineStats, combine_stats
 from mm_serve.testing.server import RemoteServer, assert_group_gone, image_question, noise_png_url
@@ -92,6 +95,58 @@ def test_pin_reset_and_capacity() -> None:
     assert r.route([request([5] * 8, {"img-a": 4})], [1, 0]) == 1
 
 
+class StubClient:
+    """An engine core client's side that the data-parallel client uses, recorded."""
+
+    def __init__(self) -> None:
+        self.added: list[str] = []
+        self.aborted: list[str] = []
+        self.dead: EngineDeadError | None = None
+        self.on_dead = None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.added) - len(self.aborted)
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead is not None
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.added and request_id not in self.aborted
+
+    def _add(self, requests: list[Request], sink) -> None:
+        self.added += [r.request_id for r in requests]
+
+    def _abort(self, request_ids: list[str]) -> None:
+        self.aborted += request_ids
+
+    def _mark_dead(self, error: EngineDeadError) -> None:
+        if self.dead is None:
+            self.dead = error
+            if self.on_dead is not None:
+                self.on_dead(error)
+
+
+def test_requests_and_aborts_go_to_their_replica_and_a_death_takes_all_down() -> None:
+    clients = [StubClient(), StubClient()]
+    dp = DataParallelClientBase(clients)
+    dp.router = router()
+    for request_id, tokens in (("a", [1] * 9), ("b", [2] * 9), ("c", [3] * 9)):
+        dp._add([Request(request_id, tokens, SamplingParams())], sink=None)
+    dp._add([Request("d", [4] * 9, SamplingParams())], sink=None, replica=0)
+    assert [c.added for c in clients] == [["a", "c", "d"], ["b"]]
+    dp._abort(["b", "d", "gone"])
+    assert [c.aborted for c in clients] == [["d"], ["b"]]
+    assert dp.loads() == [2, 0]
+    with pytest.raises(ValueError, match="not a replica"):
+        dp._add([Request("e", [5] * 9, SamplingParams())], sink=None, replica=2)
+    clients[1]._mark_dead(EngineDeadError("exited with code 1"))
+    assert dp.is_dead and "replica 1" in str(clients[0].dead)
+    with pytest.raises(EngineDeadError):
+        dp._add([Request("f", [6] * 9, SamplingParams())], sink=None)
+
+
 def test_combined_stats_and_per_replica_metrics() -> None:
     a = EngineStats(num_running_reqs=2, kv_cache_usage=0.5, encoder_cache_hits=3)
     a.iteration_tokens_counts, a.iteration_tokens_sum = [1] + [0] * 13, 1
@@ -108,15 +163,19 @@ def test_combined_stats_and_per_replica_metrics() -> None:
     assert "mm_serve_num_requests_running 2.0" in ServerMetrics().render(a).decode()
 
 
-def test_offline_two_replicas_match_one(llama_path) -> None:
-    """``LLM(data_parallel_size=2)``: the same greedy tokens as one engine core, both replicas
-    used, and nothing left in either."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_offline_two_replicas_match_one(tp, llama_path) -> None:
+    """``LLM(data_parallel_size=2)``, each replica with ``tp`` tensor-parallel workers of its
+    own: the same greedy tokens as one engine core, both replicas used, nothing left in
+    either."""
     prompts = [{"prompt_token_ids": [5, 6, 7 + i] * 7} for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=8)
     one = LLM(llama_path, device="cpu", num_kv_blocks=64)
     expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
     one.shutdown()
-    llm = LLM(llama_path, device="cpu", num_kv_blocks=64, data_parallel_size=2)
+    llm = LLM(
+        llama_path, device="cpu", num_kv_blocks=64, data_parallel_size=2, tensor_parallel_size=tp
+    )
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         replicas = llm.engine_core.client.get_replica_stats()
@@ -165,6 +224,14 @@ def test_served_two_replicas_route_by_load_and_image(vlm_path, vlm_llm) -> None:
         assert [r.json()["choices"][0]["message"]["content"] for r in replies] == expected
         used = replica_metrics(server)["mm_serve_encoder_cache_queries_total"]
         assert sorted(used) == ["0", "1"] and all(used[rank] >= 1 for rank in used), used
+        streamed = ""
+        body = {"model": vlm_path, "messages": questions[1], "temperature": 0, "max_tokens": 6}
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line.removeprefix("data: "))
+                    streamed += "".join(c["delta"].get("content") or "" for c in chunk["choices"])
+        assert streamed == expected[1]
         before = replica_metrics(server)
         image = noise_png_url(99, 120, 150)
         assert chat(image_question(image)).status_code == 200

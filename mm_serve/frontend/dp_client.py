@@ -27,12 +27,11 @@ from typing import Any
 import torch
 
 from mm_serve.config import EngineArgs, EngineConfig, ParallelConfig
+from mm_serve.frontend.client_calls import AsyncCalls, SyncCalls
 from mm_serve.frontend.core_client import (
-    AsyncCalls,
     AsyncEngineCoreClient,
     EngineCoreClient,
     EngineCoreClientBase,
-    SyncCalls,
 )
 from mm_serve.frontend.delivery import Sink
 from mm_serve.frontend.dp_router import ReplicaRouter
@@ -153,7 +152,7 @@ class DataParallelClientBase:
 
     def loads(self) -> list[int]:
         """Each replica's engine requests in flight (sent, not finished)."""
-        return [len(client._sinks) for client in self.clients]
+        return [client.num_in_flight for client in self.clients]
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop every replica (see ``EngineCoreClientBase.shutdown``). Idempotent."""
@@ -189,7 +188,7 @@ class DataParallelClientBase:
         """Abort each request at the replica that holds it; unknown or finished ids are
         ignored."""
         for client in self.clients:
-            held = [request_id for request_id in request_ids if request_id in client._sinks]
+            held = [request_id for request_id in request_ids if client.holds(request_id)]
             if held:
                 client._abort(held)
 
@@ -224,8 +223,8 @@ def make_engine_core_client(
     """
     args = engine_args
     parallel = ParallelConfig(
-        args.tensor_parallel_size,
-        args.data_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         data_parallel_backend=args.data_parallel_backend,
     )

@@ -93,10 +93,13 @@ def start_ray_engine_cores(parallel: ParallelConfig, device: str) -> list[RayEng
         raise EngineStartupError(f"Cannot place the data-parallel engine cores: {e}") from e
     remote = ray.remote(EngineCoreActor)
     actors = [remote.options(**placement.actor_options(rank)).remote() for rank in range(size)]
+    try:
+        places = ray.get([actor.where.remote() for actor in actors])
+    except Exception as e:  # an actor could not start: removing the group ends the others
+        placement.remove()
+        raise EngineStartupError(f"A data-parallel engine core actor failed: {e}") from e
     processes = []
-    for rank, (actor, (pid, ip)) in enumerate(
-        zip(actors, ray.get([a.where.remote() for a in actors]), strict=True)
-    ):
+    for rank, (actor, (pid, ip)) in enumerate(zip(actors, places, strict=True)):
         logger.info("Data-parallel engine core %d: Ray actor on %s (pid %d)", rank, ip, pid)
         proc = ActorProcess(actor, pid, f"mm_serve-engine-core-{rank}")
         processes.append(RayEngineProcess(proc, node_ip(), placement))
