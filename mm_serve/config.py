@@ -9,6 +9,7 @@ explicitly; they are never written back into the config.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -153,9 +154,48 @@ class MultiModalConfig:
     max_video_tokens: int = 0
 
 
+PARALLEL_BACKENDS = ("mp", "ray")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
+    """How the engine spreads over devices and hosts.
+
+    ``tensor_parallel_size`` ranks split each model (``check_tensor_parallel``); their workers
+    are local processes (``distributed_executor_backend`` "mp") or Ray actors ("ray").
+    ``data_parallel_size`` engine core replicas, each a whole engine with its own scheduler
+    and caches, serve behind one front end, which routes every request to one of them; they
+    are local processes ("mp") or Ray actors ("ray"). ``data_parallel_rank`` is the replica
+    this engine core is (the front end sets it per replica); on CUDA with "mp" replica ``r``
+    takes the devices from ``r * tensor_parallel_size`` on.
+    """
+
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    distributed_executor_backend: str = "mp"
+    data_parallel_backend: str = "mp"
+
+    def __post_init__(self) -> None:
+        """Raises ValueError on a size below 1, a rank out of range, an unknown backend, or
+        the ray backend without Ray installed."""
+        size, rank = self.data_parallel_size, self.data_parallel_rank
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"data_parallel_size {size} (rank {rank}) must be at least 1.")
+        backends = (self.distributed_executor_backend, self.data_parallel_backend)
+        if not set(backends) <= set(PARALLEL_BACKENDS):
+            raise ValueError(
+                f"Parallel backends are {' or '.join(PARALLEL_BACKENDS)}, not {backends}."
+            )
+        if "ray" in backends and importlib.util.find_spec("ray") is None:
+            raise ValueError("The ray backend needs Ray: pip install 'mm_serve[ray]'.")
+
+    @property
+    def processes_per_host(self) -> int:
+        """The engine processes that share one host's CPU cores: the TP ranks of every local
+        replica (Ray places its actors on hosts of their own)."""
+        replicas = self.data_parallel_size if self.data_parallel_backend == "mp" else 1
+        return self.tensor_parallel_size * replicas
 
 
 def check_tensor_parallel(hf_config: Any, tp_size: int) -> None:
@@ -252,6 +292,9 @@ class EngineArgs:
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1  # engine core replicas behind one front end
+    distributed_executor_backend: str = "mp"  # TP workers: "mp" processes or "ray" actors
+    data_parallel_backend: str = "mp"  # DP engine cores: "mp" processes or "ray" actors
     device: str = "auto"
     max_pixels: int = 8192 * 8192
     processor_max_pixels: int | None = None
@@ -307,7 +350,7 @@ class EngineArgs:
                 device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
             ),
         )
-        parallel = self._config(ParallelConfig)
+        parallel = self._config(ParallelConfig, data_parallel_rank=0)
         if self.compilation_level not in (0, 1, 2):
             raise ValueError(f"compilation_level must be 0, 1 or 2, not {self.compilation_level}.")
         eager = self.enforce_eager or device.type != "cuda"

@@ -43,6 +43,26 @@ class EngineStats:
     iteration_tokens_sum: int = 0
 
 
+_MEAN_FIELDS = ("kv_cache_usage", "encoder_cache_usage")  # fractions: averaged, not summed
+
+
+def combine_stats(replicas: list[EngineStats]) -> EngineStats:
+    """The counters of several engine core replicas (data parallelism) as one engine's: counts
+    and the step histogram summed, the cache-usage fractions averaged (the replicas' caches
+    are alike in size)."""
+    combined = EngineStats()
+    for name in EngineStats.__dataclass_fields__:
+        values = [getattr(stats, name) for stats in replicas]
+        if name in _MEAN_FIELDS:
+            setattr(combined, name, sum(values) / len(values))
+        elif name == "iteration_tokens_counts":
+            histograms = [counts for counts in values if counts]
+            combined.iteration_tokens_counts = [sum(c) for c in zip(*histograms, strict=True)]
+        else:
+            setattr(combined, name, sum(values))
+    return combined
+
+
 class IterationTokens:
     """The engine's histogram of tokens scheduled per step (``EngineStats.iteration_tokens_*``)."""
 

@@ -320,7 +320,7 @@ def test_engine_core_started_before_its_config_exits_without_one(vlm_path):
     children = set(multiprocessing.active_children())
     client = EngineCoreClient()
     assert client.engine_info is None and client._proc.is_alive()
-    client._config_writer.close()  # what a front end that failed does
+    client._process.config_writer.close()  # what a front end that failed does
     client._proc.join(timeout=120)
     assert client._proc.exitcode == 0
     client.shutdown()

@@ -28,7 +28,8 @@ class EngineCore:
     overlap the device's work; each ``step()`` then returns the outputs of the step before.
 
     With ``tensor_parallel_size > 1``, ``model_runner`` is a ``MultiprocExecutor`` (same
-    methods): one worker process per rank, each with its shard and its own ``ModelRunner``.
+    methods): one worker process per rank, each with its shard and its own ``ModelRunner``
+    (a ``RayExecutor``, Ray actors, with ``distributed_executor_backend="ray"``).
 
     Raises (from the constructor):
         ValueError: the model does not split over ``config.parallel.tensor_parallel_size``
@@ -43,10 +44,14 @@ class EngineCore:
         if tp_size == 1:
             self.model_runner = ModelRunner(config)
             self.model_runner.load_model()
+        elif config.parallel.distributed_executor_backend == "ray":  # Ray only when used
+            from mm_serve.engine.ray_executor import RayExecutor
+
+            self.model_runner = RayExecutor(config)  # the workers load their shards
         else:  # ZeroMQ and the workers only when used
             from mm_serve.engine.executor import MultiprocExecutor
 
-            self.model_runner = MultiprocExecutor(config)  # the workers load their shards
+            self.model_runner = MultiprocExecutor(config)
         self.num_kv_blocks = self.model_runner.determine_num_kv_blocks()
         self.model_runner.initialize_kv_cache(self.num_kv_blocks)
         self.model_runner.capture_cuda_graphs()  # a no-op on CPU / enforce_eager

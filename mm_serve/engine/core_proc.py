@@ -76,16 +76,22 @@ def run_engine_core(
     if received is None:
         sys.exit(0)
     log_setup, config = received
-    if log_setup is not None:
-        fmt, root_level, level = log_setup
-        logging.basicConfig(level=root_level, format=fmt)
-        logging.getLogger("mm_serve").setLevel(level)
+    apply_log_setup(log_setup)
     logger.info(
         "The engine core process (pid %d) got its config %.1f s after importing the engine",
         os.getpid(),
         time.monotonic() - imported,
     )
     sys.exit(proc.serve(config))
+
+
+def apply_log_setup(log_setup: tuple[str, int, int] | None) -> None:
+    """Log as the front end does (``frontend.engine_process.log_setup``: format, root level,
+    ``mm_serve`` level; None: leave logging alone)."""
+    if log_setup is not None:
+        fmt, root_level, level = log_setup
+        logging.basicConfig(level=root_level, format=fmt)
+        logging.getLogger("mm_serve").setLevel(level)
 
 
 def receive_config(reader: Connection, parent_pid: int) -> tuple[Any, EngineConfig] | None:
@@ -121,6 +127,9 @@ def limit_cpu_threads() -> None:
 
 
 def _raise_system_exit(signum: int, frame: Any) -> None:
+    # Once: a second SIGTERM (the server's process group and the client both send one) must
+    # not interrupt the exit handlers the first one started.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
 
@@ -128,11 +137,13 @@ class EngineCoreProc:
     """Owns the sockets, the queues and the ``EngineCore`` of the engine core process.
 
     Args:
-        input_address / output_address: the front end's ``ipc://`` endpoints.
-        parent_pid: the front end's pid; when ``os.getppid()`` changes, it is gone.
+        input_address / output_address: the front end's ``ipc://`` endpoints (``tcp://`` for
+            a Ray actor).
+        parent_pid: the front end's pid; when ``os.getppid()`` changes, it is gone. None in a
+            Ray actor, which Ray ends when the front end that owns it is gone.
     """
 
-    def __init__(self, input_address: str, output_address: str, parent_pid: int) -> None:
+    def __init__(self, input_address: str, output_address: str, parent_pid: int | None) -> None:
         self.parent_pid = parent_pid
         self.ipc_paths = [a.removeprefix("ipc://") for a in (input_address, output_address)]
         self.ctx = zmq.Context()
@@ -182,6 +193,10 @@ class EngineCoreProc:
         start = time.perf_counter()
         if config.device.type == "cuda":
             limit_cpu_threads()
+        elif config.parallel.processes_per_host > 1 and "OMP_NUM_THREADS" not in os.environ:
+            # Local data-parallel replicas (or TP ranks) share the cores.
+            cores = os.cpu_count() or 1
+            torch.set_num_threads(max(1, cores // config.parallel.processes_per_host))
         self.engine_core = EngineCore(config)
         kv = self.engine_core.scheduler.kv_cache_manager
         ready = EngineReady(
@@ -308,7 +323,7 @@ class EngineCoreProc:
         codec = InputCodec()
         try:
             while not self.stopping.is_set():
-                if os.getppid() != self.parent_pid:
+                if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     self._exit_orphaned()
                 if not self.input_socket.poll(PARENT_CHECK_INTERVAL_MS, zmq.POLLIN):
                     continue

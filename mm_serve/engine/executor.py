@@ -6,6 +6,7 @@ Each step it sends every rank the same ``SchedulerOutput`` (one ZeroMQ PUSH sock
 msgspec frames, ``worker.worker_messages``); rank 0 alone answers with the step's
 ``ModelRunnerOutput``. A worker that dies or fails makes the next read raise
 ``WorkerDiedError`` at once (the other ranks are stopped: they may wait in a collective).
+``RayExecutor`` (``engine/ray_executor.py``) is the same over Ray actors on tcp:// sockets.
 """
 
 from __future__ import annotations
@@ -67,20 +68,29 @@ class StepFuture:
 
 
 class _Workers:
-    """The processes, sockets and ipc folder; ``stop()`` is also the executor's finalizer."""
+    """The processes, sockets and ipc folder; ``stop()`` is also the executor's finalizer.
 
-    def __init__(self, size: int) -> None:
+    The sockets are bound on ``ipc://`` files in a fresh folder, or with ``host`` on
+    ``tcp://host`` ports (workers on other nodes); ``input_addresses`` (one per rank) and
+    ``output_address`` are the bound endpoints. ``cleanups`` run last in ``stop()``.
+    """
+
+    def __init__(self, size: int, host: str | None = None) -> None:
         self.folder = tempfile.mkdtemp(prefix="mm_serve-tp-")
         self.ctx = zmq.Context()
         self.inputs = []
         for rank in range(size):
             push = self.ctx.socket(zmq.PUSH)
             push.setsockopt(zmq.SNDHWM, 0)
-            push.bind(f"ipc://{self.folder}/in{rank}")
+            push.bind(f"tcp://{host}:*" if host else f"ipc://{self.folder}/in{rank}")
             self.inputs.append(push)
         self.output = self.ctx.socket(zmq.PULL)
-        self.output.bind(f"ipc://{self.folder}/out")
+        self.output.bind(f"tcp://{host}:*" if host else f"ipc://{self.folder}/out")
+        endpoint = zmq.LAST_ENDPOINT
+        self.input_addresses = [push.getsockopt(endpoint).decode() for push in self.inputs]
+        self.output_address = self.output.getsockopt(endpoint).decode()
         self.processes: list[Any] = []
+        self.cleanups: list[Callable[[], None]] = []
 
     def stop(self) -> None:
         """Ask each live worker to exit, then terminate and kill the ones left; close all."""
@@ -100,6 +110,8 @@ class _Workers:
             sock.close(linger=0)
         self.ctx.term()
         shutil.rmtree(self.folder, ignore_errors=True)
+        for cleanup in self.cleanups:
+            cleanup()
 
 
 class MultiprocExecutor:
@@ -112,25 +124,36 @@ class MultiprocExecutor:
 
     def __init__(self, config: EngineConfig) -> None:
         self.size = config.parallel.tensor_parallel_size
-        self._workers = _Workers(self.size)
+        self._workers = self._bind()
         self._finalizer = weakref.finalize(self, self._workers.stop)
         self._pending: collections.deque[StepFuture] = collections.deque()
         self._failed: str | None = None
+        try:
+            self._start_workers(config)
+        except BaseException:
+            self._finalizer()
+            raise
+        self._collect_results()  # every rank loaded its shard
+        logger.info("Started %d tensor-parallel workers", self.size)
+
+    def _bind(self) -> _Workers:
+        return _Workers(self.size)
+
+    def _start_workers(self, config: EngineConfig) -> None:
+        """One spawned process per rank, on the ipc sockets."""
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         context = no_main_context("spawn")
-        folder = self._workers.folder
+        workers = self._workers
         for rank in range(self.size):
-            args = (config, rank, init_method, f"ipc://{folder}/in{rank}", f"ipc://{folder}/out")
+            args = (config, rank, init_method, workers.input_addresses[rank])
             process = context.Process(
                 target=run_worker,
-                args=(*args, os.getpid()),
+                args=(*args, workers.output_address, os.getpid()),
                 name=f"mm_serve-tp-worker-{rank}",
                 daemon=True,
             )
             process.start()
-            self._workers.processes.append(process)
-        self._collect_results()  # every rank loaded its shard
-        logger.info("Started %d tensor-parallel workers", self.size)
+            workers.processes.append(process)
 
     # ---- the ModelRunner's methods ---------------------------------------------------------
 

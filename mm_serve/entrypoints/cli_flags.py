@@ -63,6 +63,13 @@ _ENGINE_ARG_HELP = {
     "max_num_seqs": "Most requests in one engine step.",
     "enable_chunked_prefill": "Split long prompts over several steps.",
     "tensor_parallel_size": "Tensor-parallel ranks (GPUs) per model, one worker process each.",
+    "data_parallel_size": "Engine core replicas behind the one server, each a whole engine "
+    "(on CUDA with mp: its own tensor_parallel_size GPUs); requests go by load and cache "
+    "affinity.",
+    "distributed_executor_backend": "Tensor-parallel workers as local processes (mp) or as "
+    "Ray actors on the cluster's nodes (ray; pip install 'mm_serve[ray]').",
+    "data_parallel_backend": "Data-parallel engine cores as local processes (mp) or as Ray "
+    "actors on the cluster's nodes (ray).",
     "device": "auto, cpu or cuda.",
     "max_pixels": "Largest input image accepted, in pixels (width x height); larger: 400.",
     "processor_max_pixels": "Override of the image processor's resize target, in pixels.",

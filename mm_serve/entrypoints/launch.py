@@ -1,8 +1,9 @@
 """The ``mm-serve`` console script.
 
 ``mm-serve serve`` starts the engine core process before anything else: parsing its flags
-imports torch and the web stack (seconds), and the process imports the engine meanwhile.
-Every other command goes straight to ``cli.main``.
+imports torch and the web stack (seconds), and the process imports the engine meanwhile (with
+data parallelism it is the first replica; Ray actors replace it with ``--data-parallel-backend
+ray``). Every other command goes straight to ``cli.main``.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ def main() -> int:
     engine_process = None
     if argv[:1] == ["serve"] and not {"-h", "--help"} & set(argv):
         cache_bytecode(argv)
-        from mm_serve.frontend.engine_process import start_engine_core
+        if not _ray_replicas(argv):
+            from mm_serve.frontend.engine_process import start_engine_core
 
-        engine_process = start_engine_core()
+            engine_process = start_engine_core()
     try:
         from mm_serve.entrypoints.cli import main as cli_main
 
@@ -26,6 +28,14 @@ def main() -> int:
     finally:  # a no-op once the engine core client took the process over and shut it down
         if engine_process is not None:
             engine_process.stop()
+
+
+def _ray_replicas(argv: list[str]) -> bool:
+    """Whether ``argv`` asks for Ray actors as the engine cores (no local one to start)."""
+    flag = "--data-parallel-backend"
+    return f"{flag}=ray" in argv or any(
+        a == flag and b == "ray" for a, b in zip(argv, argv[1:], strict=False)
+    )
 
 
 def cache_bytecode(argv: list[str]) -> None:

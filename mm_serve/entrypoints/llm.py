@@ -50,9 +50,13 @@ class LLM(FrontEnd):
     workers never run the caller's main script, so a script needs no
     ``if __name__ == "__main__":`` guard.
 
+    With ``data_parallel_size > 1`` there are that many engine core processes (replicas),
+    each request sent to one by load and cache affinity (``frontend/dp_client.py``).
+
     Args:
         model: a checkpoint folder or a Hugging Face hub id.
-        multiprocess: run the engine core in its own process (None: on CUDA only).
+        multiprocess: run the engine core in its own process (None: on CUDA, or with data
+            parallelism, which needs it).
         **engine_args: any ``EngineArgs`` field (``max_num_batched_tokens``, ``num_kv_blocks``,
             ``enable_prefix_caching``, ``dtype``, ``seed``, ...).
 
@@ -63,14 +67,17 @@ class LLM(FrontEnd):
 
     def __init__(self, model: str, multiprocess: bool | None = None, **engine_args: Any) -> None:
         args = EngineArgs(model=model, **engine_args)
+        replicas = args.data_parallel_size > 1 or args.data_parallel_backend != "mp"
         if multiprocess is None:
-            multiprocess = resolve_device(args.device).type == "cuda"
+            multiprocess = replicas or resolve_device(args.device).type == "cuda"
+        elif replicas and not multiprocess:
+            raise ValueError("Data parallelism runs engine core processes: multiprocess=True.")
         client = None
         if multiprocess:  # first: the process imports the engine while the config is resolved
-            from mm_serve.frontend.core_client import EngineCoreClient  # ZeroMQ only when used
+            from mm_serve.frontend.dp_client import make_engine_core_client  # ZeroMQ when used
             from mm_serve.frontend.remote_core import RemoteEngineCore
 
-            client = EngineCoreClient()
+            client = make_engine_core_client(args, asynchronous=False)
         super().__init__(args, client)
         # Hold the parts, not self: they stop when this LLM is collected.
         self._finalizers = [weakref.finalize(self, self.input_processor.shutdown)]
@@ -96,6 +103,7 @@ class LLM(FrontEnd):
         # Its image is then in the processor cache: generate does not preprocess it again.
         prompt_len = len(self.input_processor.process(first).result().token_ids)
         num_prompts = warm_up_batch_size(self.config, prompt_len)
+        num_prompts *= self.config.parallel.data_parallel_size  # a batch for each replica
         prompts = [first] + [
             warm_up_prompt(self.input_processor, size) for _ in range(num_prompts - 1)
         ]

@@ -3,8 +3,9 @@
 ``AsyncLLM`` ties the front end it shares with the offline ``LLM`` (``FrontEnd``) to an event
 loop: the ``InputProcessor`` (chat template, tokenization, image hashing) runs in one worker
 thread, never on the event loop; images are preprocessed by its process pool; the engine core
-runs in its own process behind an ``AsyncEngineCoreClient``; the ``OutputProcessor`` turns its
-outputs into streamed deltas on the loop as they arrive.
+runs in its own process behind an ``AsyncEngineCoreClient`` (with data parallelism, several
+replicas behind an ``AsyncDataParallelClient``); the ``OutputProcessor`` turns its outputs into
+streamed deltas on the loop as they arrive.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, TypeVar
 from mm_serve.beam_search import BeamSearch, to_request_output
 from mm_serve.config import EngineArgs
 from mm_serve.frontend.base import FrontEnd
-from mm_serve.frontend.core_client import AsyncEngineCoreClient
+from mm_serve.frontend.dp_client import make_engine_core_client
 from mm_serve.frontend.engine_process import EngineProcess
 from mm_serve.frontend.output_processor import ParentRequest
 from mm_serve.frontend.processor import PendingPrompt, ProcessedPrompt, PromptType
@@ -67,7 +68,7 @@ class AsyncLLM(FrontEnd):
         engine_process: EngineProcess | None = None,
     ) -> None:
         # The engine core process first: it imports the engine while the config is resolved.
-        self.engine_core = AsyncEngineCoreClient(process=engine_process)
+        self.engine_core = make_engine_core_client(engine_args, True, engine_process)
         super().__init__(engine_args, self.engine_core)
         # One thread: HF fast tokenizers are not safe to call from several threads at once.
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(
@@ -84,7 +85,9 @@ class AsyncLLM(FrontEnd):
             raise
         self.on_request_finished = on_request_finished
         self.output_processor.on_inter_token_latency = on_inter_token_latency
-        logger.info("The engine core is running (pid %s).", self.engine_core.pid)
+        logger.info(
+            "The engine core is running (pid %s).", ", ".join(map(str, self.engine_core.pids))
+        )
 
     @classmethod
     async def create(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
@@ -93,8 +96,9 @@ class AsyncLLM(FrontEnd):
 
     async def warm_up(self) -> None:
         """Run the warm-up requests (``mm_serve.frontend.warm_up``: a batch filling the largest
-        step on CUDA, one request elsewhere) once the preprocessing workers are warm, then
-        reset the engine core; the metrics' callbacks never hear of them.
+        step on CUDA, one request elsewhere; the same on each data-parallel replica) once the
+        preprocessing workers are warm, then reset the engine core; the metrics' callbacks
+        never hear of them.
 
         Raises:
             BrokenProcessPool: a preprocessing worker failed to start.
@@ -111,19 +115,22 @@ class AsyncLLM(FrontEnd):
             )
             return await self.process(prompt)
 
-        async def run(prompt: ProcessedPrompt) -> None:
-            async for _ in self.generate(prompt, WARM_UP_PARAMS, f"warm-up-{uuid.uuid4()}"):
+        async def run(prompt: ProcessedPrompt, replica: int) -> None:
+            request_id = f"warm-up-{uuid.uuid4()}"
+            async for _ in self.generate(prompt, WARM_UP_PARAMS, request_id, None, replica):
                 pass
 
         first = await one_prompt()
         num_prompts = warm_up_batch_size(self.config, len(first.token_ids))
-        logger.info("Warming up: %d request(s) through the whole path", num_prompts)
-        prompts = [first, *await asyncio.gather(*(one_prompt() for _ in range(num_prompts - 1)))]
+        replicas = self.config.parallel.data_parallel_size
+        logger.info("Warming up: %d request(s) through the whole path", num_prompts * replicas)
+        count = num_prompts * replicas - 1
+        prompts = [first, *await asyncio.gather(*(one_prompt() for _ in range(count)))]
         processor = self.output_processor
         callbacks = self.on_request_finished, processor.on_inter_token_latency
         self.on_request_finished = processor.on_inter_token_latency = None
         try:
-            await asyncio.gather(*(run(prompt) for prompt in prompts))
+            await asyncio.gather(*(run(p, i % replicas) for i, p in enumerate(prompts)))
         finally:
             self.on_request_finished, processor.on_inter_token_latency = callbacks
         await self.engine_core.reset()
@@ -224,6 +231,7 @@ class AsyncLLM(FrontEnd):
         params: SamplingParams,
         request_id: str,
         arrival_time: float | None = None,
+        data_parallel_rank: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Run one request; yields deltas until every one of its ``n`` completions finished.
 
@@ -235,7 +243,8 @@ class AsyncLLM(FrontEnd):
         engine core, which frees its KV blocks and encoder-cache references.
 
         ``arrival_time``: ``time.monotonic()`` when the request arrived (TTFT is measured from
-        it); now when None.
+        it); now when None. ``data_parallel_rank``: the replica to run it (None: the router's
+        choice, by load and cache affinity).
 
         Raises:
             ValueError: ``request_id`` is already in flight (raised before the first output).
@@ -247,7 +256,7 @@ class AsyncLLM(FrontEnd):
         parent, requests = self.make_requests(request_id, prompt, params, stream=True)
         outcome = ""
         try:
-            engine_outputs = await self.engine_core.add_requests(requests)
+            engine_outputs = await self.engine_core.add_requests(requests, data_parallel_rank)
             while not parent.finished:
                 items = [await engine_outputs.get()]
                 while not engine_outputs.empty():
@@ -345,6 +354,15 @@ class AsyncLLM(FrontEnd):
             EngineDeadError: the engine core is gone.
         """
         return self.add_front_end_stats(await self.engine_core.get_stats())
+
+    async def get_replica_stats(self) -> list[EngineStats]:
+        """Each data-parallel replica's counters (one without data parallelism), each with the
+        front end's processor-cache counters.
+
+        Raises:
+            EngineDeadError: an engine core is gone.
+        """
+        return [self.add_front_end_stats(s) for s in await self.engine_core.get_replica_stats()]
 
     def shutdown(self) -> None:
         """Stop the engine core process, the preprocessing pool and the tokenizer thread;

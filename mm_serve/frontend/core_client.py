@@ -16,19 +16,19 @@ instance after which nothing comes: ``EngineRequestError`` (refused: a 4xx unles
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import concurrent.futures
 import itertools
 import logging
-import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
 from mm_serve.config import EngineConfig
+from mm_serve.frontend.client_calls import AsyncCalls, SyncCalls
 from mm_serve.frontend.delivery import Sink, deliver
 from mm_serve.frontend.engine_process import (
     POLL_INTERVAL_MS,
@@ -44,13 +44,11 @@ from mm_serve.messages import (
     EngineFailed,
     EngineReady,
     InputCodec,
-    KVCacheInfo,
     OutputCodec,
     UtilityRequest,
     output_from_wire,
 )
 from mm_serve.request import Request
-from mm_serve.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +75,7 @@ class EngineCoreClientBase:
     ) -> None:
         process = process or start_engine_core()
         self.ipc_paths = process.ipc_paths
-        self._proc, self._config_writer = process.proc, process.config_writer
+        self._process, self._proc = process, process.proc
         self._ctx = zmq.Context()
         self._thread = threading.Thread(
             target=self._output_loop, name="mm_serve-engine-core-output", daemon=True
@@ -95,9 +93,12 @@ class EngineCoreClientBase:
         self._call_ids = itertools.count()
         self._dead_error: EngineDeadError | None = None
         self._failure: EngineFailed | None = None
+        # Called once with the error when the engine core is found dead (a data-parallel
+        # front end fails its other replicas with it).
+        self.on_dead: Callable[[EngineDeadError], None] | None = None
         try:
-            self._input = self._bind(zmq.PUSH, self.ipc_paths[0])
-            self._output = self._bind(zmq.PULL, self.ipc_paths[1])
+            self._input = self._bind(zmq.PUSH, process.bind_addresses[0])
+            self._output = self._bind(zmq.PULL, process.bind_addresses[1])
         except BaseException:
             self.shutdown()
             raise
@@ -108,21 +109,37 @@ class EngineCoreClientBase:
     def start(self, config: EngineConfig) -> None:
         """Send ``config`` to the engine core and wait until it is ready (``engine_info``).
         On failure the client is shut down and ``EngineStartupError`` raised."""
+        self.send_config(config)
+        self.wait_ready()
+
+    def send_config(self, config: EngineConfig) -> None:
+        """The first half of ``start``: the engine core starts building the engine."""
+        endpoints = tuple(s.getsockopt(zmq.LAST_ENDPOINT).decode() for s in self._sockets)
         try:
-            self._config_writer.send((log_setup(), config))
-            self._config_writer.close()
+            self._process.send_config(log_setup(), config, endpoints)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def wait_ready(self) -> None:
+        """The second half of ``start``: wait for ``EngineReady``, then read outputs."""
+        try:
             self.engine_info = self._wait_ready(self._startup_timeout_s)
         except BaseException:
             self.shutdown()
             raise
         self._thread.start()
 
-    def _bind(self, socket_type: int, path: str) -> zmq.Socket:
+    @property
+    def _sockets(self) -> tuple[zmq.Socket, zmq.Socket]:
+        return self._input, self._output
+
+    def _bind(self, socket_type: int, address: str) -> zmq.Socket:
         socket = self._ctx.socket(socket_type)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM if socket_type == zmq.PUSH else zmq.RCVHWM, 0)
         self._resources.sockets += (socket,)
-        socket.bind(f"ipc://{path}")
+        socket.bind(address)
         return socket
 
     @property
@@ -131,9 +148,24 @@ class EngineCoreClientBase:
         return self._proc.pid
 
     @property
+    def pids(self) -> list[int | None]:
+        """The engine core processes' pids (one here; one per replica with data parallelism)."""
+        return [self._proc.pid]
+
+    @property
     def is_dead(self) -> bool:
         """True once the engine core process is gone (or was shut down): serve nothing more."""
         return self._dead_error is not None
+
+    @property
+    def num_in_flight(self) -> int:
+        """Engine requests sent and not finished (aborted or failed): the engine core's
+        waiting and running ones, as this client knows them."""
+        return len(self._sinks)
+
+    def holds(self, request_id: str) -> bool:
+        """Whether ``request_id`` is in flight on this engine core."""
+        return request_id in self._sinks
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop the engine core (SIGTERM, SIGKILL after ``timeout_s``), wait for it, close the
@@ -172,8 +204,12 @@ class EngineCoreClientBase:
 
     # ---- requests in -------------------------------------------------------------------
 
-    def _add(self, requests: list[Request], sink: Sink) -> None:
-        """Send ``requests`` (one, or the siblings of an ``n > 1`` request) in one message."""
+    def _add(self, requests: list[Request], sink: Sink, replica: int | None = None) -> None:
+        """Send ``requests`` (one, or the siblings of an ``n > 1`` request) in one message.
+        ``replica``: None or 0 (there is one engine core). Raises ValueError on an id already
+        in flight."""
+        if replica not in (None, 0):
+            raise ValueError(f"data_parallel_rank {replica}: there is one engine core.")
         with self._lock:
             self._check_alive()
             for request in requests:
@@ -201,6 +237,10 @@ class EngineCoreClientBase:
             self._send(self._codec.encode(UtilityRequest(call_id, method)))
             self._calls[call_id] = future
         return future
+
+    def _call_each(self, method: str) -> list[concurrent.futures.Future]:
+        """``_call`` on each engine core: this one."""
+        return [self._call(method)]
 
     def _check_alive(self) -> None:
         if self._dead_error is not None:
@@ -298,9 +338,11 @@ class EngineCoreClientBase:
         for future in calls:
             if future.set_running_or_notify_cancel():  # False: the caller gave up on it
                 future.set_exception(EngineDeadError(str(error)))
+        if self.on_dead is not None:
+            self.on_dead(error)
 
 
-class EngineCoreClient(EngineCoreClientBase):
+class EngineCoreClient(SyncCalls, EngineCoreClientBase):
     """Blocking client: ``add_requests`` returns the requests' ``queue.Queue`` (see module doc).
 
     Raises:
@@ -308,32 +350,8 @@ class EngineCoreClient(EngineCoreClientBase):
         EngineDeadError: from any call once the engine core is gone.
     """
 
-    def add_requests(
-        self, requests: list[Request], output_queue: queue.Queue | None = None
-    ) -> queue.Queue:
-        """Send the ``n`` sibling requests of one user request (they share the prompt and
-        images, which are sent once) to the engine core; their outputs go to ``output_queue``
-        (which several requests may share: each output names its request) or to a new queue.
-        Returns the queue. Raises ValueError on an id already in flight, or requests that are
-        no siblings (``messages.requests_to_wire``)."""
-        sink = Sink(queue.Queue() if output_queue is None else output_queue, None)
-        self._add(requests, sink)
-        return sink.queue
 
-    def abort_requests(self, request_ids: list[str]) -> None:
-        self._abort(request_ids)
-
-    def get_stats(self, timeout_s: float | None = 30.0) -> EngineStats:
-        """The engine's counters (``mm_serve.stats.EngineStats``), after all earlier inputs."""
-        return self._call("get_stats").result(timeout_s).stats
-
-    def reset(self, timeout_s: float | None = 60.0) -> None:
-        """``EngineCore.reset`` once all earlier inputs took effect. Raises RuntimeError while
-        requests are unfinished."""
-        self._call("reset").result(timeout_s)
-
-
-class AsyncEngineCoreClient(EngineCoreClientBase):
+class AsyncEngineCoreClient(AsyncCalls, EngineCoreClientBase):
     """The API server's client: coroutine calls, an ``asyncio.Queue`` per user request.
 
     The constructor blocks until the engine core is ready (seconds to minutes: the model
@@ -344,31 +362,3 @@ class AsyncEngineCoreClient(EngineCoreClientBase):
         EngineStartupError: from the constructor, see ``EngineCoreClientBase``.
         EngineDeadError: from any call once the engine core is gone.
     """
-
-    async def add_request(self, request: Request) -> asyncio.Queue:
-        """Send ``request``; returns its queue. Raises ValueError on an id already in flight."""
-        return await self.add_requests([request])
-
-    async def add_requests(self, requests: list[Request]) -> asyncio.Queue:
-        """Send the ``n`` sibling requests of one user request (they share the prompt and
-        images, which are sent once); returns their one queue, where each output names its
-        request. Raises ValueError as ``EngineCoreClient.add_requests``."""
-        sink = Sink(asyncio.Queue(), asyncio.get_running_loop())
-        self._add(requests, sink)
-        return sink.queue
-
-    async def abort_requests(self, request_ids: list[str]) -> None:
-        self._abort(request_ids)
-
-    async def get_stats(self) -> EngineStats:
-        """The engine's counters (``mm_serve.stats.EngineStats``), after all earlier inputs."""
-        return (await asyncio.wrap_future(self._call("get_stats"))).stats
-
-    async def get_kv_cache_info(self) -> KVCacheInfo:
-        """KV pool size and free blocks, after all earlier inputs (e.g. an abort) took effect."""
-        return (await asyncio.wrap_future(self._call("get_stats"))).kv_cache
-
-    async def reset(self) -> None:
-        """``EngineCore.reset`` once all earlier inputs took effect. Raises RuntimeError while
-        requests are unfinished."""
-        await asyncio.wrap_future(self._call("reset"))

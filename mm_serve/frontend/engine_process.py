@@ -63,6 +63,17 @@ class EngineProcess:
     ipc_paths: tuple[str, str]
     config_writer: Connection
 
+    @property
+    def bind_addresses(self) -> tuple[str, str]:
+        """The (input, output) ZeroMQ addresses the client binds."""
+        return f"ipc://{self.ipc_paths[0]}", f"ipc://{self.ipc_paths[1]}"
+
+    def send_config(self, setup: Any, config: Any, endpoints: tuple[str, str]) -> None:
+        """Send the logging set-up and the ``EngineConfig``; the process, which knows the
+        ``endpoints`` since it started, then builds the engine."""
+        self.config_writer.send((setup, config))
+        self.config_writer.close()
+
     def stop(self, timeout_s: float = 5.0) -> None:
         """Close the pipe (a process still waiting for its config exits), then SIGTERM, SIGKILL
         after ``timeout_s``; remove the ipc folder. Safe to repeat."""

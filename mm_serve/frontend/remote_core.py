@@ -13,6 +13,7 @@ import queue
 
 from mm_serve.config import EngineConfig
 from mm_serve.frontend.core_client import EngineCoreClient
+from mm_serve.frontend.dp_client import DataParallelClient
 from mm_serve.frontend.exceptions import EngineRequestError
 from mm_serve.outputs import EngineCoreOutput
 from mm_serve.request import Request
@@ -27,15 +28,18 @@ class RemoteEngineCore:
     """``add_requests`` / ``abort_requests`` / ``step`` / ``has_unfinished_requests`` /
     ``get_stats`` / ``reset`` of ``EngineCore``, on an engine core process.
 
-    ``client``: an ``EngineCoreClient`` started before the config was resolved (None: start
-    one now); the constructor sends it ``config`` and waits until it is ready.
+    ``client``: an ``EngineCoreClient`` (or a ``DataParallelClient`` of several replicas)
+    started before the config was resolved (None: start one now); the constructor sends it
+    ``config`` and waits until it is ready.
 
     Raises:
         EngineStartupError: from the constructor, when the process fails to start.
         EngineDeadError: from any call once the process is gone.
     """
 
-    def __init__(self, config: EngineConfig, client: EngineCoreClient | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, client: EngineCoreClient | DataParallelClient | None = None
+    ) -> None:
         self.client = client or EngineCoreClient()
         self.client.start(config)
         self._outputs: queue.Queue = queue.Queue()  # every request's outputs, in arrival order

@@ -1,6 +1,7 @@
 """A tensor-parallel worker process: one rank's model shard, KV cache and request state.
 
-Started by ``engine.executor.MultiprocExecutor`` (spawn), one per rank. It joins the
+Started by ``engine.executor.MultiprocExecutor`` (spawn), one per rank, or as a Ray actor by
+``engine.ray_executor.RayExecutor``. It joins the
 ``torch.distributed`` group (gloo on CPU, NCCL on CUDA), sets its TP rank, builds its own
 ``ModelRunner`` and loads its shard of the weights. Then it replays every step the engine core
 sends: all ranks run the same forward pass (the layers all-reduce and all-gather between
@@ -42,17 +43,22 @@ CALLS = ("determine_num_kv_blocks", "initialize_kv_cache", "capture_cuda_graphs"
          "reset_encoder_cache")  # fmt: skip
 
 
-def init_worker_distributed(config: EngineConfig, rank: int, init_method: str) -> EngineConfig:
-    """Join the TP group as ``rank`` and return the config with this rank's device
-    (``cuda:rank`` on CUDA; the CPU is shared). Gloo on CPU, NCCL on CUDA."""
+def init_worker_distributed(
+    config: EngineConfig, rank: int, init_method: str, device_index: int | None = None
+) -> EngineConfig:
+    """Join the TP group as ``rank`` and return the config with this rank's device: on CUDA
+    ``cuda:device_index``, by default the replica's first device plus ``rank``; on CPU a share
+    of the host's cores. Gloo on CPU, NCCL on CUDA."""
     size = config.parallel.tensor_parallel_size
     if config.device.type == "cuda":
-        device = torch.device("cuda", rank)
+        if device_index is None:
+            device_index = (config.device.index or 0) + rank
+        device = torch.device("cuda", device_index)
         torch.cuda.set_device(device)
         config = dataclasses.replace(config, device=device)
         backend = "nccl"
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel.processes_per_host))
         backend = "gloo"
     dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank)
     return config
@@ -66,17 +72,31 @@ def run_worker(
     output_address: str,
     parent_pid: int,
 ) -> None:
-    """Entry point of the worker process of ``rank``: connect to the core's sockets, load the
-    shard, answer ``WorkerResult`` (loaded), then serve until told to shut down or until the
-    core is gone. A fatal error is sent as ``WorkerFailed`` and the process exits with 1."""
+    """Entry point of the worker process of ``rank`` (``worker_main``); exits with its code."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when to stop
     signal.signal(signal.SIGTERM, _raise_system_exit)
+    sys.exit(worker_main(config, rank, init_method, input_address, output_address, parent_pid))
+
+
+def worker_main(
+    config: EngineConfig,
+    rank: int,
+    init_method: str,
+    input_address: str,
+    output_address: str,
+    parent_pid: int | None,
+    device_index: int | None = None,
+) -> int:
+    """Connect to the core's sockets, load the shard, answer ``WorkerResult`` (loaded), then
+    serve until told to shut down (returns 0) or until the core is gone. A fatal error is
+    sent as ``WorkerFailed`` (returns 1). ``parent_pid``: the core process (None in a Ray
+    actor, which Ray ends with its owner); ``device_index``: see ``init_worker_distributed``."""
     ctx = zmq.Context()
     inputs, outputs = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inputs.connect(input_address)
     outputs.connect(output_address)
     try:
-        config = init_worker_distributed(config, rank, init_method)
+        config = init_worker_distributed(config, rank, init_method, device_index)
         runner = ModelRunner(config, rank=rank)
         runner.load_model()
         outputs.send(msgspec.msgpack.encode(WorkerResult(rank)))
@@ -86,22 +106,27 @@ def run_worker(
         logger.error("Tensor-parallel worker %d failed:\n%s", rank, error)
         outputs.send(msgspec.msgpack.encode(WorkerFailed(rank, error)))
         outputs.close(linger=2000)
-        sys.exit(1)
+        return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     inputs.close(linger=0)
     outputs.close(linger=2000)
+    return 0
 
 
 def serve(
-    runner: ModelRunner, rank: int, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int
+    runner: ModelRunner,
+    rank: int,
+    inputs: zmq.Socket,
+    outputs: zmq.Socket,
+    parent_pid: int | None,
 ) -> None:
     """Run the core's messages in order until ``WorkerCall("shutdown")``; exit at once if the
     core process is gone (nobody would read the outputs)."""
     while True:
         if not inputs.poll(PARENT_CHECK_INTERVAL_MS, zmq.POLLIN):
-            if os.getppid() != parent_pid:
+            if parent_pid is not None and os.getppid() != parent_pid:
                 logger.warning("The engine core is gone; TP worker %d exits.", rank)
                 os._exit(1)
             continue

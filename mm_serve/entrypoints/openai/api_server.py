@@ -153,7 +153,7 @@ def add_operational_routes(app: FastAPI, llm: AsyncLLM, metrics: ServerMetrics) 
         stats = None
         if not llm.is_dead:
             try:
-                stats = await asyncio.wait_for(llm.get_stats(), STATS_TIMEOUT_S)
+                stats = await asyncio.wait_for(llm.get_replica_stats(), STATS_TIMEOUT_S)
             except Exception:  # the engine died meanwhile: the front end's metrics still count
                 logger.warning("Reading the engine's stats failed", exc_info=True)
         return Response(metrics.render(stats), media_type=CONTENT_TYPE_LATEST)

@@ -10,18 +10,20 @@ generated tokens and the latency histograms (seconds): TTFT, TPOT, end-to-end, a
 phases from the engine's timestamps (queue: arrival to first scheduled; prefill: to the
 engine's first token; decode: first to last token; inference: prefill and decode).
 
-Engine metrics are read from ``AsyncLLM.get_stats()`` at each scrape: running and waiting
-requests, KV-cache and encoder-cache usage (fractions 0..1), the tokens scheduled per engine
-step (a histogram), preemptions, encoder tokens computed, and the prefix-, encoder- and
+Engine metrics are read from ``AsyncLLM.get_replica_stats()`` at each scrape: running and
+waiting requests, KV-cache and encoder-cache usage (fractions 0..1), the tokens scheduled per
+engine step (a histogram), preemptions, encoder tokens computed, and the prefix-, encoder- and
 processor-cache query/hit counters (prefix cache in tokens, the others in images). A cache's
-hit rate is ``rate(hits) / rate(queries)``.
+hit rate is ``rate(hits) / rate(queries)``. With data parallelism each engine metric has one
+sample per replica, labelled ``engine="RANK"`` (vLLM's label); the processor cache is the
+front end's, one unlabelled sample.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
@@ -64,38 +66,58 @@ _ENGINE_COUNTERS = {  # EngineStats field (the metric name too) -> help: cumulat
     "encoder_cache_queries": "Images looked up in the encoder cache.",
     "encoder_cache_hits": "Images found in the encoder cache.",
     "encoder_tokens_computed": "Image embedding tokens run through the vision encoder.",
+}
+_FRONT_END_COUNTERS = {  # EngineStats field (the metric name too) -> help: the front end's
     "processor_cache_queries": "Images looked up in the front end's processor cache.",
     "processor_cache_hits": "Images found in the processor cache (no preprocessing).",
 }
+ENGINE_LABEL = "engine"  # the data-parallel replica's rank
 
 
 class _EngineStatsCollector(Collector):
-    """Yields the last ``EngineStats`` snapshot given to ``update`` (nothing before one)."""
+    """Yields the last snapshot of each replica's ``EngineStats`` given to ``render`` (nothing
+    before one): unlabelled for one engine core, labelled by replica for several."""
 
     def __init__(self) -> None:
-        self.stats: EngineStats | None = None
+        self.stats: list[EngineStats] = []
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.stats
-        if stats is None:
+        replicas = self.stats
+        if not replicas:
             return
+        labels = [ENGINE_LABEL] if len(replicas) > 1 else None
         for field, (name, help_text) in _ENGINE_GAUGES.items():
-            yield GaugeMetricFamily(PREFIX + name, help_text, value=getattr(stats, field))
+            family = GaugeMetricFamily(PREFIX + name, help_text, labels=labels)
+            yield _per_replica(family, replicas, field)
         for field, help_text in _ENGINE_COUNTERS.items():
-            yield CounterMetricFamily(PREFIX + field, help_text, value=getattr(stats, field))
-        yield _iteration_tokens(stats)
+            family = CounterMetricFamily(PREFIX + field, help_text, labels=labels)
+            yield _per_replica(family, replicas, field)
+        for field, help_text in _FRONT_END_COUNTERS.items():
+            yield CounterMetricFamily(PREFIX + field, help_text, value=getattr(replicas[0], field))
+        family = HistogramMetricFamily(
+            PREFIX + "iteration_tokens_total",
+            "Tokens scheduled per engine step (prompt and generated tokens of the batch).",
+            labels=labels,
+        )
+        for rank, stats in enumerate(replicas):
+            buckets, total = _iteration_tokens(stats)
+            family.add_metric([str(rank)] if labels else [], buckets, total)
+        yield family
 
 
-def _iteration_tokens(stats: EngineStats) -> HistogramMetricFamily:
-    """The engine's tokens-per-step histogram (vLLM's ``iteration_tokens_total``)."""
+def _per_replica(family: Metric, replicas: list[EngineStats], field: str) -> Metric:
+    """``family`` with one sample of ``field`` per replica (labelled by rank if several)."""
+    for rank, stats in enumerate(replicas):
+        family.add_metric([str(rank)] if len(replicas) > 1 else [], getattr(stats, field))
+    return family
+
+
+def _iteration_tokens(stats: EngineStats) -> tuple[list[tuple[str, float]], float]:
+    """The engine's tokens-per-step histogram (vLLM's ``iteration_tokens_total``): cumulative
+    buckets and the sum."""
     counts = stats.iteration_tokens_counts or [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
     bounds = [*map(floatToGoString, ITERATION_TOKENS_BUCKETS), "+Inf"]
-    return HistogramMetricFamily(
-        PREFIX + "iteration_tokens_total",
-        "Tokens scheduled per engine step (prompt and generated tokens of the batch).",
-        buckets=list(zip(bounds, itertools.accumulate(counts), strict=True)),
-        sum_value=stats.iteration_tokens_sum,
-    )
+    return list(zip(bounds, itertools.accumulate(counts), strict=True)), stats.iteration_tokens_sum
 
 
 class ServerMetrics:
@@ -201,9 +223,12 @@ class ServerMetrics:
         """Count one HTTP response of ``endpoint`` with ``status``."""
         self.http_requests.labels(endpoint, str(status)).inc()
 
-    def render(self, engine_stats: EngineStats | None) -> bytes:
-        """The exposition text; the engine's metrics from ``engine_stats`` (None: the last
-        snapshot, if any, as when the engine is gone)."""
+    def render(self, engine_stats: EngineStats | Sequence[EngineStats] | None) -> bytes:
+        """The exposition text; the engine's metrics from ``engine_stats``, one engine core's
+        or each data-parallel replica's (None: the last snapshot, if any, as when the engine
+        is gone)."""
+        if isinstance(engine_stats, EngineStats):
+            engine_stats = [engine_stats]
         if engine_stats is not None:
-            self._engine.stats = engine_stats
+            self._engine.stats = list(engine_stats)
         return generate_latest(self.registry)
