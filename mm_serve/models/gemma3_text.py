@@ -214,6 +214,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def __init__(self, config: Any) -> None:
         nn.Module.__init__(self)  # LlamaForCausalLM.__init__ would build a Llama decoder
         self.config = config
+        self.inputs_embeds_size: int = config.hidden_size
         self.model = Gemma3TextModel(config)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
