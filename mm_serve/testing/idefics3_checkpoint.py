@@ -12,10 +12,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
-
 from mm_serve._compat import ensure_torchvision_importable
-from mm_serve.testing.checkpoints import _perturb_norms_and_biases, build_tokenizer
+from mm_serve.testing.family_checkpoint import (
+    TINY_VISION,
+    family_tokenizer,
+    random_model,
+    save_checkpoint,
+    shrink_projector,
+    text_token_ids,
+)
 
 IDEFICS3_TILE = 48  # the vision tower's image_size = the processor's max_image_size
 IDEFICS3_LONGEST_EDGE = 3 * IDEFICS3_TILE
@@ -47,23 +52,13 @@ IDEFICS3_CHAT_TEMPLATE = (
 
 def idefics3_tokenizer() -> Any:
     """The Llama text builder's tokenizer plus Idefics3's special tokens and chat template."""
-    tokenizer = build_tokenizer("llama")
-    tokenizer.add_tokens(IDEFICS3_SPECIALS, special_tokens=True)
-    tokenizer.chat_template = IDEFICS3_CHAT_TEMPLATE
-    return tokenizer
+    return family_tokenizer("llama", IDEFICS3_SPECIALS, IDEFICS3_CHAT_TEMPLATE)
 
 
 def _config(tokenizer: Any, text: dict[str, Any]) -> Any:
     from transformers import Idefics3Config
 
-    vision = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=IDEFICS3_TILE,
-        patch_size=IDEFICS3_PATCH,
-    )
+    vision = dict(**TINY_VISION, image_size=IDEFICS3_TILE, patch_size=IDEFICS3_PATCH)
     return Idefics3Config(
         text_config={**text, "model_type": "llama", "rope_theta": 100000.0},
         vision_config=vision,
@@ -93,27 +88,17 @@ def build_tiny_idefics3_checkpoint(
     path: str | os.PathLike, text: dict[str, Any], seed: int, vocab_size: int | None
 ) -> str:
     """Write the tiny Idefics3 checkpoint to ``path`` with the text config ``text`` (tiny
-    Llama sizes, without the token ids, which come from the tokenizer). Returns ``path``."""
-    from transformers import GenerationConfig, Idefics3ForConditionalGeneration
+    Llama sizes, without the token ids, which come from the tokenizer). Returns ``path``.
+
+    Raises:
+        ValueError: ``vocab_size`` below the tokenizer's length.
+    """
+    from transformers import Idefics3ForConditionalGeneration
 
     tokenizer = idefics3_tokenizer()
-    if vocab_size is None:
-        vocab_size = len(tokenizer)
-    elif vocab_size < len(tokenizer):
-        raise ValueError(f"vocab_size {vocab_size} is below the tokenizer's {len(tokenizer)}.")
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     end_of_utterance = tokenizer.convert_tokens_to_ids("<end_of_utterance>")
-    ids = dict(vocab_size=vocab_size, bos_token_id=tokenizer.bos_token_id, pad_token_id=pad)
-    config = _config(tokenizer, {**text, **ids, "eos_token_id": [eos, end_of_utterance]})
-    torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(config).to(torch.float32).eval()
-    with torch.no_grad():  # as LLaVA's: the text std (0.3) would dwarf the token embeddings
-        model.model.connector.modality_projection.proj.weight.normal_(0.0, 0.05)
-    _perturb_norms_and_biases(model, seed)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=[eos, end_of_utterance], pad_token_id=pad
-    )
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
-    _processor(tokenizer).save_pretrained(path)
-    return str(path)
+    ids = text_token_ids(tokenizer, vocab_size, [tokenizer.eos_token_id, end_of_utterance])
+    config = _config(tokenizer, {**text, **ids})
+    model = random_model(Idefics3ForConditionalGeneration, config, seed)
+    shrink_projector(model.model.connector.modality_projection.proj)
+    return save_checkpoint(path, model, _processor(tokenizer))

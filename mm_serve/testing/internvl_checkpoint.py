@@ -17,7 +17,13 @@ from typing import Any
 import torch
 
 from mm_serve._compat import ensure_torchvision_importable
-from mm_serve.testing.checkpoints import _perturb_norms_and_biases, build_tokenizer
+from mm_serve.testing.checkpoints import build_tokenizer
+from mm_serve.testing.family_checkpoint import (
+    TINY_VISION,
+    random_model,
+    save_checkpoint,
+    text_token_ids,
+)
 
 INTERNVL_TILE, INTERNVL_PATCH = 32, 8
 INTERNVL_DOWNSAMPLE = 0.5
@@ -85,10 +91,7 @@ def _config(tokenizer: Any, text: dict[str, Any]) -> Any:
     from transformers import InternVLConfig
 
     vision = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
+        **TINY_VISION,
         attention_bias=True,  # as InternViT-300M
         image_size=INTERNVL_TILE,
         patch_size=INTERNVL_PATCH,
@@ -130,24 +133,11 @@ def build_tiny_internvl_checkpoint(
     Raises:
         ValueError: ``vocab_size`` below the tokenizer's length.
     """
-    from transformers import GenerationConfig, InternVLForConditionalGeneration
+    from transformers import InternVLForConditionalGeneration
 
     tokenizer = internvl_tokenizer()
-    if vocab_size is None:
-        vocab_size = len(tokenizer)
-    elif vocab_size < len(tokenizer):
-        raise ValueError(f"vocab_size {vocab_size} is below the tokenizer's {len(tokenizer)}.")
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    ids = dict(vocab_size=vocab_size, bos_token_id=pad, pad_token_id=pad, eos_token_id=[eos, pad])
-    config = _config(tokenizer, {**text, **ids})
-    torch.manual_seed(seed)
-    model = InternVLForConditionalGeneration(config).to(torch.float32).eval()
+    config = _config(tokenizer, {**text, **text_token_ids(tokenizer, vocab_size)})
+    model = random_model(InternVLForConditionalGeneration, config, seed)
     _randomise_vision(model, seed)
-    _perturb_norms_and_biases(model, seed)
-    model.generation_config = GenerationConfig(
-        bos_token_id=pad, eos_token_id=[eos, pad], pad_token_id=pad
-    )
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
-    internvl_processor(tokenizer, INTERNVL_TILE, INTERNVL_IMAGE_SEQ_LEN).save_pretrained(path)
-    return str(path)
+    processor = internvl_processor(tokenizer, INTERNVL_TILE, INTERNVL_IMAGE_SEQ_LEN)
+    return save_checkpoint(path, model, processor)

@@ -15,10 +15,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
-
 from mm_serve._compat import ensure_torchvision_importable
-from mm_serve.testing.checkpoints import _perturb_norms_and_biases, build_tokenizer
+from mm_serve.testing.family_checkpoint import (
+    TINY_VISION,
+    family_tokenizer,
+    random_model,
+    save_checkpoint,
+    shrink_projector,
+    text_token_ids,
+)
 
 ONEVISION_TILE, ONEVISION_PATCH = 32, 8
 ONEVISION_TILE_TOKENS = (ONEVISION_TILE // ONEVISION_PATCH) ** 2
@@ -48,21 +53,15 @@ ONEVISION_CHAT_TEMPLATE = (
 
 def onevision_tokenizer() -> Any:
     """The Qwen2 text builder's tokenizer plus ``<image>``, ``<video>`` and the template."""
-    tokenizer = build_tokenizer("qwen2")
-    tokenizer.add_tokens(ONEVISION_SPECIALS, special_tokens=True)
-    tokenizer.chat_template = ONEVISION_CHAT_TEMPLATE
-    return tokenizer
+    return family_tokenizer("qwen2", ONEVISION_SPECIALS, ONEVISION_CHAT_TEMPLATE)
 
 
 def _config(tokenizer: Any, text: dict[str, Any]) -> Any:
     from transformers import LlavaOnevisionConfig
 
     vision = dict(
+        **TINY_VISION,
         model_type="siglip_vision_model",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
         image_size=ONEVISION_TILE,
         patch_size=ONEVISION_PATCH,
         vision_use_head=False,
@@ -124,27 +123,11 @@ def build_tiny_llava_onevision_checkpoint(
     Raises:
         ValueError: ``vocab_size`` below the tokenizer's length.
     """
-    from transformers import GenerationConfig, LlavaOnevisionForConditionalGeneration
+    from transformers import LlavaOnevisionForConditionalGeneration
 
     tokenizer = onevision_tokenizer()
-    if vocab_size is None:
-        vocab_size = len(tokenizer)
-    elif vocab_size < len(tokenizer):
-        raise ValueError(f"vocab_size {vocab_size} is below the tokenizer's {len(tokenizer)}.")
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    ids = dict(vocab_size=vocab_size, bos_token_id=pad, pad_token_id=pad, eos_token_id=[eos, pad])
-    config = _config(tokenizer, {**text, **ids})
-    torch.manual_seed(seed)
-    model = LlavaOnevisionForConditionalGeneration(config).to(torch.float32).eval()
+    config = _config(tokenizer, {**text, **text_token_ids(tokenizer, vocab_size)})
+    model = random_model(LlavaOnevisionForConditionalGeneration, config, seed)
     projector = model.model.multi_modal_projector
-    with torch.no_grad():  # as LLaVA's: the text std (0.3) would dwarf the token embeddings
-        for linear in (projector.linear_1, projector.linear_2):
-            linear.weight.normal_(0.0, 0.05)
-    _perturb_norms_and_biases(model, seed)
-    model.generation_config = GenerationConfig(
-        bos_token_id=pad, eos_token_id=[eos, pad], pad_token_id=pad
-    )
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
-    onevision_processor(tokenizer).save_pretrained(path)
-    return str(path)
+    shrink_projector(projector.linear_1, projector.linear_2)
+    return save_checkpoint(path, model, onevision_processor(tokenizer))

@@ -15,10 +15,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
-
 from mm_serve._compat import ensure_torchvision_importable
-from mm_serve.testing.checkpoints import _perturb_norms_and_biases
+from mm_serve.testing.family_checkpoint import random_model, save_checkpoint
 
 QWEN3_VL_PATCH = 16
 QWEN3_VL_MIN_PIXELS = (2 * QWEN3_VL_PATCH) ** 2 * 4
@@ -91,19 +89,7 @@ def build_tiny_qwen3_vl_checkpoint(
     """Write the tiny Qwen3-VL checkpoint to ``path``: ``tokenizer`` (with its chat template),
     ``text`` (the tiny text sizes and token ids, which ``_TEXT`` completes) and ``ids`` (the
     image, video and vision start/end token ids). Returns ``path``."""
-    from transformers import GenerationConfig, Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLForConditionalGeneration
 
-    config = _config(text, ids)
-    torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config).to(torch.float32).eval()
-    _perturb_norms_and_biases(model, seed)
-    text_config = config.text_config
-    model.generation_config = GenerationConfig(
-        bos_token_id=text_config.bos_token_id,
-        eos_token_id=text_config.eos_token_id,
-        pad_token_id=text_config.pad_token_id,
-    )
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
-    _processor(tokenizer, tokenizer.chat_template).save_pretrained(path)
-    return str(path)
+    model = random_model(Qwen3VLForConditionalGeneration, _config(text, ids), seed)
+    return save_checkpoint(path, model, _processor(tokenizer, tokenizer.chat_template))

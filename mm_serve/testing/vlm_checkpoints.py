@@ -21,10 +21,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from mm_serve._compat import ensure_torchvision_importable
-from mm_serve.testing.checkpoints import _perturb_norms_and_biases, build_tokenizer
+from mm_serve.testing.family_checkpoint import (
+    checked_vocab_size,
+    family_tokenizer,
+    random_model,
+    save_checkpoint,
+    shrink_projector,
+    text_token_ids,
+)
 
 QWEN_VL_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 LLAVA_IMAGE_TOKEN = "<image>"
@@ -93,25 +98,15 @@ LLAVA_IMAGE_SIZE = 56  # 4 x 4 patches of 14 -> 16 image tokens
 def vlm_tokenizer(family: str) -> Any:
     """The text builder's tokenizer plus the family's image tokens and chat template."""
     if family == "llava":
-        tokenizer = build_tokenizer("llama")
-        tokenizer.add_tokens([LLAVA_IMAGE_TOKEN], special_tokens=True)
-        tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
-    else:
-        tokenizer = build_tokenizer("qwen2")
-        tokenizer.add_tokens(QWEN_VL_SPECIALS, special_tokens=True)
-        tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
-    return tokenizer
+        return family_tokenizer("llama", [LLAVA_IMAGE_TOKEN], LLAVA_CHAT_TEMPLATE)
+    return family_tokenizer("qwen2", QWEN_VL_SPECIALS, QWEN_VL_CHAT_TEMPLATE)
 
 
 def _token_ids(tokenizer: Any, vocab_size: int | None = None) -> dict[str, Any]:
-    """config.json's special token ids and ``vocab_size`` (default: the tokenizer's length)."""
+    """config.json's special token ids and ``vocab_size`` (default: the tokenizer's length):
+    the text config's (``text_token_ids``) under "text", the image ones beside."""
     ids = tokenizer.convert_tokens_to_ids
-    pad = tokenizer.pad_token_id
-    eos = [tokenizer.eos_token_id] + ([pad] if pad != tokenizer.eos_token_id else [])
-    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else pad
-    vocab_size = len(tokenizer) if vocab_size is None else vocab_size
-    common = {"vocab_size": vocab_size, "bos_token_id": bos, "eos_token_id": eos}
-    common["pad_token_id"] = pad
+    common = text_token_ids(tokenizer, vocab_size)
     if LLAVA_IMAGE_TOKEN in tokenizer.get_vocab():
         return {"text": common, "image_token_id": ids(LLAVA_IMAGE_TOKEN)}
     return {
@@ -265,8 +260,6 @@ def build_tiny_vlm_checkpoint(
     Raises:
         ValueError: an unknown family or layout, or ``vocab_size`` below the tokenizer's length.
     """
-    from transformers import GenerationConfig
-
     known = FAMILIES + TILED_FAMILIES + (QWEN3_VL,)
     if family not in known:
         raise ValueError(f"Unknown family {family!r}; choose from {known}.")
@@ -299,10 +292,7 @@ def build_tiny_vlm_checkpoint(
 
         return build_tiny_gemma3_checkpoint(path, dict(_TEXT), seed, vocab_size)
     tokenizer = vlm_tokenizer(family)
-    if vocab_size is None:
-        vocab_size = len(tokenizer)
-    elif vocab_size < len(tokenizer):
-        raise ValueError(f"vocab_size {vocab_size} is below the tokenizer's {len(tokenizer)}.")
+    vocab_size = checked_vocab_size(tokenizer, vocab_size)
     if family == QWEN3_VL:
         if layout != "transformers":
             raise ValueError("The qwen3_vl checkpoint has the transformers layout only.")
@@ -311,33 +301,15 @@ def build_tiny_vlm_checkpoint(
         ids = _token_ids(tokenizer, vocab_size)
         text = {**_TEXT, **ids.pop("text")}
         return build_tiny_qwen3_vl_checkpoint(path, tokenizer, text, ids, seed)
-    config = _build_config(family, tokenizer, vocab_size)
-    torch.manual_seed(seed)
-    model = _model_class(family)(config).to(torch.float32).eval()
+    model = random_model(_model_class(family), _build_config(family, tokenizer, vocab_size), seed)
     if family == "llava":
-        _shrink_projector(model.model.multi_modal_projector)
-    _perturb_norms_and_biases(model, seed)
-    text = config.text_config
-    model.generation_config = GenerationConfig(
-        bos_token_id=text.bos_token_id,
-        eos_token_id=text.eos_token_id,
-        pad_token_id=text.pad_token_id,
-    )
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
+        projector = model.model.multi_modal_projector
+        shrink_projector(projector.linear_1, projector.linear_2)
     processor = _build_processor(family, tokenizer)
-    processor.save_pretrained(path)
+    save_checkpoint(path, model, processor)
     if layout == "legacy":
         to_legacy_layout(path, processor)
     return str(path)
-
-
-@torch.no_grad()
-def _shrink_projector(projector: torch.nn.Module) -> None:
-    """HF inits LLaVA's projector with the text std (0.3 here), which makes image embeddings
-    ~10x larger than token embeddings and float32 rounding visible in the logits; use 0.05."""
-    for linear in (projector.linear_1, projector.linear_2):
-        linear.weight.normal_(0.0, 0.05)
 
 
 def to_legacy_layout(path: str | os.PathLike, processor: Any) -> None:
