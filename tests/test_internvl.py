@@ -12,77 +12,39 @@ repeated image.
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from mm_serve import LLM, SamplingParams
 from mm_serve.encoders.processors import get_image_processor
-from mm_serve.testing.hf_reference import hf_greedy_generate
-from mm_serve.testing.leaks import assert_llm_idle
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from mm_serve.testing.family_checks import (
+    Case,
+    assert_image_chat_matches_hf,
+    assert_matches_hf,
+    assert_prefix_cache_hits,
+    checkpoint_fixtures,
+    generated,
+    hf_config,
+    mixed_batch,
+    photo,
+    record_encoded_images,
+    running_llm,
+    whole_and_chunked,
+)
 
-MAX_NEW_TOKENS = 12
-LOGPROB_TOL = 1e-4
 IMAGE = "<IMG_CONTEXT>"
 
 
-def photo(name: str) -> Image.Image:
-    """A real photograph shipped inside an installed package."""
-    if name == "grace_hopper.jpg":
-        import matplotlib
-
-        return Image.open(Path(matplotlib.get_data_path()) / "sample_data" / name)
-    import skimage
-
-    return Image.open(Path(skimage.__file__).parent / "data" / name)
-
-
-def generated(width: int, height: int, seed: int) -> Image.Image:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
-
-
-def cases() -> list[tuple[str, list[Image.Image]]]:
+def cases() -> list[Case]:
     odd = [generated(301, 87, 1), generated(23, 45, 2), generated(40, 41, 3)]  # 13, 3, 1 tiles
-    return [
-        ("A text-only question about nothing in particular.", []),
-        (f"User: {IMAGE}\nDescribe the image.", [photo("grace_hopper.jpg")]),
-        (f"Compare {IMAGE} with {IMAGE} and {IMAGE} please.", odd),
-        (f"{IMAGE}\nWhat is here?", [photo("chelsea.png").convert("L")]),
-    ]
+    return mixed_batch(
+        describe=f"User: {IMAGE}\nDescribe the image.",
+        compare=f"Compare {IMAGE} with {IMAGE} and {IMAGE} please.",
+        several=odd,
+        what=f"{IMAGE}\nWhat is here?",
+    )
 
 
-@pytest.fixture(scope="module")
-def path(tmp_path_factory) -> str:
-    return build_tiny_vlm_checkpoint(tmp_path_factory.mktemp("internvl"), "internvl", seed=3)
-
-
-@pytest.fixture(scope="module")
-def reference(path):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(path)
-    model = AutoModelForImageTextToText.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    return processor, model
-
-
-def hf_config(path: str):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(path)
-
-
-def hf_greedy(reference, text: str, images: list[Image.Image]):
-    """(prompt ids, greedy ids, per-step log-softmax ``[steps, vocab]``) of HF."""
-    processor, model = reference
-    inputs = processor(text=[text], images=[images] if images else None, return_tensors="pt")
-    return hf_greedy_generate(model, inputs, MAX_NEW_TOKENS)
+path, reference = checkpoint_fixtures("internvl", seed=3)
 
 
 @pytest.mark.parametrize(
@@ -99,7 +61,7 @@ def hf_greedy(reference, text: str, images: list[Image.Image]):
     ids=["photograph", "photograph2", "wide", "tall", "one_tile", "three_by_one", "grayscale"],
 )
 def test_processor_matches_hf(path, reference, image, num_tiles):
-    processor = reference[0]
+    processor = reference.processor
     text = f"User: {IMAGE}\nDescribe."
     hf = processor(text=[text], images=[[image]], return_tensors="pt")
     ours = get_image_processor(path, hf_config(path)).preprocess(image)
@@ -185,103 +147,43 @@ def test_benchmark_architecture(tmp_path, name, billions):
     assert ours.num_tokens == 2 + 256 * len(ours.pixel_values)
 
 
-def assert_matches_hf(llm: LLM, reference, prompts: list[tuple[str, list[Image.Image]]]):
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5)
-    inputs = [{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in prompts]
-    outputs = llm.generate(inputs, params, use_tqdm=False)
-    for (text, images), output in zip(prompts, outputs, strict=True):
-        prompt_ids, ref_tokens, ref_logprobs = hf_greedy(reference, text, images)
-        assert output.prompt_token_ids == prompt_ids  # expansion as HF's processor
-        completion = output.outputs[0]
-        assert completion.token_ids == ref_tokens
-        for step, step_logprobs in enumerate(completion.logprobs):
-            assert len(step_logprobs) >= 5
-            for token_id, logprob in step_logprobs.items():
-                assert abs(logprob.logprob - ref_logprobs[step, token_id].item()) < LOGPROB_TOL
-    assert_llm_idle(llm)
-    return outputs
-
-
-@pytest.mark.parametrize(
-    "engine_args",
-    [{}, {"max_num_batched_tokens": 8, "block_size": 4}],
-    ids=["whole", "chunked"],
-)
+@whole_and_chunked(budget=8)
 def test_greedy_matches_hf(path, reference, engine_args):
-    llm = LLM(path, **engine_args)
-    try:
+    with running_llm(path, **engine_args) as llm:
         assert_matches_hf(llm, reference, cases())
-    finally:
-        llm.shutdown()
 
 
 def test_tensor_parallel_matches_hf(path, reference):
     """Two ranks (the tower replicated, the Qwen2 LM sharded) give HF's tokens too."""
-    llm = LLM(path, tensor_parallel_size=2, device="cpu", max_num_batched_tokens=32)
-    try:
+    with running_llm(path, tensor_parallel_size=2, device="cpu", max_num_batched_tokens=32) as llm:
         assert_matches_hf(llm, reference, cases())
-    finally:
-        llm.shutdown()
 
 
 def test_prefix_cache_hits_repeated_image(path, reference):
     """The same photograph twice, one request after the other: the second reuses the first's
     KV blocks (prefix cache, image hash in the block hashes) and still matches HF; a different
     image behind the same text does not hit past the text."""
-    llm = LLM(path, enable_prefix_caching=True, block_size=4, max_num_batched_tokens=16)
-    try:
+    args = dict(enable_prefix_caching=True, block_size=4, max_num_batched_tokens=16)
+    with running_llm(path, **args) as llm:
         text = f"User: {IMAGE}\nDescribe the image."
-        (first,) = assert_matches_hf(llm, reference, [(text, [photo("grace_hopper.jpg")])])
-        (second,) = assert_matches_hf(llm, reference, [(text, [photo("grace_hopper.jpg")])])
-        assert second.num_cached_tokens >= len(second.prompt_token_ids) - 4
-        (third,) = assert_matches_hf(llm, reference, [(text, [photo("coffee.png")])])
-        assert third.num_cached_tokens < 8
-        assert first.outputs[0].token_ids == second.outputs[0].token_ids
-    finally:
-        llm.shutdown()
+        case, again = (text, [photo("grace_hopper.jpg")]), (text, [photo("grace_hopper.jpg")])
+        assert_prefix_cache_hits(llm, reference, case, again, (text, [photo("coffee.png")]))
 
 
 def test_repeated_image_hits_encoder_cache(path, reference):
     """Two requests with the same photograph, chunked side by side without prefix caching:
     its tiles go through the tower once (encoder cache), and both match HF."""
-    llm = LLM(path, enable_prefix_caching=False, block_size=4, max_num_batched_tokens=16)
-    try:
-        model = llm.engine_core.model_runner.model
-        encoded_tiles: list[int] = []
-        embed_images = model.embed_images
-
-        def counting(images):
-            encoded_tiles.extend(len(image.pixel_values) for image in images)
-            return embed_images(images)
-
-        model.embed_images = counting
+    args = dict(enable_prefix_caching=False, block_size=4, max_num_batched_tokens=16)
+    with running_llm(path, **args) as llm:
+        encoded = record_encoded_images(llm)
         image = photo("grace_hopper.jpg")
         prompts = [(f"User: {IMAGE}\nDescribe.", [image]), (f"{IMAGE}\nWhat is it?", [image])]
         assert_matches_hf(llm, reference, prompts)
-        assert encoded_tiles == [13]
-    finally:
-        llm.shutdown()
+        assert [len(item.pixel_values) for item in encoded] == [13]
 
 
 def test_chat_with_image_part(path, reference):
     """A chat turn with an image part: the chat template's image token expanded as HF's
     processor does, and HF's greedy tokens."""
-    processor, _ = reference
-    image = photo("rocket.jpg")
-    messages = [
-        {
-            "role": "user",
-            "content": [{"type": "image", "image": image}, {"type": "text", "text": "What?"}],
-        }
-    ]
-    llm = LLM(path)
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
-        (output,) = llm.chat(messages, params, use_tqdm=False)
-        text = processor.apply_chat_template(messages, add_generation_prompt=True)
-        prompt_ids, ref_tokens, _ = hf_greedy(reference, text, [image])
-        assert output.prompt_token_ids == prompt_ids
-        assert output.outputs[0].token_ids == ref_tokens
-        assert_llm_idle(llm)
-    finally:
-        llm.shutdown()
+    with running_llm(path) as llm:
+        assert_image_chat_matches_hf(llm, reference, [photo("rocket.jpg")])

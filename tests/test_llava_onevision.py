@@ -14,24 +14,30 @@ held after.
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from mm_serve import LLM, SamplingParams
+from mm_serve import SamplingParams
 from mm_serve.encoders.anyres import anyres_layout, select_best_resolution
 from mm_serve.encoders.llava_onevision_processor import LlavaOnevisionImageProcessor
 from mm_serve.encoders.processors import get_image_processor
-from mm_serve.testing.hf_reference import hf_greedy_generate
-from mm_serve.testing.leaks import assert_llm_idle
+from mm_serve.testing.family_checks import (
+    Case,
+    assert_image_chat_matches_hf,
+    assert_matches_hf,
+    assert_prefix_cache_hits,
+    checkpoint_fixtures,
+    generated,
+    hf_config,
+    mixed_batch,
+    photo,
+    record_encoded_images,
+    running_llm,
+    whole_and_chunked,
+)
 from mm_serve.testing.llava_onevision_checkpoint import ONEVISION_PINPOINTS, onevision_tokenizer
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 
-MAX_NEW_TOKENS = 12
-LOGPROB_TOL = 1e-4
 PROMPT = "<|im_start|>user\n<image>\nDescribe the image.<|im_end|>\n<|im_start|>assistant\n"
 # Sizes (width, height) whose best resolutions differ: 1x1, 1x2, 2x1, 2x2, 1x3 and 3x1 tiles.
 ODD_SIZES = [
@@ -47,60 +53,16 @@ ODD_SIZES = [
 ]
 
 
-def photo(name: str) -> Image.Image:
-    """A real photograph shipped inside an installed package."""
-    if name == "grace_hopper.jpg":
-        import matplotlib
-
-        return Image.open(Path(matplotlib.get_data_path()) / "sample_data" / name)
-    import skimage
-
-    return Image.open(Path(skimage.__file__).parent / "data" / name)
+def cases() -> list[Case]:
+    return mixed_batch(
+        describe=PROMPT,
+        compare="Compare <image> with <image> and <image> please.",
+        several=[generated(301, 87, 1), photo("grace_hopper.jpg"), generated(23, 45, 2)],
+        what="<image>What is here?",
+    )
 
 
-def generated(width: int, height: int, seed: int) -> Image.Image:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
-
-
-def cases() -> list[tuple[str, list[Image.Image]]]:
-    several = [generated(301, 87, 1), photo("grace_hopper.jpg"), generated(23, 45, 2)]
-    return [
-        ("A text-only question about nothing in particular.", []),
-        (PROMPT, [photo("grace_hopper.jpg")]),
-        ("Compare <image> with <image> and <image> please.", several),
-        ("<image>What is here?", [photo("chelsea.png").convert("L")]),
-    ]
-
-
-@pytest.fixture(scope="module")
-def path(tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("llava_onevision")
-    return build_tiny_vlm_checkpoint(folder, "llava_onevision", seed=3)
-
-
-@pytest.fixture(scope="module")
-def reference(path):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(path)
-    model = AutoModelForImageTextToText.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    return processor, model
-
-
-def hf_config(path: str):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(path)
-
-
-def hf_greedy(reference, text: str, images: list[Image.Image]):
-    """(prompt ids, greedy ids, per-step log-softmax ``[steps, vocab]``) of HF."""
-    processor, model = reference
-    inputs = processor(text=[text], images=[images] if images else None, return_tensors="pt")
-    return hf_greedy_generate(model, inputs, MAX_NEW_TOKENS)
+path, reference = checkpoint_fixtures("llava_onevision", seed=3)
 
 
 def image_tokens(processor, inputs) -> int:
@@ -114,7 +76,7 @@ def image_tokens(processor, inputs) -> int:
     ids=["photograph", "grayscale"] + [f"{w}x{h}" for w, h in ODD_SIZES],
 )
 def test_processor_matches_hf(path, reference, image):
-    processor = reference[0]
+    processor = reference.processor
     hf = processor(text=["<image>Describe."], images=[[image]], return_tensors="pt")
     ours = get_image_processor(path, hf_config(path)).preprocess(image)
     assert torch.equal(ours.pixel_values, hf["pixel_values"][0])  # one image: no padding tiles
@@ -137,7 +99,7 @@ def test_odd_sizes_pick_different_grids(path):
 def test_several_images_match_hf(path, reference):
     """In a prompt of several images each is one tile padded to a square with the mean colour,
     and takes ``side**2 + 1`` tokens."""
-    processor = reference[0]
+    processor = reference.processor
     images = [generated(301, 87, 1), photo("grace_hopper.jpg"), generated(23, 45, 2)]
     hf = processor(text=["<image><image><image>"], images=[images], return_tensors="pt")
     ours = get_image_processor(path, hf_config(path)).for_prompt(len(images))
@@ -192,98 +154,48 @@ def test_max_num_tokens_bounds_every_image(path):
     assert max(counts) <= processor.max_num_tokens < 1.1 * max(counts)
 
 
-def assert_matches_hf(llm: LLM, reference, prompts: list[tuple[str, list[Image.Image]]]):
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5)
-    inputs = [{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in prompts]
-    outputs = llm.generate(inputs, params, use_tqdm=False)
-    for (text, images), output in zip(prompts, outputs, strict=True):
-        prompt_ids, ref_tokens, ref_logprobs = hf_greedy(reference, text, images)
-        assert output.prompt_token_ids == prompt_ids  # expansion as HF's processor
-        completion = output.outputs[0]
-        assert completion.token_ids == ref_tokens
-        for step, step_logprobs in enumerate(completion.logprobs):
-            for token_id, logprob in step_logprobs.items():
-                assert abs(logprob.logprob - ref_logprobs[step, token_id].item()) < LOGPROB_TOL
-    assert_llm_idle(llm)
-    return outputs
-
-
-@pytest.mark.parametrize(
-    "engine_args",
-    [{}, {"max_num_batched_tokens": 8, "block_size": 4}],
-    ids=["whole", "chunked"],
-)
+@whole_and_chunked(budget=8)
 def test_greedy_matches_hf(path, reference, engine_args):
-    llm = LLM(path, **engine_args)
-    try:
+    with running_llm(path, **engine_args) as llm:
         assert_matches_hf(llm, reference, cases())
-    finally:
-        llm.shutdown()
 
 
 def test_extreme_aspect_ratio_matches_hf(path, reference):
     """A 1000 x 20 image: its unpadded feature map has no row left (base tile only)."""
     image = generated(1000, 20, 5)
     assert get_image_processor(path, hf_config(path)).preprocess(image).num_tokens == 16
-    llm = LLM(path)
-    try:
+    with running_llm(path) as llm:
         assert_matches_hf(llm, reference, [(PROMPT, [image])])
-    finally:
-        llm.shutdown()
 
 
 def test_prefix_cache_hits_repeated_image(path, reference):
     """The same photograph twice, one request after the other: the second reuses the first's
     KV blocks (prefix cache, image hash in the block hashes) and still matches HF; a different
     image behind the same text does not hit past the text."""
-    llm = LLM(path, enable_prefix_caching=True, block_size=4, max_num_batched_tokens=16)
-    try:
+    args = dict(enable_prefix_caching=True, block_size=4, max_num_batched_tokens=16)
+    with running_llm(path, **args) as llm:
         case = (PROMPT, [photo("grace_hopper.jpg")])
-        (first,) = assert_matches_hf(llm, reference, [case])
-        (second,) = assert_matches_hf(llm, reference, [case])
-        assert second.num_cached_tokens >= len(second.prompt_token_ids) - 4
-        (third,) = assert_matches_hf(llm, reference, [(PROMPT, [photo("coffee.png")])])
-        assert third.num_cached_tokens < 8
-        assert first.outputs[0].token_ids == second.outputs[0].token_ids
-    finally:
-        llm.shutdown()
+        assert_prefix_cache_hits(llm, reference, case, case, (PROMPT, [photo("coffee.png")]))
 
 
 def test_encoder_cache_hits_repeated_image(path, reference):
     """Without prefix caching, the same photograph behind two texts is encoded once: the
     second request takes its embeddings from the encoder cache, and both match HF."""
-    llm = LLM(path, enable_prefix_caching=False)
-    try:
-        model = llm.engine_core.model_runner.model
-        encoded, embed = [], model.embed_images
-        model.embed_images = lambda images: (encoded.extend(images), embed(images))[1]
+    with running_llm(path, enable_prefix_caching=False) as llm:
+        encoded = record_encoded_images(llm)
         image = photo("grace_hopper.jpg")
         cases = [(PROMPT, [image]), ("<image>Other text.", [image])]
         first, second = assert_matches_hf(llm, reference, cases)
         assert len(encoded) == 1
         assert (first.num_cached_images, second.num_cached_images) == (0, 1)
-    finally:
-        llm.shutdown()
 
 
 def test_chat_with_image_parts(path, reference):
     """A chat turn with one image part, and one with two: the chat template's ``<image>``s
     expanded as HF's processor does (anyres tiles, then one tile each), HF's greedy tokens."""
-    processor, _ = reference
-    llm = LLM(path)
-    try:
+    with running_llm(path) as llm:
         for images in ([photo("rocket.jpg")], [photo("rocket.jpg"), generated(40, 150, 3)]):
-            parts = [{"type": "image", "image": image} for image in images]
-            messages = [{"role": "user", "content": [*parts, {"type": "text", "text": "What?"}]}]
-            params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
-            (output,) = llm.chat(messages, params, use_tqdm=False)
-            text = processor.apply_chat_template(messages, add_generation_prompt=True)
-            prompt_ids, ref_tokens, _ = hf_greedy(reference, text, images)
-            assert output.prompt_token_ids == prompt_ids
-            assert output.outputs[0].token_ids == ref_tokens
-        assert_llm_idle(llm)
-    finally:
-        llm.shutdown()
+            assert_image_chat_matches_hf(llm, reference, images)
 
 
 def _hub_name(name: str) -> str:

@@ -16,53 +16,37 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from test_idefics3 import generated, photo
 
-from mm_serve import LLM, SamplingParams
 from mm_serve.encoders.processors import get_image_processor
 from mm_serve.models.qwen2_vl import pixels_on_device
-from mm_serve.testing.hf_reference import hf_greedy_generate
-from mm_serve.testing.leaks import assert_llm_idle
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from mm_serve.testing.family_checks import (
+    Case,
+    assert_image_chat_matches_hf,
+    assert_matches_hf,
+    checkpoint_fixtures,
+    generated,
+    hf_config,
+    mixed_batch,
+    photo,
+    record_encoded_images,
+    running_llm,
+    whole_and_chunked,
+)
 
-MAX_NEW_TOKENS = 12
-LOGPROB_TOL = 1e-4
 TAG = "<|vision_start|><|image_pad|><|vision_end|>"
 SMALL_BUDGET = 5  # tokens per step: below every test image's 6 or more image tokens
 
 
-def cases() -> list[tuple[str, list[Image.Image]]]:
-    return [
-        ("A text-only question about nothing in particular.", []),
-        (f"{TAG}Describe the image.", [photo("grace_hopper.jpg")]),
-        (
-            f"Compare {TAG} with {TAG} and {TAG} please.",
-            [generated(301, 87, 1), generated(23, 45, 2), photo("astronaut.png")],
-        ),
-        (f"{TAG}What is here?", [photo("chelsea.png").convert("L")]),
-    ]
+def cases() -> list[Case]:
+    return mixed_batch(
+        describe=f"{TAG}Describe the image.",
+        compare=f"Compare {TAG} with {TAG} and {TAG} please.",
+        several=[generated(301, 87, 1), generated(23, 45, 2), photo("astronaut.png")],
+        what=f"{TAG}What is here?",
+    )
 
 
-@pytest.fixture(scope="module")
-def path(tmp_path_factory) -> str:
-    return build_tiny_vlm_checkpoint(tmp_path_factory.mktemp("qwen3_vl"), "qwen3_vl", seed=3)
-
-
-@pytest.fixture(scope="module")
-def reference(path):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(path)
-    model = AutoModelForImageTextToText.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    return processor, model
-
-
-def hf_config(path: str):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(path)
+path, reference = checkpoint_fixtures("qwen3_vl", seed=3, nested_images=False)
 
 
 @pytest.mark.parametrize(
@@ -79,7 +63,7 @@ def hf_config(path: str):
 def test_processor_matches_hf(path, reference, image):
     """Final float32 patches equal HF's bit for bit, and so do the uint8 pixels the pool
     sends, once patchified and normalised as the model does on the device."""
-    hf = reference[0](text=[f"{TAG}Describe."], images=[image], return_tensors="pt")
+    hf = reference.processor(text=[f"{TAG}Describe."], images=[image], return_tensors="pt")
     processor = get_image_processor(path, hf_config(path))
     ours = processor.preprocess(image)
     assert torch.equal(ours.pixel_values, hf["pixel_values"])
@@ -129,7 +113,7 @@ def test_tower_matches_hf(path, reference):
     themselves, the position embedding repeats)."""
     from mm_serve.encoders.qwen3_vl import Qwen3VisionTransformer
 
-    hf_tower = reference[1].model.visual
+    hf_tower = reference.model.model.visual
     tower = Qwen3VisionTransformer(hf_config(path).vision_config).eval()
     tower.load_state_dict(hf_tower.state_dict())
     grids = torch.tensor([[1, 4, 4], [1, 16, 10], [2, 6, 8]])
@@ -142,28 +126,6 @@ def test_tower_matches_hf(path, reference):
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
 
 
-def hf_greedy(reference, text: str, images: list[Image.Image]):
-    processor, model = reference
-    inputs = processor(text=[text], images=images or None, return_tensors="pt")
-    return hf_greedy_generate(model, inputs, MAX_NEW_TOKENS)
-
-
-def assert_matches_hf(llm: LLM, reference, prompts: list[tuple[str, list[Image.Image]]]):
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5)
-    inputs = [{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in prompts]
-    outputs = llm.generate(inputs, params, use_tqdm=False)
-    for (text, images), output in zip(prompts, outputs, strict=True):
-        prompt_ids, ref_tokens, ref_logprobs = hf_greedy(reference, text, images)
-        assert output.prompt_token_ids == prompt_ids  # placeholders expanded as HF's
-        completion = output.outputs[0]
-        assert completion.token_ids == ref_tokens
-        for step, step_logprobs in enumerate(completion.logprobs):
-            for token_id, logprob in step_logprobs.items():
-                assert abs(logprob.logprob - ref_logprobs[step, token_id].item()) < LOGPROB_TOL
-    assert_llm_idle(llm)
-    return outputs
-
-
 def test_every_image_is_larger_than_the_small_budget(path):
     """The premise of the "chunked" run: no test image fits one step of ``SMALL_BUDGET``."""
     processor = get_image_processor(path, hf_config(path))
@@ -171,17 +133,10 @@ def test_every_image_is_larger_than_the_small_budget(path):
     assert min(counts) > SMALL_BUDGET
 
 
-@pytest.mark.parametrize(
-    "engine_args",
-    [{}, {"max_num_batched_tokens": SMALL_BUDGET, "block_size": 4}],
-    ids=["whole", "chunked"],
-)
+@whole_and_chunked(budget=SMALL_BUDGET)
 def test_greedy_matches_hf(path, reference, engine_args):
-    llm = LLM(path, **engine_args)
-    try:
+    with running_llm(path, **engine_args) as llm:
         assert_matches_hf(llm, reference, cases())
-    finally:
-        llm.shutdown()
 
 
 def test_repeated_image_is_encoded_once_and_hits_the_prefix_cache(path, reference):
@@ -190,17 +145,10 @@ def test_repeated_image_is_encoded_once_and_hits_the_prefix_cache(path, referenc
     other text: the hit ends inside the image (block size 4), so the step after it takes the
     image's last rows, DeepStack columns included, from the encoder output. A different image
     behind the same text hits nothing. All match HF."""
-    llm = LLM(path, enable_prefix_caching=True, block_size=4, max_num_batched_tokens=16)
-    model = llm.engine_core.model_runner.model
-    encoded: list[int] = []
-    embed_images = model.embed_images
-
-    def counting(images):
-        encoded.extend(image.num_tokens for image in images)
-        return embed_images(images)
-
-    model.embed_images = counting
-    try:
+    args = dict(enable_prefix_caching=True, block_size=4, max_num_batched_tokens=16)
+    with running_llm(path, **args) as llm:
+        model = llm.engine_core.model_runner.model
+        encoded = record_encoded_images(llm)
         image = photo("grace_hopper.jpg")
         case = (f"{TAG}Describe the image.", [image])
         other = (f"Another look: {TAG} What is it?", [image])
@@ -214,28 +162,13 @@ def test_repeated_image_is_encoded_once_and_hits_the_prefix_cache(path, referenc
         (third,) = assert_matches_hf(llm, reference, [(case[0], [photo("coffee.png")])])
         assert third.num_cached_tokens < 4
         assert first.outputs[0].token_ids == second.outputs[0].token_ids
-    finally:
-        llm.shutdown()
 
 
 def test_chat_with_image_part(path, reference):
     """A chat turn with an image part: the chat template's placeholder expanded as HF's
     processor does, and HF's greedy tokens."""
-    processor = reference[0]
-    image = photo("rocket.jpg")
-    content = [{"type": "image", "image": image}, {"type": "text", "text": "What?"}]
-    messages = [{"role": "user", "content": content}]
-    llm = LLM(path)
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
-        (output,) = llm.chat(messages, params, use_tqdm=False)
-        text = processor.apply_chat_template(messages, add_generation_prompt=True)
-        prompt_ids, ref_tokens, _ = hf_greedy(reference, text, [image])
-        assert output.prompt_token_ids == prompt_ids
-        assert output.outputs[0].token_ids == ref_tokens
-        assert_llm_idle(llm)
-    finally:
-        llm.shutdown()
+    with running_llm(path) as llm:
+        assert_image_chat_matches_hf(llm, reference, [photo("rocket.jpg")])
 
 
 # Published values: text (hidden, intermediate, layers, heads, KV heads, tied), vision (depth,

@@ -12,16 +12,23 @@ with a video part expands as HF's processor does. No KV block or encoder-cache e
 from __future__ import annotations
 
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 from mm_serve import LLM, SamplingParams
-from mm_serve.testing.hf_reference import hf_greedy_generate
+from mm_serve.testing.family_checks import (
+    HFGreedy,
+    HFReference,
+    assert_chat_matches_hf,
+    assert_greedy_matches_hf,
+    running_llm,
+    whole_and_chunked,
+)
 from mm_serve.testing.leaks import assert_llm_idle
 from mm_serve.testing.video_clips import encode_clip, moving_shapes
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
@@ -29,7 +36,6 @@ from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 warnings.filterwarnings("ignore", message=".*per-frame pixel cap.*")
 
 MAX_NEW_TOKENS = 10
-LOGPROB_TOL = 1e-4
 VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -51,14 +57,8 @@ def path(request, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(path):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(path)
-    model = AutoModelForImageTextToText.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    return processor, model
+def reference(path) -> HFReference:
+    return HFReference.load(path, nested_images=False)
 
 
 @pytest.fixture(scope="module")
@@ -80,21 +80,19 @@ def hf_frames(video: Any) -> tuple[Any, dict | None]:
     return frames, {"total_num_frames": meta.total_num_frames, "fps": meta.fps}
 
 
-def hf_greedy(reference, case: dict[str, Any]):
-    processor, model = reference
+def hf_greedy(reference: HFReference, case: dict[str, Any]) -> HFGreedy:
     videos = [hf_frames(v) for v in case.get("hf_videos", case.get("videos", []))]
     kwargs = dict(case.get("kwargs") or {})
     if "fps" in kwargs or "num_frames" in kwargs:
         kwargs["do_sample_frames"] = True
-    inputs = processor(
-        text=[case["prompt"]],
-        images=case.get("images") or None,
+    return reference.greedy(
+        case["prompt"],
+        case.get("images") or [],
+        max_new_tokens=MAX_NEW_TOKENS,
         videos=[frames for frames, _ in videos] or None,
         video_metadata=[meta for _, meta in videos] if any(m for _, m in videos) else None,
-        return_tensors="pt",
         **kwargs,
     )
-    return hf_greedy_generate(model, inputs, MAX_NEW_TOKENS)
 
 
 def cases(clip: Path) -> list[dict[str, Any]]:
@@ -125,39 +123,24 @@ def engine_prompt(case: dict[str, Any]) -> dict[str, Any]:
     return prompt
 
 
-def assert_matches_hf(llm: LLM, reference, batch: list[dict[str, Any]]):
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5)
-    outputs = llm.generate([engine_prompt(c) for c in batch], params, use_tqdm=False)
-    for case, output in zip(batch, outputs, strict=True):
-        prompt_ids, ref_tokens, ref_logprobs = hf_greedy(reference, case)
-        assert output.prompt_token_ids == prompt_ids  # the video placeholders as HF expands them
-        completion = output.outputs[0]
-        assert completion.token_ids == ref_tokens
-        for step, step_logprobs in enumerate(completion.logprobs):
-            for token_id, logprob in step_logprobs.items():
-                assert abs(logprob.logprob - ref_logprobs[step, token_id].item()) < LOGPROB_TOL
-    assert_llm_idle(llm)
-    return outputs
+def assert_matches_hf(llm: LLM, reference: HFReference, batch: list[dict[str, Any]]):
+    """Greedy tokens, prompt ids (the video placeholders as HF expands them) and top-5
+    log-probs equal HF's; nothing left held."""
+    greedy = partial(hf_greedy, reference)
+    return assert_greedy_matches_hf(llm, batch, engine_prompt, greedy, MAX_NEW_TOKENS)
 
 
-@pytest.mark.parametrize(
-    "engine_args",
-    [{}, {"max_num_batched_tokens": 8, "block_size": 4}],
-    ids=["whole", "chunked"],
-)
+@whole_and_chunked(budget=8)
 def test_greedy_matches_hf(path, reference, clip, engine_args):
-    llm = LLM(path, **engine_args)
-    try:
+    with running_llm(path, **engine_args) as llm:
         assert_matches_hf(llm, reference, cases(clip))
-    finally:
-        llm.shutdown()
 
 
 def test_repeated_video_hits_the_caches(path, reference, clip):
     """The same clip behind another text: no preprocessing (processor cache) and no tower run
     (encoder cache) the second time, and still HF's tokens."""
-    llm = LLM(path, block_size=4, multiprocess=False)  # its scheduler inspectable on CUDA too
-    try:
+    # In process (multiprocess=False): its scheduler inspectable on CUDA too.
+    with running_llm(path, block_size=4, multiprocess=False) as llm:
         first = {"prompt": turn(f"{VIDEO}What moves?"), "videos": [str(clip)]}
         second = {"prompt": turn(f"Once more: {VIDEO}What moves?"), "videos": [clip.read_bytes()]}
         second["hf_videos"] = [str(clip)]
@@ -172,12 +155,9 @@ def test_repeated_video_hits_the_caches(path, reference, clip):
         sampled = {**second, "kwargs": {"num_frames": 4}}  # other frames: another video
         assert_matches_hf(llm, reference, [sampled])
         assert encoder.hits == hits + 1
-    finally:
-        llm.shutdown()
 
 
 def test_chat_with_video_part(path, reference, clip):
-    processor, _ = reference
     messages = [
         {
             "role": "user",
@@ -188,24 +168,19 @@ def test_chat_with_video_part(path, reference, clip):
             ],
         }
     ]
-    llm = LLM(path)
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
-        (output,) = llm.chat(messages, params, use_tqdm=False)
-        text = processor.apply_chat_template(messages, add_generation_prompt=True)
-        case = {"prompt": text, "videos": [str(clip), str(clip)]}
-        prompt_ids, ref_tokens, _ = hf_greedy(reference, case)
-        assert output.prompt_token_ids == prompt_ids
-        assert output.outputs[0].token_ids == ref_tokens
-        assert_llm_idle(llm)
-    finally:
-        llm.shutdown()
+    with running_llm(path) as llm:
+        assert_chat_matches_hf(
+            llm,
+            messages,
+            reference.processor,
+            lambda text: hf_greedy(reference, {"prompt": text, "videos": [str(clip), str(clip)]}),
+            MAX_NEW_TOKENS,
+        )
 
 
 def test_bad_videos_are_value_errors(path, clip):
     """Offline, a bad video raises ValueError naming the problem; the engine serves on."""
-    llm = LLM(path, max_video_frames=8)
-    try:
+    with running_llm(path, max_video_frames=8) as llm:
         bad = [
             ({"video": b"\x00not a video\xff" * 20}, "Cannot decode the video"),
             ({"video": str(clip)}, "11 frames after sampling.*limit of 8"),
@@ -220,5 +195,3 @@ def test_bad_videos_are_value_errors(path, clip):
         (output,) = llm.generate(ok, SamplingParams(max_tokens=2), use_tqdm=False)
         assert len(output.outputs[0].token_ids) == 2
         assert_llm_idle(llm)
-    finally:
-        llm.shutdown()

@@ -126,49 +126,6 @@ _QWEN3_VL_VISION: dict[str, Any] = {
     "spatial_merge_size": 2,
     "temporal_patch_size": 2,
 }
-_QWEN3_VL_2B: dict[str, Any] = {
-    "architectures": ["Qwen3VLForConditionalGeneration"],
-    "model_type": "qwen3_vl",
-    "tie_word_embeddings": True,
-    "text_config": {
-        **_QWEN3_VL_TEXT,
-        "hidden_size": 2048,
-        "intermediate_size": 6144,
-        "num_attention_heads": 16,
-        "num_hidden_layers": 28,
-        "tie_word_embeddings": True,
-    },
-    "vision_config": {
-        **_QWEN3_VL_VISION,
-        "depth": 24,
-        "hidden_size": 1024,
-        "intermediate_size": 4096,
-        "out_hidden_size": 2048,
-        "deepstack_visual_indexes": [5, 11, 17],
-    },
-}
-_QWEN3_VL_8B: dict[str, Any] = {
-    "architectures": ["Qwen3VLForConditionalGeneration"],
-    "model_type": "qwen3_vl",
-    "tie_word_embeddings": False,
-    "text_config": {
-        **_QWEN3_VL_TEXT,
-        "hidden_size": 4096,
-        "intermediate_size": 12288,
-        "num_attention_heads": 32,
-        "num_hidden_layers": 36,
-        "tie_word_embeddings": False,
-    },
-    "vision_config": {
-        **_QWEN3_VL_VISION,
-        "depth": 27,
-        "hidden_size": 1152,
-        "intermediate_size": 4304,
-        "out_hidden_size": 4096,
-        "deepstack_visual_indexes": [8, 16, 24],
-    },
-}
-
 # Qwen3-VL's preprocessor_config.json settings: 16-pixel patches, 2x2 merge (32x32 pixels per
 # image token), the resized area in [size.shortest_edge, size.longest_edge], mean and std 0.5.
 QWEN3_VL_PREPROCESSOR: dict[str, Any] = {
@@ -230,8 +187,48 @@ FAMILY_ARCHITECTURES: dict[str, dict[str, Any]] = {
             "tie_word_embeddings": False,
         },
     },
-    "qwen3-vl-2b": _QWEN3_VL_2B,
-    "qwen3-vl-8b": _QWEN3_VL_8B,
+    "qwen3-vl-2b": {
+        "architectures": ["Qwen3VLForConditionalGeneration"],
+        "model_type": "qwen3_vl",
+        "tie_word_embeddings": True,
+        "text_config": {
+            **_QWEN3_VL_TEXT,
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "num_attention_heads": 16,
+            "num_hidden_layers": 28,
+            "tie_word_embeddings": True,
+        },
+        "vision_config": {
+            **_QWEN3_VL_VISION,
+            "depth": 24,
+            "hidden_size": 1024,
+            "intermediate_size": 4096,
+            "out_hidden_size": 2048,
+            "deepstack_visual_indexes": [5, 11, 17],
+        },
+    },
+    "qwen3-vl-8b": {
+        "architectures": ["Qwen3VLForConditionalGeneration"],
+        "model_type": "qwen3_vl",
+        "tie_word_embeddings": False,
+        "text_config": {
+            **_QWEN3_VL_TEXT,
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "num_attention_heads": 32,
+            "num_hidden_layers": 36,
+            "tie_word_embeddings": False,
+        },
+        "vision_config": {
+            **_QWEN3_VL_VISION,
+            "depth": 27,
+            "hidden_size": 1152,
+            "intermediate_size": 4304,
+            "out_hidden_size": 4096,
+            "deepstack_visual_indexes": [8, 16, 24],
+        },
+    },
 }
 
 

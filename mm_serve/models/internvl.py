@@ -27,7 +27,7 @@ import torch
 
 from mm_serve.encoders.base import ProcessedImage
 from mm_serve.encoders.internvl import InternVisionModel, InternVLMultiModalProjector
-from mm_serve.models.vlm import VisionLanguageModelBase
+from mm_serve.models.vlm import LLAVA_STYLE_PREFIXES, VisionLanguageModelBase
 
 
 class InternVLForConditionalGeneration(VisionLanguageModelBase):
@@ -39,13 +39,7 @@ class InternVLForConditionalGeneration(VisionLanguageModelBase):
     reject.
     """
 
-    PREFIXES = (
-        ("model.vision_tower.", "vision_tower."),
-        ("model.multi_modal_projector.", "multi_modal_projector."),
-        ("model.language_model.", "model."),
-        ("language_model.model.", "model."),
-        ("language_model.lm_head.", "lm_head."),
-    )
+    PREFIXES = LLAVA_STYLE_PREFIXES
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)

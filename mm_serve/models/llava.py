@@ -20,20 +20,14 @@ import torch
 
 from mm_serve.encoders.base import ProcessedImage
 from mm_serve.encoders.clip import CLIPVisionTower, LlavaMultiModalProjector, tower_weight_name
-from mm_serve.models.vlm import VisionLanguageModelBase
+from mm_serve.models.vlm import LLAVA_STYLE_PREFIXES, VisionLanguageModelBase
 
 
 class LlavaForConditionalGeneration(VisionLanguageModelBase):
     """LLaVA: ``vision_tower`` + ``multi_modal_projector`` + the Llama LM (1-D RoPE); ``config``
     is the HF ``LlavaConfig``."""
 
-    PREFIXES = (
-        ("model.vision_tower.", "vision_tower."),
-        ("model.multi_modal_projector.", "multi_modal_projector."),
-        ("model.language_model.", "model."),
-        ("language_model.model.", "model."),
-        ("language_model.lm_head.", "lm_head."),
-    )
+    PREFIXES = LLAVA_STYLE_PREFIXES
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)

@@ -33,7 +33,7 @@ from mm_serve.encoders.base import ProcessedImage
 from mm_serve.encoders.clip import LlavaMultiModalProjector, tower_weight_name
 from mm_serve.encoders.qwen2_vl_processor import normalize_patches
 from mm_serve.encoders.siglip import SiglipFeatureTower
-from mm_serve.models.vlm import VisionLanguageModelBase
+from mm_serve.models.vlm import LLAVA_STYLE_PREFIXES, VisionLanguageModelBase
 
 
 def tiles_on_device(images: list[ProcessedImage], device: torch.device) -> torch.Tensor:
@@ -79,14 +79,7 @@ class LlavaOnevisionForConditionalGeneration(VisionLanguageModelBase):
             than "anyres_max_N", or grid pinpoints that are not whole tiles.
     """
 
-    PREFIXES = (
-        ("model.vision_tower.", "vision_tower."),
-        ("model.multi_modal_projector.", "multi_modal_projector."),
-        ("model.image_newline", "image_newline"),
-        ("model.language_model.", "model."),
-        ("language_model.model.", "model."),
-        ("language_model.lm_head.", "lm_head."),
-    )
+    PREFIXES = (("model.image_newline", "image_newline"), *LLAVA_STYLE_PREFIXES)
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)

@@ -42,6 +42,18 @@ def load_tower_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> str 
     return name
 
 
+# A LLaVA-style checkpoint's names (``vision_tower`` + ``multi_modal_projector`` + the LM) ->
+# ours: as transformers 5 saves them (``model.``), and as the hub's older files have them
+# (``language_model.model.``, ``language_model.lm_head.``). LLaVA, InternVL, LLaVA-OneVision.
+LLAVA_STYLE_PREFIXES: tuple[tuple[str, str], ...] = (
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+
+
 class VisionLanguageModelBase(LlamaForCausalLM):
     """A ``VisionLanguageModel`` (``models.interface``) of the HF VLM ``config``, with the LM
     interface of ``LlamaForCausalLM`` (``get_input_embeddings``, ``forward`` with positions
