@@ -58,27 +58,15 @@ class MultiModalHasher:
             ValueError: a missing file, a PIL image whose pixels cannot be read (truncated
                 data), or an ``image`` of another type.
         """
-        hasher = xxhash.xxh3_128(seed=self.seed)
-        header: list[bytes] = []
-        _encode((self.model_id, self.processor_kwargs), header)
-        hasher.update(b"".join(header))
-        if uuid is not None:
-            _update(hasher, "uuid", (), uuid.encode("utf-8"))
-        elif isinstance(image, (bytes, bytearray, memoryview)):
-            _update(hasher, "bytes", (), image)
-        elif isinstance(image, (str, Path)):
-            path = Path(image)
-            if not path.is_file():
-                raise ValueError(f"Image file not found: {str(path)!r}.")
-            _update(hasher, "bytes", (), path.read_bytes())
-        elif _is_pil_image(image):
+        hasher = self._hasher()
+        if not _update_as_sent(hasher, image, uuid, "Image"):
+            if not _is_pil_image(image):
+                raise ValueError(
+                    f"Cannot load an image from a {type(image).__name__}; pass bytes, a path "
+                    "or a PIL image."
+                )
             metadata, pixels = _pil_content(image)
             _update(hasher, "pil", metadata, pixels)
-        else:
-            raise ValueError(
-                f"Cannot load an image from a {type(image).__name__}; pass bytes, a path or a "
-                "PIL image."
-            )
         return hasher.hexdigest()
 
     def hash_video(self, video: Any, uuid: str | None = None) -> str:
@@ -92,25 +80,44 @@ class MultiModalHasher:
         Raises:
             ValueError: a missing file, or a ``video`` of another type.
         """
-        hasher = xxhash.xxh3_128(seed=self.seed)
-        header: list[bytes] = []
-        _encode((self.model_id, self.processor_kwargs, "video"), header)
-        hasher.update(b"".join(header))
-        if uuid is not None:
-            _update(hasher, "uuid", (), uuid.encode("utf-8"))
-        elif isinstance(video, (bytes, bytearray, memoryview)):
-            _update(hasher, "bytes", (), video)
-        elif isinstance(video, (str, Path)):
-            path = Path(video)
-            if not path.is_file():
-                raise ValueError(f"Video file not found: {str(path)!r}.")
-            _update(hasher, "bytes", (), path.read_bytes())
-        elif hasattr(video, "content_for_hash"):
+        hasher = self._hasher("video")
+        if not _update_as_sent(hasher, video, uuid, "Video"):
+            if not hasattr(video, "content_for_hash"):
+                raise ValueError(f"Cannot hash a video given as a {type(video).__name__}.")
             metadata, pixels = video.content_for_hash()
             _update(hasher, "frames", metadata, pixels)
-        else:
-            raise ValueError(f"Cannot hash a video given as a {type(video).__name__}.")
         return hasher.hexdigest()
+
+    def _hasher(self, *tags: str) -> Any:
+        """An xxh3-128 hasher (this hasher's seed) fed the model, the processor settings and
+        ``tags``."""
+        hasher = xxhash.xxh3_128(seed=self.seed)
+        header: list[bytes] = []
+        _encode((self.model_id, self.processor_kwargs, *tags), header)
+        hasher.update(b"".join(header))
+        return hasher
+
+
+def _update_as_sent(hasher: Any, item: Any, uuid: str | None, what: str) -> bool:
+    """Feed ``hasher`` ``uuid`` when given, else ``item`` as the client sent it encoded:
+    bytes, or a file path (its bytes). Returns False, feeding nothing, for an item of any
+    other type (decoded pixels or frames).
+
+    Raises:
+        ValueError: a path that is no file ("``what`` file not found").
+    """
+    if uuid is not None:
+        _update(hasher, "uuid", (), uuid.encode("utf-8"))
+    elif isinstance(item, (bytes, bytearray, memoryview)):
+        _update(hasher, "bytes", (), item)
+    elif isinstance(item, (str, Path)):
+        path = Path(item)
+        if not path.is_file():
+            raise ValueError(f"{what} file not found: {str(path)!r}.")
+        _update(hasher, "bytes", (), path.read_bytes())
+    else:
+        return False
+    return True
 
 
 def _update(hasher: Any, kind: str, metadata: tuple, payload: bytes | bytearray | memoryview):

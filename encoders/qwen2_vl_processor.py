@@ -110,13 +110,14 @@ def normalize_patches(
 
 
 @dataclass(kw_only=True, eq=False)
-class Qwen2VLImageProcessor(ImageProcessor):
-    """Resize (smart_resize, bicubic) → rescale → normalise → patchify; one image at a time.
+class Qwen2VLPatching:
+    """The settings Qwen2-VL's image and video processors share: the resized area within
+    ``[min_pixels, max_pixels]`` (``smart_resize``, PIL filter ``resample``, bicubic), patches
+    of ``patch_size`` pixels and ``temporal_patch_size`` frames, ``merge_size**2`` patches per
+    token, and the normalisation.
 
-    Build it with ``from_config(image_processor_settings)``. ``preprocess`` returns
-    ``pixel_values`` ``[grid_h * grid_w, 3 * temporal_patch_size * patch_size**2]`` float32,
-    ``image_grid_thw = (1, grid_h, grid_w)`` and ``num_tokens = grid_h * grid_w //
-    merge_size**2``.
+    Raises (at construction):
+        ValueError: ``min_pixels`` above ``max_pixels``.
     """
 
     min_pixels: int = DEFAULT_MIN_PIXELS
@@ -127,13 +128,38 @@ class Qwen2VLImageProcessor(ImageProcessor):
     normalization: Normalization = field(default_factory=Normalization)
     do_resize: bool = True
     resample: int = 3
-    do_convert_rgb: bool = True
 
     def __post_init__(self) -> None:
         if self.min_pixels > self.max_pixels:
             raise ValueError(
                 f"min_pixels ({self.min_pixels}) must not exceed max_pixels ({self.max_pixels})."
             )
+
+    @staticmethod
+    def patching_from_config(config: Mapping[str, Any]) -> dict[str, Any]:
+        """These settings but the pixel bounds, from processor settings (HF's defaults for
+        those missing)."""
+        return dict(
+            patch_size=int(config.get("patch_size", 14)),
+            temporal_patch_size=int(config.get("temporal_patch_size", 2)),
+            merge_size=int(config.get("merge_size", 2)),
+            normalization=Normalization.from_config(config),
+            do_resize=bool(config.get("do_resize", True)),
+            resample=int(config.get("resample", 3)),
+        )
+
+
+@dataclass(kw_only=True, eq=False)
+class Qwen2VLImageProcessor(Qwen2VLPatching, ImageProcessor):
+    """Resize (smart_resize, bicubic) → rescale → normalise → patchify; one image at a time.
+
+    Build it with ``from_config(image_processor_settings)``. ``preprocess`` returns
+    ``pixel_values`` ``[grid_h * grid_w, 3 * temporal_patch_size * patch_size**2]`` float32,
+    ``image_grid_thw = (1, grid_h, grid_w)`` and ``num_tokens = grid_h * grid_w //
+    merge_size**2``.
+    """
+
+    do_convert_rgb: bool = True
 
     @classmethod
     def from_config(
@@ -159,12 +185,7 @@ class Qwen2VLImageProcessor(ImageProcessor):
         return cls(
             min_pixels=low,
             max_pixels=high,
-            patch_size=int(config.get("patch_size", 14)),
-            temporal_patch_size=int(config.get("temporal_patch_size", 2)),
-            merge_size=int(config.get("merge_size", 2)),
-            normalization=Normalization.from_config(config),
-            do_resize=bool(config.get("do_resize", True)),
-            resample=int(config.get("resample", 3)),
+            **cls.patching_from_config(config),
             do_convert_rgb=bool(config.get("do_convert_rgb", True)),
         )
 

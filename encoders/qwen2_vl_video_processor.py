@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from mm_serve.encoders.base import ProcessedImage
-from mm_serve.encoders.image_io import Normalization, resize
-from mm_serve.encoders.qwen2_vl_processor import patchify, smart_resize
+from mm_serve.encoders.image_io import resize
+from mm_serve.encoders.qwen2_vl_processor import Qwen2VLPatching, patchify, smart_resize
 from mm_serve.encoders.video_io import VideoMetadata, VideoSource, open_video
 from mm_serve.encoders.video_processors import VIDEO_SAMPLING_KWARGS, VideoLimits, VideoProcessor
 
@@ -39,7 +39,7 @@ DEFAULT_FPS = 24
 
 
 @dataclass(kw_only=True, eq=False)
-class Qwen2VLVideoProcessor(VideoProcessor):
+class Qwen2VLVideoProcessor(Qwen2VLPatching, VideoProcessor):
     """Sample → resize → (rescale, normalise, patchify); one video at a time.
 
     ``preprocess`` returns ``pixel_values`` ``[grid_t * grid_h * grid_w, 3 * temporal_patch_size
@@ -50,14 +50,8 @@ class Qwen2VLVideoProcessor(VideoProcessor):
 
     KWARGS = ("min_pixels", "max_pixels", *VIDEO_SAMPLING_KWARGS)
 
-    min_pixels: int = DEFAULT_MIN_PIXELS
+    min_pixels: int = DEFAULT_MIN_PIXELS  # the video processor's defaults, not the image one's
     max_pixels: int = DEFAULT_MAX_PIXELS
-    patch_size: int = 14
-    temporal_patch_size: int = 2
-    merge_size: int = 2
-    normalization: Normalization = field(default_factory=Normalization)
-    do_resize: bool = True
-    resample: int = 3
     do_sample_frames: bool = False
     fps: float | None = None
     num_frames: int | None = None
@@ -65,12 +59,6 @@ class Qwen2VLVideoProcessor(VideoProcessor):
     max_frames: int = DEFAULT_MAX_FRAMES
     cap_pixels_per_frame: bool = False
     max_video_tokens: int = DEFAULT_MAX_VIDEO_TOKENS
-
-    def __post_init__(self) -> None:
-        if self.min_pixels > self.max_pixels:
-            raise ValueError(
-                f"min_pixels ({self.min_pixels}) must not exceed max_pixels ({self.max_pixels})."
-            )
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Qwen2VLVideoProcessor:
@@ -85,12 +73,7 @@ class Qwen2VLVideoProcessor(VideoProcessor):
         return cls(
             min_pixels=int(low),
             max_pixels=int(high),
-            patch_size=int(config.get("patch_size", 14)),
-            temporal_patch_size=int(config.get("temporal_patch_size", 2)),
-            merge_size=int(config.get("merge_size", 2)),
-            normalization=Normalization.from_config(config),
-            do_resize=bool(config.get("do_resize", True)),
-            resample=int(config.get("resample", 3)),
+            **cls.patching_from_config(config),
             do_sample_frames=bool(config.get("do_sample_frames", False)),
             fps=None if fps is None else float(fps),
             num_frames=None if num_frames is None else int(num_frames),

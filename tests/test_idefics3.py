@@ -14,20 +14,8 @@ import pytest
 import torch
 
 from mm_serve import SamplingParams
-from mm_serve.encoders.processors import get_image_processor
-from mm_serve.testing.family_checks import (
-    Case,
-    assert_image_chat_matches_hf,
-    assert_matches_hf,
-    assert_prefix_cache_hits,
-    checkpoint_fixtures,
-    generated,
-    hf_config,
-    mixed_batch,
-    photo,
-    running_llm,
-    whole_and_chunked,
-)
+from mm_serve.testing import family_checks as checks
+from mm_serve.testing.images import Case, generated, mixed_batch, photo
 
 
 def cases() -> list[Case]:
@@ -39,7 +27,7 @@ def cases() -> list[Case]:
     )
 
 
-path, reference = checkpoint_fixtures("idefics3", seed=3)
+path, reference = checks.checkpoint_fixtures("idefics3", seed=3)
 
 
 @pytest.mark.parametrize(
@@ -51,25 +39,22 @@ def test_processor_matches_hf(path, reference, image):
     processor = reference.processor
     text = "User:<image>Describe."
     hf = processor(text=[text], images=[[image]], return_tensors="pt")
-    ours = get_image_processor(path, hf_config(path)).preprocess(image)
+    ours = checks.image_processor(path).preprocess(image)
     assert torch.equal(ours.pixel_values, hf["pixel_values"][0])  # no padding tiles: one image
-    ids = processor.tokenizer(text)["input_ids"]
-    at = ids.index(processor.image_token_id)
-    assert ids[:at] + list(ours.token_ids) + ids[at + 1 :] == hf["input_ids"][0].tolist()
-    assert ours.num_tokens == len(ours.token_ids)
+    checks.assert_expansion_matches_hf(processor, text, ours, hf["input_ids"])
 
 
 def test_max_num_tokens_bounds_every_image(path):
-    processor = get_image_processor(path, hf_config(path))
+    processor = checks.image_processor(path)
     sizes = [(1, 1), (7, 1000), (1000, 7), (143, 144), (145, 145), (5000, 3000), (48, 49)]
     counts = [processor.preprocess(generated(w, h, 0)).num_tokens for w, h in sizes]
     assert max(counts) == processor.max_num_tokens
 
 
-@whole_and_chunked(budget=8)
+@checks.whole_and_chunked(budget=8)
 def test_greedy_matches_hf(path, reference, engine_args):
-    with running_llm(path, **engine_args) as llm:
-        assert_matches_hf(llm, reference, cases())
+    with checks.running_llm(path, **engine_args) as llm:
+        checks.assert_matches_hf(llm, reference, cases())
 
 
 def test_prefix_cache_hits_repeated_image(path, reference):
@@ -77,17 +62,17 @@ def test_prefix_cache_hits_repeated_image(path, reference):
     KV blocks (prefix cache, image hash in the block hashes) and still matches HF; a different
     image behind the same text does not hit past the text."""
     args = dict(enable_prefix_caching=True, block_size=4, max_num_batched_tokens=16)
-    with running_llm(path, **args) as llm:
+    with checks.running_llm(path, **args) as llm:
         case = ("User:<image>Describe the image.", [photo("grace_hopper.jpg")])
         other = ("User:<image>Describe the image.", [photo("coffee.png")])
-        assert_prefix_cache_hits(llm, reference, case, case, other)
+        checks.assert_prefix_cache_hits(llm, reference, case, case, other)
 
 
 def test_chat_with_image_part(path, reference):
     """A chat turn with an image part: the chat template's ``<image>`` expanded as HF's
     processor does, and HF's greedy tokens."""
-    with running_llm(path) as llm:
-        assert_image_chat_matches_hf(llm, reference, [photo("rocket.jpg")])
+    with checks.running_llm(path) as llm:
+        checks.assert_image_chat_matches_hf(llm, reference, [photo("rocket.jpg")])
 
 
 def test_token_ids_cross_the_wire(path):
@@ -95,7 +80,7 @@ def test_token_ids_cross_the_wire(path):
     from mm_serve.messages import InputCodec
     from mm_serve.request import MultiModalFeature, PlaceholderRange, Request
 
-    item = get_image_processor(path, hf_config(path)).preprocess(generated(100, 60, 0))
+    item = checks.image_processor(path).preprocess(generated(100, 60, 0))
     prompt = [1, 2, *item.token_ids, 3]
     feature = MultiModalFeature("h", PlaceholderRange(2, item.num_tokens), item)
     request = Request("r", prompt, SamplingParams(), mm_features=[feature])

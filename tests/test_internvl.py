@@ -16,20 +16,9 @@ import pytest
 import torch
 
 from mm_serve.encoders.processors import get_image_processor
-from mm_serve.testing.family_checks import (
-    Case,
-    assert_image_chat_matches_hf,
-    assert_matches_hf,
-    assert_prefix_cache_hits,
-    checkpoint_fixtures,
-    generated,
-    hf_config,
-    mixed_batch,
-    photo,
-    record_encoded_images,
-    running_llm,
-    whole_and_chunked,
-)
+from mm_serve.testing import family_checks as checks
+from mm_serve.testing.family_checkpoint import TINY_VISION
+from mm_serve.testing.images import Case, generated, mixed_batch, photo
 
 IMAGE = "<IMG_CONTEXT>"
 
@@ -44,7 +33,7 @@ def cases() -> list[Case]:
     )
 
 
-path, reference = checkpoint_fixtures("internvl", seed=3)
+path, reference = checks.checkpoint_fixtures("internvl", seed=3)
 
 
 @pytest.mark.parametrize(
@@ -64,17 +53,14 @@ def test_processor_matches_hf(path, reference, image, num_tiles):
     processor = reference.processor
     text = f"User: {IMAGE}\nDescribe."
     hf = processor(text=[text], images=[[image]], return_tensors="pt")
-    ours = get_image_processor(path, hf_config(path)).preprocess(image)
+    ours = checks.image_processor(path).preprocess(image)
     assert ours.pixel_values.shape[0] == num_tiles
     assert torch.equal(ours.pixel_values, hf["pixel_values"])
-    ids = processor.tokenizer(text)["input_ids"]
-    at = ids.index(processor.image_token_id)
-    assert ids[:at] + list(ours.token_ids) + ids[at + 1 :] == hf["input_ids"][0].tolist()
-    assert ours.num_tokens == len(ours.token_ids)
+    checks.assert_expansion_matches_hf(processor, text, ours, hf["input_ids"])
 
 
 def test_max_num_tokens_bounds_every_image(path):
-    processor = get_image_processor(path, hf_config(path))
+    processor = checks.image_processor(path)
     sizes = [(1, 1), (7, 1000), (1000, 7), (143, 144), (5000, 3000), (32, 33), (13, 1)]
     counts = [processor.preprocess(generated(w, h, 0)).num_tokens for w, h in sizes]
     assert max(counts) == processor.max_num_tokens == 2 + 13 * processor.image_seq_len
@@ -95,15 +81,8 @@ def test_tower_options_match_hf(options, feature_layer):
 
     from mm_serve.encoders.internvl import InternVisionModel
 
-    config = InternVLVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        image_size=32,
-        patch_size=8,
-        **options,
-    )
+    tower = {**TINY_VISION, "num_hidden_layers": 3}  # two for feature_layer -2, and a last
+    config = InternVLVisionConfig(**tower, image_size=32, patch_size=8, **options)
     torch.manual_seed(0)
     hf = InternVLVisionModel(config).eval()
     with torch.no_grad():
@@ -147,43 +126,45 @@ def test_benchmark_architecture(tmp_path, name, billions):
     assert ours.num_tokens == 2 + 256 * len(ours.pixel_values)
 
 
-@whole_and_chunked(budget=8)
+@checks.whole_and_chunked(budget=8)
 def test_greedy_matches_hf(path, reference, engine_args):
-    with running_llm(path, **engine_args) as llm:
-        assert_matches_hf(llm, reference, cases())
+    with checks.running_llm(path, **engine_args) as llm:
+        checks.assert_matches_hf(llm, reference, cases())
 
 
 def test_tensor_parallel_matches_hf(path, reference):
     """Two ranks (the tower replicated, the Qwen2 LM sharded) give HF's tokens too."""
-    with running_llm(path, tensor_parallel_size=2, device="cpu", max_num_batched_tokens=32) as llm:
-        assert_matches_hf(llm, reference, cases())
+    args = dict(tensor_parallel_size=2, device="cpu", max_num_batched_tokens=32)
+    with checks.running_llm(path, **args) as llm:
+        checks.assert_matches_hf(llm, reference, cases())
 
 
 def test_prefix_cache_hits_repeated_image(path, reference):
-    """The same photograph twice, one request after the other: the second reuses the first's
-    KV blocks (prefix cache, image hash in the block hashes) and still matches HF; a different
-    image behind the same text does not hit past the text."""
+    """The same photograph (13 tiles) twice, one request after the other, opened twice: the
+    second reuses the first's KV blocks (prefix cache, the image's content hash in the block
+    hashes) and still matches HF; a different image behind the same text does not hit past
+    the text."""
     args = dict(enable_prefix_caching=True, block_size=4, max_num_batched_tokens=16)
-    with running_llm(path, **args) as llm:
+    with checks.running_llm(path, **args) as llm:
         text = f"User: {IMAGE}\nDescribe the image."
         case, again = (text, [photo("grace_hopper.jpg")]), (text, [photo("grace_hopper.jpg")])
-        assert_prefix_cache_hits(llm, reference, case, again, (text, [photo("coffee.png")]))
+        checks.assert_prefix_cache_hits(llm, reference, case, again, (text, [photo("coffee.png")]))
 
 
 def test_repeated_image_hits_encoder_cache(path, reference):
     """Two requests with the same photograph, chunked side by side without prefix caching:
     its tiles go through the tower once (encoder cache), and both match HF."""
     args = dict(enable_prefix_caching=False, block_size=4, max_num_batched_tokens=16)
-    with running_llm(path, **args) as llm:
-        encoded = record_encoded_images(llm)
+    with checks.running_llm(path, **args) as llm:
+        encoded = checks.record_encoded_images(llm)
         image = photo("grace_hopper.jpg")
         prompts = [(f"User: {IMAGE}\nDescribe.", [image]), (f"{IMAGE}\nWhat is it?", [image])]
-        assert_matches_hf(llm, reference, prompts)
+        checks.assert_matches_hf(llm, reference, prompts)
         assert [len(item.pixel_values) for item in encoded] == [13]
 
 
 def test_chat_with_image_part(path, reference):
     """A chat turn with an image part: the chat template's image token expanded as HF's
     processor does, and HF's greedy tokens."""
-    with running_llm(path) as llm:
-        assert_image_chat_matches_hf(llm, reference, [photo("rocket.jpg")])
+    with checks.running_llm(path) as llm:
+        checks.assert_image_chat_matches_hf(llm, reference, [photo("rocket.jpg")])

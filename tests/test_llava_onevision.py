@@ -22,20 +22,8 @@ from mm_serve import SamplingParams
 from mm_serve.encoders.anyres import anyres_layout, select_best_resolution
 from mm_serve.encoders.llava_onevision_processor import LlavaOnevisionImageProcessor
 from mm_serve.encoders.processors import get_image_processor
-from mm_serve.testing.family_checks import (
-    Case,
-    assert_image_chat_matches_hf,
-    assert_matches_hf,
-    assert_prefix_cache_hits,
-    checkpoint_fixtures,
-    generated,
-    hf_config,
-    mixed_batch,
-    photo,
-    record_encoded_images,
-    running_llm,
-    whole_and_chunked,
-)
+from mm_serve.testing import family_checks as checks
+from mm_serve.testing.images import Case, generated, mixed_batch, photo
 from mm_serve.testing.llava_onevision_checkpoint import ONEVISION_PINPOINTS, onevision_tokenizer
 
 PROMPT = "<|im_start|>user\n<image>\nDescribe the image.<|im_end|>\n<|im_start|>assistant\n"
@@ -62,7 +50,7 @@ def cases() -> list[Case]:
     )
 
 
-path, reference = checkpoint_fixtures("llava_onevision", seed=3)
+path, reference = checks.checkpoint_fixtures("llava_onevision", seed=3)
 
 
 def image_tokens(processor, inputs) -> int:
@@ -78,17 +66,17 @@ def image_tokens(processor, inputs) -> int:
 def test_processor_matches_hf(path, reference, image):
     processor = reference.processor
     hf = processor(text=["<image>Describe."], images=[[image]], return_tensors="pt")
-    ours = get_image_processor(path, hf_config(path)).preprocess(image)
+    ours = checks.image_processor(path).preprocess(image)
     assert torch.equal(ours.pixel_values, hf["pixel_values"][0])  # one image: no padding tiles
     assert ours.num_tokens == image_tokens(processor, hf)
     assert ours.image_size == tuple(hf["image_sizes"][0].tolist())
-    deferred = get_image_processor(path, hf_config(path)).preprocess(image, True)
+    deferred = checks.image_processor(path).preprocess(image, True)
     assert deferred.pixel_values.dtype == torch.uint8 and deferred.pixel_mean
 
 
 def test_odd_sizes_pick_different_grids(path):
     """Every pinpoint is chosen by some odd size; some maps are downsampled, some not."""
-    processor = get_image_processor(path, hf_config(path))
+    processor = checks.image_processor(path)
     layouts = [anyres_layout(h, w, ONEVISION_PINPOINTS, 32, 4, 2) for w, h in ODD_SIZES]
     assert {layout.grid for layout in layouts} == {(1, 1), (1, 2), (2, 1), (2, 2), (1, 3), (3, 1)}
     assert {layout.final == layout.unpadded for layout in layouts} == {True, False}
@@ -102,7 +90,7 @@ def test_several_images_match_hf(path, reference):
     processor = reference.processor
     images = [generated(301, 87, 1), photo("grace_hopper.jpg"), generated(23, 45, 2)]
     hf = processor(text=["<image><image><image>"], images=[images], return_tensors="pt")
-    ours = get_image_processor(path, hf_config(path)).for_prompt(len(images))
+    ours = checks.image_processor(path).for_prompt(len(images))
     items = [ours.preprocess(image) for image in images]
     for i, item in enumerate(items):
         assert torch.equal(item.pixel_values, hf["pixel_values"][i][:1])
@@ -147,25 +135,25 @@ def test_token_counts_match_hf_for_published_settings():
 
 
 def test_max_num_tokens_bounds_every_image(path):
-    processor = get_image_processor(path, hf_config(path))
+    processor = checks.image_processor(path)
     rng = random.Random(1)
     sizes = [(rng.randint(1, 400), rng.randint(1, 400)) for _ in range(300)]
     counts = [processor.num_tokens(h, w) for h, w in sizes]
     assert max(counts) <= processor.max_num_tokens < 1.1 * max(counts)
 
 
-@whole_and_chunked(budget=8)
+@checks.whole_and_chunked(budget=8)
 def test_greedy_matches_hf(path, reference, engine_args):
-    with running_llm(path, **engine_args) as llm:
-        assert_matches_hf(llm, reference, cases())
+    with checks.running_llm(path, **engine_args) as llm:
+        checks.assert_matches_hf(llm, reference, cases())
 
 
 def test_extreme_aspect_ratio_matches_hf(path, reference):
     """A 1000 x 20 image: its unpadded feature map has no row left (base tile only)."""
     image = generated(1000, 20, 5)
-    assert get_image_processor(path, hf_config(path)).preprocess(image).num_tokens == 16
-    with running_llm(path) as llm:
-        assert_matches_hf(llm, reference, [(PROMPT, [image])])
+    assert checks.image_processor(path).preprocess(image).num_tokens == 16
+    with checks.running_llm(path) as llm:
+        checks.assert_matches_hf(llm, reference, [(PROMPT, [image])])
 
 
 def test_prefix_cache_hits_repeated_image(path, reference):
@@ -173,19 +161,19 @@ def test_prefix_cache_hits_repeated_image(path, reference):
     KV blocks (prefix cache, image hash in the block hashes) and still matches HF; a different
     image behind the same text does not hit past the text."""
     args = dict(enable_prefix_caching=True, block_size=4, max_num_batched_tokens=16)
-    with running_llm(path, **args) as llm:
+    with checks.running_llm(path, **args) as llm:
         case = (PROMPT, [photo("grace_hopper.jpg")])
-        assert_prefix_cache_hits(llm, reference, case, case, (PROMPT, [photo("coffee.png")]))
+        checks.assert_prefix_cache_hits(llm, reference, case, case, (PROMPT, [photo("coffee.png")]))
 
 
 def test_encoder_cache_hits_repeated_image(path, reference):
     """Without prefix caching, the same photograph behind two texts is encoded once: the
     second request takes its embeddings from the encoder cache, and both match HF."""
-    with running_llm(path, enable_prefix_caching=False) as llm:
-        encoded = record_encoded_images(llm)
+    with checks.running_llm(path, enable_prefix_caching=False) as llm:
+        encoded = checks.record_encoded_images(llm)
         image = photo("grace_hopper.jpg")
         cases = [(PROMPT, [image]), ("<image>Other text.", [image])]
-        first, second = assert_matches_hf(llm, reference, cases)
+        first, second = checks.assert_matches_hf(llm, reference, cases)
         assert len(encoded) == 1
         assert (first.num_cached_images, second.num_cached_images) == (0, 1)
 
@@ -193,9 +181,9 @@ def test_encoder_cache_hits_repeated_image(path, reference):
 def test_chat_with_image_parts(path, reference):
     """A chat turn with one image part, and one with two: the chat template's ``<image>``s
     expanded as HF's processor does (anyres tiles, then one tile each), HF's greedy tokens."""
-    with running_llm(path) as llm:
+    with checks.running_llm(path) as llm:
         for images in ([photo("rocket.jpg")], [photo("rocket.jpg"), generated(40, 150, 3)]):
-            assert_image_chat_matches_hf(llm, reference, images)
+            checks.assert_image_chat_matches_hf(llm, reference, images)
 
 
 def _hub_name(name: str) -> str:
@@ -238,8 +226,8 @@ def test_image_size_crosses_the_wire(path):
     from mm_serve.messages import InputCodec
     from mm_serve.request import MultiModalFeature, PlaceholderRange, Request
 
-    item = get_image_processor(path, hf_config(path)).preprocess(generated(100, 60, 0), True)
-    prompt = [1, 2, *[hf_config(path).image_token_id] * item.num_tokens, 3]
+    item = checks.image_processor(path).preprocess(generated(100, 60, 0), True)
+    prompt = [1, 2, *[checks.hf_config(path).image_token_id] * item.num_tokens, 3]
     feature = MultiModalFeature("h", PlaceholderRange(2, item.num_tokens), item)
     request = Request("r", prompt, SamplingParams(), mm_features=[feature])
     codec = InputCodec()
@@ -266,7 +254,7 @@ def test_benchmark_architecture_has_the_published_config(tmp_path, name, text, t
     from mm_serve.config import EngineArgs
 
     folder = write_architecture(name, tmp_path)
-    config = hf_config(folder)
+    config = checks.hf_config(folder)
     t, v = config.text_config, config.vision_config
     heads = (t.num_attention_heads, t.num_key_value_heads, t.vocab_size)
     assert (t.hidden_size, t.intermediate_size, t.num_hidden_layers, *heads) == text

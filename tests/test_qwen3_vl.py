@@ -19,19 +19,8 @@ from PIL import Image
 
 from mm_serve.encoders.processors import get_image_processor
 from mm_serve.models.qwen2_vl import pixels_on_device
-from mm_serve.testing.family_checks import (
-    Case,
-    assert_image_chat_matches_hf,
-    assert_matches_hf,
-    checkpoint_fixtures,
-    generated,
-    hf_config,
-    mixed_batch,
-    photo,
-    record_encoded_images,
-    running_llm,
-    whole_and_chunked,
-)
+from mm_serve.testing import family_checks as checks
+from mm_serve.testing.images import Case, generated, mixed_batch, photo
 
 TAG = "<|vision_start|><|image_pad|><|vision_end|>"
 SMALL_BUDGET = 5  # tokens per step: below every test image's 6 or more image tokens
@@ -46,7 +35,7 @@ def cases() -> list[Case]:
     )
 
 
-path, reference = checkpoint_fixtures("qwen3_vl", seed=3, nested_images=False)
+path, reference = checks.checkpoint_fixtures("qwen3_vl", seed=3, nested_images=False)
 
 
 @pytest.mark.parametrize(
@@ -64,14 +53,14 @@ def test_processor_matches_hf(path, reference, image):
     """Final float32 patches equal HF's bit for bit, and so do the uint8 pixels the pool
     sends, once patchified and normalised as the model does on the device."""
     hf = reference.processor(text=[f"{TAG}Describe."], images=[image], return_tensors="pt")
-    processor = get_image_processor(path, hf_config(path))
+    processor = checks.image_processor(path)
     ours = processor.preprocess(image)
     assert torch.equal(ours.pixel_values, hf["pixel_values"])
     assert ours.image_grid_thw == tuple(hf["image_grid_thw"][0].tolist())
-    assert ours.num_tokens == int((hf["input_ids"] == hf_config(path).image_token_id).sum())
+    assert ours.num_tokens == int((hf["input_ids"] == checks.hf_config(path).image_token_id).sum())
     deferred = processor.preprocess(image, defer_normalization=True)
     assert deferred.pixel_values.dtype == torch.uint8
-    vision = hf_config(path).vision_config
+    vision = checks.hf_config(path).vision_config
     on_device = pixels_on_device([deferred], torch.device("cpu"), vision)
     assert torch.equal(on_device, hf["pixel_values"])
 
@@ -114,7 +103,7 @@ def test_tower_matches_hf(path, reference):
     from mm_serve.encoders.qwen3_vl import Qwen3VisionTransformer
 
     hf_tower = reference.model.model.visual
-    tower = Qwen3VisionTransformer(hf_config(path).vision_config).eval()
+    tower = Qwen3VisionTransformer(checks.hf_config(path).vision_config).eval()
     tower.load_state_dict(hf_tower.state_dict())
     grids = torch.tensor([[1, 4, 4], [1, 16, 10], [2, 6, 8]])
     pixels = torch.randn(int(grids.prod(-1).sum()), 3 * 2 * 16 * 16)
@@ -128,15 +117,15 @@ def test_tower_matches_hf(path, reference):
 
 def test_every_image_is_larger_than_the_small_budget(path):
     """The premise of the "chunked" run: no test image fits one step of ``SMALL_BUDGET``."""
-    processor = get_image_processor(path, hf_config(path))
+    processor = checks.image_processor(path)
     counts = [processor.preprocess(i).num_tokens for _, images in cases() for i in images]
     assert min(counts) > SMALL_BUDGET
 
 
-@whole_and_chunked(budget=SMALL_BUDGET)
+@checks.whole_and_chunked(budget=SMALL_BUDGET)
 def test_greedy_matches_hf(path, reference, engine_args):
-    with running_llm(path, **engine_args) as llm:
-        assert_matches_hf(llm, reference, cases())
+    with checks.running_llm(path, **engine_args) as llm:
+        checks.assert_matches_hf(llm, reference, cases())
 
 
 def test_repeated_image_is_encoded_once_and_hits_the_prefix_cache(path, reference):
@@ -146,20 +135,20 @@ def test_repeated_image_is_encoded_once_and_hits_the_prefix_cache(path, referenc
     image's last rows, DeepStack columns included, from the encoder output. A different image
     behind the same text hits nothing. All match HF."""
     args = dict(enable_prefix_caching=True, block_size=4, max_num_batched_tokens=16)
-    with running_llm(path, **args) as llm:
+    with checks.running_llm(path, **args) as llm:
         model = llm.engine_core.model_runner.model
-        encoded = record_encoded_images(llm)
+        encoded = checks.record_encoded_images(llm)
         image = photo("grace_hopper.jpg")
         case = (f"{TAG}Describe the image.", [image])
         other = (f"Another look: {TAG} What is it?", [image])
-        first, _ = assert_matches_hf(llm, reference, [case, other])
+        first, _ = checks.assert_matches_hf(llm, reference, [case, other])
         assert len(encoded) == 1
-        (second,) = assert_matches_hf(llm, reference, [case])
+        (second,) = checks.assert_matches_hf(llm, reference, [case])
         assert second.num_cached_tokens >= len(second.prompt_token_ids) - 4
-        (branch,) = assert_matches_hf(llm, reference, [(f"{TAG}Something else?", [image])])
+        (branch,) = checks.assert_matches_hf(llm, reference, [(f"{TAG}Something else?", [image])])
         image_end = 1 + branch.prompt_token_ids.count(model.image_token_id)  # after the start
         assert image_end - 4 < branch.num_cached_tokens < image_end
-        (third,) = assert_matches_hf(llm, reference, [(case[0], [photo("coffee.png")])])
+        (third,) = checks.assert_matches_hf(llm, reference, [(case[0], [photo("coffee.png")])])
         assert third.num_cached_tokens < 4
         assert first.outputs[0].token_ids == second.outputs[0].token_ids
 
@@ -167,8 +156,8 @@ def test_repeated_image_is_encoded_once_and_hits_the_prefix_cache(path, referenc
 def test_chat_with_image_part(path, reference):
     """A chat turn with an image part: the chat template's placeholder expanded as HF's
     processor does, and HF's greedy tokens."""
-    with running_llm(path) as llm:
-        assert_image_chat_matches_hf(llm, reference, [photo("rocket.jpg")])
+    with checks.running_llm(path) as llm:
+        checks.assert_image_chat_matches_hf(llm, reference, [photo("rocket.jpg")])
 
 
 # Published values: text (hidden, intermediate, layers, heads, KV heads, tied), vision (depth,
@@ -190,7 +179,7 @@ def test_architecture_has_the_published_config(tmp_path, name):
 
     text, vision = PUBLISHED[name]
     folder = write_architecture(name, tmp_path)
-    config = hf_config(folder)
+    config = checks.hf_config(folder)
     t, v = config.text_config, config.vision_config
     heads = (t.num_attention_heads, t.num_key_value_heads, config.tie_word_embeddings)
     assert (t.hidden_size, t.intermediate_size, t.num_hidden_layers, *heads) == text

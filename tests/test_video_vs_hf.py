@@ -21,14 +21,7 @@ import pytest
 from PIL import Image
 
 from mm_serve import LLM, SamplingParams
-from mm_serve.testing.family_checks import (
-    HFGreedy,
-    HFReference,
-    assert_chat_matches_hf,
-    assert_greedy_matches_hf,
-    running_llm,
-    whole_and_chunked,
-)
+from mm_serve.testing import family_checks as checks
 from mm_serve.testing.leaks import assert_llm_idle
 from mm_serve.testing.video_clips import encode_clip, moving_shapes
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
@@ -57,8 +50,8 @@ def path(request, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(path) -> HFReference:
-    return HFReference.load(path, nested_images=False)
+def reference(path) -> checks.HFReference:
+    return checks.HFReference.load(path, nested_images=False)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +73,7 @@ def hf_frames(video: Any) -> tuple[Any, dict | None]:
     return frames, {"total_num_frames": meta.total_num_frames, "fps": meta.fps}
 
 
-def hf_greedy(reference: HFReference, case: dict[str, Any]) -> HFGreedy:
+def hf_greedy(reference: checks.HFReference, case: dict[str, Any]) -> checks.HFGreedy:
     videos = [hf_frames(v) for v in case.get("hf_videos", case.get("videos", []))]
     kwargs = dict(case.get("kwargs") or {})
     if "fps" in kwargs or "num_frames" in kwargs:
@@ -123,16 +116,16 @@ def engine_prompt(case: dict[str, Any]) -> dict[str, Any]:
     return prompt
 
 
-def assert_matches_hf(llm: LLM, reference: HFReference, batch: list[dict[str, Any]]):
+def assert_matches_hf(llm: LLM, reference: checks.HFReference, batch: list[dict[str, Any]]):
     """Greedy tokens, prompt ids (the video placeholders as HF expands them) and top-5
     log-probs equal HF's; nothing left held."""
     greedy = partial(hf_greedy, reference)
-    return assert_greedy_matches_hf(llm, batch, engine_prompt, greedy, MAX_NEW_TOKENS)
+    return checks.assert_greedy_matches_hf(llm, batch, engine_prompt, greedy, MAX_NEW_TOKENS)
 
 
-@whole_and_chunked(budget=8)
+@checks.whole_and_chunked(budget=8)
 def test_greedy_matches_hf(path, reference, clip, engine_args):
-    with running_llm(path, **engine_args) as llm:
+    with checks.running_llm(path, **engine_args) as llm:
         assert_matches_hf(llm, reference, cases(clip))
 
 
@@ -140,7 +133,7 @@ def test_repeated_video_hits_the_caches(path, reference, clip):
     """The same clip behind another text: no preprocessing (processor cache) and no tower run
     (encoder cache) the second time, and still HF's tokens."""
     # In process (multiprocess=False): its scheduler inspectable on CUDA too.
-    with running_llm(path, block_size=4, multiprocess=False) as llm:
+    with checks.running_llm(path, block_size=4, multiprocess=False) as llm:
         first = {"prompt": turn(f"{VIDEO}What moves?"), "videos": [str(clip)]}
         second = {"prompt": turn(f"Once more: {VIDEO}What moves?"), "videos": [clip.read_bytes()]}
         second["hf_videos"] = [str(clip)]
@@ -168,8 +161,8 @@ def test_chat_with_video_part(path, reference, clip):
             ],
         }
     ]
-    with running_llm(path) as llm:
-        assert_chat_matches_hf(
+    with checks.running_llm(path) as llm:
+        checks.assert_chat_matches_hf(
             llm,
             messages,
             reference.processor,
@@ -180,7 +173,7 @@ def test_chat_with_video_part(path, reference, clip):
 
 def test_bad_videos_are_value_errors(path, clip):
     """Offline, a bad video raises ValueError naming the problem; the engine serves on."""
-    with running_llm(path, max_video_frames=8) as llm:
+    with checks.running_llm(path, max_video_frames=8) as llm:
         bad = [
             ({"video": b"\x00not a video\xff" * 20}, "Cannot decode the video"),
             ({"video": str(clip)}, "11 frames after sampling.*limit of 8"),

@@ -1,14 +1,14 @@
 """What the model-family tests check alike, against HF transformers on the same folder.
 
-Inputs: real photographs shipped by installed packages (``photo``), generated images of odd
-sizes (``generated``) and the standard mixed batch (``mixed_batch``: a text-only prompt, a
-photograph, several images in one prompt, a grayscale photograph). The reference:
-``HFReference``, HF's processor and model (float32, eager attention) with greedy ``generate``
-and each step's log-probs (``hf_reference.hf_greedy_generate``). The checks: the engine's
-prompt ids, greedy tokens and top-5 log-probs equal HF's, and no KV block or encoder-cache
-entry is left held after (``assert_greedy_matches_hf``, ``assert_matches_hf`` for image
-prompts); the same for a chat turn (``assert_chat_matches_hf``) and for a repeated image
-through the prefix cache (``assert_prefix_cache_hits``).
+Inputs come from ``mm_serve.testing.images`` (photographs, odd sizes, the mixed batch). The
+fixtures: a family's tiny checkpoint and ``HFReference`` on it (``checkpoint_fixtures``): HF's
+processor and model, float32 and eager attention, with greedy ``generate`` and each step's
+log-probs (``hf_reference.hf_greedy_generate``). The checks: our processor's placeholder
+expansion equals HF's (``assert_expansion_matches_hf``); the engine's prompt ids, greedy tokens
+and top-5 log-probs equal HF's and no KV block or encoder-cache entry is left held after
+(``assert_greedy_matches_hf``; ``assert_matches_hf`` for image prompts), the same for a chat
+turn (``assert_chat_matches_hf``) and for a repeated image through the prefix cache
+(``assert_prefix_cache_hits``); ``record_encoded_images`` shows what the tower encoded.
 """
 
 from __future__ import annotations
@@ -20,56 +20,21 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 from PIL import Image
 
 from mm_serve import LLM, SamplingParams
 from mm_serve.testing.hf_reference import hf_greedy_generate
+from mm_serve.testing.images import Case
 from mm_serve.testing.leaks import assert_llm_idle
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 MAX_NEW_TOKENS = 12
 LOGPROB_TOL = 1e-4  # float32: our top-5 log-probs within this of HF's log-softmax
 TOP_LOGPROBS = 5
-TEXT_ONLY = "A text-only question about nothing in particular."
-
-# A prompt with the family's image placeholders in its text, and its images in order.
-Case = tuple[str, list[Image.Image]]
 # HF's greedy run: (prompt ids, generated ids, per-step log-softmax ``[steps, vocab]``).
 HFGreedy = tuple[list[int], list[int], torch.Tensor]
 C = TypeVar("C")
-
-
-def photo(name: str) -> Image.Image:
-    """A real photograph shipped inside an installed package: matplotlib's
-    ``grace_hopper.jpg``, else scikit-image's ``data/<name>`` (``chelsea.png``,
-    ``coffee.png``, ``astronaut.png``, ``rocket.jpg``...)."""
-    if name == "grace_hopper.jpg":
-        import matplotlib
-
-        return Image.open(Path(matplotlib.get_data_path()) / "sample_data" / name)
-    import skimage
-
-    return Image.open(Path(skimage.__file__).parent / "data" / name)
-
-
-def generated(width: int, height: int, seed: int) -> Image.Image:
-    """A ``width x height`` RGB image of uniform random pixels (numpy's generator, ``seed``)."""
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
-
-
-def mixed_batch(describe: str, compare: str, several: list[Image.Image], what: str) -> list[Case]:
-    """The batch every family runs: ``TEXT_ONLY`` without images, ``describe`` with
-    grace_hopper.jpg, ``compare`` with the images ``several`` and ``what`` with chelsea.png in
-    grayscale (each text with the family's placeholders for its images)."""
-    return [
-        (TEXT_ONLY, []),
-        (describe, [photo("grace_hopper.jpg")]),
-        (compare, several),
-        (what, [photo("chelsea.png").convert("L")]),
-    ]
 
 
 def whole_and_chunked(budget: int = 8) -> Any:
@@ -87,6 +52,30 @@ def hf_config(path: str | Path) -> Any:
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(path)
+
+
+def image_processor(path: str | Path) -> Any:
+    """Our image processor of the folder ``path`` (``processors.get_image_processor`` on its
+    config)."""
+    from mm_serve.encoders.processors import get_image_processor
+
+    return get_image_processor(str(path), hf_config(path))
+
+
+def assert_expansion_matches_hf(
+    processor: Any, text: str, item: Any, hf_input_ids: torch.Tensor
+) -> None:
+    """The text's one image placeholder replaced by ``item``'s own token ids (our processor's
+    expansion: tile tags, newlines, image tokens) gives HF's ``hf_input_ids`` ``[1, L]``
+    (``processor``: HF's, on ``text`` and the same image); ``item.num_tokens`` counts them.
+
+    Raises:
+        AssertionError: on a difference.
+    """
+    ids = processor.tokenizer(text)["input_ids"]
+    at = ids.index(processor.image_token_id)
+    assert ids[:at] + list(item.token_ids) + ids[at + 1 :] == hf_input_ids[0].tolist()
+    assert item.num_tokens == len(item.token_ids)
 
 
 @contextmanager
