@@ -13,92 +13,42 @@ that the two masks matter at all on this checkpoint: HF's output changes without
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from mm_serve import LLM, SamplingParams
-from mm_serve.encoders.processors import get_image_processor
 from mm_serve.request import Request
+from mm_serve.testing import family_checks as checks
 from mm_serve.testing.hf_reference import hf_greedy_generate
+from mm_serve.testing.images import Case, generated, mixed_batch, photo, processor_images
 from mm_serve.testing.leaks import assert_llm_idle
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 
-MAX_NEW_TOKENS = 12
-LOGPROB_TOL = 1e-4
+MAX_NEW_TOKENS = checks.MAX_NEW_TOKENS
 LONG_TEXT = (
     "A text-only question about the harbor town, the fishing boats and the gulls, long "
     "enough to run past the sliding window several times over."
 )
 
 
-def photo(name: str) -> Image.Image:
-    """A real photograph shipped inside an installed package."""
-    if name == "grace_hopper.jpg":
-        import matplotlib
-
-        return Image.open(Path(matplotlib.get_data_path()) / "sample_data" / name)
-    import skimage
-
-    return Image.open(Path(skimage.__file__).parent / "data" / name)
-
-
-def generated(width: int, height: int, seed: int) -> Image.Image:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
+def cases() -> list[Case]:
+    return mixed_batch(
+        text_only=LONG_TEXT,
+        describe="Describe this image:<start_of_image>",
+        compare="Compare <start_of_image> with <start_of_image> please.",
+        several=[generated(301, 87, 1), generated(23, 45, 2)],
+        what="<start_of_image>\nWhat is here?",
+    )
 
 
-def cases() -> list[tuple[str, list]]:
-    return [
-        (LONG_TEXT, []),
-        ("Describe this image:<start_of_image>", [photo("grace_hopper.jpg")]),
-        (
-            "Compare <start_of_image> with <start_of_image> please.",
-            [generated(301, 87, 1), generated(23, 45, 2)],
-        ),
-        ("<start_of_image>\nWhat is here?", [photo("chelsea.png").convert("L")]),
-    ]
+path, reference = checks.checkpoint_fixtures("gemma3", seed=3)
 
 
-@pytest.fixture(scope="module")
-def path(tmp_path_factory) -> str:
-    return build_tiny_vlm_checkpoint(tmp_path_factory.mktemp("gemma3"), "gemma3", seed=3)
-
-
-@pytest.fixture(scope="module")
-def reference(path):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(path)
-    model = AutoModelForImageTextToText.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    return processor, model
-
-
-def hf_inputs(processor, text: str, images: list):
-    return processor(text=[text], images=[images] if images else None, return_tensors="pt")
-
-
-def hf_greedy(reference, text: str, images: list):
-    """(prompt ids, greedy ids, per-step log-softmax ``[steps, vocab]``) of HF."""
-    processor, model = reference
-    return hf_greedy_generate(model, hf_inputs(processor, text, images), MAX_NEW_TOKENS)
-
-
-@pytest.mark.parametrize(
-    "image",
-    [photo("grace_hopper.jpg"), generated(301, 87, 1), photo("chelsea.png").convert("L")],
-    ids=["photograph", "odd_size", "grayscale"],
-)
+@pytest.mark.parametrize("image", processor_images().values(), ids=processor_images().keys())
 def test_processor_matches_hf(path, reference, image):
-    processor = reference[0]
+    processor = reference.processor
     text = "Look:\n<start_of_image>Describe."
-    hf = hf_inputs(processor, text, [image])
-    ours = get_image_processor(path, processor_config(path))
+    hf = reference.inputs(text, [image])
+    ours = checks.image_processor(path)
     item = ours.preprocess(image)
     assert torch.equal(item.pixel_values, hf["pixel_values"][0])
     ids = processor.tokenizer(ours.prompt_text(text))["input_ids"]
@@ -110,44 +60,22 @@ def test_processor_matches_hf(path, reference, image):
     assert item.num_tokens == len(item.token_ids) == ours.max_num_tokens == 11
 
 
-def processor_config(path: str):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(path)
-
-
 def test_masks_matter_on_this_checkpoint(reference):
     """HF's logits change without the image tokens' bidirectional mask (no token types) and
     with a window longer than the prompt: equality with HF below tests both."""
-    processor, model = reference
-    image_case = hf_inputs(processor, *cases()[1])
+    model = reference.model
+    image_case = reference.inputs(*cases()[1])
     with torch.inference_mode():
         full = model(**image_case).logits
         no_types = {k: v for k, v in image_case.items() if k != "token_type_ids"}
         assert (model(**no_types).logits - full).abs().max() > 1e-3
-        text = hf_inputs(processor, LONG_TEXT, [])
+        text = reference.inputs(LONG_TEXT)
         windowed = model(**text).logits
         model.config.text_config.sliding_window = 4096
         try:
             assert (model(**text).logits - windowed).abs().max() > 1e-3
         finally:
             model.config.text_config.sliding_window = 12
-
-
-def assert_matches_hf(llm: LLM, reference, prompts):
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5)
-    inputs = [{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in prompts]
-    outputs = llm.generate(inputs, params, use_tqdm=False)
-    for (text, images), output in zip(prompts, outputs, strict=True):
-        prompt_ids, ref_tokens, ref_logprobs = hf_greedy(reference, text, images)
-        assert output.prompt_token_ids == prompt_ids  # expansion as HF's processor
-        completion = output.outputs[0]
-        assert completion.token_ids == ref_tokens
-        for step, step_logprobs in enumerate(completion.logprobs):
-            for token_id, logprob in step_logprobs.items():
-                assert abs(logprob.logprob - ref_logprobs[step, token_id].item()) < LOGPROB_TOL
-    assert_llm_idle(llm)
-    return outputs
 
 
 def record_chunks(llm: LLM) -> list[tuple[Request, int, int]]:
@@ -179,13 +107,10 @@ def record_chunks(llm: LLM) -> list[tuple[Request, int, int]]:
     ids=["whole", "chunked", "preempted"],
 )
 def test_greedy_matches_hf(path, reference, engine_args):
-    llm = LLM(path, **engine_args)
-    try:
+    with checks.running_llm(path, **engine_args) as llm:
         chunks = record_chunks(llm)
-        assert_matches_hf(llm, reference, cases())
+        checks.assert_matches_hf(llm, reference, cases())
         preemptions = llm.engine_core.scheduler.num_preemptions
-    finally:
-        llm.shutdown()
     assert (preemptions > 0) == ("num_kv_blocks" in engine_args)
     cut_before_image = 0
     for request, start, end in chunks:
@@ -202,12 +127,11 @@ def test_greedy_matches_hf(path, reference, engine_args):
 def test_blocks_outside_the_window_are_freed(path, reference):
     """A long prompt and decode in 8-token chunks: each sliding-window group holds only the
     blocks of the window and the chunk, the full-attention group all; HF's tokens."""
-    llm = LLM(path, max_num_batched_tokens=8, block_size=4)
-    try:
+    with checks.running_llm(path, max_num_batched_tokens=8, block_size=4) as llm:
         core = llm.engine_core
         kv = core.scheduler.kv_cache_manager
         assert kv.num_groups == 4 and kv.windows == [None, 12, 12, 12]
-        prompt_ids, ref_tokens, _ = hf_greedy(reference, LONG_TEXT, [])
+        prompt_ids, ref_tokens, _ = reference.greedy(LONG_TEXT)
         params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
         request = Request("long", prompt_ids, params)  # no EOS: HF's tokens are a prefix
         core.add_request(request)
@@ -229,58 +153,44 @@ def test_blocks_outside_the_window_are_freed(path, reference):
         assert request.output_token_ids[: len(ref_tokens)] == ref_tokens
         assert kv.num_free_blocks == kv.num_blocks
         assert_llm_idle(llm)
-    finally:
-        llm.shutdown()
 
 
 def test_prefix_cache_hits_stay_correct(path, reference):
     """The same image prompt twice: the second takes its prefix from the cache, a hit that
     ends inside the image's soft tokens (the rest of the image attends to the cached part),
     and still matches HF; a different image behind the same text does not hit past the text."""
-    llm = LLM(path, enable_prefix_caching=True, block_size=4, max_num_batched_tokens=16)
-    try:
+    args = dict(enable_prefix_caching=True, block_size=4, max_num_batched_tokens=16)
+    with checks.running_llm(path, **args) as llm:
         image = photo("grace_hopper.jpg")
         case = ("Look at this:<start_of_image>", [image])
-        (first,) = assert_matches_hf(llm, reference, [case])
-        (second,) = assert_matches_hf(llm, reference, [case])
-        boi = first.prompt_token_ids.index(reference[0].tokenizer.boi_token_id)
+        (first,) = checks.assert_matches_hf(llm, reference, [case])
+        (second,) = checks.assert_matches_hf(llm, reference, [case])
+        boi = first.prompt_token_ids.index(reference.processor.tokenizer.boi_token_id)
         assert boi + 1 < second.num_cached_tokens < boi + 10  # inside the soft tokens
         other = ("Look at this:<start_of_image>", [photo("coffee.png")])
-        (third,) = assert_matches_hf(llm, reference, [other])
+        (third,) = checks.assert_matches_hf(llm, reference, [other])
         assert third.num_cached_tokens <= boi
-        (text_first,) = assert_matches_hf(llm, reference, [cases()[0]])
-        (text_again,) = assert_matches_hf(llm, reference, [cases()[0]])
+        (text_first,) = checks.assert_matches_hf(llm, reference, [cases()[0]])
+        (text_again,) = checks.assert_matches_hf(llm, reference, [cases()[0]])
         assert text_again.num_cached_tokens >= len(text_again.prompt_token_ids) - 4
         assert text_first.outputs[0].token_ids == text_again.outputs[0].token_ids
-    finally:
-        llm.shutdown()
 
 
 def test_chat_with_image_part(path, reference):
     """A chat turn whose image follows "user\\n": HF's "\\n\\n" merges with that newline, in
     HF's ids and in ours; HF's greedy tokens."""
-    processor, model = reference
-    image = photo("rocket.jpg")
-    messages = [
-        {
-            "role": "user",
-            "content": [{"type": "image", "image": image}, {"type": "text", "text": "What?"}],
-        }
-    ]
-    llm = LLM(path)
-    try:
+    messages = checks.user_turn([photo("rocket.jpg")])
+    with checks.running_llm(path) as llm:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
         (output,) = llm.chat(messages, params, use_tqdm=False)
-        inputs = processor.apply_chat_template(
+        inputs = reference.processor.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=True,
             return_tensors="pt",
         )  # fmt: skip
-        prompt_ids, ref_tokens, _ = hf_greedy_generate(model, inputs, MAX_NEW_TOKENS)
+        prompt_ids, ref_tokens, _ = hf_greedy_generate(reference.model, inputs, MAX_NEW_TOKENS)
         assert output.prompt_token_ids == prompt_ids
         assert output.outputs[0].token_ids == ref_tokens
         assert_llm_idle(llm)
-    finally:
-        llm.shutdown()
 
 
 def test_gemma_3_4b_architecture(tmp_path):

@@ -15,7 +15,7 @@ import torch
 
 from mm_serve import SamplingParams
 from mm_serve.testing import family_checks as checks
-from mm_serve.testing.images import Case, generated, mixed_batch, photo
+from mm_serve.testing.images import Case, generated, mixed_batch, photo, processor_images
 
 
 def cases() -> list[Case]:
@@ -30,11 +30,7 @@ def cases() -> list[Case]:
 path, reference = checks.checkpoint_fixtures("idefics3", seed=3)
 
 
-@pytest.mark.parametrize(
-    "image",
-    [photo("grace_hopper.jpg"), generated(301, 87, 1), photo("chelsea.png").convert("L")],
-    ids=["photograph", "odd_size", "grayscale"],
-)
+@pytest.mark.parametrize("image", processor_images().values(), ids=processor_images().keys())
 def test_processor_matches_hf(path, reference, image):
     processor = reference.processor
     text = "User:<image>Describe."

@@ -4,15 +4,13 @@ prompt expansion on the published tiling (512- and 384-pixel tiles, 64 and 81 to
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import matplotlib
 import pytest
 import torch
-from PIL import Image
 
 from mm_serve.benchmarks.architectures import write_architecture
 from mm_serve.encoders.processors import get_image_processor
+from mm_serve.testing import family_checks as checks
+from mm_serve.testing.images import photo
 
 
 @pytest.mark.parametrize(
@@ -27,13 +25,9 @@ def test_smolvlm_architecture(tmp_path, name, millions, tile_tokens) -> None:
 
     folder = write_architecture(name, tmp_path)
     config = AutoConfig.from_pretrained(folder)
-    with torch.device("meta"):
-        counts = [
-            sum(p.numel() for p in cls(config).parameters())
-            for cls in (Idefics3ForConditionalGeneration, Ours)
-        ]
+    counts = checks.meta_parameter_counts(config, Idefics3ForConditionalGeneration, Ours)
     assert counts[0] == counts[1] and counts[0] // 10**6 == millions
-    image = Image.open(Path(matplotlib.get_data_path()) / "sample_data" / "grace_hopper.jpg")
+    image = photo("grace_hopper.jpg")
     hf = AutoProcessor.from_pretrained(folder)(
         text=["<image>"], images=[[image]], return_tensors="pt", add_special_tokens=False
     )

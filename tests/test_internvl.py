@@ -112,11 +112,7 @@ def test_benchmark_architecture(tmp_path, name, billions):
 
     folder = write_architecture(name, tmp_path)
     config = AutoConfig.from_pretrained(folder)
-    with torch.device("meta"):
-        counts = [
-            sum(p.numel() for p in cls(config).parameters())
-            for cls in (HFModel, InternVLForConditionalGeneration)
-        ]
+    counts = checks.meta_parameter_counts(config, HFModel, InternVLForConditionalGeneration)
     assert counts[0] == counts[1] and round(counts[0] / 1e9, 2) == billions
     image = photo("chelsea.png")
     hf = AutoProcessor.from_pretrained(folder)(text=[IMAGE], images=[[image]], return_tensors="pt")

@@ -91,19 +91,22 @@ CHAT_TEMPLATES = {
 }
 
 
-def build_tokenizer(family: str = "llama", vocab_size: int = 400) -> Any:
-    """A byte-level BPE ``PreTrainedTokenizerFast`` trained on ``CORPUS`` (deterministic).
-
-    The family's special tokens come after the learned vocabulary, as in the real ones; the
-    Llama tokenizer prepends ``<|begin_of_text|>`` when encoding, the Qwen2 one adds nothing.
-    """
+def train_byte_level_bpe(
+    corpus: list[str],
+    vocab_size: int,
+    specials: list[str],
+    bos: str | None,
+    qwen2_pre_tokenizer: bool = False,
+) -> Any:
+    """A ``tokenizers.Tokenizer``: byte-level BPE of ``vocab_size`` tokens trained on
+    ``corpus`` (deterministic), then the special tokens ``specials``; ``bos`` (one of them),
+    when given, is prepended when encoding. Pre-tokenizer: Qwen2's (NFC, its split regex,
+    then bytes; transformers' Qwen2Tokenizer re-creates it on load anyway) with
+    ``qwen2_pre_tokenizer``, else the byte-level one."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
 
-    spec = _FAMILIES[family]
     tok = Tokenizer(models.BPE())
-    if family == "qwen2":
-        # Qwen2's own pipeline, which transformers' Qwen2Tokenizer re-creates on load anyway.
+    if qwen2_pre_tokenizer:
         from tokenizers import Regex, normalizers
         from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
@@ -122,15 +125,29 @@ def build_tokenizer(family: str = "llama", vocab_size: int = 400) -> Any:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(CORPUS, trainer)
-    tok.add_special_tokens(spec["specials"])
-    if spec["bos"] is not None:
-        bos = spec["bos"]
+    tok.train_from_iterator(corpus, trainer)
+    tok.add_special_tokens(specials)
+    if bos is not None:
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A",
             pair=f"{bos} $A {bos} $B",
             special_tokens=[(bos, tok.token_to_id(bos))],
         )
+    return tok
+
+
+def build_tokenizer(family: str = "llama", vocab_size: int = 400) -> Any:
+    """A byte-level BPE ``PreTrainedTokenizerFast`` trained on ``CORPUS`` (deterministic).
+
+    The family's special tokens come after the learned vocabulary, as in the real ones; the
+    Llama tokenizer prepends ``<|begin_of_text|>`` when encoding, the Qwen2 one adds nothing.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    spec = _FAMILIES[family]
+    tok = train_byte_level_bpe(
+        CORPUS, vocab_size, spec["specials"], spec["bos"], qwen2_pre_tokenizer=family == "qwen2"
+    )
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=spec["bos"],

@@ -8,7 +8,8 @@ expansion equals HF's (``assert_expansion_matches_hf``); the engine's prompt ids
 and top-5 log-probs equal HF's and no KV block or encoder-cache entry is left held after
 (``assert_greedy_matches_hf``; ``assert_matches_hf`` for image prompts), the same for a chat
 turn (``assert_chat_matches_hf``) and for a repeated image through the prefix cache
-(``assert_prefix_cache_hits``); ``record_encoded_images`` shows what the tower encoded.
+(``assert_prefix_cache_hits``); ``record_encoded_images`` shows what the tower encoded, and
+``meta_parameter_counts`` compares a published size with HF's.
 """
 
 from __future__ import annotations
@@ -78,6 +79,13 @@ def assert_expansion_matches_hf(
     assert item.num_tokens == len(item.token_ids)
 
 
+def meta_parameter_counts(config: Any, *model_classes: type) -> list[int]:
+    """The number of parameters of each of ``model_classes`` built from ``config`` on the meta
+    device (no memory taken: a published size is counted without its weights)."""
+    with torch.device("meta"):
+        return [sum(p.numel() for p in cls(config).parameters()) for cls in model_classes]
+
+
 @contextmanager
 def running_llm(path: str, **engine_args: Any) -> Iterator[LLM]:
     """``LLM(path, **engine_args)``, shut down on leaving (also when a check fails)."""
@@ -116,14 +124,18 @@ class HFReference:
         max_new_tokens: int = MAX_NEW_TOKENS,
         **processor_kwargs: Any,
     ) -> HFGreedy:
-        """HF's greedy ``generate`` on ``text`` (the processor expands its placeholders) and
-        ``images``; ``processor_kwargs`` (videos, their metadata, sampling options) go to the
-        processor."""
+        """HF's greedy ``generate`` on ``inputs(text, images, **processor_kwargs)``."""
+        inputs = self.inputs(text, images, **processor_kwargs)
+        return hf_greedy_generate(self.model, inputs, max_new_tokens)
+
+    def inputs(self, text: str, images: Sequence[Image.Image] = (), **processor_kwargs: Any) -> Any:
+        """HF's processor on one prompt: ``text`` (its placeholders expanded) and ``images``;
+        ``processor_kwargs`` (videos, their metadata, sampling options) go to the processor.
+        Returns its ``BatchFeature`` of tensors (``input_ids`` ``[1, L]``, pixels...)."""
         batch = None
         if images:
             batch = [list(images)] if self.nested_images else list(images)
-        inputs = self.processor(text=[text], images=batch, return_tensors="pt", **processor_kwargs)
-        return hf_greedy_generate(self.model, inputs, max_new_tokens)
+        return self.processor(text=[text], images=batch, return_tensors="pt", **processor_kwargs)
 
 
 def checkpoint_fixtures(family: str, seed: int = 3, nested_images: bool = True) -> Any:

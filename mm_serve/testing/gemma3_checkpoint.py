@@ -18,7 +18,13 @@ from typing import Any
 import torch
 
 from mm_serve._compat import ensure_torchvision_importable
-from mm_serve.testing.checkpoints import CORPUS, _perturb_norms_and_biases
+from mm_serve.testing.checkpoints import CORPUS, train_byte_level_bpe
+from mm_serve.testing.family_checkpoint import (
+    TINY_VISION,
+    checked_vocab_size,
+    random_model,
+    save_checkpoint,
+)
 
 GEMMA3_IMAGE_SIZE, GEMMA3_PATCH = 48, 8
 GEMMA3_MM_TOKENS = 9  # 3 x 3 pooled from 6 x 6 patches
@@ -64,24 +70,11 @@ def gemma3_tokenizer(vocab_size: int = 400) -> Any:
     """The byte-level BPE tokenizer (``CORPUS`` and ``NEWLINE_LINES``) with Gemma's special
     tokens: it prepends ``<bos>``, and knows ``<start_of_image>`` and the others as the
     ``boi_token``, ``eoi_token`` and ``image_token`` that ``Gemma3Processor`` reads."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS + NEWLINE_LINES, trainer)
     specials = [*GEMMA3_SPECIALS.values(), *GEMMA3_TURNS, *GEMMA3_IMAGE_TOKENS.values()]
-    tok.add_special_tokens(specials)
     bos = GEMMA3_SPECIALS["bos_token"]
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))]
-    )
+    tok = train_byte_level_bpe(CORPUS + NEWLINE_LINES, vocab_size, specials, bos)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         **GEMMA3_SPECIALS,
@@ -113,11 +106,8 @@ def _config(tokenizer: Any, text: dict[str, Any], vocab_size: int) -> Any:
         pad_token_id=tokenizer.pad_token_id,
     )
     vision = dict(
+        **TINY_VISION,
         model_type="siglip_vision_model",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
         image_size=GEMMA3_IMAGE_SIZE,
         patch_size=GEMMA3_PATCH,
         vision_use_head=False,
@@ -167,25 +157,13 @@ def build_tiny_gemma3_checkpoint(
     Raises:
         ValueError: ``vocab_size`` below the tokenizer's length.
     """
-    from transformers import Gemma3ForConditionalGeneration, GenerationConfig
+    from transformers import Gemma3ForConditionalGeneration
 
     tokenizer = gemma3_tokenizer()
-    if vocab_size is None:
-        vocab_size = len(tokenizer)
-    elif vocab_size < len(tokenizer):
-        raise ValueError(f"vocab_size {vocab_size} is below the tokenizer's {len(tokenizer)}.")
-    config = _config(tokenizer, text, vocab_size)
-    torch.manual_seed(seed)
-    model = Gemma3ForConditionalGeneration(config).to(torch.float32).eval()
+    config = _config(tokenizer, text, checked_vocab_size(tokenizer, vocab_size))
+    model = random_model(Gemma3ForConditionalGeneration, config, seed)
     with torch.no_grad():  # HF inits it to zeros: no image would reach the LM
         model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.05)
-    _perturb_norms_and_biases(model, seed)
-    _amplify_layers(model)
-    eos = config.text_config.eos_token_id
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id
-    )
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
-    gemma3_processor(tokenizer, GEMMA3_IMAGE_SIZE, GEMMA3_MM_TOKENS).save_pretrained(path)
-    return str(path)
+    _amplify_layers(model)  # on top of random_model's perturbed norms
+    processor = gemma3_processor(tokenizer, GEMMA3_IMAGE_SIZE, GEMMA3_MM_TOKENS)
+    return save_checkpoint(path, model, processor)

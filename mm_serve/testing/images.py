@@ -36,12 +36,29 @@ def generated(width: int, height: int, seed: int) -> Image.Image:
     return Image.fromarray(pixels)
 
 
-def mixed_batch(describe: str, compare: str, several: list[Image.Image], what: str) -> list[Case]:
-    """The batch every family runs: ``TEXT_ONLY`` without images, ``describe`` with
+def processor_images() -> dict[str, Image.Image]:
+    """The images a family's processor test compares with HF's, by test id: a photograph
+    (grace_hopper.jpg), an odd size (301 x 87, generated) and a grayscale photograph
+    (chelsea.png)."""
+    return {
+        "photograph": photo("grace_hopper.jpg"),
+        "odd_size": generated(301, 87, 1),
+        "grayscale": photo("chelsea.png").convert("L"),
+    }
+
+
+def mixed_batch(
+    describe: str,
+    compare: str,
+    several: list[Image.Image],
+    what: str,
+    text_only: str = TEXT_ONLY,
+) -> list[Case]:
+    """The batch every family runs: ``text_only`` without images, ``describe`` with
     grace_hopper.jpg, ``compare`` with the images ``several`` and ``what`` with chelsea.png in
     grayscale (each text with the family's placeholders for its images)."""
     return [
-        (TEXT_ONLY, []),
+        (text_only, []),
         (describe, [photo("grace_hopper.jpg")]),
         (compare, several),
         (what, [photo("chelsea.png").convert("L")]),
