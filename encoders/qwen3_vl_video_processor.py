@@ -143,7 +143,9 @@ class Qwen3VLVideoProcessor(Qwen2VLVideoProcessor):
     """Sample → resize → (rescale, normalise, patchify) as Qwen2-VL's, with Qwen3-VL's frame
     sampling and clip-wide pixel budget (module doc). ``preprocess`` returns Qwen2-VL's pixels
     and grid (``Qwen2VLVideoProcessor``) with ``token_ids`` the placeholder's tokens (time
-    texts among the video tokens) and ``num_tokens = len(token_ids)``."""
+    texts among the video tokens) and ``num_tokens = len(token_ids)``. ``min_pixels`` and
+    ``max_pixels`` (also as ``mm_processor_kwargs``) bound the area of all frames together,
+    as HF's ``size``."""
 
     min_pixels: int = DEFAULT_MIN_PIXELS
     max_pixels: int = DEFAULT_MAX_PIXELS

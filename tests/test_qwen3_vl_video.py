@@ -9,8 +9,8 @@ positions equal ``Qwen3VLModel.get_rope_index`` (each temporal patch placed as a
 image after its time text). The engine: greedy tokens and top-5 log-probs equal HF's
 ``generate`` for a batch mixing a text-only prompt, a video, a video next to an image, frames
 given decoded and the real clip, whole and with an 8-token budget that cuts the videos (their
-text rows and DeepStack columns) across chunks; a repeated video hits the encoder cache. No KV
-block or encoder-cache entry is left.
+text rows and DeepStack columns) across chunks; a chat turn's video parts expand as HF's; a
+repeated video hits the encoder cache. No KV block or encoder-cache entry is left.
 """
 
 from __future__ import annotations
@@ -242,3 +242,22 @@ def test_repeated_video_hits_the_encoder_cache(path, reference, clip):
         (output,) = assert_matches_hf(llm, reference, [second])
         assert encoder.hits == hits + 1 and len(encoded) == 1
         assert output.num_cached_tokens < 8  # another prefix: no KV reuse hid the hit
+
+
+def test_chat_with_video_part(path, reference, clip):
+    """A chat turn's video parts expand as HF's processor expands the chat template's."""
+    parts = [
+        {"type": "video", "video": str(clip)},
+        {"type": "video_url", "video_url": {"url": f"file://{real_clip()}"}},
+        {"type": "text", "text": "Same?"},
+    ]
+    messages = [{"role": "user", "content": parts}]
+    videos = [str(clip), str(real_clip())]
+    with checks.running_llm(path) as llm:
+        checks.assert_chat_matches_hf(
+            llm,
+            messages,
+            reference.processor,
+            lambda text: hf_greedy(reference, {"prompt": text, "videos": videos}),
+            MAX_NEW_TOKENS,
+        )
