@@ -38,6 +38,8 @@ class ProcessedImage:
         ``grid_t`` temporal patches of ``temporal_patch`` frames each, or uint8 frames
         ``[T, C, H, W]`` (see below); ``second_per_grid_t`` is the time one temporal patch
         spans, in seconds (Qwen2.5-VL's ``second_per_grid_ts``, for its M-RoPE time positions).
+        A Qwen3-VL video: the same, with ``token_ids`` its prompt tokens (each temporal patch's
+        time text, vision start, video tokens, vision end).
 
     Float32 pixels are final. uint8 pixels (``preprocess(..., defer_normalization=True)``) are
     resized but not yet normalised: the consumer computes ``(x - pixel_mean[c]) / pixel_std[c]``

@@ -82,6 +82,7 @@ FAMILIES = (
         ("qwen3_vl",),
         "mm_serve.models.qwen3_vl:Qwen3VLForConditionalGeneration",
         _QWEN2_VL_PROCESSOR,  # Qwen3-VL checkpoints use Qwen2VLImageProcessor (patch 16)
+        "mm_serve.encoders.qwen3_vl_video_processor:qwen3_vl_video_processor",
     ),
     ModelFamily(
         ("Gemma3ForConditionalGeneration",),

@@ -7,9 +7,12 @@ from the position ``p`` after the preceding text: token ``(i, j, k)`` of the gri
 ``(p + time(i), p + j, p + k)``; the text after it resumes at ``p + max(h, w) / merge``.
 ``time(i) = i`` for images and Qwen2-VL's videos; Qwen2.5-VL spaces a video's temporal patches
 by their duration (its paper's absolute time encoding, arXiv:2502.13923, section 2.1):
-``time(i) = int(i * tokens_per_second * second_per_grid_t)`` in float32. Same result as HF
-``Qwen2VLModel.get_rope_index`` and ``Qwen2_5_VLModel.get_rope_index`` (transformers 5.23), and
-``Qwen3VLModel.get_rope_index`` for images (Qwen3-VL's videos are not supported yet).
+``time(i) = int(i * tokens_per_second * second_per_grid_t)`` in float32. A Qwen3-VL video
+writes each temporal patch's time as text between its frames (``ProcessedImage.token_ids``):
+each of its ``t`` temporal patches is placed as an image of grid ``(1, h, w)`` where its run of
+video tokens stands, the texts between them counted as text. Same result as HF
+``Qwen2VLModel.get_rope_index``, ``Qwen2_5_VLModel.get_rope_index`` and
+``Qwen3VLModel.get_rope_index`` (transformers 5.23).
 
 Because an image takes fewer positions than tokens, the last position of a prompt is below
 ``len(prompt) - 1``; ``mrope_position_delta`` is the shift from the largest position: the
@@ -19,6 +22,7 @@ token at sequence index ``i >= len(prompt)`` (decode) has position ``i + delta``
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -42,7 +46,8 @@ def _spans(
     image_token = hf_config.image_token_id
     video_token = getattr(hf_config, "video_token_id", None)
     tokens_per_second = getattr(hf_config.vision_config, "tokens_per_second", None)
-    spans, pos, item_iter = [], 0, iter(items)
+    parts = [part for item in items for part in _frame_groups(item)]
+    spans, pos, item_iter = [], 0, iter(parts)
     while pos < len(token_ids):
         if token_ids[pos] not in (image_token, video_token):
             pos += 1
@@ -63,11 +68,22 @@ def _spans(
             )
         spans.append((pos, end, grid, interval))
         pos = end
-    if len(spans) != len(items):
+    if len(spans) != len(parts):
         raise ValueError(
-            f"The prompt has {len(spans)} image or video placeholders for {len(items)} items."
+            f"The prompt has {len(spans)} image or video placeholders for {len(parts)} items "
+            "(a Qwen3-VL video's temporal patches counted apart)."
         )
     return spans
+
+
+def _frame_groups(item: MRopeItem) -> list[MRopeItem]:
+    """``[item]``, or, for a video whose placeholder holds text among its video tokens
+    (Qwen3-VL: ``token_ids``), one grid ``(1, h, w)`` per temporal patch (HF's
+    ``get_rope_index`` splits ``video_grid_thw`` so)."""
+    if not isinstance(item, ProcessedImage) or item.token_ids is None or item.modality != "video":
+        return [item]
+    t, h, w = item.image_grid_thw
+    return [replace(item, image_grid_thw=(1, h, w), token_ids=None) for _ in range(t)]
 
 
 def _describe(

@@ -4,8 +4,8 @@ with interleaved M-RoPE.
 The language model is our ``LlamaForCausalLM`` on the HF ``text_config`` (``qwen3_vl_text``):
 Qwen3's per-head q/k RMSNorm (``models.llama``), and M-RoPE with the interleaved layout
 (``MRotaryEmbedding``, ``mrope_interleaved``). Positions are Qwen2-VL's
-(``models.mrope.get_mrope_input_positions``, as HF ``Qwen3VLModel.get_rope_index`` for
-images).
+(``models.mrope.get_mrope_input_positions``, as HF ``Qwen3VLModel.get_rope_index``: a
+video's temporal patches placed as images of one frame each, after their time texts).
 
 DeepStack (arXiv:2406.04334; HF ``Qwen3VLTextModel._deepstack_process``): the tower's features
 from ``n = len(deepstack_visual_indexes)`` inner blocks are added to the LM's hidden states at
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from mm_serve.attention import AttentionMetadata
+from mm_serve.encoders.base import ProcessedImage
 from mm_serve.encoders.qwen3_vl import Qwen3VisionTransformer
 from mm_serve.models.layers.rotary import MRotaryEmbedding
 from mm_serve.models.qwen2_vl import Qwen2VLForConditionalGeneration
@@ -40,7 +41,8 @@ from mm_serve.models.qwen2_vl import Qwen2VLForConditionalGeneration
 class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
     """Qwen3-VL: ``visual`` (``Qwen3VisionTransformer``) + the Qwen3 LM with interleaved M-RoPE
     and DeepStack; ``config`` is the HF ``Qwen3VLConfig``. ``embed_images`` and the tower's
-    CUDA graphs (``tower_runner``) are Qwen2-VL's; the module doc gives the embedding width.
+    CUDA graphs (``tower_runner``) are Qwen2-VL's, a video's rows also cover the text among its
+    video tokens; the module doc gives the embedding width.
 
     Raises:
         ValueError: the text config's rope parameters have no ``mrope_section``.
@@ -59,6 +61,27 @@ class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
         self.hidden_size: int = config.text_config.hidden_size
         self.num_deepstack = len(config.vision_config.deepstack_visual_indexes)
         self.inputs_embeds_size = (1 + self.num_deepstack) * self.hidden_size
+
+    def embed_images(self, images: list[ProcessedImage]) -> list[torch.Tensor]:
+        """One ``[num_tokens, (1 + num_deepstack) * hidden]`` tensor per image or video, in
+        order (one tower call, Qwen2-VL's ``embed_images``). A video's placeholder holds its
+        time texts and vision start/end tokens among the video tokens (``token_ids``,
+        ``encoders.qwen3_vl_video_processor``): their rows are their token embeddings with zero
+        DeepStack columns (``get_input_embeddings``), the video tokens' rows the tower's."""
+        features = super().embed_images(images)
+        return [
+            self._with_text_rows(item, rows) for item, rows in zip(images, features, strict=True)
+        ]
+
+    def _with_text_rows(self, item: ProcessedImage, features: torch.Tensor) -> torch.Tensor:
+        """``features`` ``[num_video_tokens, width]`` placed at the video tokens of
+        ``item.token_ids``, the other rows embedded as text; ``features`` when it has none."""
+        if item.token_ids is None:
+            return features
+        token_ids = torch.tensor(item.token_ids, device=features.device)
+        rows = self.get_input_embeddings(token_ids).to(features.dtype)
+        rows[token_ids == self.config.video_token_id] = features
+        return rows
 
     def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T] -> [T, (1 + num_deepstack) * hidden]``: the token embeddings, then zeros (the

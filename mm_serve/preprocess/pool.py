@@ -51,6 +51,7 @@ _FORKSERVER_PRELOAD = [
     "torchvision.transforms.v2.functional",
     "av",
     "mm_serve.encoders.qwen2_vl_video_processor",
+    "mm_serve.encoders.qwen3_vl_video_processor",
 ]
 
 # The worker process's image processor, built by _init_worker.
