@@ -270,9 +270,11 @@ def test_mrope_positions_match_hf_get_rope_index(family: str, tmp_path) -> None:
     text, text_delta = get_mrope_input_positions(list(range(8)), [], config)
     assert torch.equal(text, torch.arange(8).expand(3, 8)) and text_delta == 0
     with pytest.raises(ValueError, match="image"):
-        get_mrope_input_positions(ids, grids[:-1], config)
-    with pytest.raises(ValueError, match="image"):
         get_mrope_input_positions(ids, grids + [(1, 2, 2)], config)
+    # Once every image is placed, an image token (sampled, in a beam's continuation) is text.
+    stray, _ = get_mrope_input_positions(ids + [img, 7], grids, config)
+    assert torch.equal(stray[:, : len(ids)], ours)
+    assert torch.equal(stray[:, len(ids) :], ours[:, -1:] + torch.tensor([[1, 2]]))
 
 
 def test_mrotary_embedding_matches_hf() -> None:

@@ -41,7 +41,10 @@ def _spans(
 
     Each item takes ``t * h * w // merge**2`` consecutive tokens of its placeholder token (the
     config's ``image_token_id``, or ``video_token_id`` for a video; two adjacent items are told
-    apart by their sizes). Raises ``ValueError`` if the runs do not match ``items``.
+    apart by their sizes). Once every item is placed, the rest is text: a prompt that
+    continues generated text (beam search) may hold an image or video token id the model
+    sampled (the front end checks a user's prompt for as many placeholders as items). Raises
+    ``ValueError`` if the runs do not match ``items``.
     """
     image_token = hf_config.image_token_id
     video_token = getattr(hf_config, "video_token_id", None)
@@ -54,9 +57,7 @@ def _spans(
             continue
         item = next(item_iter, None)
         if item is None:
-            raise ValueError(
-                f"More image or video tokens in the prompt than the {len(items)} items."
-            )
+            break  # every item is placed: the rest is text
         grid, token, interval = _describe(item, image_token, video_token, tokens_per_second)
         t, h, w = grid
         end = pos + t * h * w // merge**2
