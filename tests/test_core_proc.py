@@ -26,7 +26,7 @@ import torch
 from PIL import Image
 
 from mm_serve import LLM, SamplingParams
-from mm_serve.config import EngineArgs, ParallelConfig
+from mm_serve.config import EngineArgs
 from mm_serve.encoders.base import ProcessedImage
 from mm_serve.frontend.async_llm import AsyncLLM
 from mm_serve.frontend.core_client import AsyncEngineCoreClient, EngineCoreClient
@@ -39,6 +39,7 @@ from mm_serve.messages import (
     OutputCodec,
     RequestDecodeError,
 )
+from mm_serve.parallel_config import ParallelConfig
 from mm_serve.request import MultiModalFeature, PlaceholderRange, Request
 from mm_serve.stats import EngineStats
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint

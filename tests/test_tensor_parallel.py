@@ -17,9 +17,10 @@ from PIL import Image
 from safetensors import safe_open
 
 from mm_serve import LLM, SamplingParams, distributed
-from mm_serve.config import EngineArgs, check_tensor_parallel
+from mm_serve.config import EngineArgs
 from mm_serve.engine.executor import WorkerDiedError
 from mm_serve.models.loader import load_model, safetensors_files
+from mm_serve.parallel_config import check_tensor_parallel
 from mm_serve.testing.leaks import assert_llm_idle
 from mm_serve.testing.server import RemoteServer, assert_group_gone, image_question, noise_png_url
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint

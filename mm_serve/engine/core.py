@@ -6,9 +6,10 @@ import functools
 import logging
 
 from mm_serve.cache.kv_cache_groups import kv_cache_layout
-from mm_serve.config import EngineConfig, check_tensor_parallel
+from mm_serve.config import EngineConfig
 from mm_serve.engine.step_timeline import install_from_env
 from mm_serve.outputs import EngineCoreOutput
+from mm_serve.parallel_config import check_tensor_parallel
 from mm_serve.request import Request, RequestStatus
 from mm_serve.sched.output import SchedulerOutput
 from mm_serve.sched.scheduler import Scheduler
@@ -33,7 +34,7 @@ class EngineCore:
 
     Raises (from the constructor):
         ValueError: the model does not split over ``config.parallel.tensor_parallel_size``
-            ranks (``config.check_tensor_parallel``).
+            ranks (``parallel_config.check_tensor_parallel``).
         WorkerDiedError: a tensor-parallel worker failed (also from ``step()``).
     """
 
