@@ -86,7 +86,7 @@ def time_iterations(llm, args: argparse.Namespace, output_len: int, seed: int) -
         num_images, seed,
     )  # fmt: skip
     model_type = llm.config.model.hf_config.model_type
-    prompts = common.llm_prompts(requests, common.prompt_texts(requests, model_type))
+    prompts = common.image_prompts(requests, model_type)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     times = []
     for i in range(iters):
