@@ -146,6 +146,34 @@ def in_process_llm(args: argparse.Namespace, workdir: str) -> Any:
     return LLM(folder, **engine_kwargs(args, load_format, multiprocess=False))
 
 
+def result_header(
+    args: argparse.Namespace, load_format: str, config: Any, workload: dict[str, Any]
+) -> dict[str, Any]:
+    """The first fields of a benchmark's result: the model (``--model`` or ``--model-arch``),
+    its ``load_format``, the device and dtype of the engine ``config`` (an ``EngineConfig``),
+    the ``workload`` and the engine flags (``engine_kwargs``)."""
+    return {
+        "model": args.model or args.model_arch,
+        "load_format": load_format,
+        "device": device_name(config.device),
+        "dtype": str(config.model.dtype).removeprefix("torch."),
+        "workload": workload,
+        "engine_args": engine_kwargs(args, load_format),
+    }
+
+
+def image_workload(args: argparse.Namespace, no_image: bool = False) -> dict[str, Any]:
+    """The workload fields of the prompt and image flags: words (``--input-len``), output
+    tokens, ``--num-images`` images of ``--image-size`` (0 and None with ``no_image``), seed."""
+    return {
+        "input_len_words": args.input_len,
+        "output_len": args.output_len,
+        "image_size": None if no_image else list(args.image_size),
+        "num_images": 0 if no_image else args.num_images,
+        "seed": args.seed,
+    }
+
+
 def run_figures(outputs: list[Any], elapsed: float, output_len: int) -> dict[str, Any]:
     """Request and token rates of one timed ``generate`` (ours or vLLM's: both outputs carry
     ``prompt_token_ids`` and ``outputs[0].token_ids``).
