@@ -19,10 +19,8 @@ import copy
 import dataclasses
 import warnings
 from functools import partial
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -37,6 +35,7 @@ from mm_serve.testing.qwen_video_cases import (
     IMAGE,
     VIDEO,
     clip_fixture,
+    hf_videos,
     mixed_video_batch,
     real_clip,
     turn,
@@ -58,17 +57,6 @@ def ours(path):
     return get_video_processor(path, checks.hf_config(path))
 
 
-def hf_frames(video: Any) -> tuple[Any, dict | None]:
-    """What HF's processor gets for one of our videos: a file decoded by its own PyAV reader
-    (with its metadata), frames as one ``[T, H, W, 3]`` array."""
-    if not isinstance(video, (str, Path)):
-        return np.stack([np.asarray(frame) for frame in video]), None
-    from transformers.video_utils import load_video
-
-    frames, meta = load_video(str(video), backend="pyav")
-    return frames, {"total_num_frames": meta.total_num_frames, "fps": meta.fps}
-
-
 def hf_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
     """Our ``mm_processor_kwargs`` as HF's processor takes them: ``num_frames`` replaces the
     checkpoint's ``fps`` (HF refuses both)."""
@@ -79,12 +67,10 @@ def hf_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def hf_inputs(reference: checks.HFReference, case: dict[str, Any]) -> Any:
-    videos = [hf_frames(v) for v in case.get("hf_videos", case.get("videos", []))]
     return reference.inputs(
         case["prompt"],
         case.get("images") or [],
-        videos=[frames for frames, _ in videos] or None,
-        video_metadata=[meta for _, meta in videos] if any(m for _, m in videos) else None,
+        **hf_videos(case, stack_frames=True),
         **hf_kwargs(case.get("kwargs")),
     )
 

@@ -10,7 +10,6 @@ the same frames decoded by its own ``read_video_pyav``.
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,7 +24,7 @@ from mm_serve.encoders.video_io import VideoFrames, as_video_source, open_video
 from mm_serve.encoders.video_processors import VideoLimits, get_video_processor
 from mm_serve.models.mrope import get_mrope_input_positions
 from mm_serve.testing.qwen_video_cases import real_clip, shapes_clip
-from mm_serve.testing.video_clips import encode_clip, moving_shapes
+from mm_serve.testing.video_clips import encode_clip, hf_decode, moving_shapes
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 warnings.filterwarnings("ignore", message=".*per-frame pixel cap.*")
@@ -48,14 +47,6 @@ def ours(path):
     from transformers import AutoConfig
 
     return get_video_processor(path, AutoConfig.from_pretrained(path))
-
-
-def hf_decode(file: Path) -> tuple[np.ndarray, dict]:
-    """HF's own PyAV decoding of every frame, and the metadata HF reads."""
-    from transformers.video_utils import load_video
-
-    frames, meta = load_video(str(file), backend="pyav")
-    return frames, {"total_num_frames": meta.total_num_frames, "fps": meta.fps}
 
 
 def hf_video(hf_processor, frames, metadata: dict | None, kwargs: dict):

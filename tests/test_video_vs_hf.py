@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import warnings
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +23,7 @@ from mm_serve.testing.leaks import assert_llm_idle
 from mm_serve.testing.qwen_video_cases import (
     VIDEO,
     clip_fixture,
+    hf_videos,
     mixed_video_batch,
     turn,
     video_prompt,
@@ -49,29 +49,13 @@ def reference(path) -> checks.HFReference:
 clip = clip_fixture()
 
 
-def hf_frames(video: Any) -> tuple[Any, dict | None]:
-    """What HF's processor gets for one of our videos: a file decoded by its own PyAV reader
-    (with its metadata), frames as they are."""
-    if not isinstance(video, (str, Path)):
-        return video, None
-    from transformers.video_utils import load_video
-
-    frames, meta = load_video(str(video), backend="pyav")
-    return frames, {"total_num_frames": meta.total_num_frames, "fps": meta.fps}
-
-
 def hf_greedy(reference: checks.HFReference, case: dict[str, Any]) -> checks.HFGreedy:
-    videos = [hf_frames(v) for v in case.get("hf_videos", case.get("videos", []))]
     kwargs = dict(case.get("kwargs") or {})
     if "fps" in kwargs or "num_frames" in kwargs:
         kwargs["do_sample_frames"] = True
+    images = case.get("images") or []
     return reference.greedy(
-        case["prompt"],
-        case.get("images") or [],
-        max_new_tokens=MAX_NEW_TOKENS,
-        videos=[frames for frames, _ in videos] or None,
-        video_metadata=[meta for _, meta in videos] if any(m for _, m in videos) else None,
-        **kwargs,
+        case["prompt"], images, max_new_tokens=MAX_NEW_TOKENS, **hf_videos(case), **kwargs
     )
 
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from PIL import Image
 
 from mm_serve.testing.images import generated
-from mm_serve.testing.video_clips import encode_clip, moving_shapes
+from mm_serve.testing.video_clips import encode_clip, hf_decode, moving_shapes
 
 VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -82,3 +83,22 @@ def video_prompt(case: dict[str, Any]) -> dict[str, Any]:
     if case.get("kwargs"):
         prompt["mm_processor_kwargs"] = case["kwargs"]
     return prompt
+
+
+def hf_videos(case: dict[str, Any], stack_frames: bool = False) -> dict[str, Any]:
+    """The ``videos`` and ``video_metadata`` HF's processor gets for a ``case``: its
+    ``hf_videos`` (else ``videos``), a file decoded by HF's own reader (``hf_decode``, with
+    its metadata), frames as they are (``stack_frames``: as one ``[T, H, W, 3]`` array);
+    None for none."""
+    decoded = []
+    for video in case.get("hf_videos", case.get("videos", [])):
+        if isinstance(video, (str, Path)):
+            decoded.append(hf_decode(video))
+        else:
+            frames = np.stack([np.asarray(frame) for frame in video]) if stack_frames else video
+            decoded.append((frames, None))
+    metadata = [meta for _, meta in decoded]
+    return {
+        "videos": [frames for frames, _ in decoded] or None,
+        "video_metadata": metadata if any(metadata) else None,
+    }
