@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from mm_serve.cache.block_hash import BlockHash, update_block_hashes
 from mm_serve.cache.block_pool import BlockPool, KVCacheBlock
 from mm_serve.cache.kv_cache_groups import KVCacheLayout
-from mm_serve.cache.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from mm_serve.cache.kv_cache_manager import KVCacheManager, KVCacheManagerBase
 
 if TYPE_CHECKING:
     from mm_serve.request import Request
@@ -54,7 +54,7 @@ class _GroupHashes(Sequence):
         return group_key(self.block_hashes[i], self.group)
 
 
-class HybridKVCacheManager:
+class HybridKVCacheManager(KVCacheManagerBase):
     """``KVCacheManager``'s contract (the scheduler sees no difference) for a layout of several
     groups; ``get_computed_blocks`` returns one block list per group, which
     ``allocate_slots`` takes back as they are.
@@ -65,10 +65,7 @@ class HybridKVCacheManager:
     def __init__(
         self, num_blocks: int, block_size: int, layout: KVCacheLayout, enable_caching: bool = True
     ) -> None:
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}.")
-        self.block_size = block_size
-        self.enable_caching = enable_caching
+        super().__init__(block_size, enable_caching)
         self.block_pool = BlockPool(num_blocks, enable_caching, reserve_null_block=True)
         self.null_block = self.block_pool.null_block
         self.num_blocks = self.block_pool.num_usable_blocks
@@ -76,19 +73,6 @@ class HybridKVCacheManager:
         self.num_groups = len(self.windows)
         self.req_to_blocks: dict[str, GroupBlocks] = {}
         self.num_cached_blocks: dict[str, list[int]] = {}
-        self.stats = PrefixCacheStats()
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_pool.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        return self.block_pool.usage
-
-    def make_prefix_cache_stats(self) -> PrefixCacheStats:
-        stats, self.stats = self.stats, PrefixCacheStats()
-        return stats
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks ``num_tokens`` tokens of one request occupy at most (every group's)."""
@@ -112,9 +96,7 @@ class HybridKVCacheManager:
             if shortest == num_hit:
                 break
             num_hit = shortest
-        self.stats.requests += 1
-        self.stats.queries += request.num_tokens
-        self.stats.hits += num_hit * self.block_size
+        self.stats.record_lookup(request.num_tokens, num_hit * self.block_size)
         return (hits if num_hit else empty), num_hit * self.block_size
 
     def _group_hit(self, hashes: Sequence[BlockHash], limit: int, group: int) -> list:

@@ -29,26 +29,28 @@ class PrefixCacheStats:
         """``hits / queries``; 0.0 before any query."""
         return self.hits / self.queries if self.queries else 0.0
 
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one lookup of a ``num_tokens``-token request that found ``num_hit_tokens``."""
+        self.requests += 1
+        self.queries += num_tokens
+        self.hits += num_hit_tokens
 
-class KVCacheManager:
-    """Gives each request the blocks it needs and shares full blocks through their hashes.
 
-    The scheduler calls ``get_computed_blocks`` once when a request is first scheduled (or
-    resumed), ``allocate_slots`` every time it schedules tokens of the request, and ``free``
-    when the request finishes or is preempted. The manager keeps ``request.block_hashes`` up to
-    date (see ``update_block_hashes``).
+class KVCacheManagerBase:
+    """What every KV-cache manager has: ``block_size``, ``enable_caching``, the prefix-cache
+    counters, and the free-block figures of the ``block_pool`` the subclass makes.
+
+    Raises:
+        ValueError: if ``block_size`` is not positive.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    block_pool: BlockPool
+
+    def __init__(self, block_size: int, enable_caching: bool) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}.")
-        self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # Number of leading blocks of each request whose hashes were already registered.
-        self.num_cached_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
 
     @property
@@ -61,14 +63,32 @@ class KVCacheManager:
         """Fraction of blocks in use by requests, in [0, 1]."""
         return self.block_pool.usage
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        """Blocks ``num_tokens`` tokens of one request occupy."""
-        return -(-num_tokens // self.block_size)
-
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """Return the counters gathered since the last call and start new ones."""
         stats, self.stats = self.stats, PrefixCacheStats()
         return stats
+
+
+class KVCacheManager(KVCacheManagerBase):
+    """Gives each request the blocks it needs and shares full blocks through their hashes.
+
+    The scheduler calls ``get_computed_blocks`` once when a request is first scheduled (or
+    resumed), ``allocate_slots`` every time it schedules tokens of the request, and ``free``
+    when the request finishes or is preempted. The manager keeps ``request.block_hashes`` up to
+    date (see ``update_block_hashes``).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        super().__init__(block_size, enable_caching)
+        self.num_blocks = num_blocks
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Number of leading blocks of each request whose hashes were already registered.
+        self.num_cached_blocks: dict[str, int] = {}
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks ``num_tokens`` tokens of one request occupy."""
+        return -(-num_tokens // self.block_size)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of ``request``: its blocks (not touched) and its tokens.
@@ -89,9 +109,7 @@ class KVCacheManager:
                 break
             blocks.append(block)
         num_computed_tokens = len(blocks) * self.block_size
-        self.stats.requests += 1
-        self.stats.queries += request.num_tokens
-        self.stats.hits += num_computed_tokens
+        self.stats.record_lookup(request.num_tokens, num_computed_tokens)
         return blocks, num_computed_tokens
 
     def allocate_slots(

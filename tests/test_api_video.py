@@ -18,7 +18,7 @@ from test_api_bad_input import CHAT, assert_error, held
 
 from mm_serve.testing.hf_reference import hf_greedy_generate
 from mm_serve.testing.server import RemoteServer
-from mm_serve.testing.video_clips import encode_clip, moving_shapes
+from mm_serve.testing.video_clips import encode_clip, hf_decode, moving_shapes
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 warnings.filterwarnings("ignore", message=".*per-frame pixel cap.*")
@@ -87,7 +87,6 @@ def send(http):
 def hf_reference(path: str, clip: Path) -> tuple[list[int], list[int]]:
     """(prompt ids, greedy ids) of HF for the chat of ``chat(video)`` with ``clip``."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
-    from transformers.video_utils import load_video
 
     processor = AutoProcessor.from_pretrained(path)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
@@ -95,9 +94,8 @@ def hf_reference(path: str, clip: Path) -> tuple[list[int], list[int]]:
         {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What moves?"}]}
     ]
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
-    frames, meta = load_video(str(clip), backend="pyav")
-    metadata = [{"total_num_frames": meta.total_num_frames, "fps": meta.fps}]
-    inputs = processor(text=[text], videos=[frames], video_metadata=metadata, return_tensors="pt")
+    frames, metadata = hf_decode(clip)
+    inputs = processor(text=[text], videos=[frames], video_metadata=[metadata], return_tensors="pt")
     prompt_ids, tokens, _ = hf_greedy_generate(model, inputs, MAX_TOKENS)
     return prompt_ids, tokens
 

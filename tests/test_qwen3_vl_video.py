@@ -19,10 +19,8 @@ import copy
 import dataclasses
 import warnings
 from functools import partial
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -33,50 +31,30 @@ from mm_serve.models.mrope import get_mrope_input_positions
 from mm_serve.models.qwen2_vl import pixels_on_device
 from mm_serve.testing import family_checks as checks
 from mm_serve.testing.images import generated
-from mm_serve.testing.video_clips import encode_clip, moving_shapes
+from mm_serve.testing.qwen_video_cases import (
+    IMAGE,
+    VIDEO,
+    clip_fixture,
+    hf_videos,
+    mixed_video_batch,
+    real_clip,
+    turn,
+    video_prompt,
+)
+from mm_serve.testing.video_clips import moving_shapes
 
 warnings.filterwarnings("ignore", message=".*per-frame pixel cap.*")
 
 MAX_NEW_TOKENS = 10
-VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
-IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
-
 path, reference = checks.checkpoint_fixtures("qwen3_vl", seed=5, nested_images=False)
 
 
-def turn(text: str) -> str:
-    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
-
-
-def real_clip() -> Path:
-    """24 frames of 25 x 14 pixels at 100/7 fps, from scikit-image."""
-    import skimage
-
-    return Path(skimage.__file__).parent / "data" / "no_time_for_that_tiny.gif"
-
-
-@pytest.fixture(scope="module")
-def clip(tmp_path_factory) -> Path:
-    """11 frames of 91 x 53 pixels at 8 fps, lossless (PNG frames in a QuickTime file)."""
-    file = tmp_path_factory.mktemp("clips") / "shapes.mov"
-    file.write_bytes(encode_clip(moving_shapes(11, 53, 91, seed=0), fps=8))
-    return file
+clip = clip_fixture()
 
 
 @pytest.fixture(scope="module")
 def ours(path):
     return get_video_processor(path, checks.hf_config(path))
-
-
-def hf_frames(video: Any) -> tuple[Any, dict | None]:
-    """What HF's processor gets for one of our videos: a file decoded by its own PyAV reader
-    (with its metadata), frames as one ``[T, H, W, 3]`` array."""
-    if not isinstance(video, (str, Path)):
-        return np.stack([np.asarray(frame) for frame in video]), None
-    from transformers.video_utils import load_video
-
-    frames, meta = load_video(str(video), backend="pyav")
-    return frames, {"total_num_frames": meta.total_num_frames, "fps": meta.fps}
 
 
 def hf_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
@@ -89,12 +67,10 @@ def hf_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def hf_inputs(reference: checks.HFReference, case: dict[str, Any]) -> Any:
-    videos = [hf_frames(v) for v in case.get("hf_videos", case.get("videos", []))]
     return reference.inputs(
         case["prompt"],
         case.get("images") or [],
-        videos=[frames for frames, _ in videos] or None,
-        video_metadata=[meta for _, meta in videos] if any(m for _, m in videos) else None,
+        **hf_videos(case, stack_frames=True),
         **hf_kwargs(case.get("kwargs")),
     )
 
@@ -182,33 +158,6 @@ def test_mrope_positions_match_hf(reference, ours, clip):
     assert torch.equal(positions, expected[:, 0]) and delta == int(hf_delta)
 
 
-def cases(clip: Path) -> list[dict[str, Any]]:
-    frames = [Image.fromarray(f) for f in moving_shapes(5, 41, 66, seed=2)]
-    return [
-        {"prompt": turn("A text-only question.")},
-        {"prompt": turn(f"{VIDEO}What moves?"), "videos": [str(clip)]},
-        {
-            "prompt": turn(f"{IMAGE}And then {VIDEO}Compare."),
-            "images": [generated(77, 45, 5)],
-            "videos": [clip.read_bytes()],
-            "hf_videos": [str(clip)],
-            "kwargs": {"fps": 4},
-        },
-        {"prompt": turn(f"Frames: {VIDEO}"), "videos": [frames]},
-        {"prompt": turn(f"{VIDEO}Describe."), "videos": [str(real_clip())], "kwargs": {"fps": 5}},
-    ]
-
-
-def engine_prompt(case: dict[str, Any]) -> dict[str, Any]:
-    prompt: dict[str, Any] = {"prompt": case["prompt"]}
-    data = {k[:-1]: case[k] for k in ("images", "videos") if case.get(k)}
-    if data:
-        prompt["multi_modal_data"] = data
-    if case.get("kwargs"):
-        prompt["mm_processor_kwargs"] = case["kwargs"]
-    return prompt
-
-
 def hf_greedy(reference: checks.HFReference, case: dict[str, Any]) -> checks.HFGreedy:
     from mm_serve.testing.hf_reference import hf_greedy_generate
 
@@ -219,13 +168,13 @@ def assert_matches_hf(llm, reference, batch: list[dict[str, Any]]) -> list[Any]:
     """Prompt ids (videos expanded with their time texts as HF's processor), greedy tokens
     and top-5 log-probs equal HF's; nothing left held."""
     greedy = partial(hf_greedy, reference)
-    return checks.assert_greedy_matches_hf(llm, batch, engine_prompt, greedy, MAX_NEW_TOKENS)
+    return checks.assert_greedy_matches_hf(llm, batch, video_prompt, greedy, MAX_NEW_TOKENS)
 
 
 @checks.whole_and_chunked(budget=8)
 def test_greedy_matches_hf(path, reference, clip, engine_args):
     with checks.running_llm(path, **engine_args) as llm:
-        assert_matches_hf(llm, reference, cases(clip))
+        assert_matches_hf(llm, reference, mixed_video_batch(clip))
 
 
 def test_repeated_video_hits_the_encoder_cache(path, reference, clip):

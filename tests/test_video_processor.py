@@ -10,7 +10,6 @@ the same frames decoded by its own ``read_video_pyav``.
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,17 +23,11 @@ from mm_serve.encoders.qwen2_vl_video_processor import Qwen2VLVideoProcessor
 from mm_serve.encoders.video_io import VideoFrames, as_video_source, open_video
 from mm_serve.encoders.video_processors import VideoLimits, get_video_processor
 from mm_serve.models.mrope import get_mrope_input_positions
-from mm_serve.testing.video_clips import encode_clip, moving_shapes
+from mm_serve.testing.qwen_video_cases import real_clip, shapes_clip
+from mm_serve.testing.video_clips import encode_clip, hf_decode, moving_shapes
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 warnings.filterwarnings("ignore", message=".*per-frame pixel cap.*")
-
-
-def real_clip() -> Path:
-    """A real animated clip (24 frames of 25 x 14 pixels at 100/7 fps) from scikit-image."""
-    import skimage
-
-    return Path(skimage.__file__).parent / "data" / "no_time_for_that_tiny.gif"
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +47,6 @@ def ours(path):
     from transformers import AutoConfig
 
     return get_video_processor(path, AutoConfig.from_pretrained(path))
-
-
-def hf_decode(file: Path) -> tuple[np.ndarray, dict]:
-    """HF's own PyAV decoding of every frame, and the metadata HF reads."""
-    from transformers.video_utils import load_video
-
-    frames, meta = load_video(str(file), backend="pyav")
-    return frames, {"total_num_frames": meta.total_num_frames, "fps": meta.fps}
 
 
 def hf_video(hf_processor, frames, metadata: dict | None, kwargs: dict):
@@ -91,8 +76,7 @@ def assert_matches(ours_item, hf_pixels, hf_grid, hf_seconds):
     "kwargs", [{}, {"fps": 4}, {"fps": 1}, {"num_frames": 6}], ids=["all", "fps4", "fps1", "n6"]
 )
 def test_clip_pixels_match_hf(tmp_path, hf_processor, ours, kwargs):
-    file = tmp_path / "clip.mov"
-    file.write_bytes(encode_clip(moving_shapes(11, 53, 91, seed=0), fps=8))
+    file = shapes_clip(tmp_path)
     frames, metadata = hf_decode(file)
     expected = hf_video(hf_processor, frames, metadata, kwargs)
     processor = ours.with_kwargs(kwargs)

@@ -13,34 +13,26 @@ from __future__ import annotations
 
 import warnings
 from functools import partial
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from mm_serve import LLM, SamplingParams
 from mm_serve.testing import family_checks as checks
 from mm_serve.testing.leaks import assert_llm_idle
-from mm_serve.testing.video_clips import encode_clip, moving_shapes
+from mm_serve.testing.qwen_video_cases import (
+    VIDEO,
+    clip_fixture,
+    hf_videos,
+    mixed_video_batch,
+    turn,
+    video_prompt,
+)
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 warnings.filterwarnings("ignore", message=".*per-frame pixel cap.*")
 
 MAX_NEW_TOKENS = 10
-VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
-IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
-
-
-def turn(text: str) -> str:
-    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
-
-
-def real_clip() -> Path:
-    import skimage
-
-    return Path(skimage.__file__).parent / "data" / "no_time_for_that_tiny.gif"
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
@@ -54,79 +46,30 @@ def reference(path) -> checks.HFReference:
     return checks.HFReference.load(path, nested_images=False)
 
 
-@pytest.fixture(scope="module")
-def clip(tmp_path_factory) -> Path:
-    """11 frames of 91 x 53 pixels at 8 fps, lossless (PNG frames in a QuickTime file)."""
-    file = tmp_path_factory.mktemp("clips") / "shapes.mov"
-    file.write_bytes(encode_clip(moving_shapes(11, 53, 91, seed=0), fps=8))
-    return file
-
-
-def hf_frames(video: Any) -> tuple[Any, dict | None]:
-    """What HF's processor gets for one of our videos: a file decoded by its own PyAV reader
-    (with its metadata), frames as they are."""
-    if not isinstance(video, (str, Path)):
-        return video, None
-    from transformers.video_utils import load_video
-
-    frames, meta = load_video(str(video), backend="pyav")
-    return frames, {"total_num_frames": meta.total_num_frames, "fps": meta.fps}
+clip = clip_fixture()
 
 
 def hf_greedy(reference: checks.HFReference, case: dict[str, Any]) -> checks.HFGreedy:
-    videos = [hf_frames(v) for v in case.get("hf_videos", case.get("videos", []))]
     kwargs = dict(case.get("kwargs") or {})
     if "fps" in kwargs or "num_frames" in kwargs:
         kwargs["do_sample_frames"] = True
+    images = case.get("images") or []
     return reference.greedy(
-        case["prompt"],
-        case.get("images") or [],
-        max_new_tokens=MAX_NEW_TOKENS,
-        videos=[frames for frames, _ in videos] or None,
-        video_metadata=[meta for _, meta in videos] if any(m for _, m in videos) else None,
-        **kwargs,
+        case["prompt"], images, max_new_tokens=MAX_NEW_TOKENS, **hf_videos(case), **kwargs
     )
-
-
-def cases(clip: Path) -> list[dict[str, Any]]:
-    pixels = np.random.default_rng(5).integers(0, 256, (45, 77, 3), dtype=np.uint8)
-    frames = [Image.fromarray(f) for f in moving_shapes(5, 41, 66, seed=2)]
-    return [
-        {"prompt": turn("A text-only question.")},
-        {"prompt": turn(f"{VIDEO}What moves?"), "videos": [str(clip)]},
-        {
-            "prompt": turn(f"{IMAGE}And then {VIDEO}Compare."),
-            "images": [Image.fromarray(pixels)],
-            "videos": [clip.read_bytes()],
-            "hf_videos": [str(clip)],
-            "kwargs": {"fps": 4},
-        },
-        {"prompt": turn(f"Frames: {VIDEO}"), "videos": [frames]},
-        {"prompt": turn(f"{VIDEO}Describe."), "videos": [str(real_clip())], "kwargs": {"fps": 5}},
-    ]
-
-
-def engine_prompt(case: dict[str, Any]) -> dict[str, Any]:
-    prompt: dict[str, Any] = {"prompt": case["prompt"]}
-    data = {k: case[k] for k in ("images", "videos") if case.get(k)}
-    if data:
-        prompt["multi_modal_data"] = {k[:-1]: v for k, v in data.items()}
-    if case.get("kwargs"):
-        prompt["mm_processor_kwargs"] = case["kwargs"]
-    return prompt
 
 
 def assert_matches_hf(llm: LLM, reference: checks.HFReference, batch: list[dict[str, Any]]):
     """Greedy tokens, prompt ids (the video placeholders as HF expands them) and top-5
     log-probs equal HF's; nothing left held."""
     greedy = partial(hf_greedy, reference)
-    return checks.assert_greedy_matches_hf(llm, batch, engine_prompt, greedy, MAX_NEW_TOKENS)
+    return checks.assert_greedy_matches_hf(llm, batch, video_prompt, greedy, MAX_NEW_TOKENS)
 
 
 @checks.whole_and_chunked(budget=8)
 def test_greedy_matches_hf(path, reference, clip, engine_args):
     with checks.running_llm(path, **engine_args) as llm:
-        assert_matches_hf(llm, reference, cases(clip))
+        assert_matches_hf(llm, reference, mixed_video_batch(clip))
 
 
 def test_repeated_video_hits_the_caches(path, reference, clip):

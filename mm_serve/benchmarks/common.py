@@ -1,5 +1,6 @@
-"""What ``bench latency`` and ``bench throughput`` share: the model flags (a real checkpoint or
-an architecture with random weights), the engine flags, prompts and result files.
+"""What ``bench latency``, ``bench throughput`` and the profiling scripts share: the model flags
+(a real checkpoint or an architecture with random weights), the engine flags, prompts and
+result files.
 
 Imports no web stack (fastapi, zmq): the offline benchmarks run on a bare GPU image.
 """
@@ -116,6 +117,61 @@ def llm_prompts(requests: list[BenchRequest], texts: list[str]) -> list[dict[str
         {"prompt": text, "multi_modal_data": {"image": list(r.images)}} if r.images else text
         for r, text in zip(requests, texts, strict=True)
     ]
+
+
+def image_prompts(requests: list[BenchRequest], model_type: str) -> list[dict[str, Any] | str]:
+    """``llm_prompts`` of ``requests`` with their ``prompt_texts`` for ``model_type``."""
+    return llm_prompts(requests, prompt_texts(requests, model_type))
+
+
+def profile_parser(doc: str, output_len: int) -> argparse.ArgumentParser:
+    """The flags of a profiling script (described by the first line of ``doc``): the model
+    and image flags, ``--num-prompts`` (256), ``--input-len`` (18 random words, as
+    ``bench throughput``'s image workload) and ``--output-len`` (``output_len`` tokens)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    add_model_args(parser)
+    add_image_args(parser)
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--input-len", type=int, default=18)
+    parser.add_argument("--output-len", type=int, default=output_len)
+    return parser
+
+
+def in_process_llm(args: argparse.Namespace, workdir: str) -> Any:
+    """An ``LLM`` of the model and engine flags (``model_folder`` in ``workdir``) with its
+    engine core in this process, so that profilers and patched methods see its steps."""
+    from mm_serve import LLM
+
+    folder, load_format = model_folder(args, workdir)
+    return LLM(folder, **engine_kwargs(args, load_format, multiprocess=False))
+
+
+def result_header(
+    args: argparse.Namespace, load_format: str, config: Any, workload: dict[str, Any]
+) -> dict[str, Any]:
+    """The first fields of a benchmark's result: the model (``--model`` or ``--model-arch``),
+    its ``load_format``, the device and dtype of the engine ``config`` (an ``EngineConfig``),
+    the ``workload`` and the engine flags (``engine_kwargs``)."""
+    return {
+        "model": args.model or args.model_arch,
+        "load_format": load_format,
+        "device": device_name(config.device),
+        "dtype": str(config.model.dtype).removeprefix("torch."),
+        "workload": workload,
+        "engine_args": engine_kwargs(args, load_format),
+    }
+
+
+def image_workload(args: argparse.Namespace, no_image: bool = False) -> dict[str, Any]:
+    """The workload fields of the prompt and image flags: words (``--input-len``), output
+    tokens, ``--num-images`` images of ``--image-size`` (0 and None with ``no_image``), seed."""
+    return {
+        "input_len_words": args.input_len,
+        "output_len": args.output_len,
+        "image_size": None if no_image else list(args.image_size),
+        "num_images": 0 if no_image else args.num_images,
+        "seed": args.seed,
+    }
 
 
 def run_figures(outputs: list[Any], elapsed: float, output_len: int) -> dict[str, Any]:

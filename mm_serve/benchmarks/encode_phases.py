@@ -12,7 +12,6 @@ overlap that async scheduling gives the real run.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import functools
 import tempfile
@@ -66,27 +65,20 @@ def instrument(timer: PhaseTimer) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common.add_model_args(parser)
-    common.add_image_args(parser)
-    parser.add_argument("--num-prompts", type=int, default=256)
-    parser.add_argument("--input-len", type=int, default=18)
-    parser.add_argument("--output-len", type=int, default=4)
-    args = parser.parse_args()
-    from mm_serve import LLM, SamplingParams
+    args = common.profile_parser(__doc__, output_len=4).parse_args()
+    from mm_serve import SamplingParams
 
     timer = PhaseTimer()
     instrument(timer)
     with tempfile.TemporaryDirectory() as workdir:
-        folder, load_format = common.model_folder(args, workdir)
-        llm = LLM(folder, **common.engine_kwargs(args, load_format, multiprocess=False))
+        llm = common.in_process_llm(args, workdir)
         model_type = llm.config.model.hf_config.model_type
 
         def prompts(seed: int):
             requests = random_image_dataset(
                 args.num_prompts, args.input_len, args.output_len, tuple(args.image_size), seed=seed
             )
-            return common.llm_prompts(requests, common.prompt_texts(requests, model_type))
+            return common.image_prompts(requests, model_type)
 
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
         llm.generate(prompts(1), params, use_tqdm=False)  # warm-up: shapes, graphs

@@ -154,7 +154,7 @@ def run_steps(args, folder, load_format, out: str) -> dict[str, Any]:
 
     def prompts(seed: int, n: int = args.num_prompts):
         requests = random_image_dataset(n, 50, args.output_len, (448, 448), seed=seed)
-        return common.llm_prompts(requests, common.prompt_texts(requests, model_type))
+        return common.image_prompts(requests, model_type)
 
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts(100, 4), params, use_tqdm=False)

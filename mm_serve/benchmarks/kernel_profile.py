@@ -10,7 +10,6 @@ kernels (device ms and share of the kernel sum), each once per name.
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 
@@ -21,19 +20,13 @@ from mm_serve.benchmarks.datasets import random_image_dataset
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common.add_model_args(parser)
-    common.add_image_args(parser)
-    parser.add_argument("--num-prompts", type=int, default=256)
-    parser.add_argument("--input-len", type=int, default=18)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser = common.profile_parser(__doc__, output_len=128)
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args()
-    from mm_serve import LLM, SamplingParams
+    from mm_serve import SamplingParams
 
     with tempfile.TemporaryDirectory() as workdir:
-        folder, load_format = common.model_folder(args, workdir)
-        llm = LLM(folder, **common.engine_kwargs(args, load_format, multiprocess=False))
+        llm = common.in_process_llm(args, workdir)
         model_type = llm.config.model.hf_config.model_type
 
         def prompts(seed: int, n: int):
@@ -45,7 +38,7 @@ def main() -> None:
                 seed=seed,
                 num_images=args.num_images,
             )
-            return common.llm_prompts(requests, common.prompt_texts(requests, model_type))
+            return common.image_prompts(requests, model_type)
 
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
         llm.generate(prompts(100, 8), params, use_tqdm=False)

@@ -86,7 +86,7 @@ def time_iterations(llm, args: argparse.Namespace, output_len: int, seed: int) -
         num_images, seed,
     )  # fmt: skip
     model_type = llm.config.model.hf_config.model_type
-    prompts = common.llm_prompts(requests, common.prompt_texts(requests, model_type))
+    prompts = common.image_prompts(requests, model_type)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     times = []
     for i in range(iters):
@@ -138,24 +138,18 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         try:
             full = summarize(time_iterations(llm, args, args.output_len, args.seed))
             one = summarize(time_iterations(llm, args, 1, args.seed + 1))
-            device = llm.config.device
+            config = llm.config
             # The parameters' shapes on the meta device: the engine core may be another process.
             model = build_empty_model(
                 get_model_class(llm.config.model.hf_config), llm.config.model, "meta"
             )
             all_bytes, lm_bytes = weight_bytes(model), weight_bytes(model, lm_only=True)
-            dtype = str(llm.config.model.dtype).removeprefix("torch.")
             del model
         finally:
             common.shutdown(llm)
-    floors = decode_floors(all_bytes, lm_bytes, device)
+    floors = decode_floors(all_bytes, lm_bytes, config.device)
     result = {
-        "model": args.model or args.model_arch,
-        "load_format": load_format,
-        "device": common.device_name(device),
-        "dtype": dtype,
-        "workload": _workload(args),
-        "engine_args": common.engine_kwargs(args, load_format),
+        **common.result_header(args, load_format, config, _workload(args)),
         "latency": full,
         "latency_output_len_1": one,
         **floors,
@@ -169,13 +163,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 def _workload(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "batch_size": args.batch_size,
-        "input_len_words": args.input_len,
-        "output_len": args.output_len,
-        "image_size": None if args.no_image else list(args.image_size),
-        "num_images": 0 if args.no_image else args.num_images,
+        **common.image_workload(args, args.no_image),
         "num_iters": args.num_iters,
         "num_iters_warmup": args.num_iters_warmup,
-        "seed": args.seed,
     }
 
 

@@ -153,10 +153,10 @@ def throughput_breakdown(llm, num_prompts: int) -> str:
 
     core.scheduler.schedule, core.step = timed_schedule, timed_step
     requests = random_image_dataset(num_prompts, 50, 128, (448, 448), seed=1)
-    texts = common.prompt_texts(requests, llm.config.model.hf_config.model_type)
+    prompts = common.image_prompts(requests, llm.config.model.hf_config.model_type)
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     start = time.perf_counter()
-    llm.generate(common.llm_prompts(requests, texts), params, use_tqdm=False)
+    llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
     lines = [f"{num_prompts} requests in {wall:.3f} s"]
     for kind, times in kinds.items():
@@ -174,8 +174,7 @@ def encode_step_table(llm, num_images: int = 32, rows: int = 30) -> str:
     from mm_serve.benchmarks.datasets import random_image_dataset
 
     requests = random_image_dataset(num_images, 50, 1, (448, 448), seed=2)
-    texts = common.prompt_texts(requests, llm.config.model.hf_config.model_type)
-    prompts = common.llm_prompts(requests, texts)
+    prompts = common.image_prompts(requests, llm.config.model.hf_config.model_type)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     pending = [llm.input_processor.process(p) for p in prompts]
     for p in pending:  # images preprocessed before the profile

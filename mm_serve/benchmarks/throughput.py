@@ -164,15 +164,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         folder, model_type = config.model.path, config.model.hf_config.model_type
         texts = common.prompt_texts(requests, model_type)
         warmup_texts = common.prompt_texts(warmup, model_type)
-        result: dict[str, Any] = {
-            "model": args.model or args.model_arch,
-            "load_format": load_format,
-            "device": common.device_name(config.device),
-            "dtype": str(config.model.dtype).removeprefix("torch."),
-            "workload": _workload(args),
-            "engine_args": kwargs,
-            "hf": None,
-        }
+        result = common.result_header(args, load_format, config, _workload(args))
+        result["hf"] = None
         if not args.no_hf:
             result["hf"] = _run_hf(args, folder, requests, texts, config)
         configs = _configurations(args, load_format, kwargs)
@@ -216,14 +209,7 @@ def _configurations(args, load_format: str, kwargs: dict[str, Any]) -> dict[str,
 
 
 def _workload(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "num_prompts": args.num_prompts,
-        "input_len_words": args.input_len,
-        "output_len": args.output_len,
-        "image_size": list(args.image_size),
-        "num_images": args.num_images,
-        "seed": args.seed,
-    }
+    return {"num_prompts": args.num_prompts, **common.image_workload(args)}
 
 
 def _keep_best_runs(result: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> None:

@@ -64,20 +64,19 @@ def _preprocess_ms(processor, image, repeats: int = 20) -> float:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The measurements above on a fresh engine; returns the medians (ms)."""
-    from mm_serve import LLM, SamplingParams
+    from mm_serve import SamplingParams
     from mm_serve.encoders.processors import get_image_processor
 
     with tempfile.TemporaryDirectory() as workdir:
-        folder, load_format = common.model_folder(args, workdir)
-        llm = LLM(folder, **common.engine_kwargs(args, load_format, multiprocess=False))
+        llm = common.in_process_llm(args, workdir)
         model_type = llm.config.model.hf_config.model_type
         iters = args.num_iters_warmup + args.num_iters
         requests = random_image_dataset(iters, args.input_len, 1, tuple(args.image_size), seed=9)
-        prompts = common.llm_prompts(requests, common.prompt_texts(requests, model_type))
+        prompts = common.image_prompts(requests, model_type)
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         phases: dict[str, list[float]] = {"preprocess": [], "engine": [], "generate": []}
         fresh = random_image_dataset(iters, args.input_len, 1, tuple(args.image_size), seed=10)
-        fresh_prompts = common.llm_prompts(fresh, common.prompt_texts(fresh, model_type))
+        fresh_prompts = common.image_prompts(fresh, model_type)
         for i in range(iters):
             pre, engine = _first_token_ms(llm, prompts[i], params)
             common.sync()

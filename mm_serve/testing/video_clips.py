@@ -1,8 +1,10 @@
-"""Short generated video clips for tests: moving shapes, encoded with PyAV."""
+"""Short generated video clips for tests: moving shapes, encoded with PyAV; and a file as HF
+decodes it."""
 
 from __future__ import annotations
 
 import io
+import os
 
 import numpy as np
 
@@ -45,3 +47,12 @@ def encode_clip(
             out.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         out.mux(stream.encode())
     return buffer.getvalue()
+
+
+def hf_decode(file: str | os.PathLike) -> tuple[np.ndarray, dict]:
+    """Every frame of ``file`` as HF's own PyAV reader decodes it (``[T, H, W, 3]`` uint8), and
+    the metadata HF's processors read (``total_num_frames``, ``fps``)."""
+    from transformers.video_utils import load_video
+
+    frames, meta = load_video(str(file), backend="pyav")
+    return frames, {"total_num_frames": meta.total_num_frames, "fps": meta.fps}

@@ -11,7 +11,7 @@ A field unknown to both is ignored with a warning in the server log, as vLLM doe
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -21,6 +21,7 @@ from pydantic import (
     model_serializer,
 )
 
+from mm_serve.entrypoints.openai.protocol_messages import ChatMessage
 from mm_serve.entrypoints.openai.protocol_tools import (
     ChatTool,
     DeltaToolCall,
@@ -57,48 +58,6 @@ UNSUPPORTED_FIELDS = frozenset(
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
-
-
-class ImageURL(BaseModel):
-    url: str  # data:image/...;base64,..., http(s)://... (allowed hosts), file://... (allowed root)
-    # OpenAI's: "low" preprocesses the image with a smaller pixel budget (Qwen2-VL: at most
-    # 448 x 448 pixels, 256 tokens; mm_processor.IMAGE_DETAILS); "high" and "auto" as the server.
-    detail: Literal["auto", "low", "high"] | None = None
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class ImageURLPart(BaseModel):
-    type: Literal["image_url"]
-    image_url: ImageURL
-    # vLLM's extension: identifies the image in place of its content in the caches.
-    uuid: str | None = None
-
-
-class VideoURL(BaseModel):
-    url: str  # data:video/...;base64,..., http(s)://... (allowed hosts), file://... (allowed root)
-
-
-class VideoURLPart(BaseModel):
-    """vLLM's video part: a video file (any container and codec FFmpeg decodes)."""
-
-    type: Literal["video_url"]
-    video_url: VideoURL
-    uuid: str | None = None  # identifies the video in place of its content in the caches
-
-
-ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart, Field(discriminator="type")]
-
-
-class ChatMessage(BaseModel):
-    role: str  # "system", "user", "assistant", "tool", ...: what the chat template accepts
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # an assistant's calls
-    tool_call_id: str | None = None  # a tool's answer: to which call
 
 
 class JSONSchemaFormat(BaseModel):
