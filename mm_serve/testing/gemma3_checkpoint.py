@@ -1,8 +1,8 @@
 """A tiny Gemma 3 checkpoint for tests, written by transformers' ``save_pretrained``.
 
-Text: a byte-level BPE tokenizer trained here on ``CORPUS`` and lines of newlines (so that
-``"\\n\\n\\n"`` is one token, as in Gemma's vocabulary, and HF's newlines around an image merge
-with the text's), Gemma's special tokens (``<bos>``, ``<eos>``, ``<start_of_turn>``,
+Text: a SentencePiece-style BPE tokenizer trained here on ``CORPUS`` and lines of newlines
+(so that ``"\\n\\n\\n"`` is one token, as in Gemma's vocabulary, and HF's newlines around an
+image merge with the text's), Gemma's special tokens (``<bos>``, ``<eos>``, ``<start_of_turn>``,
 ``<end_of_turn>``, ``<start_of_image>``, ``<end_of_image>``, ``<image_soft_token>``) and a
 Gemma-style chat template. LM: hidden 64, 4 layers (``sliding, full, sliding, sliding``: four
 KV-cache groups of one layer), a sliding window of ``GEMMA3_SLIDING_WINDOW`` tokens, so that
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from mm_serve._compat import ensure_torchvision_importable
-from mm_serve.testing.checkpoints import CORPUS, train_byte_level_bpe
+from mm_serve.testing.checkpoints import CORPUS
 from mm_serve.testing.family_checkpoint import (
     TINY_VISION,
     checked_vocab_size,
@@ -67,20 +67,55 @@ NEWLINE_LINES = ["a\nb\n\nc\n\n\nd\n\n\n\ne", "one\n\n\ntwo\n\nthree\n\n\n\nfour
 
 
 def gemma3_tokenizer(vocab_size: int = 400) -> Any:
-    """The byte-level BPE tokenizer (``CORPUS`` and ``NEWLINE_LINES``) with Gemma's special
-    tokens: it prepends ``<bos>``, and knows ``<start_of_image>`` and the others as the
-    ``boi_token``, ``eoi_token`` and ``image_token`` that ``Gemma3Processor`` reads."""
+    """A tokenizer of Gemma's kind, trained on ``CORPUS`` and ``NEWLINE_LINES``
+    (``sentencepiece_style_bpe``), with Gemma's special tokens: it prepends ``<bos>``, and
+    knows ``<start_of_image>`` and the others as the ``boi_token``, ``eoi_token`` and
+    ``image_token`` that ``Gemma3Processor`` reads."""
+    from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
     specials = [*GEMMA3_SPECIALS.values(), *GEMMA3_TURNS, *GEMMA3_IMAGE_TOKENS.values()]
+    tok = sentencepiece_style_bpe(CORPUS + NEWLINE_LINES, vocab_size, specials)
     bos = GEMMA3_SPECIALS["bos_token"]
-    tok = train_byte_level_bpe(CORPUS + NEWLINE_LINES, vocab_size, specials, bos)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))]
+    )
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         **GEMMA3_SPECIALS,
         extra_special_tokens=dict(GEMMA3_IMAGE_TOKENS),
         chat_template=GEMMA3_CHAT_TEMPLATE,
     )
+
+
+def sentencepiece_style_bpe(corpus: list[str], vocab_size: int, specials: list[str]) -> Any:
+    """A ``tokenizers.Tokenizer`` spelled as Gemma's (SentencePiece BPE): spaces become "▁",
+    text is split before each "▁" and around each run of newlines, BPE of ``vocab_size``
+    learned tokens trained on ``corpus`` (deterministic), then the 256 byte tokens
+    ``<0x00>``...``<0xFF>`` for characters outside it (byte fallback), then ``specials``.
+    Unlike a byte-level vocabulary (where "\\n" is "Ċ"), whitespace runs such as "\\n\\n" are
+    entries under their own text, which vLLM's Gemma 3 processor looks up."""
+    import json
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    newlines = pre_tokenizers.Split(Regex("\n+"), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [newlines, pre_tokenizers.Metaspace(prepend_scheme="never")]
+    )
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False))
+    model = json.loads(tok.to_str())["model"]
+    vocab = model["vocab"]
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    tok.model = models.BPE(vocab, merges, byte_fallback=True)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    tok.add_special_tokens(specials)
+    return tok
 
 
 def _config(tokenizer: Any, text: dict[str, Any], vocab_size: int) -> Any:
