@@ -1,5 +1,8 @@
-"""Tensor parallelism on the CPU (gloo): sharded loading, start-up checks, and the
-multiprocess executor's outputs against one rank and against HF."""
+"""Tensor parallelism: sharded loading, start-up checks, and the multiprocess executor's
+outputs against one rank and against HF.
+
+The ranks run on the CPU (gloo). With ``MM_SERVE_TP_TEST_DEVICE=cuda`` the executor's tests run
+the same models on two GPUs (NCCL), float32 as on the CPU; they skip with fewer GPUs."""
 
 from __future__ import annotations
 
@@ -24,6 +27,11 @@ from mm_serve.parallel_config import check_tensor_parallel
 from mm_serve.testing.leaks import assert_llm_idle
 from mm_serve.testing.server import RemoteServer, assert_group_gone, image_question, noise_png_url
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+
+DEVICE = os.environ.get("MM_SERVE_TP_TEST_DEVICE", "cpu")
+two_ranks = pytest.mark.skipif(
+    DEVICE == "cuda" and torch.cuda.device_count() < 2, reason="needs two GPUs"
+)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -73,7 +81,7 @@ def test_sizes_that_do_not_divide_the_model_fail_at_start_up(llama_path) -> None
 MAX_NEW_TOKENS = 12
 LOGPROB_TOL = 1e-4
 # Chunked prefill (20 tokens a step), preemption (32 blocks of 4) and prefix caching.
-ENGINE_ARGS = {"device": "cpu", "max_num_batched_tokens": 20, "block_size": 4, "num_kv_blocks": 32}
+ENGINE_ARGS = {"device": DEVICE, "max_num_batched_tokens": 20, "block_size": 4, "num_kv_blocks": 32}
 
 
 def _prompts(vocab_size: int) -> list[list[int]]:
@@ -108,6 +116,7 @@ MODES = {
 }
 
 
+@two_ranks
 @pytest.mark.parametrize("mode", MODES)
 def test_tp2_matches_tp1_and_hf(mode, llama_path, qwen2_path, hf_reference) -> None:
     """Two CPU ranks (gloo): greedy tokens equal one rank's and HF's, with chunked prefill,
@@ -138,6 +147,7 @@ QWEN_TAG = "<|vision_start|><|image_pad|><|vision_end|>"
 VLM_PLACEHOLDER = {"qwen2_vl": QWEN_TAG, "llava": "<image>", "qwen3_vl": QWEN_TAG}
 
 
+@two_ranks
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava", "qwen3_vl"])
 def test_tp2_vlm_matches_tp1(family, tmp_path) -> None:
     """The vision tower is replicated on each rank, the LM sharded: the same greedy tokens
@@ -153,7 +163,7 @@ def test_tp2_vlm_matches_tp1(family, tmp_path) -> None:
         {"prompt": "Only text here.", "multi_modal_data": {"image": []}},
     ]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5)
-    args = {"device": "cpu", "max_model_len": 512, "num_kv_blocks": 128}
+    args = {"device": DEVICE, "max_model_len": 512, "num_kv_blocks": 128}
     tp1 = LLM(path, **args)
     expected = [o.outputs[0] for o in tp1.generate(prompts, params, use_tqdm=False)]
     tp1.shutdown()
@@ -166,10 +176,11 @@ def test_tp2_vlm_matches_tp1(family, tmp_path) -> None:
     _assert_same(got, expected)
 
 
+@two_ranks
 def test_a_killed_worker_fails_the_engine_fast(llama_path) -> None:
     """SIGKILL to rank 1: the next step raises ``WorkerDiedError`` within seconds, and no
     worker process is left."""
-    llm = LLM(llama_path, tensor_parallel_size=2, device="cpu")
+    llm = LLM(llama_path, tensor_parallel_size=2, device=DEVICE)
     executor = llm.engine_core.model_runner
     processes = list(executor._workers.processes)
     params = SamplingParams(temperature=0.0, max_tokens=4)
@@ -186,6 +197,7 @@ def test_a_killed_worker_fails_the_engine_fast(llama_path) -> None:
         llm.shutdown()
 
 
+@two_ranks
 def test_served_tp2_answers_as_tp1_and_dies_with_a_worker(vlm_path, vlm_llm) -> None:
     """``mm-serve serve --tensor-parallel-size 2``: a greedy chat answer about an image equals
     the offline one-rank engine's; after SIGKILL to a worker the next request gets a 503, the
@@ -194,8 +206,10 @@ def test_served_tp2_answers_as_tp1_and_dies_with_a_worker(vlm_path, vlm_llm) -> 
     params = SamplingParams(temperature=0.0, max_tokens=8)
     (expected,) = vlm_llm.chat(messages, params, use_tqdm=False)
     server = RemoteServer(
-        vlm_path, ["--tensor-parallel-size", "2", "--max-model-len", "512", "--num-kv-blocks", "64"]
-    )
+        vlm_path,
+        ["--tensor-parallel-size", "2", "--device", DEVICE, "--max-model-len", "512",
+         "--num-kv-blocks", "64"],
+    )  # fmt: skip
     try:
         body = {"model": vlm_path, "messages": messages, "temperature": 0, "max_tokens": 8}
         reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)

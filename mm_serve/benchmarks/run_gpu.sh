@@ -20,6 +20,9 @@
 # families:   bench throughput of each family's published architecture (dummy weights), 128
 #             requests x one 448x448 image + 18 words -> 128 tokens; FAMILIES=... picks some,
 #             PEER=vllm adds vLLM 0.33 side by side (installed in /tmp/vsite)
+# multi-gpu:  two GPUs (NCCL, NVLink multicast off): the tensor-parallel tests on CUDA; decode at
+#             batch 1 with TP=1 and TP=2; bench throughput (Qwen2-VL-7B, 256 x 448x448 image +
+#             50 tokens -> 128) at DP=1, DP=2 and TP=2; PEER=vllm adds vLLM at TP=1 and TP=2
 set -uo pipefail
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
@@ -93,6 +96,25 @@ for _ in range(300):
         bench throughput --model-arch "$arch" --num-prompts 128 --input-len 18 --output-len 128 \
           --image-size 448 448 --max-model-len 8192 --no-hf --repeats 1 "${peer[@]}" \
           --output-json "$OUT/family_$arch.json" 2>&1 | tee "$OUT/family_$arch.log" | tail -6
+      done ;;
+    multi-gpu)
+      export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+      MM_SERVE_TP_TEST_DEVICE=cuda $PY -m pytest -q tests/test_tensor_parallel.py 2>&1 \
+        | tee "$OUT/tp_tests.log" | tail -5
+      for tp in 1 2; do
+        bench latency --model-arch qwen2-vl-7b --batch-size 1 --input-len 50 --output-len 128 \
+          --num-iters 10 --num-iters-warmup 3 --tensor-parallel-size $tp \
+          --output-json "$OUT/latency_tp$tp.json" 2>&1 | tee "$OUT/latency_tp$tp.log" | tail -8
+      done
+      for run in dp1:1:1 dp2:2:1 tp2:1:2; do
+        IFS=: read -r name dp tp <<< "$run"
+        peer=()
+        [ -n "${PEER:-}" ] && [ "$dp" = 1 ] && peer=(--peer "$PEER" --peer-pythonpath /tmp/vsite
+          --peer-engine-args "{\"tensor_parallel_size\": $tp}")
+        bench throughput --model-arch qwen2-vl-7b --num-prompts 256 --input-len 50 \
+          --output-len 128 --image-size 448 448 --no-hf --repeats 1 --data-parallel-size "$dp" \
+          --tensor-parallel-size "$tp" "${peer[@]}" --output-json "$OUT/multi_$name.json" \
+          2>&1 | tee "$OUT/multi_$name.log" | tail -6
       done ;;
     *) echo "unknown stage $stage" ;;
   esac
