@@ -225,3 +225,17 @@ def test_bench_latency_cli(tmp_path) -> None:
     assert result["decode_step_ms"] is not None
     assert result["all_weight_bytes"] > result["lm_weight_bytes"] > 0
     assert result["floor_lm_weights_ms"] is None  # no copy bandwidth on CPU
+
+
+def test_host_overhead_script() -> None:
+    """The engine core's host work per decode step: a row per batch size, every timed step
+    gave each request a token (the script checks it)."""
+    command = [sys.executable, "-m", "mm_serve.benchmarks.host_overhead"]
+    args = ["--batch-sizes", "1", "4", "--steps", "5"]
+    proc = subprocess.run([*command, *args], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = re.findall(r"^\s*(\d+) \|\s*([\d.]+) \|\s*([\d.]+)$", proc.stdout, re.MULTILINE)
+    assert [int(batch) for batch, _, _ in rows] == [1, 4]
+    for batch, step_ms, per_request_us in rows:
+        assert float(step_ms) > 0
+        assert abs(float(per_request_us) - float(step_ms) * 1e3 / int(batch)) < 1.0  # rounding
