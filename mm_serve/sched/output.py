@@ -58,6 +58,18 @@ class CachedRequestData:
 
 
 @dataclass
+class StepDecisions:
+    """What one ``Scheduler.schedule()`` call has decided so far, and the budgets left."""
+
+    token_budget: int
+    encoder_budget: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
 class SchedulerOutput:
     """One step's decisions: ``{request_id: num_tokens}`` plus the diffs the runner applies."""
 

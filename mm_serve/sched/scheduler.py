@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from mm_serve.cache.encoder_cache_manager import EncoderCacheManager
 from mm_serve.cache.hybrid_kv_cache_manager import make_kv_cache_manager
@@ -43,27 +42,15 @@ from mm_serve.sched.encoder_inputs import (
     schedule_encoder_inputs,
 )
 from mm_serve.sched.output import (
-    CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    StepDecisions,
 )
 from mm_serve.sched.structured_output import StructuredOutputManager
 from mm_serve.stats import EngineStats
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Step:
-    """What one ``schedule()`` call has decided so far, and the budgets left."""
-
-    token_budget: int
-    encoder_budget: int
-    num_scheduled: dict[str, int] = field(default_factory=dict)
-    new_reqs: list[NewRequestData] = field(default_factory=list)
-    cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
-    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -151,7 +138,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decide this step: running requests first, then waiting ones, within the budgets."""
-        step = _Step(self.config.max_num_batched_tokens, self.config.max_num_encoder_input_tokens)
+        step = StepDecisions(
+            self.config.max_num_batched_tokens, self.config.max_num_encoder_input_tokens
+        )
         if not self._schedule_running(step):
             self._schedule_waiting(step)
         output = SchedulerOutput(
@@ -176,7 +165,7 @@ class Scheduler:
         self.finished_req_ids = set()
         return output
 
-    def _schedule_running(self, step: _Step) -> list[Request]:
+    def _schedule_running(self, step: StepDecisions) -> list[Request]:
         """Schedule running requests; returns those preempted to make room."""
         preempted: list[Request] = []
         index = 0
@@ -230,7 +219,7 @@ class Scheduler:
             request.num_output_tokens + ahead >= max_tokens or request.num_tokens + ahead >= max_len
         )
 
-    def _schedule_waiting(self, step: _Step) -> None:
+    def _schedule_waiting(self, step: StepDecisions) -> None:
         kv = self.kv_cache_manager
         compiling: list[Request] = []  # set aside while their grammars compile, order kept
         while (
@@ -284,7 +273,9 @@ class Scheduler:
             self.failed_outputs.append(self._make_output(request, [], None, None))
             return False
 
-    def _commit(self, step: _Step, request: Request, num_new: int, to_encode: list[int]) -> None:
+    def _commit(
+        self, step: StepDecisions, request: Request, num_new: int, to_encode: list[int]
+    ) -> None:
         """Record a scheduled request: its tokens, and the images it encodes this step."""
         step.num_scheduled[request.request_id] = num_new
         step.token_budget -= num_new
