@@ -16,6 +16,7 @@ transformers writes (5.x: the image processor settings nested in ``processor_con
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from pathlib import Path
@@ -248,9 +249,8 @@ def build_tiny_vlm_checkpoint(
     56 x 56 (16 image tokens); Idefics3's (a Llama LM): see ``idefics3_checkpoint``; InternVL's
     and LLaVA-OneVision's (Qwen2 LMs): see ``internvl_checkpoint``, ``llava_onevision_checkpoint``;
     Qwen3-VL's (Qwen2-VL's tokenizer, a Qwen3 LM with DeepStack): see ``qwen3_vl_checkpoint``;
-    Gemma 3's: see ``gemma3_checkpoint``.
-    Float32
-    weights; same arguments, same bytes. Returns ``path``.
+    Gemma 3's: see ``gemma3_checkpoint``. Float32 weights; same arguments, same bytes.
+    Returns ``path``.
 
     ``vocab_size`` (default: the tokenizer's length) sets the embedding and LM-head rows; more
     rows than the tokenizer has, as real checkpoints do (Qwen2-VL: 151936 rows, 151657 tokens),
@@ -265,37 +265,15 @@ def build_tiny_vlm_checkpoint(
         raise ValueError(f"Unknown family {family!r}; choose from {known}.")
     if layout not in LAYOUTS:
         raise ValueError(f"Unknown layout {layout!r}; choose from {LAYOUTS}.")
-    if family == "idefics3":
-        if layout != "transformers":
-            raise ValueError("The idefics3 checkpoint has the transformers layout only.")
-        from mm_serve.testing.idefics3_checkpoint import build_tiny_idefics3_checkpoint
-
-        return build_tiny_idefics3_checkpoint(path, dict(_TEXT), seed, vocab_size)
-    if family == "internvl":
-        if layout != "transformers":
-            raise ValueError("The internvl checkpoint has the transformers layout only.")
-        from mm_serve.testing.internvl_checkpoint import build_tiny_internvl_checkpoint
-
-        return build_tiny_internvl_checkpoint(path, dict(_TEXT), seed, vocab_size)
-    if family == "llava_onevision":
-        if layout != "transformers":
-            raise ValueError("The llava_onevision checkpoint has the transformers layout only.")
-        from mm_serve.testing.llava_onevision_checkpoint import (
-            build_tiny_llava_onevision_checkpoint,
-        )
-
-        return build_tiny_llava_onevision_checkpoint(path, dict(_TEXT), seed, vocab_size)
-    if family == "gemma3":
-        if layout != "transformers":
-            raise ValueError("The gemma3 checkpoint has the transformers layout only.")
-        from mm_serve.testing.gemma3_checkpoint import build_tiny_gemma3_checkpoint
-
-        return build_tiny_gemma3_checkpoint(path, dict(_TEXT), seed, vocab_size)
+    if family in TILED_FAMILIES + (QWEN3_VL,) and layout != "transformers":
+        raise ValueError(f"The {family} checkpoint has the transformers layout only.")
+    if family in TILED_FAMILIES:  # each in its own module, with its own tokenizer
+        module = importlib.import_module(f"mm_serve.testing.{family}_checkpoint")
+        build = getattr(module, f"build_tiny_{family}_checkpoint")
+        return build(path, dict(_TEXT), seed, vocab_size)
     tokenizer = vlm_tokenizer(family)
     vocab_size = checked_vocab_size(tokenizer, vocab_size)
     if family == QWEN3_VL:
-        if layout != "transformers":
-            raise ValueError("The qwen3_vl checkpoint has the transformers layout only.")
         from mm_serve.testing.qwen3_vl_checkpoint import build_tiny_qwen3_vl_checkpoint
 
         ids = _token_ids(tokenizer, vocab_size)
