@@ -63,7 +63,7 @@ def step_times(core, batch_size: int, steps: int, prefix: str) -> list[float]:
     params = SamplingParams(temperature=0.0, max_tokens=steps + 32, ignore_eos=True)
     gen = torch.Generator().manual_seed(batch_size)
     for i in range(batch_size):
-        ids = torch.randint(0, 1000, (50,), generator=gen).tolist()
+        ids = torch.randint(0, 400, (50,), generator=gen).tolist()  # below the special ids
         core.add_request(Request(f"{prefix}{i}", ids, params))
     for _ in range(8):  # the prompts, then a few decode steps
         core.step()
