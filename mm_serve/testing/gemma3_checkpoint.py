@@ -2,12 +2,13 @@
 
 Text: a SentencePiece-style BPE tokenizer trained here on ``CORPUS`` and lines of newlines
 (so that ``"\\n\\n\\n"`` is one token, as in Gemma's vocabulary, and HF's newlines around an
-image merge with the text's), Gemma's special tokens (``<bos>``, ``<eos>``, ``<start_of_turn>``,
-``<end_of_turn>``, ``<start_of_image>``, ``<end_of_image>``, ``<image_soft_token>``) and a
-Gemma-style chat template. LM: hidden 64, 4 layers (``sliding, full, sliding, sliding``: four
-KV-cache groups of one layer), a sliding window of ``GEMMA3_SLIDING_WINDOW`` tokens, so that
-prompts exceed it; tied embeddings. Vision: a SigLIP tower of width 32 on 48 x 48 images of
-8-pixel patches (6 x 6), pooled to ``GEMMA3_MM_TOKENS`` = 9 tokens per image.
+image merge with the prompt's own newlines), Gemma's special tokens (``<bos>``, ``<eos>``,
+``<start_of_turn>``, ``<end_of_turn>``, ``<start_of_image>``, ``<end_of_image>``,
+``<image_soft_token>``) and a Gemma-style chat template. LM: hidden 64, 4 layers (``sliding,
+full, sliding, sliding``: four KV-cache groups of one layer), a sliding window of
+``GEMMA3_SLIDING_WINDOW`` tokens, so that prompts exceed it; tied embeddings. Vision: a
+SigLIP tower of width 32 on 48 x 48 images of 8-pixel patches (6 x 6), pooled to
+``GEMMA3_MM_TOKENS`` = 9 tokens per image.
 """
 
 from __future__ import annotations
