@@ -22,7 +22,8 @@ from mm_serve.testing.server import RemoteServer, assert_group_gone, metric
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 NUM_REQUESTS = 200
-ENGINE_FLAGS = ["--max-model-len", "512", "--num-kv-blocks", "512"]
+# A model length that lets the given-up requests run for seconds; KV blocks for all of them.
+ENGINE_FLAGS = ["--max-model-len", "4096", "--num-kv-blocks", "4096"]
 FAIL_FAST_S = 1.0  # in-flight requests must fail within this after the engine core dies
 
 
@@ -118,8 +119,8 @@ def test_concurrent_streams_with_cancellations(server):
         limits = httpx.Limits(max_connections=NUM_REQUESTS + num_given_up + 10)
         async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=60) as client:
             before = (await client.get("/metrics")).text
-            # As long as the model allows: they must still run when their clients give up.
-            long = {**request_body(1, max_tokens=448), "stream": False}
+            # Long enough to still run when their clients give up, however fast the machine.
+            long = {**request_body(1, max_tokens=4000), "stream": False}
             given_up = [
                 asyncio.ensure_future(client.post("/v1/chat/completions", json=long))
                 for _ in range(num_given_up)
