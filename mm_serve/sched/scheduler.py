@@ -161,7 +161,8 @@ class Scheduler:
                 request.num_output_placeholders += 1
                 if request.grammar is not None:
                     output.structured_output_request_ids.append(req_id)
-            request.count_cached_images()
+            if request.num_cached_images < 0:
+                request.count_cached_images()
         self.finished_req_ids = set()
         return output
 
@@ -178,14 +179,16 @@ class Scheduler:
                 request.num_tokens_with_placeholders - request.num_computed_tokens,
                 step.token_budget,
             )
-            to_encode, num_new = schedule_encoder_inputs(
-                self.encoder_cache_manager,
-                request,
-                request.num_computed_tokens,
-                num_new,
-                step.encoder_budget,
-                self.config.whole_images,
-            )
+            to_encode: list[int] = []
+            if request.mm_features and request.num_computed_tokens < request.num_prompt_tokens:
+                to_encode, num_new = schedule_encoder_inputs(
+                    self.encoder_cache_manager,
+                    request,
+                    request.num_computed_tokens,
+                    num_new,
+                    step.encoder_budget,
+                    self.config.whole_images,
+                )
             if num_new == 0:  # its next image waits for encoder budget or cache space
                 index += 1
                 continue

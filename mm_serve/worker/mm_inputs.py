@@ -55,6 +55,8 @@ def scheduled_slices(
     slices = []
     for row, state in enumerate(states):
         start = int(num_computed[row])
+        if not state.mm_features or start >= len(state.prompt_token_ids):
+            continue  # no image in its window (images lie inside the prompt)
         end = start + int(query_start_loc[row + 1] - query_start_loc[row])
         for feature in state.mm_features:
             offset = feature.placeholder.offset

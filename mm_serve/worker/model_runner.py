@@ -267,7 +267,8 @@ class ModelRunner:
                 batch.add_request(state)
                 continue
             batch.num_computed_tokens[row] = state.num_computed_tokens
-            batch.append_block_ids(row, cached.new_block_ids[i])
+            if cached.new_block_ids[i]:  # most decode steps fill the last block they have
+                batch.append_block_ids(row, cached.new_block_ids[i])
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         """Flatten the batch: token ids, positions, slot mapping, block table (vectorised)."""
