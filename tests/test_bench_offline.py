@@ -227,11 +227,12 @@ def test_bench_latency_cli(tmp_path) -> None:
     assert result["floor_lm_weights_ms"] is None  # no copy bandwidth on CPU
 
 
-def test_host_overhead_script() -> None:
+@pytest.mark.parametrize("images", [[], ["--image-size", "56", "56"]], ids=["text", "images"])
+def test_host_overhead_script(images) -> None:
     """The engine core's host work per decode step: a row per batch size, every timed step
     gave each request a token (the script checks it)."""
     command = [sys.executable, "-m", "mm_serve.benchmarks.host_overhead"]
-    args = ["--batch-sizes", "1", "4", "--steps", "5"]
+    args = ["--batch-sizes", "1", "4", "--steps", "5", *images]
     proc = subprocess.run([*command, *args], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = re.findall(r"^\s*(\d+) \|\s*([\d.]+) \|\s*([\d.]+)$", proc.stdout, re.MULTILINE)

@@ -11,6 +11,10 @@ the engine's own code, in ``EngineCore.step``'s async order, plus what the engin
 process adds per step (``output_to_wire`` and ``OutputCodec.encode``).
 
     python -m mm_serve.benchmarks.host_overhead --batch-sizes 1 64 256
+    python -m mm_serve.benchmarks.host_overhead --image-size 56 56  # each prompt with an image
+
+With ``--image-size`` every request is 18 random words and one noise image, as workload 1's
+(its tower runs before the timed steps); without, 50 random token ids.
 
 Prints, per batch size, the median ms per step and us per request per step; ``--profile``
 adds the cProfile table of the largest batch (its tottime column, the top rows).
@@ -28,14 +32,17 @@ import time
 import torch
 
 from mm_serve import LLM
+from mm_serve.benchmarks import common
 from mm_serve.benchmarks.architectures import write_architecture
+from mm_serve.benchmarks.datasets import random_image_dataset
 from mm_serve.messages import EngineCoreOutputs, OutputCodec, output_to_wire
 from mm_serve.request import Request
 from mm_serve.sampling_params import SamplingParams
 
 
 def host_only_engine(max_num_seqs: int, vocab: int):
-    """The tiny Qwen2-VL engine core on the CPU, its LM forward and logits replaced."""
+    """The tiny Qwen2-VL ``LLM`` on the CPU, its engine core in the process, its LM forward
+    and logits replaced."""
     folder = write_architecture("tiny-qwen2-vl", tempfile.mkdtemp())
     llm = LLM(
         folder,
@@ -51,22 +58,43 @@ def host_only_engine(max_num_seqs: int, vocab: int):
     logits = torch.randn(max_num_seqs * 8, vocab, generator=torch.Generator().manual_seed(0))
     runner._forward = lambda inputs: torch.zeros(len(inputs.input_ids), hidden_size)
     runner.model.compute_logits = lambda hidden: logits[: len(hidden)]
-    return llm, core
+    return llm
 
 
-def step_times(core, batch_size: int, steps: int, prefix: str) -> list[float]:
-    """Add ``batch_size`` requests, run to decode, then time ``steps`` decode steps (ms).
+def add_requests(llm, batch_size: int, params, prefix: str, image_size) -> list[str]:
+    """Add ``batch_size`` requests to ``llm``'s engine core: 50 random token ids below the
+    special ids, or, with ``image_size``, 18 random words and one noise image each."""
+    core = llm.engine_core
+    if image_size is None:
+        gen = torch.Generator().manual_seed(batch_size)
+        for i in range(batch_size):
+            ids = torch.randint(0, 400, (50,), generator=gen).tolist()
+            core.add_request(Request(f"{prefix}{i}", ids, params))
+        return [f"{prefix}{i}" for i in range(batch_size)]
+    requests = random_image_dataset(batch_size, 18, 1, tuple(image_size), seed=batch_size)
+    prompts = common.image_prompts(requests, llm.config.model.hf_config.model_type)
+    processed = [llm.input_processor.process(prompt) for prompt in prompts]
+    engine_requests = []
+    for i, pending in enumerate(processed):
+        engine_requests += llm.input_processor.make_requests(
+            f"{prefix}{i}", pending.result(), params
+        )
+    core.add_requests(engine_requests)
+    return [request.request_id for request in engine_requests]
+
+
+def step_times(llm, batch_size: int, steps: int, prefix: str, image_size=None) -> list[float]:
+    """Add ``batch_size`` requests (``add_requests``), run them to decode, then time ``steps``
+    decode steps (ms).
 
     Raises:
         RuntimeError: a timed step did not give one new token to every request.
     """
+    core = llm.engine_core
     params = SamplingParams(temperature=0.0, max_tokens=steps + 32, ignore_eos=True)
-    gen = torch.Generator().manual_seed(batch_size)
-    for i in range(batch_size):
-        ids = torch.randint(0, 400, (50,), generator=gen).tolist()  # below the special ids
-        core.add_request(Request(f"{prefix}{i}", ids, params))
-    for _ in range(8):  # the prompts, then a few decode steps
-        core.step()
+    request_ids = add_requests(llm, batch_size, params, prefix, image_size)
+    while any(r.num_output_tokens < 4 for r in core.scheduler.requests.values()):
+        core.step()  # the prompts (and images), then a few decode steps
     codec, times = OutputCodec(), []
     for _ in range(steps):
         start = time.perf_counter()
@@ -76,7 +104,7 @@ def step_times(core, batch_size: int, steps: int, prefix: str) -> list[float]:
         wire = [output_to_wire(o) for o in outputs]
         codec.encode(EngineCoreOutputs(outputs=wire, timestamp=time.monotonic()))
         times.append((time.perf_counter() - start) * 1e3)
-    core.abort_requests([f"{prefix}{i}" for i in range(batch_size)])
+    core.abort_requests(request_ids)
     while core.has_unfinished_requests():
         core.step()
     return times
@@ -88,17 +116,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--vocab", type=int, default=1024, help="Width of the fixed logits.")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--image-size", type=int, nargs=2, metavar=("WIDTH", "HEIGHT"))
     args = parser.parse_args()
     torch.set_num_threads(1)
-    llm, core = host_only_engine(max(args.batch_sizes), args.vocab)
+    llm = host_only_engine(max(args.batch_sizes), args.vocab)
     print("batch | ms per step (median) | us per request per step")
     for batch_size in args.batch_sizes:
-        median = statistics.median(step_times(core, batch_size, args.steps, f"b{batch_size}-"))
+        times = step_times(llm, batch_size, args.steps, f"b{batch_size}-", args.image_size)
+        median = statistics.median(times)
         print(f"{batch_size:5d} | {median:8.3f} | {median * 1e3 / batch_size:8.1f}")
     if args.profile:
         profiler = cProfile.Profile()
         profiler.enable()
-        step_times(core, max(args.batch_sizes), args.steps, "profile-")
+        step_times(llm, max(args.batch_sizes), args.steps, "profile-", args.image_size)
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     llm.shutdown()
