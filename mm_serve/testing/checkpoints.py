@@ -103,7 +103,7 @@ def train_byte_level_bpe(
     when given, is prepended when encoding. Pre-tokenizer: Qwen2's (NFC, its split regex,
     then bytes; transformers' Qwen2Tokenizer re-creates it on load anyway) with
     ``qwen2_pre_tokenizer``, else the byte-level one."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     if qwen2_pre_tokenizer:
@@ -128,12 +128,17 @@ def train_byte_level_bpe(
     tok.train_from_iterator(corpus, trainer)
     tok.add_special_tokens(specials)
     if bos is not None:
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A",
-            pair=f"{bos} $A {bos} $B",
-            special_tokens=[(bos, tok.token_to_id(bos))],
-        )
+        prepend_bos(tok, bos)
     return tok
+
+
+def prepend_bos(tok: Any, bos: str) -> None:
+    """Make ``tokenizers.Tokenizer`` ``tok`` prepend its special token ``bos`` when encoding."""
+    from tokenizers import processors
+
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))]
+    )
 
 
 def build_tokenizer(family: str = "llama", vocab_size: int = 400) -> Any:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from mm_serve._compat import ensure_torchvision_importable
-from mm_serve.testing.checkpoints import CORPUS
+from mm_serve.testing.checkpoints import CORPUS, prepend_bos
 from mm_serve.testing.family_checkpoint import (
     TINY_VISION,
     checked_vocab_size,
@@ -72,15 +72,11 @@ def gemma3_tokenizer(vocab_size: int = 400) -> Any:
     (``sentencepiece_style_bpe``), with Gemma's special tokens: it prepends ``<bos>``, and
     knows ``<start_of_image>`` and the others as the ``boi_token``, ``eoi_token`` and
     ``image_token`` that ``Gemma3Processor`` reads."""
-    from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
     specials = [*GEMMA3_SPECIALS.values(), *GEMMA3_TURNS, *GEMMA3_IMAGE_TOKENS.values()]
     tok = sentencepiece_style_bpe(CORPUS + NEWLINE_LINES, vocab_size, specials)
-    bos = GEMMA3_SPECIALS["bos_token"]
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))]
-    )
+    prepend_bos(tok, GEMMA3_SPECIALS["bos_token"])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         **GEMMA3_SPECIALS,
