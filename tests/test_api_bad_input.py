@@ -167,6 +167,11 @@ CASES = [
     Bad("top_logprobs_above_20", chat(logprobs=True, top_logprobs=50), "logprobs"),
     Bad("unsupported_field", chat(tool_choice="auto"), "tool_choice"),
     Bad(
+        "unsupported_message_field",
+        chat() | {"messages": [{"role": "user", "content": "Hi", "audio": {"id": "a1"}}]},
+        "messages[0].audio",
+    ),
+    Bad(
         "response_format_without_schema",
         chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
         "response_format",

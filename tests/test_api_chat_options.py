@@ -119,6 +119,17 @@ CONTINUED = [
 ]
 
 
+def test_an_earlier_reply_sent_back_as_the_sdk_dumps_it(http):
+    """The OpenAI SDK's dump of an assistant reply carries audio, function_call, refusal, ...
+    as null: the same prompt as without them. Non-null audio is a 400 (tested with the bad
+    inputs)."""
+    sdk_fields = {"refusal": None, "audio": None, "function_call": None, "annotations": None}
+    turns = [*CONTINUED, {"role": "user", "content": "And then?"}]
+    dumped = [turns[0], turns[1] | sdk_fields, turns[2]]
+    plain = ok(chat(http, turns, return_token_ids=True))
+    assert prompt_ids(ok(chat(http, dumped, return_token_ids=True))) == prompt_ids(plain)
+
+
 def test_continue_final_message_leaves_the_turn_open_as_hf(http, processor):
     """The prompt is HF's rendering with continue_final_message (no end of turn after the
     assistant's text); echo prefixes the reply with that text, in a response and a stream."""

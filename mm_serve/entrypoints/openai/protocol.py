@@ -54,6 +54,9 @@ UNSUPPORTED_FIELDS = frozenset(
         "vllm_xargs",
     }
 )  # fmt: skip
+# The same for a chat message's fields: OpenAI's, refused unless null (the OpenAI SDK's dump of
+# an earlier reply, which clients send back as it is, carries them as null).
+UNSUPPORTED_MESSAGE_FIELDS = frozenset({"audio", "function_call"})
 
 
 class _Request(BaseModel):

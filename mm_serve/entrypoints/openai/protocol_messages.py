@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from mm_serve.entrypoints.openai.protocol_tools import ToolCall
 
@@ -45,6 +45,9 @@ ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart, Field(discrimina
 
 
 class ChatMessage(BaseModel):
+    # Undeclared fields are kept for ``serving_common.reject_undeclared_fields`` to judge.
+    model_config = ConfigDict(extra="allow")
+
     role: str  # "system", "user", "assistant", "tool", ...: what the chat template accepts
     content: str | list[ContentPart] | None = None
     name: str | None = None

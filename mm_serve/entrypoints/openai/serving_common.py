@@ -26,6 +26,7 @@ from mm_serve.entrypoints.openai.errors import (
 )
 from mm_serve.entrypoints.openai.protocol import (
     UNSUPPORTED_FIELDS,
+    UNSUPPORTED_MESSAGE_FIELDS,
     PromptTokensDetails,
     SamplingRequest,
     UsageInfo,
@@ -76,6 +77,10 @@ def reject_undeclared_fields(request: BaseModel) -> None:
     (``protocol.UNSUPPORTED_FIELDS``) is refused; any other undeclared field is unknown to
     both and ignored, with one warning per field name in the server's log (as vLLM does).
 
+    A chat message's non-null undeclared fields are judged alike: those of
+    ``protocol.UNSUPPORTED_MESSAGE_FIELDS`` are refused (``messages[i].name``), others ignored
+    with a warning.
+
     Raises:
         APIError: (400) naming the first unsupported field.
     """
@@ -83,7 +88,16 @@ def reject_undeclared_fields(request: BaseModel) -> None:
     for name in extra:
         if name in UNSUPPORTED_FIELDS:
             raise bad_request(f"Unsupported field {name!r}.", param=name)
-    for name in extra:
+    unknown = list(extra)
+    for index, message in enumerate(getattr(request, "messages", None) or ()):
+        for name, value in sorted((message.model_extra or {}).items()):
+            if value is None:
+                continue  # nothing asked (an SDK's dump of an earlier reply)
+            if name in UNSUPPORTED_MESSAGE_FIELDS:
+                param = f"messages[{index}].{name}"
+                raise bad_request(f"Unsupported field {param!r}.", param=param)
+            unknown.append(f"messages[].{name}")
+    for name in unknown:
         if name not in _logged_unknown_fields:
             _logged_unknown_fields.add(name)
             logger.warning("Ignoring the unknown request field %r.", name)
