@@ -116,3 +116,15 @@ def test_two_compiled_engines_in_one_process(llama_path, qwen2_path, hf_referenc
     for path, llm in zip((llama_path, qwen2_path), llms, strict=True):
         prompts = random_prompts(llm.config.model.vocab_size, [5, 40], seed=3)
         check_against_hf(llm, hf_reference(path), prompts)
+
+
+def test_engines_built_one_after_another_each_compile(llama_path, qwen2_path, tmp_path):
+    """More compiled engines in one process than Dynamo's recompile limit (8), of two model
+    classes in turn: each traces its own forward, none fails the fullgraph compile."""
+    assert torch._dynamo.config.recompile_limit <= 8
+    params = SamplingParams(temperature=0.0, max_tokens=1)  # one prefill step, one graph
+    for i in range(10):
+        llm = LLM((llama_path, qwen2_path)[i % 2], device="cpu")
+        backend = compile_engine(llm, tmp_path)
+        llm.generate([{"prompt_token_ids": [3, 4, 5]}], params, use_tqdm=False)
+        assert len(backend.graphs) == 1

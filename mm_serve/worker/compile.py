@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import time
+import types
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -56,6 +57,12 @@ class CompiledForward:
     The first call traces and compiles (``compile_seconds``); later calls of any token count
     but 1 reuse the graph (Dynamo specialises a dimension of size 1). ``model``'s attention
     layers are registered for ``mm_serve::attention``.
+
+    Dynamo keeps its compiled entries on the traced function's code object, and each entry
+    guards on ``self.model``'s class. Each instance therefore traces its own copy of
+    ``_forward``'s code: engines built one after another in one process (tests, notebooks)
+    would otherwise add up against Dynamo's recompile limit (8), past which ``fullgraph``
+    compilation fails.
     """
 
     def __init__(self, model: torch.nn.Module, cache_dir: Path, backend: str = "inductor") -> None:
@@ -63,7 +70,11 @@ class CompiledForward:
         cache_dir.mkdir(parents=True, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)  # read when Inductor compiles
         self.model = model
-        self.compiled = torch.compile(self._forward, fullgraph=True, backend=backend)
+        code = CompiledForward._forward.__code__.replace()  # a new object: this instance's cache
+        forward = types.FunctionType(code, globals(), "_forward")
+        self.compiled = torch.compile(
+            types.MethodType(forward, self), fullgraph=True, backend=backend
+        )
         self.compile_seconds: float | None = None
 
     def _forward(self, positions: torch.Tensor, inputs_embeds: torch.Tensor) -> torch.Tensor:
