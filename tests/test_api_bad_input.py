@@ -234,14 +234,19 @@ def media_root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, media_root):
+def server_log(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("log") / "server.log"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, media_root, server_log):
     path = build_tiny_vlm_checkpoint(tmp_path_factory.mktemp("bad_vlm"), "qwen2_vl", seed=6)
     args = ["--max-model-len", str(MAX_MODEL_LEN), "--limit-mm-per-prompt", str(LIMIT_IMAGES)]
     args += ["--max-pixels", str(MAX_PIXELS), "--max-request-body-bytes", str(MAX_BODY_BYTES)]
     args += ["--allowed-media-domains", ALLOWED_DOMAIN]
     args += ["--allowed-local-media-path", str(media_root)]
     args += ["--num-kv-blocks", "64", "--mm-preprocess-workers", "1"]
-    with RemoteServer(path, args) as remote:
+    with open(server_log, "w") as log, RemoteServer(path, args, stderr=log) as remote:
         yield remote
 
 
@@ -301,14 +306,18 @@ def test_body_too_large_without_content_length(http, model_id):
     assert_error(response, (413,), "large|limit|exceed")
 
 
-def test_field_unknown_to_openai_and_vllm_is_ignored(http, model_id):
-    """Not a parameter of OpenAI's API nor a vLLM extension: ignored (and logged), as vLLM
-    does; the ones this server does not implement are 400s (``test_bad_request``)."""
-    response = send(
-        http, CHAT, chat(max_tokens=2, ignore_eos=True, no_such_field={"x": 1}), model_id
-    )
+def test_field_unknown_to_openai_and_vllm_is_ignored(http, model_id, server_log):
+    """Not a parameter of OpenAI's API nor a vLLM extension, at the top level or in a content
+    part: ignored, with a warning naming it in the server's log, as vLLM does; the ones this
+    server does not implement are 400s (``test_bad_request``)."""
+    content = [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]
+    body = chat(content, max_tokens=2, ignore_eos=True, no_such_field={"x": 1})
+    response = send(http, CHAT, body, model_id)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 2
+    log = server_log.read_text()
+    for name in ("no_such_field", "messages[].content[].cache_control"):
+        assert f"Ignoring the unknown request field '{name}'" in log
 
 
 def test_unknown_path_is_404(http):

@@ -10,30 +10,35 @@ from pydantic import BaseModel, ConfigDict, Field
 from mm_serve.entrypoints.openai.protocol_tools import ToolCall
 
 
-class ImageURL(BaseModel):
+class _Part(BaseModel):
+    # Undeclared keys are kept for ``serving_common.reject_undeclared_fields`` to log.
+    model_config = ConfigDict(extra="allow")
+
+
+class ImageURL(_Part):
     url: str  # data:image/...;base64,..., http(s)://... (allowed hosts), file://... (allowed root)
     # OpenAI's: "low" preprocesses the image with a smaller pixel budget (Qwen2-VL: at most
     # 448 x 448 pixels, 256 tokens; mm_processor.IMAGE_DETAILS); "high" and "auto" as the server.
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class TextPart(BaseModel):
+class TextPart(_Part):
     type: Literal["text"]
     text: str
 
 
-class ImageURLPart(BaseModel):
+class ImageURLPart(_Part):
     type: Literal["image_url"]
     image_url: ImageURL
     # vLLM's extension: identifies the image in place of its content in the caches.
     uuid: str | None = None
 
 
-class VideoURL(BaseModel):
+class VideoURL(_Part):
     url: str  # data:video/...;base64,..., http(s)://... (allowed hosts), file://... (allowed root)
 
 
-class VideoURLPart(BaseModel):
+class VideoURLPart(_Part):
     """vLLM's video part: a video file (any container and codec FFmpeg decodes)."""
 
     type: Literal["video_url"]

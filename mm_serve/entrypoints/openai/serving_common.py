@@ -79,7 +79,7 @@ def reject_undeclared_fields(request: BaseModel) -> None:
 
     A chat message's non-null undeclared fields are judged alike: those of
     ``protocol.UNSUPPORTED_MESSAGE_FIELDS`` are refused (``messages[i].name``), others ignored
-    with a warning.
+    with a warning, as are undeclared keys inside its content parts.
 
     Raises:
         APIError: (400) naming the first unsupported field.
@@ -97,6 +97,7 @@ def reject_undeclared_fields(request: BaseModel) -> None:
                 param = f"messages[{index}].{name}"
                 raise bad_request(f"Unsupported field {param!r}.", param=param)
             unknown.append(f"messages[].{name}")
+        unknown += _unknown_part_keys(message.content)
     for name in unknown:
         if name not in _logged_unknown_fields:
             _logged_unknown_fields.add(name)
@@ -104,6 +105,22 @@ def reject_undeclared_fields(request: BaseModel) -> None:
 
 
 _logged_unknown_fields: set[str] = set()
+
+
+def _unknown_part_keys(content: str | list[BaseModel] | None) -> list[str]:
+    """The non-null undeclared keys of a message's content parts and of their ``image_url`` /
+    ``video_url`` objects, as ``messages[].content[].key`` / ``...image_url.key``."""
+    names = []
+    for part in content if isinstance(content, list) else ():
+        objects = {"": part} | {
+            f"{k}.": v for k, v in vars(part).items() if isinstance(v, BaseModel)
+        }
+        for prefix, obj in objects.items():
+            extra = obj.model_extra or {}
+            names += [
+                f"messages[].content[].{prefix}{k}" for k, v in extra.items() if v is not None
+            ]
+    return names
 
 
 class Admission:
