@@ -134,6 +134,8 @@ class KVCacheManager(KVCacheManagerBase):
             ValueError: on a negative token count, or ``num_new_computed_tokens`` that does not
                 match ``new_computed_blocks``.
         """
+        if not new_computed_blocks and self._fits(request, num_new_tokens):
+            return []  # most decode steps: nothing to allocate, no block becomes full
         new_computed_blocks = new_computed_blocks or []
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be non-negative, got {num_new_tokens}.")
@@ -170,6 +172,18 @@ class KVCacheManager(KVCacheManagerBase):
                 )
                 self.num_cached_blocks[request.request_id] = num_full_blocks
         return new_blocks
+
+    def _fits(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether ``num_new_tokens`` more tokens fit in the request's blocks and fill none of
+        them that is not registered yet (``allocate_slots`` then changes nothing)."""
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        end = request.num_computed_tokens + num_new_tokens
+        if req_blocks is None or num_new_tokens < 0 or len(req_blocks) * self.block_size < end:
+            return False
+        num_full_blocks = min(end, request.num_tokens) // self.block_size
+        return not self.enable_caching or num_full_blocks <= self.num_cached_blocks.get(
+            request.request_id, 0
+        )
 
     def free(self, request: Request) -> None:
         """Release the request's blocks (on finish or preemption); no-op if it has none.
