@@ -50,9 +50,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     """The HTTP flags of ``serve``, with the defaults of ``ServerConfig`` and ``MediaConfig``
     (imports the web stack)."""
     from mm_serve.entrypoints.openai.api_server import ServerConfig
-    from mm_serve.entrypoints.openai.media import MediaConfig
 
-    server, media = ServerConfig(), MediaConfig()
+    server = ServerConfig()
     add = functools.partial(add_flag, parser.add_argument_group("server"))
     add("--host", "Address to listen on.", server.host)
     add("--port", "Port to listen on.", server.port, type=int)
@@ -64,6 +63,32 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         shown="the model as given",
         nargs="+",
     )
+    add(
+        "--max-request-body-bytes",
+        "Larger request bodies get a 413 (bytes, or 64MiB, ...).",
+        server.max_request_body_bytes,
+    )
+    add(
+        "--max-concurrent-requests",
+        "Generation requests in flight beyond this get a 429.",
+        server.max_concurrent_requests,
+        type=int,
+    )
+    add(
+        "--log-level",
+        "Level of mm_serve's and uvicorn's loggers.",
+        server.log_level,
+        choices=LOG_LEVELS,
+    )
+    _add_media_args(parser)
+
+
+def _add_media_args(parser: argparse.ArgumentParser) -> None:
+    """Where ``serve`` may fetch images and videos from, and how many and how large."""
+    from mm_serve.entrypoints.openai.media import MediaConfig
+
+    media = MediaConfig()
+    add = functools.partial(add_flag, parser.add_argument_group("media"))
     add(
         "--allowed-media-domains",
         "Hosts whose http(s) image and video URLs are fetched.",
@@ -81,11 +106,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         type=_mm_limits,
     )
     add(
-        "--max-request-body-bytes",
-        "Larger request bodies get a 413 (bytes, or 64MiB, ...).",
-        server.max_request_body_bytes,
-    )
-    add(
         "--max-media-bytes",
         "Largest image or video fetched from a URL or read from a file (bytes, or 20MiB, ...).",
         media.max_bytes,
@@ -95,18 +115,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "Time limit of an image or video URL fetch, in seconds.",
         media.fetch_timeout_s,
         type=float,
-    )
-    add(
-        "--max-concurrent-requests",
-        "Generation requests in flight beyond this get a 429.",
-        server.max_concurrent_requests,
-        type=int,
-    )
-    add(
-        "--log-level",
-        "Level of mm_serve's and uvicorn's loggers.",
-        server.log_level,
-        choices=LOG_LEVELS,
     )
 
 
