@@ -118,8 +118,9 @@ class InternVLTokens:
 
 @dataclass(kw_only=True, eq=False)
 class InternVLImageProcessor(ImageProcessor):
-    """``preprocess`` gives ``[num_tiles, 3, tile_h, tile_w]`` float32 (the tiles in raster
-    order, then the thumbnail) and the image's prompt tokens (``ProcessedImage.token_ids``)."""
+    """``preprocess`` gives ``[num_tiles, 3, tile_h, tile_w]`` float32, or uint8 when deferring
+    the normalisation (the tiles in raster order, then the thumbnail), and the image's prompt
+    tokens (``ProcessedImage.token_ids``)."""
 
     tokens: InternVLTokens
     image_seq_len: int  # image tokens per tile
@@ -194,16 +195,25 @@ class InternVLImageProcessor(ImageProcessor):
         return torch.cat([grid, thumbnail[None]])
 
     def preprocess(self, image: Image.Image, defer_normalization: bool = False) -> ProcessedImage:
-        """PIL image (any mode) -> ``[num_tiles, 3, tile_h, tile_w]`` float32, always normalised
-        (``defer_normalization`` is not supported here).
+        """PIL image (any mode) -> ``[num_tiles, 3, tile_h, tile_w]``: float32, or with
+        ``defer_normalization`` (and a normalising config) the uint8 tiles with the folded mean
+        and std, a quarter of the bytes to move (the model normalises them on the device).
 
         Raises:
             ValueError: zero-sized image.
         """
-        tiles = self.tiles(pil_to_tensor(image, self.do_convert_rgb))
-        pixel_values = torch.stack([self.normalization(tile) for tile in tiles]).contiguous()
+        tiles = self.tiles(pil_to_tensor(image, self.do_convert_rgb)).contiguous()
+        mean_std = self.normalization.folded() if defer_normalization else None
+        if mean_std is None:
+            tiles = torch.stack([self.normalization(tile) for tile in tiles])
         token_ids = tuple(self.tokens.expansion(len(tiles), self.image_seq_len))
-        return ProcessedImage(pixel_values, num_tokens=len(token_ids), token_ids=token_ids)
+        return ProcessedImage(
+            tiles,
+            num_tokens=len(token_ids),
+            token_ids=token_ids,
+            pixel_mean=mean_std[0] if mean_std else (),
+            pixel_std=mean_std[1] if mean_std else (),
+        )
 
 
 def image_seq_len(hf_config: Any) -> int:

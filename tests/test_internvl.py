@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from mm_serve.encoders.processors import get_image_processor
+from mm_serve.models.vlm import tiles_on_device
 from mm_serve.testing import family_checks as checks
 from mm_serve.testing.family_checkpoint import TINY_VISION
 from mm_serve.testing.images import Case, generated, mixed_batch, photo
@@ -57,6 +58,10 @@ def test_processor_matches_hf(path, reference, image, num_tiles):
     assert ours.pixel_values.shape[0] == num_tiles
     assert torch.equal(ours.pixel_values, hf["pixel_values"])
     checks.assert_expansion_matches_hf(processor, text, ours, hf["input_ids"])
+    deferred = checks.image_processor(path).preprocess(image, defer_normalization=True)
+    assert deferred.pixel_values.dtype == torch.uint8 and deferred.token_ids == ours.token_ids
+    on_device = tiles_on_device([deferred], torch.device("cpu"))  # the engine's path
+    assert torch.equal(on_device, hf["pixel_values"])
 
 
 def test_max_num_tokens_bounds_every_image(path):

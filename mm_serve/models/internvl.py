@@ -27,7 +27,7 @@ import torch
 
 from mm_serve.encoders.base import ProcessedImage
 from mm_serve.encoders.internvl import InternVisionModel, InternVLMultiModalProjector
-from mm_serve.models.vlm import LLAVA_STYLE_PREFIXES, VisionLanguageModelBase
+from mm_serve.models.vlm import LLAVA_STYLE_PREFIXES, VisionLanguageModelBase, tiles_on_device
 
 
 class InternVLForConditionalGeneration(VisionLanguageModelBase):
@@ -59,7 +59,8 @@ class InternVLForConditionalGeneration(VisionLanguageModelBase):
     def embed_images(self, images: list[ProcessedImage]) -> list[torch.Tensor]:
         """One ``[num_tokens, hidden]`` tensor per image, in order: its placeholder's rows.
 
-        Each image's ``pixel_values`` is ``[num_tiles, 3, S, S]`` and its ``token_ids`` the
+        Each image's ``pixel_values`` is ``[num_tiles, 3, S, S]`` (float32, or uint8 tiles
+        that are normalised on the device, ``tiles_on_device``) and its ``token_ids`` the
         ``num_tokens`` prompt tokens of its placeholder: ``<img>``, ``num_tiles *
         image_seq_len`` image tokens, ``</img>``. The tiles of all images go through the
         tower as one batch.
@@ -70,7 +71,8 @@ class InternVLForConditionalGeneration(VisionLanguageModelBase):
         """
         if not images:
             return []
-        features = self.embed_tiles(torch.cat([image.pixel_values for image in images]))
+        device = self.multi_modal_projector.linear_1.weight.device
+        features = self.embed_tiles(tiles_on_device(images, device))
         per_image = features.split([len(image.pixel_values) for image in images])
         return [
             self._placeholder_rows(image, tiles.flatten(0, 1))  # [tiles * image_seq_len, hidden]

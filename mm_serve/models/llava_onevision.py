@@ -31,22 +31,8 @@ from torch import nn
 from mm_serve.encoders.anyres import AnyresLayout, anyres_layout, check_pinpoints, max_tiles
 from mm_serve.encoders.base import ProcessedImage
 from mm_serve.encoders.clip import LlavaMultiModalProjector, tower_weight_name
-from mm_serve.encoders.qwen2_vl_processor import normalize_patches
 from mm_serve.encoders.siglip import SiglipFeatureTower
-from mm_serve.models.vlm import LLAVA_STYLE_PREFIXES, VisionLanguageModelBase
-
-
-def tiles_on_device(images: list[ProcessedImage], device: torch.device) -> torch.Tensor:
-    """The images' tiles concatenated on ``device``, float32 ``[sum of tiles, 3, S, S]``:
-    uint8 tiles normalised there with their ``pixel_mean``/``pixel_std`` (the same float32
-    operations as on the host), float32 tiles as they are."""
-    tiles = []
-    for image in images:
-        pixels = image.pixel_values.to(device)
-        if pixels.dtype == torch.uint8:
-            pixels = normalize_patches(pixels, image.pixel_mean, image.pixel_std)
-        tiles.append(pixels.to(torch.float32))
-    return torch.cat(tiles)
+from mm_serve.models.vlm import LLAVA_STYLE_PREFIXES, VisionLanguageModelBase, tiles_on_device
 
 
 def pack_anyres(

@@ -9,7 +9,22 @@ from typing import Any
 import torch
 from torch import nn
 
+from mm_serve.encoders.base import ProcessedImage
+from mm_serve.encoders.qwen2_vl_processor import normalize_patches
 from mm_serve.models.llama import LlamaForCausalLM
+
+
+def tiles_on_device(images: list[ProcessedImage], device: torch.device) -> torch.Tensor:
+    """The images' tiles concatenated on ``device``, float32 ``[sum of tiles, 3, S, S]``:
+    uint8 tiles normalised there with their ``pixel_mean``/``pixel_std`` (the same float32
+    operations as on the host), float32 tiles as they are."""
+    tiles = []
+    for image in images:
+        pixels = image.pixel_values.to(device)
+        if pixels.dtype == torch.uint8:
+            pixels = normalize_patches(pixels, image.pixel_mean, image.pixel_std)
+        tiles.append(pixels.to(torch.float32))
+    return torch.cat(tiles)
 
 
 def load_tower_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> str | None:
