@@ -213,16 +213,19 @@ class Idefics3ImageProcessor(ImageProcessor):
         return torch.cat([grid, whole[None]]), rows, cols
 
     def preprocess(self, image: Image.Image, defer_normalization: bool = False) -> ProcessedImage:
-        """PIL image (any mode) -> ``[num_tiles, 3, tile, tile]`` float32, always normalised
-        (``defer_normalization`` is not supported here).
+        """PIL image (any mode) -> ``[num_tiles, 3, tile, tile]``: float32, or uint8 with
+        ``defer_normalization`` (``Normalization.tile_fields``).
 
         Raises:
             ValueError: zero-sized image.
         """
         tiles, rows, cols = self.tiles(pil_to_tensor(image, self.do_convert_rgb))
-        pixel_values = torch.stack([self.normalization(tile) for tile in tiles]).contiguous()
         token_ids = tuple(self.tokens.expansion(rows, cols, self.image_seq_len))
-        return ProcessedImage(pixel_values, num_tokens=len(token_ids), token_ids=token_ids)
+        return ProcessedImage(
+            **self.normalization.tile_fields(tiles, defer_normalization),
+            num_tokens=len(token_ids),
+            token_ids=token_ids,
+        )
 
 
 def image_seq_len(hf_config: Any) -> int:

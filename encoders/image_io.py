@@ -221,6 +221,20 @@ class Normalization:
             std = std * (1.0 / self.rescale_factor)
         return tuple(mean.tolist()), tuple(std.tolist())
 
+    def tile_fields(self, tiles: torch.Tensor, defer: bool) -> dict[str, Any]:
+        """``ProcessedImage``'s pixel fields for uint8 ``tiles`` ``[N, C, H, W]``: the float32
+        normalised tiles, or with ``defer`` (and ``do_normalize``) the uint8 tiles with the
+        folded mean and std, a quarter of the bytes to move (the model normalises them on
+        the device)."""
+        mean_std = self.folded() if defer else None
+        if mean_std is None:
+            return {"pixel_values": torch.stack([self(tile) for tile in tiles])}
+        return {
+            "pixel_values": tiles.contiguous(),
+            "pixel_mean": mean_std[0],
+            "pixel_std": mean_std[1],
+        }
+
     def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
         """``[C, H, W]`` (any dtype) → ``[C, H, W]`` float32."""
         pixels = pixels.to(torch.float32)

@@ -195,24 +195,18 @@ class InternVLImageProcessor(ImageProcessor):
         return torch.cat([grid, thumbnail[None]])
 
     def preprocess(self, image: Image.Image, defer_normalization: bool = False) -> ProcessedImage:
-        """PIL image (any mode) -> ``[num_tiles, 3, tile_h, tile_w]``: float32, or with
-        ``defer_normalization`` (and a normalising config) the uint8 tiles with the folded mean
-        and std, a quarter of the bytes to move (the model normalises them on the device).
+        """PIL image (any mode) -> ``[num_tiles, 3, tile_h, tile_w]``: float32, or uint8 with
+        ``defer_normalization`` (``Normalization.tile_fields``).
 
         Raises:
             ValueError: zero-sized image.
         """
-        tiles = self.tiles(pil_to_tensor(image, self.do_convert_rgb)).contiguous()
-        mean_std = self.normalization.folded() if defer_normalization else None
-        if mean_std is None:
-            tiles = torch.stack([self.normalization(tile) for tile in tiles])
+        tiles = self.tiles(pil_to_tensor(image, self.do_convert_rgb))
         token_ids = tuple(self.tokens.expansion(len(tiles), self.image_seq_len))
         return ProcessedImage(
-            tiles,
+            **self.normalization.tile_fields(tiles, defer_normalization),
             num_tokens=len(token_ids),
             token_ids=token_ids,
-            pixel_mean=mean_std[0] if mean_std else (),
-            pixel_std=mean_std[1] if mean_std else (),
         )
 
 

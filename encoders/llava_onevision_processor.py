@@ -144,14 +144,8 @@ class LlavaOnevisionImageProcessor(ImageProcessor):
         """
         pixels = pil_to_tensor(image, self.do_convert_rgb)  # [3, H, W] uint8
         height, width = pixels.shape[-2:]
-        tiles = self.tiles(pixels).contiguous()
-        mean_std = self.normalization.folded() if defer_normalization else None
-        if mean_std is None:
-            tiles = torch.stack([self.normalization(t) for t in tiles])
         return ProcessedImage(
-            pixel_values=tiles,
+            **self.normalization.tile_fields(self.tiles(pixels), defer_normalization),
             num_tokens=self.num_tokens(height, width),
-            pixel_mean=mean_std[0] if mean_std else (),
-            pixel_std=mean_std[1] if mean_std else (),
             image_size=(int(height), int(width)),
         )

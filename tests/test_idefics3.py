@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from mm_serve import SamplingParams
+from mm_serve.models.vlm import tiles_on_device
 from mm_serve.testing import family_checks as checks
 from mm_serve.testing.images import Case, generated, mixed_batch, photo, processor_images
 
@@ -38,6 +39,10 @@ def test_processor_matches_hf(path, reference, image):
     ours = checks.image_processor(path).preprocess(image)
     assert torch.equal(ours.pixel_values, hf["pixel_values"][0])  # no padding tiles: one image
     checks.assert_expansion_matches_hf(processor, text, ours, hf["input_ids"])
+    deferred = checks.image_processor(path).preprocess(image, defer_normalization=True)
+    assert deferred.pixel_values.dtype == torch.uint8 and deferred.token_ids == ours.token_ids
+    on_device = tiles_on_device([deferred], torch.device("cpu"))  # the engine's path
+    assert torch.equal(on_device, hf["pixel_values"][0])
 
 
 def test_max_num_tokens_bounds_every_image(path):

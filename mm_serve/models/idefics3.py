@@ -24,7 +24,7 @@ import torch
 
 from mm_serve.encoders.base import ProcessedImage
 from mm_serve.encoders.siglip import Idefics3Connector, SiglipVisionTransformer
-from mm_serve.models.vlm import VisionLanguageModelBase
+from mm_serve.models.vlm import VisionLanguageModelBase, tiles_on_device
 
 
 class Idefics3ForConditionalGeneration(VisionLanguageModelBase):
@@ -51,7 +51,8 @@ class Idefics3ForConditionalGeneration(VisionLanguageModelBase):
     def embed_images(self, images: list[ProcessedImage]) -> list[torch.Tensor]:
         """One ``[num_tokens, hidden]`` tensor per image, in order: its placeholder's rows.
 
-        Each image's ``pixel_values`` is ``[num_tiles, 3, S, S]`` and its ``token_ids`` the
+        Each image's ``pixel_values`` is ``[num_tiles, 3, S, S]`` (float32, or uint8 tiles
+        that are normalised on the device, ``tiles_on_device``) and its ``token_ids`` the
         ``num_tokens`` prompt tokens of its placeholder, ``num_tiles * image_seq_len`` of them
         the image token. The tiles of all images go through the tower as one batch.
 
@@ -63,7 +64,8 @@ class Idefics3ForConditionalGeneration(VisionLanguageModelBase):
             return []
         if any(image.token_ids is None for image in images):
             raise ValueError("Idefics3 images need their prompt token_ids (its processor's).")
-        features = self.embed_tiles(torch.cat([image.pixel_values for image in images]))
+        weight = self.connector.modality_projection.proj.weight
+        features = self.embed_tiles(tiles_on_device(images, weight.device))
         features = features.reshape(-1, features.shape[-1])  # [all tiles' rows, hidden]
         device = features.device
         token_ids = torch.tensor([t for image in images for t in image.token_ids], device=device)
