@@ -5,7 +5,7 @@ Requests check types and shapes only; the *values* (a negative temperature, ``ma
 does. Either violation is a 400 naming the field, as OpenAI answers; so is a parameter of
 OpenAI's API or a vLLM extension that this server does not implement (``UNSUPPORTED_FIELDS``).
 A field unknown to both is ignored with a warning in the server log, as vLLM does
-(``serving_common.reject_undeclared_fields``).
+(``request_fields.reject_undeclared_fields``).
 """
 
 from __future__ import annotations

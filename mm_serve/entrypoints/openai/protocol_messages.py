@@ -11,7 +11,7 @@ from mm_serve.entrypoints.openai.protocol_tools import ToolCall
 
 
 class _Part(BaseModel):
-    # Undeclared keys are kept for ``serving_common.reject_undeclared_fields`` to log.
+    # Undeclared keys are kept for ``request_fields.reject_undeclared_fields`` to refuse.
     model_config = ConfigDict(extra="allow")
 
 
@@ -50,7 +50,7 @@ ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart, Field(discrimina
 
 
 class ChatMessage(BaseModel):
-    # Undeclared fields are kept for ``serving_common.reject_undeclared_fields`` to judge.
+    # Undeclared fields are kept for ``request_fields.reject_undeclared_fields`` to judge.
     model_config = ConfigDict(extra="allow")
 
     role: str  # "system", "user", "assistant", "tool", ...: what the chat template accepts

@@ -25,12 +25,11 @@ from mm_serve.entrypoints.openai.errors import (
     user_errors,
 )
 from mm_serve.entrypoints.openai.protocol import (
-    UNSUPPORTED_FIELDS,
-    UNSUPPORTED_MESSAGE_FIELDS,
     PromptTokensDetails,
     SamplingRequest,
     UsageInfo,
 )
+from mm_serve.entrypoints.openai.request_fields import reject_undeclared_fields
 from mm_serve.entrypoints.openai.serving_beam_search import beam_search_params, check_beam_search
 from mm_serve.frontend.async_llm import AsyncLLM
 from mm_serve.frontend.processor import ProcessedPrompt, check_sampling_params
@@ -70,57 +69,6 @@ class ModelInfo:
                 "model",
             )
         return requested
-
-
-def reject_undeclared_fields(request: BaseModel) -> None:
-    """A field of OpenAI's API or of vLLM's extensions that this server does not implement
-    (``protocol.UNSUPPORTED_FIELDS``) is refused; any other undeclared field is unknown to
-    both and ignored, with one warning per field name in the server's log (as vLLM does).
-
-    A chat message's non-null undeclared fields are judged alike: those of
-    ``protocol.UNSUPPORTED_MESSAGE_FIELDS`` are refused (``messages[i].name``), others ignored
-    with a warning, as are undeclared keys inside its content parts.
-
-    Raises:
-        APIError: (400) naming the first unsupported field.
-    """
-    extra = sorted(request.model_extra or ())
-    for name in extra:
-        if name in UNSUPPORTED_FIELDS:
-            raise bad_request(f"Unsupported field {name!r}.", param=name)
-    unknown = list(extra)
-    for index, message in enumerate(getattr(request, "messages", None) or ()):
-        for name, value in sorted((message.model_extra or {}).items()):
-            if value is None:
-                continue  # nothing asked (an SDK's dump of an earlier reply)
-            if name in UNSUPPORTED_MESSAGE_FIELDS:
-                param = f"messages[{index}].{name}"
-                raise bad_request(f"Unsupported field {param!r}.", param=param)
-            unknown.append(f"messages[].{name}")
-        unknown += _unknown_part_keys(message.content)
-    for name in unknown:
-        if name not in _logged_unknown_fields:
-            _logged_unknown_fields.add(name)
-            logger.warning("Ignoring the unknown request field %r.", name)
-
-
-_logged_unknown_fields: set[str] = set()
-
-
-def _unknown_part_keys(content: str | list[BaseModel] | None) -> list[str]:
-    """The non-null undeclared keys of a message's content parts and of their ``image_url`` /
-    ``video_url`` objects, as ``messages[].content[].key`` / ``...image_url.key``."""
-    names = []
-    for part in content if isinstance(content, list) else ():
-        objects = {"": part} | {
-            f"{k}.": v for k, v in vars(part).items() if isinstance(v, BaseModel)
-        }
-        for prefix, obj in objects.items():
-            extra = obj.model_extra or {}
-            names += [
-                f"messages[].content[].{prefix}{k}" for k, v in extra.items() if v is not None
-            ]
-    return names
 
 
 class Admission:
