@@ -179,18 +179,48 @@ def has_dense_cudnn(device: torch.device) -> bool:
     return torch.backends.cudnn.is_available() and _capability(device)[0] >= 9
 
 
+# cuDNN builds an execution plan for each new input shape (60-100 ms on an H100, against 0.2-0.6
+# ms per call once built; BENCHMARKS.md, "cold start"), so a batch goes in power-of-two parts
+# of at most this many segments: one image size needs at most five plans, which start-up builds
+# for photo-sized images (``worker.tower_graphs.EncoderCudaGraphs.capture_photos``).
+MAX_DENSE_BATCH = 16
+
+
+def dense_parts(num_segments: int) -> list[int]:
+    """``num_segments`` as powers of two of at most ``MAX_DENSE_BATCH``, largest first
+    (27 -> [16, 8, 2, 1]; 40 -> [16, 16, 8])."""
+    parts = [MAX_DENSE_BATCH] * (num_segments // MAX_DENSE_BATCH)
+    rest = num_segments % MAX_DENSE_BATCH
+    return parts + [1 << bit for bit in reversed(range(rest.bit_length())) if rest >> bit & 1]
+
+
 def dense_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_len: int
 ) -> torch.Tensor:
     """Bidirectional attention within consecutive segments of ``segment_len`` rows each,
-    through cuDNN's fused attention on the ``[num_segments, heads, segment_len, head_dim]``
-    views (no copy): ``q, k, v: [N, heads, head_dim]`` (last dim contiguous) -> ``[N, heads,
-    head_dim]``, scale ``head_dim ** -0.5``.
+    through cuDNN's fused attention on ``[segments, heads, segment_len, head_dim]`` views of
+    each part (``dense_parts``): ``q, k, v: [N, heads, head_dim]`` (last dim contiguous) ->
+    ``[N, heads, head_dim]``, scale ``head_dim ** -0.5``.
 
     Same-size images make such segments. Measured on an H100 (``mm-serve bench kernels``,
     21 segments of 1,024 rows, 16 heads of 80): 0.28 ms against 0.47 ms for the varlen kernel,
     which pads head_dim 80 to 96.
     """
+    parts = dense_parts(q.shape[0] // segment_len)
+    if len(parts) == 1:
+        return _cudnn_segments(q, k, v, segment_len)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    start = 0
+    for count in parts:
+        rows = slice(start, start + count * segment_len)
+        out[rows] = _cudnn_segments(q[rows], k[rows], v[rows], segment_len)
+        start = rows.stop
+    return out
+
+
+def _cudnn_segments(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_len: int
+) -> torch.Tensor:
     n, heads, head_dim = q.shape
     q, k, v = (
         t.view(n // segment_len, segment_len, heads, head_dim).transpose(1, 2) for t in (q, k, v)

@@ -1,5 +1,6 @@
 """Kernel dispatch: Triton on CUDA, the references on CPU or in ``ref`` mode, FlashAttention's
-paged varlen call when importable, and a whole tiny LM forward on CUDA against the CPU path.
+paged varlen call when importable, the vision tower's equal segments through cuDNN in
+power-of-two parts, and a whole tiny LM forward on CUDA against the CPU path.
 
 The inputs come from the kernel tests' builders (``test_kernels_triton``).
 """
@@ -191,3 +192,35 @@ def test_tiny_model_on_cuda_matches_cpu(tmp_path, dtype, monkeypatch) -> None:
         assert _rel_err(cuda, cpu) <= tol
     # One split call per layer in the first step (fp32 is not FlashAttention's: Triton alone).
     assert len(split_calls) == (0 if dtype == "float32" else config.num_layers)
+
+
+def test_dense_parts_are_powers_of_two_within_the_cap() -> None:
+    from mm_serve.kernels.varlen_attention import MAX_DENSE_BATCH, dense_parts
+
+    assert dense_parts(27) == [16, 8, 2, 1]
+    assert dense_parts(40) == [16, 16, 8]
+    for count in range(1, 70):
+        parts = dense_parts(count)
+        assert sum(parts) == count and parts == sorted(parts, reverse=True)
+        assert all(p <= MAX_DENSE_BATCH and p & (p - 1) == 0 for p in parts)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("num_images", [1, 3, 27])
+def test_vision_attention_of_equal_segments_matches_the_reference(num_images) -> None:
+    """Same-size images go to cuDNN in power-of-two parts; every image attends to itself only."""
+    from mm_serve.kernels import varlen_attention as varlen
+
+    length, heads, head_dim = 256, 16, 80
+    bounds = [i * length for i in range(num_images + 1)]
+    gen = torch.Generator().manual_seed(num_images)
+    q, k, v = (
+        torch.randn(bounds[-1], heads, head_dim, generator=gen).to("cuda", torch.bfloat16)
+        for _ in range(3)
+    )
+    segments = dispatch.varlen_segments(bounds, q.device, q.dtype)
+    assert segments.dense == varlen.has_dense_cudnn(q.device)
+    out = dispatch.varlen_attention(q, k, v, segments)
+    ref_segments = varlen.make_segments(bounds, q.device, flash=False)
+    ref = varlen.segment_attention_ref(q.float(), k.float(), v.float(), ref_segments)
+    assert _rel_err(out.float(), ref) < 2e-2

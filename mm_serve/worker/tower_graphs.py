@@ -11,9 +11,9 @@ serving costs one more tower forward and stalls nothing (``capture_graph``).
 
 Only small batches are graphed (at most ``max_patches`` patches: large batches keep the GPU
 busy anyway) and at most ``max_graphs`` keys; the rest run eagerly. Start-up captures batches
-of one to four photo-sized images (``capture_photos``); other grids are captured the first
-time they come. All graphs share one memory pool; each replay's output is cloned before the
-next can overwrite it.
+of one to four photo-sized images and runs 8 and 16 eagerly (``capture_photos``); other grids
+are captured the first time they come. All graphs share one memory pool; each replay's output
+is cloned before the next can overwrite it.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import time
 import torch
 from torch import nn
 
+from mm_serve.kernels.varlen_attention import MAX_DENSE_BATCH
 from mm_serve.worker.graph_capture import capture_graph
 
 logger = logging.getLogger(__name__)
@@ -93,16 +94,26 @@ class EncoderCudaGraphs:
     def capture_photos(self, side: int = PHOTO_SIDE, max_images: int = 4) -> None:
         """Capture batches of 1 to ``max_images`` single-frame images of ``side`` x ``side``
         pixels (as the Qwen2-VL processors resize them: sides a multiple of patch * merge),
-        within ``max_patches``."""
+        within ``max_patches``; and run the tower once on each larger power-of-two batch up to
+        ``MAX_DENSE_BATCH`` images, so that the attention plans their batches split into
+        (``varlen_attention.dense_parts``) exist before the first request."""
         weight = self.tower.patch_embed.proj.weight  # [dim, C, T, P, P]
         merge = self.tower.spatial_merge_size
         patches = side // (weight.shape[-1] * merge) * merge  # per side
-        grid = (1, patches, patches)
-        for count in range(1, max_images + 1):
+        grids = [[1, patches, patches]]
+
+        def zeros(count: int) -> torch.Tensor:
             shape = (count * patches**2, weight[0].numel())
-            pixels = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+            return torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+
+        for count in range(1, max_images + 1):
+            pixels = zeros(count)
             if self._graphable(pixels):
-                self._capture((grid,) * count, pixels)
+                self._capture(tuple(map(tuple, grids * count)), pixels)
+        for count in (2**i for i in range(MAX_DENSE_BATCH.bit_length())):
+            if count > max_images:
+                pixels = zeros(count)
+                self.tower.run(pixels, self.tower.plan(grids * count, pixels.device))
 
     def _capture(self, key: GridsKey, pixels: torch.Tensor) -> _TowerGraph:
         start = time.perf_counter()
