@@ -208,19 +208,20 @@ def dense_attention(
     """
     parts = dense_parts(q.shape[0] // segment_len)
     if len(parts) == 1:
-        return _cudnn_segments(q, k, v, segment_len)
+        return cudnn_segments(q, k, v, segment_len)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     start = 0
     for count in parts:
         rows = slice(start, start + count * segment_len)
-        out[rows] = _cudnn_segments(q[rows], k[rows], v[rows], segment_len)
+        out[rows] = cudnn_segments(q[rows], k[rows], v[rows], segment_len)
         start = rows.stop
     return out
 
 
-def _cudnn_segments(
+def cudnn_segments(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_len: int
 ) -> torch.Tensor:
+    """``dense_attention`` in one cuDNN call over all segments (whatever their number)."""
     n, heads, head_dim = q.shape
     q, k, v = (
         t.view(n // segment_len, segment_len, heads, head_dim).transpose(1, 2) for t in (q, k, v)

@@ -15,6 +15,8 @@ and writes every figure to ``DIR/kernels.json``.
   against ``paged_attention_ref`` before it is timed; TFLOP/s counts causal FLOPs
   (``4 * head_dim * num_heads`` per visible query-key pair) of the rows it computes.
 - RMSNorm, SiLU-and-mul, rotary and the KV-cache write at a 4,096-token step of a 7B.
+- The vision towers' attention on same-size images, and what cuDNN's plan for a new image
+  count costs (``vision_attention``).
 
 A script, not a test: the kernels' tests are ``tests/test_kernels_triton.py`` and
 ``tests/test_varlen_prefill.py``.
@@ -39,6 +41,7 @@ from mm_serve.kernels import (
     rms_norm_ref,
     silu_and_mul_ref,
 )
+from mm_serve.kernels.varlen_attention import has_dense_cudnn
 
 
 def bench(fn, rep_ms: int = 100) -> float:
@@ -235,8 +238,8 @@ def paged_attention_rows(sweep: bool, copy_bw: float) -> list[dict]:
 def main(args: argparse.Namespace) -> dict:
     """Run the tables, print them, write ``kernels.json``; returns what it wrote."""
     # Imported here: the prefill comparison builds on this module's helpers.
+    from mm_serve.benchmarks import vision_attention as vision
     from mm_serve.benchmarks.prefill_attention import prefill_rows, print_prefill
-    from mm_serve.benchmarks.vision_attention import print_vision_attention, vision_attention_rows
 
     copy_bw = copy_rate("cuda")
     result = {"device": torch.cuda.get_device_name(), "copy_GBps": copy_bw / 1e9}
@@ -245,13 +248,17 @@ def main(args: argparse.Namespace) -> dict:
         result["sdpa_prefill_ms"] = sdpa_prefill_ms([(0, 2048)] * 4, (28, 4, 128))
         result["small"] = small_kernel_rows(copy_bw)
     result["prefill_attention"] = prefill_rows()
-    result["vision_attention"] = vision_attention_rows()
+    result["vision_attention"] = vision.vision_attention_rows()
+    if has_dense_cudnn(torch.device("cuda")):
+        result["vision_plan_cost"] = vision.plan_cost_rows()
     with open(os.path.join(args.out, "kernels.json"), "w") as f:
         json.dump(result, f, indent=1)
     if not args.prefill_only:
         print_tables(copy_bw, result["attention"], result["sdpa_prefill_ms"], result["small"])
     print_prefill(result["prefill_attention"])
-    print_vision_attention(result["vision_attention"])
+    vision.print_vision_attention(result["vision_attention"])
+    if "vision_plan_cost" in result:
+        vision.print_plan_cost(result["vision_plan_cost"])
     return result
 
 

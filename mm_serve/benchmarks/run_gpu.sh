@@ -3,9 +3,12 @@
 # JSON into $OUT (default ./bench-out). Run from the repository root on a CUDA machine:
 #   bash mm_serve/benchmarks/run_gpu.sh tests latency throughput serve kernels
 # tests:      the CUDA tests (kernels vs references, CUDA graphs, compile, outputs vs HF, async
-#             scheduling, pixel path, structured outputs); tests-kernels, tests-llm and tests-vlm
-#             run its three parts (each within the GPU machine's 10 minutes per command; at the
-#             default compilation level every engine a test builds compiles its forward)
+#             scheduling, pixel path, structured outputs); tests-kernels, tests-llm, tests-vlm
+#             and tests-outputs run its four parts (each within the GPU machine's 10 minutes per
+#             command; at the default compilation level every engine a test builds compiles its
+#             forward). Beyond the serving wheels, the test files import jsonschema and xgrammar:
+#             ../shared/gpu-wheels.sh jsonschema jsonschema-specifications referencing rpds-py
+#             attrs xgrammar apache-tvm-ffi
 # latency:    bench latency, Qwen2-VL-2B, batch 1: default, without PDL, without async
 #             scheduling, eager; then step_profile (the engine loop's step, kernel table)
 # throughput: bench throughput, Qwen2-VL-2B, 256 requests, HF baseline, prefix caching on/off
@@ -34,15 +37,16 @@ bench() { $PY -m mm_serve.entrypoints.cli bench "$@"; }
 for stage in "$@"; do
   echo "=== $stage ($(date +%T))"
   case $stage in
-    tests|tests-kernels|tests-llm|tests-vlm)
+    tests|tests-kernels|tests-llm|tests-vlm|tests-outputs)
       files=()
       [[ $stage == tests || $stage == tests-kernels ]] && files+=(tests/test_kernels_triton.py
         tests/test_cuda_graphs.py tests/test_compile.py tests/test_kernel_dispatch.py
         tests/test_varlen_prefill.py)
       [[ $stage == tests || $stage == tests-llm ]] && files+=(tests/test_async_scheduling.py
         tests/test_llm_vs_hf.py)
-      [[ $stage == tests || $stage == tests-vlm ]] && files+=(tests/test_vlm_vs_hf.py
-        tests/test_pixel_path.py tests/test_structured_outputs.py)
+      [[ $stage == tests || $stage == tests-vlm ]] && files+=(tests/test_vlm_vs_hf.py)
+      [[ $stage == tests || $stage == tests-outputs ]] && files+=(tests/test_pixel_path.py
+        tests/test_structured_outputs.py)
       $PY -m pytest -q -x "${files[@]}" 2>&1 | tee "$OUT/$stage.log" | tail -5 ;;
     latency)
       for mode in "" "no-pdl" "--no-async-scheduling" "--enforce-eager"; do

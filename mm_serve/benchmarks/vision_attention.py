@@ -5,9 +5,15 @@ FlashAttention-2's varlen kernel and batched SDPA (torch's choice of backend).
 Qwen2-VL's tower (16 heads of 80, bf16) over 21 images of 448x448 (1,024 patches each, about
 one encode step of the image workload), and SigLIP-so400m's (16 heads of 72) over 16 images
 of 729 patches. Each method is checked once against the SDPA result, then timed.
+
+``plan_cost_rows``: the first and the second call of cuDNN's attention on a batch count it has
+not seen (one call over all the images, ``varlen_attention.cudnn_segments``), against the
+engine's path, whose power-of-two parts are planned by then.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +63,43 @@ def _case_rows(name: str, images: int, length: int, heads: int, head_dim: int) -
         error = rel_err(fn(), reference)
         rows.append(dict(case=name, method=method, ms=ms, tflops=flops / ms / 1e9, rel_err=error))
     return rows
+
+
+def plan_cost_rows(counts=(12, 13, 26, 27), length: int = 1024) -> list[dict]:
+    """Per image count (Qwen2-VL's 16 heads of 80, ``length`` patches each): ms of the first
+    and of a second one-call cuDNN attention, and of the engine's ``dense_attention`` once
+    every power-of-two part is planned (host wall time to a device synchronisation)."""
+
+    def wall_ms(fn, q: torch.Tensor) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn(q, q, q, length)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3
+
+    def images(count: int) -> torch.Tensor:
+        return torch.randn(count * length, 16, 80, device="cuda", dtype=torch.bfloat16)
+
+    varlen.dense_attention(*[images(2 * varlen.MAX_DENSE_BATCH - 1)] * 3, length)  # all parts
+    return [
+        {
+            "images": count,
+            "one call, first": wall_ms(varlen.cudnn_segments, q),
+            "one call, again": wall_ms(varlen.cudnn_segments, q),
+            "in parts": wall_ms(varlen.dense_attention, q),
+        }
+        for count, q in ((count, images(count)) for count in counts)
+    ]
+
+
+def print_plan_cost(rows: list[dict]) -> None:
+    print("\ncuDNN attention on a new image count, 1,024 patches each (ms, host wall time)")
+    print(f"{'images':>6} {'one call, first':>16} {'one call, again':>16} {'in parts':>9}")
+    for r in rows:
+        print(
+            f"{r['images']:6d} {r['one call, first']:16.1f} {r['one call, again']:16.2f} "
+            f"{r['in parts']:9.2f}"
+        )
 
 
 def print_vision_attention(rows: list[dict]) -> None:

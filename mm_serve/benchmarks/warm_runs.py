@@ -1,0 +1,58 @@
+"""The image workload several times on one engine: does the first batch after start-up run as
+fast as the next ones?
+
+``bench throughput`` times the first large batch an engine meets after start-up (and four
+warm-up requests); whatever an engine does once per new shape (a cuDNN plan, a Triton compile,
+a CUDA graph capture, a pinned buffer that grows) lands in that run. This script builds one
+engine (its own process, as ``LLM`` runs it), sends the same four warm-up requests, then
+``--runs`` batches of ``--num-prompts`` requests, each with other random images and words (no
+prefix-cache hit), and prints each run's seconds and output tok/s. With
+``MM_SERVE_STEP_TIMELINE=<file>`` each run's steps are recorded; ``python -m
+mm_serve.benchmarks.step_timeline <file> --run N`` shows run ``N`` (0: start-up's warm-up,
+1: the four requests, 2: the first batch).
+
+    python -m mm_serve.benchmarks.warm_runs --model-arch qwen2-vl-2b --image-size 448 448 \\
+        --max-model-len 4096 --runs 3
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+from mm_serve.benchmarks import common
+from mm_serve.benchmarks.datasets import random_image_dataset
+
+
+def main() -> None:
+    parser = common.profile_parser(__doc__, output_len=128)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    from mm_serve import LLM, SamplingParams
+
+    with tempfile.TemporaryDirectory() as workdir:
+        folder, load_format = common.model_folder(args, workdir)
+        llm = LLM(folder, **common.engine_kwargs(args, load_format))
+        model_type = llm.config.model.hf_config.model_type
+        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+
+        def prompts(seed: int, count: int) -> list:
+            size = tuple(args.image_size)
+            requests = random_image_dataset(
+                count, args.input_len, args.output_len, size, seed=seed, num_images=args.num_images
+            )
+            return common.image_prompts(requests, model_type)
+
+        llm.generate(prompts(100, 4), params, use_tqdm=False)
+        for run in range(1, args.runs + 1):
+            batch = prompts(run, args.num_prompts)
+            start = time.perf_counter()
+            llm.generate(batch, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            tok_s = args.num_prompts * args.output_len / seconds
+            print(f"run {run}: {seconds:.3f} s, {tok_s:,.0f} output tok/s")
+        common.shutdown(llm)
+
+
+if __name__ == "__main__":
+    main()
