@@ -180,9 +180,9 @@ def has_dense_cudnn(device: torch.device) -> bool:
 
 
 # cuDNN builds an execution plan for each new input shape (60-100 ms on an H100, against 0.2-0.6
-# ms per call once built; BENCHMARKS.md, "cold start"), so a batch goes in power-of-two parts
-# of at most this many segments: one image size needs at most five plans, which start-up builds
-# for photo-sized images (``worker.tower_graphs.EncoderCudaGraphs.capture_photos``).
+# ms per call once built; BENCHMARKS.md, "The first batch after start-up"), so a batch goes in
+# power-of-two parts of at most this many segments: one image size needs at most five plans,
+# which start-up builds for photo-sized images (``tower_graphs.EncoderCudaGraphs.capture_photos``).
 MAX_DENSE_BATCH = 16
 
 

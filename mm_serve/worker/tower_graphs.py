@@ -100,7 +100,7 @@ class EncoderCudaGraphs:
         weight = self.tower.patch_embed.proj.weight  # [dim, C, T, P, P]
         merge = self.tower.spatial_merge_size
         patches = side // (weight.shape[-1] * merge) * merge  # per side
-        grids = [[1, patches, patches]]
+        grid = (1, patches, patches)
 
         def zeros(count: int) -> torch.Tensor:
             shape = (count * patches**2, weight[0].numel())
@@ -109,11 +109,11 @@ class EncoderCudaGraphs:
         for count in range(1, max_images + 1):
             pixels = zeros(count)
             if self._graphable(pixels):
-                self._capture(tuple(map(tuple, grids * count)), pixels)
+                self._capture((grid,) * count, pixels)
         for count in (2**i for i in range(MAX_DENSE_BATCH.bit_length())):
             if count > max_images:
                 pixels = zeros(count)
-                self.tower.run(pixels, self.tower.plan(grids * count, pixels.device))
+                self.tower.run(pixels, self.tower.plan([list(grid)] * count, pixels.device))
 
     def _capture(self, key: GridsKey, pixels: torch.Tensor) -> _TowerGraph:
         start = time.perf_counter()
