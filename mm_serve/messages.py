@@ -12,9 +12,7 @@ plain dataclasses, which msgspec encodes and decodes by field).
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import typing
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -115,23 +113,6 @@ InputMessage = AddRequest | AbortRequests | UtilityRequest
 # ---- engine → front end ------------------------------------------------------------------
 
 
-def _array_struct(cls: type, name: str) -> type[msgspec.Struct]:
-    """A msgspec struct with the fields (names, types, defaults) of dataclass ``cls``, encoded
-    as a msgpack array (no field names on the wire)."""
-    hints = typing.get_type_hints(cls)
-    fields = [
-        (f.name, hints[f.name])
-        if f.default is dataclasses.MISSING
-        else (f.name, hints[f.name], f.default)
-        for f in dataclasses.fields(cls)
-    ]
-    return msgspec.defstruct(name, fields, array_like=True, omit_defaults=True, module=__name__)
-
-
-# ``EngineCoreOutput`` on the wire: its fields are defined once, in ``mm_serve.outputs``.
-EngineCoreOutputWire = _array_struct(EngineCoreOutput, "EngineCoreOutputWire")
-
-
 class RequestError(msgspec.Struct):
     """A request the engine refused or could not run; it is not in the engine any more.
 
@@ -156,7 +137,7 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", omit_defaults=True):
     front end copies it into each ``EngineCoreOutput.timestamp``).
     """
 
-    outputs: list[EngineCoreOutputWire] = []
+    outputs: list[EngineCoreOutput] = []
     timestamp: float | None = None
     errors: list[RequestError] = []
     stats: EngineStats | None = None
@@ -321,15 +302,6 @@ def feature_from_wire(wire: MultiModalFeatureWire, frames: Sequence[Buffer]) -> 
             wire.second_per_grid_t,
         )
     return MultiModalFeature(wire.mm_hash, PlaceholderRange(wire.offset, wire.length), data)
-
-
-def output_to_wire(output: EngineCoreOutput) -> EngineCoreOutputWire:
-    """The wire form of an engine output (the same fields; a field the wire lacks raises)."""
-    return EngineCoreOutputWire(**vars(output))
-
-
-def output_from_wire(wire: EngineCoreOutputWire) -> EngineCoreOutput:
-    return EngineCoreOutput(**msgspec.structs.asdict(wire))
 
 
 # ---- codecs ------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 
 @dataclass
 class Logprob:
@@ -58,12 +60,11 @@ class RequestOutput:
 LogprobsEntry = tuple[list[int], list[float], int]
 
 
-@dataclass
-class EngineCoreOutput:
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """New tokens of one engine request after a step, for the front end (detokenizer, stop
     strings): one ``LogprobsEntry`` per new token in ``new_logprobs``, per prompt position in
-    ``new_prompt_logprobs``. Its wire form (``messages.EngineCoreOutputWire``) takes these
-    fields as they are.
+    ``new_prompt_logprobs``. A msgspec struct: the engine core process sends it as it is, a
+    msgpack array of its fields (no names; trailing defaults left out).
 
     For the metrics (``time.monotonic()`` seconds): ``scheduled_time``, when the engine first
     scheduled the request (``Request.scheduled_time``), comes with each of its outputs;

@@ -33,12 +33,12 @@ from mm_serve.frontend.core_client import AsyncEngineCoreClient, EngineCoreClien
 from mm_serve.frontend.exceptions import EngineDeadError, EngineRequestError, EngineStartupError
 from mm_serve.messages import (
     EngineCoreOutputs,
-    EngineCoreOutputWire,
     InputCodec,
     KVCacheInfo,
     OutputCodec,
     RequestDecodeError,
 )
+from mm_serve.outputs import EngineCoreOutput
 from mm_serve.parallel_config import ParallelConfig
 from mm_serve.request import MultiModalFeature, PlaceholderRange, Request
 from mm_serve.stats import EngineStats
@@ -241,7 +241,7 @@ def test_wire_is_msgpack_and_raw_frames(llm):
     assert decoded.sampling_params == request.sampling_params
     assert decoded.prompt_token_ids == request.prompt_token_ids
     outputs = EngineCoreOutputs(
-        outputs=[EngineCoreOutputWire("a", [5], [([5, 7], [-0.1, -2.5], 1)], None, "stop", 7)],
+        outputs=[EngineCoreOutput("a", [5], [([5, 7], [-0.1, -2.5], 1)], None, "stop", 7)],
         stats=EngineStats(num_running_reqs=1),
     )
     encoded = OutputCodec().encode(outputs)

@@ -8,7 +8,7 @@ measures that Python alone, on any machine: the tiny Qwen2-VL architecture runs 
 on the CPU with its LM forward replaced by a zero hidden state and its logits by a fixed random
 ``[num_tokens, --vocab]`` block (greedy sampling then picks varying tokens). Everything else is
 the engine's own code, in ``EngineCore.step``'s async order, plus what the engine core
-process adds per step (``output_to_wire`` and ``OutputCodec.encode``).
+process adds per step (``OutputCodec.encode``).
 
     python -m mm_serve.benchmarks.host_overhead --batch-sizes 1 64 256
     python -m mm_serve.benchmarks.host_overhead --image-size 56 56  # each prompt with an image
@@ -35,7 +35,7 @@ from mm_serve import LLM
 from mm_serve.benchmarks import common
 from mm_serve.benchmarks.architectures import write_architecture
 from mm_serve.benchmarks.datasets import random_image_dataset
-from mm_serve.messages import EngineCoreOutputs, OutputCodec, output_to_wire
+from mm_serve.messages import EngineCoreOutputs, OutputCodec
 from mm_serve.request import Request
 from mm_serve.sampling_params import SamplingParams
 
@@ -101,8 +101,7 @@ def step_times(llm, batch_size: int, steps: int, prefix: str, image_size=None) -
         outputs = core.step()
         if sorted(len(o.new_token_ids) for o in outputs) != [1] * batch_size:
             raise RuntimeError(f"A decode step gave {len(outputs)} outputs for {batch_size}.")
-        wire = [output_to_wire(o) for o in outputs]
-        codec.encode(EngineCoreOutputs(outputs=wire, timestamp=time.monotonic()))
+        codec.encode(EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic()))
         times.append((time.perf_counter() - start) * 1e3)
     core.abort_requests(request_ids)
     while core.has_unfinished_requests():

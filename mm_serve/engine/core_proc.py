@@ -43,7 +43,6 @@ from mm_serve.messages import (
     RequestDecodeError,
     RequestError,
     UtilityRequest,
-    output_to_wire,
 )
 from mm_serve.mp_context import PARENT_CHECK_INTERVAL_MS
 from mm_serve.request import Request, check_image_tokens
@@ -223,8 +222,7 @@ class EngineCoreProc:
             if engine_core.has_unfinished_requests():
                 outputs = engine_core.step()
                 if outputs:
-                    wire = [output_to_wire(o) for o in outputs]
-                    message = EngineCoreOutputs(outputs=wire, timestamp=time.monotonic())
+                    message = EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())
                     self.output_queue.put(message)
 
     def _process_input_queue(self, block: bool) -> bool:

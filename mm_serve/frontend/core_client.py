@@ -46,7 +46,6 @@ from mm_serve.messages import (
     InputCodec,
     OutputCodec,
     UtilityRequest,
-    output_from_wire,
 )
 from mm_serve.request import Request
 
@@ -297,14 +296,13 @@ class EngineCoreClientBase:
     def _dispatch(self, message: EngineCoreOutputs) -> None:
         deliveries: list[tuple[Sink, Any]] = []
         with self._lock:
-            for wire in message.outputs:
-                sink = self._sinks.get(wire.request_id)
+            for output in message.outputs:
+                sink = self._sinks.get(output.request_id)
                 if sink is None:
                     continue  # aborted meanwhile
-                output = output_from_wire(wire)
                 output.timestamp = message.timestamp
                 if output.finished:
-                    del self._sinks[wire.request_id]
+                    del self._sinks[output.request_id]
                 deliveries.append((sink, output))
             for error in message.errors:
                 sink = self._sinks.pop(error.request_id, None)
