@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import msgspec
-
 
 @dataclass
 class Logprob:
@@ -60,11 +58,12 @@ class RequestOutput:
 LogprobsEntry = tuple[list[int], list[float], int]
 
 
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+@dataclass
+class EngineCoreOutput:
     """New tokens of one engine request after a step, for the front end (detokenizer, stop
     strings): one ``LogprobsEntry`` per new token in ``new_logprobs``, per prompt position in
-    ``new_prompt_logprobs``. A msgspec struct: the engine core process sends it as it is, a
-    msgpack array of its fields (no names; trailing defaults left out).
+    ``new_prompt_logprobs``. The engine core process sends it as it is (msgspec encodes a
+    dataclass as a map of its fields).
 
     For the metrics (``time.monotonic()`` seconds): ``scheduled_time``, when the engine first
     scheduled the request (``Request.scheduled_time``), comes with each of its outputs;

@@ -245,7 +245,8 @@ def test_wire_is_msgpack_and_raw_frames(llm):
         stats=EngineStats(num_running_reqs=1),
     )
     encoded = OutputCodec().encode(outputs)
-    assert msgspec.msgpack.decode(encoded)["outputs"][0][:2] == ["a", [5]]
+    wire = msgspec.msgpack.decode(encoded)["outputs"][0]  # the dataclass's fields, by name
+    assert wire["request_id"] == "a" and wire["new_token_ids"] == [5]
     assert OutputCodec().decode(encoded) == outputs
 
 
