@@ -3,8 +3,8 @@
 Requests check types and shapes only; the *values* (a negative temperature, ``max_tokens`` of
 0, a prompt beyond the context) are checked by the serving code and ``SamplingParams``, as vLLM
 does. Either violation is a 400 naming the field, as OpenAI answers; so is a parameter of
-OpenAI's API or a vLLM extension that this server does not implement (``UNSUPPORTED_FIELDS``).
-A field unknown to both is ignored with a warning in the server log, as vLLM does
+OpenAI's API or a vLLM extension that this server does not implement (``UNSUPPORTED_FIELDS``),
+and so is a field unknown to both: no field a request asks for is silently ignored
 (``request_fields.reject_undeclared_fields``).
 """
 

@@ -50,7 +50,7 @@ ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart, Field(discrimina
 
 
 class ChatMessage(BaseModel):
-    # Undeclared fields are kept for ``request_fields.reject_undeclared_fields`` to judge.
+    # Undeclared fields are kept for ``request_fields.reject_undeclared_fields`` to refuse.
     model_config = ConfigDict(extra="allow")
 
     role: str  # "system", "user", "assistant", "tool", ...: what the chat template accepts

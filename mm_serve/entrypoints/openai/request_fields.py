@@ -1,53 +1,39 @@
-"""Which undeclared request fields are refused and which are ignored (OpenAI's and vLLM's
-fields that this server does not implement: a 400 naming them; fields unknown to both: a
-warning, as vLLM does)."""
+"""Undeclared request fields: each one the request asks for is a 400 naming it, never a
+silent 200. A field of OpenAI's API or of vLLM's extensions that this server does not implement
+is "unsupported"; any other is "unknown"."""
 
 from __future__ import annotations
-
-import logging
 
 from pydantic import BaseModel
 
 from mm_serve.entrypoints.openai.errors import bad_request
 from mm_serve.entrypoints.openai.protocol import UNSUPPORTED_FIELDS, UNSUPPORTED_MESSAGE_FIELDS
 
-logger = logging.getLogger(__name__)
-
-_logged_unknown_fields: set[str] = set()
-
 
 def reject_undeclared_fields(request: BaseModel) -> None:
-    """A field of OpenAI's API or of vLLM's extensions that this server does not implement
-    (``protocol.UNSUPPORTED_FIELDS``) is refused; any other undeclared top-level field is
-    unknown to both and ignored, with one warning per field name in the server's log (as
-    vLLM does).
-
-    A chat message's non-null undeclared fields are judged alike: those of
-    ``protocol.UNSUPPORTED_MESSAGE_FIELDS`` are refused (``messages[i].name``), others ignored
-    with a warning. Content parts are a closed schema: any non-null undeclared key in a part
-    or in its ``image_url`` / ``video_url`` is refused (``messages[i].content[j].key``).
+    """Refuse the request's first undeclared field: at the top level, in a chat message
+    (``messages[i].name``), in a content part or its ``image_url`` / ``video_url``
+    (``messages[i].content[j].key``). A null value asks for nothing and passes (an SDK's dump
+    of an earlier reply), except a field of ``protocol.UNSUPPORTED_FIELDS``.
 
     Raises:
-        APIError: (400) naming the first unsupported field.
+        APIError: (400) naming the field.
     """
-    extra = sorted(request.model_extra or ())
-    for name in extra:
-        if name in UNSUPPORTED_FIELDS:
-            raise bad_request(f"Unsupported field {name!r}.", param=name)
-    unknown = list(extra)
+    for name, value in sorted((request.model_extra or {}).items()):
+        if name in UNSUPPORTED_FIELDS or value is not None:
+            raise _undeclared(name, name in UNSUPPORTED_FIELDS)
     for index, message in enumerate(getattr(request, "messages", None) or ()):
         for name, value in sorted((message.model_extra or {}).items()):
-            if value is None:
-                continue  # nothing asked (an SDK's dump of an earlier reply)
-            if name in UNSUPPORTED_MESSAGE_FIELDS:
+            if value is not None:
                 param = f"messages[{index}].{name}"
-                raise bad_request(f"Unsupported field {param!r}.", param=param)
-            unknown.append(f"messages[].{name}")
+                raise _undeclared(param, name in UNSUPPORTED_MESSAGE_FIELDS)
         _reject_part_keys(index, message.content)
-    for name in unknown:
-        if name not in _logged_unknown_fields:
-            _logged_unknown_fields.add(name)
-            logger.warning("Ignoring the unknown request field %r.", name)
+
+
+def _undeclared(param: str, unsupported: bool) -> Exception:
+    if unsupported:
+        return bad_request(f"Unsupported field {param!r}.", param=param)
+    return bad_request(f"Unknown field {param!r}: not a parameter of this API.", param=param)
 
 
 def _reject_part_keys(index: int, content: str | list[BaseModel] | None) -> None:
@@ -61,4 +47,4 @@ def _reject_part_keys(index: int, content: str | list[BaseModel] | None) -> None
             for key, value in (obj.model_extra or {}).items():
                 if value is not None:
                     param = f"messages[{index}].content[{j}].{prefix}{key}"
-                    raise bad_request(f"Unsupported field {param!r}.", param=param)
+                    raise _undeclared(param, unsupported=False)
