@@ -7,6 +7,7 @@ Staged through pinned memory, the copy is queued like a kernel instead.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -22,3 +23,63 @@ def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if not tensor.is_pinned():
         tensor = tensor.pin_memory()
     return tensor.to(device, non_blocking=True)
+
+
+_NUMPY_DTYPES = {
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+    torch.float32: np.float32,
+    torch.bool: np.bool_,
+}
+_ALIGN = 16  # bytes between packed arrays: every dtype's view stays aligned
+
+
+class StepUpload:
+    """A step's host arrays, packed into one buffer and sent to the device in one copy.
+
+    ``stage`` writes an array into the host buffer and returns its tensor on the device at
+    once: a view into the device buffer that holds the array once ``flush`` has queued the
+    copy. Kernels that read a staged tensor must be queued after ``flush``. Each ``flush``
+    starts new buffers, so the views already handed out keep their contents.
+
+    One copy replaces a pinned allocation, a copy and an event per array (a dozen per decode
+    step): on CUDA the host buffer is pinned memory from PyTorch's caching host allocator,
+    which keeps it until its copy is done, and the device buffer comes from the caching
+    allocator, ordered on the current stream. An array that does not fit goes on its own
+    (``host_to_device``) and the buffers grow for the next step.
+    """
+
+    def __init__(self, device: torch.device, capacity: int = 1 << 18) -> None:
+        self.device = device
+        self.capacity = capacity  # bytes
+        self._host: torch.Tensor | None = None  # [capacity] uint8
+        self._device_buffer: torch.Tensor | None = None  # [capacity] uint8
+        self._used = 0  # bytes, aligned
+        self._overflow = 0  # bytes that did not fit since the last flush
+
+    def stage(self, array: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``array`` (converted to ``dtype``) as a device tensor of its shape, valid once
+        ``flush`` has run."""
+        array = np.ascontiguousarray(array, dtype=_NUMPY_DTYPES.get(dtype))
+        start, end = self._used, self._used + array.nbytes
+        if end > self.capacity:
+            self._overflow += array.nbytes
+            return host_to_device(torch.from_numpy(array.copy()), self.device)
+        if self._host is None:
+            pin = self.device.type == "cuda"
+            self._host = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=pin)
+            self._device_buffer = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
+        self._host.numpy()[start:end] = array.reshape(-1).view(np.uint8)
+        self._used = -(-end // _ALIGN) * _ALIGN
+        view = self._device_buffer[start:end].view(torch.from_numpy(array[:0]).dtype)
+        return view.view(array.shape)
+
+    def flush(self) -> None:
+        """Queue the copy of everything staged since the last flush (non-blocking on CUDA)."""
+        if self._used:
+            device_part, host_part = self._device_buffer[: self._used], self._host[: self._used]
+            device_part.copy_(host_part, non_blocking=self.device.type == "cuda")
+        if self._overflow:
+            self.capacity = 1 << (self.capacity + self._overflow - 1).bit_length()
+        self._host = self._device_buffer = None
+        self._used = self._overflow = 0

@@ -17,7 +17,7 @@ from mm_serve.attention import AttentionMetadata
 from mm_serve.kernels.varlen_attention import plan_prefill_split, worth_splitting
 from mm_serve.request import MultiModalFeature
 from mm_serve.sampling_params import SamplingParams
-from mm_serve.transfer import host_to_device
+from mm_serve.transfer import StepUpload
 from mm_serve.worker.sampling_metadata import SamplingMetadata
 
 
@@ -50,19 +50,6 @@ class CachedRequestState:
     def num_tokens(self) -> int:
         """Prompt and output tokens, pending ones included (their ids arrive later)."""
         return len(self.prompt_token_ids) + self.num_output_tokens
-
-
-def to_device(array: np.ndarray, device: torch.device, dtype: torch.dtype | None = None):
-    """A host array as a tensor on ``device``, without blocking the host.
-
-    On CUDA the array is staged through pinned memory and copied with ``non_blocking=True``:
-    the host goes on preparing while earlier steps still run. PyTorch's caching host allocator
-    keeps the staging buffer until its copy is done, so the array may change right after.
-    """
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
-    if dtype is not None:
-        tensor = tensor.to(dtype)
-    return host_to_device(tensor, device)
 
 
 class InputBatch:
@@ -105,6 +92,8 @@ class InputBatch:
         self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
+        # Rows whose sampling needs their request's own settings (``_add_request_extras``).
+        self.request_extras = np.zeros(max_num_reqs, dtype=bool)
         self.states: list[CachedRequestState | None] = [None] * max_num_reqs
         self.num_reqs = 0
 
@@ -133,6 +122,13 @@ class InputBatch:
         self.presence_penalty[row] = params.presence_penalty
         self.frequency_penalty[row] = params.frequency_penalty
         self.repetition_penalty[row] = params.repetition_penalty
+        self.request_extras[row] = (
+            state.generator is not None
+            or params.logprobs is not None
+            or params.needs_penalties
+            or bool(params.logit_bias)
+            or params.min_tokens > 0
+        )
 
     def remove_requests(self, req_ids: set[str]) -> None:
         """Free the rows of these requests (absent ids are ignored), then condense."""
@@ -186,25 +182,27 @@ class InputBatch:
         slot_mapping: np.ndarray,  # [num_groups, num_tokens] int64 (``slot_mapping()``)
         query_start_loc: np.ndarray,  # [num_reqs + 1]
         seq_lens: np.ndarray,  # [num_reqs]
-        device: torch.device,
+        upload: StepUpload,
         key_end: np.ndarray | None = None,  # [num_tokens]: AttentionMetadata.key_end
     ) -> AttentionMetadata:
-        """The step's ``AttentionMetadata`` over rows ``0..num_reqs`` on ``device``, with its
-        host copies, each KV-cache group's after the first in ``group_metadata``, and on CUDA
-        the FlashAttention-2 split of a step of long fresh prompts (``varlen_attention``; one
-        group and no ``key_end`` only)."""
+        """The step's ``AttentionMetadata`` over rows ``0..num_reqs``, its tensors staged in
+        ``upload`` (valid once it is flushed), with its host copies, each KV-cache group's
+        after the first in ``group_metadata``, and on CUDA the FlashAttention-2 split of a
+        step of long fresh prompts (``varlen_attention``; one group and no ``key_end``
+        only)."""
         num_reqs = len(seq_lens)
         width = int(self.num_blocks[:num_reqs].max())
         block_table = self.block_table[:num_reqs, :width]
+        device, stage = upload.device, upload.stage
         split = device.type == "cuda" and key_end is None and self.num_groups == 1
         split = split and worth_splitting(query_start_loc, seq_lens)
         metadata = AttentionMetadata(
             num_reqs=num_reqs,
             num_tokens=slot_mapping.shape[1],
-            slot_mapping=to_device(slot_mapping[0], device, torch.int64),
-            query_start_loc=to_device(query_start_loc, device, torch.int32),
-            seq_lens=to_device(seq_lens, device, torch.int32),
-            block_table=to_device(block_table, device, torch.int32),
+            slot_mapping=stage(slot_mapping[0], torch.int64),
+            query_start_loc=stage(query_start_loc, torch.int32),
+            seq_lens=stage(seq_lens, torch.int32),
+            block_table=stage(block_table, torch.int32),
             max_query_len=int(np.diff(query_start_loc).max()),
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=query_start_loc.tolist(),
@@ -214,65 +212,80 @@ class InputBatch:
             )
             if split
             else None,
-            key_end=None if key_end is None else to_device(key_end, device, torch.int32),
+            key_end=None if key_end is None else stage(key_end, torch.int32),
         )
         if self.num_groups == 1:
             return metadata
         metadata.group_metadata = tuple(
             dataclasses.replace(
                 metadata,
-                slot_mapping=to_device(slot_mapping[g], device, torch.int64),
-                block_table=to_device(self.block_tables[g, :num_reqs, :width], device, torch.int32),
+                slot_mapping=stage(slot_mapping[g], torch.int64),
+                block_table=stage(self.block_tables[g, :num_reqs, :width], torch.int32),
             )
             for g in range(1, self.num_groups)
         )
         return metadata
 
-    def sampling_metadata(self, rows: np.ndarray, device: torch.device) -> SamplingMetadata:
-        """Gather the sampling settings of ``rows`` (those that produce a token this step)."""
-        states = [self.states[row] for row in rows]
-        params = [s.sampling_params for s in states]
+    def sampling_metadata(self, rows: np.ndarray, upload: StepUpload) -> SamplingMetadata:
+        """Gather the sampling settings of ``rows`` (those that produce a token this step),
+        its tensors staged in ``upload``. The per-request settings (generators, logprobs,
+        penalties, logit bias, banned tokens) are looked up only when a row has one."""
         temperature = self.temperature[rows]
 
         def tensor(array: np.ndarray, off_value: float) -> torch.Tensor | None:
             values = array[rows]
-            return None if np.all(values == off_value) else to_device(values, device)
+            return None if np.all(values == off_value) else upload.stage(values)
 
-        no_penalties = not any(p.needs_penalties for p in params)
-
-        def penalties(array: np.ndarray) -> torch.Tensor | None:
-            return None if no_penalties else to_device(array[rows], device)
-
-        return SamplingMetadata(
-            temperature=to_device(temperature, device),
+        metadata = SamplingMetadata(
+            temperature=upload.stage(temperature),
             all_greedy=bool(np.all(temperature == 0.0)),
             all_random=bool(np.all(temperature != 0.0)),
             top_p=tensor(self.top_p, 1.0),
             top_k=tensor(self.top_k, 0),
             min_p=tensor(self.min_p, 0.0),
-            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
-            max_num_logprobs=max(
-                (p.logprobs for p in params if p.logprobs is not None), default=None
-            ),
-            no_penalties=no_penalties,
-            presence_penalties=penalties(self.presence_penalty),
-            frequency_penalties=penalties(self.frequency_penalty),
-            repetition_penalties=penalties(self.repetition_penalty),
-            prompt_token_ids=None if no_penalties else self._padded_prompts(rows, device),
-            output_token_ids=[s.output_token_ids for s in states],
-            banned_token_ids={
-                i: banned for i, s in enumerate(states) if (banned := _banned_tokens(s))
-            },
-            logit_bias={i: p.logit_bias for i, p in enumerate(params) if p.logit_bias},
+        )
+        if self.request_extras[rows].any():
+            self._add_request_extras(metadata, rows, upload)
+        return metadata
+
+    def any_penalties(self, rows: np.ndarray | slice) -> bool:
+        """Whether a request of ``rows`` has a presence, frequency or repetition penalty."""
+        return bool(
+            np.any(self.presence_penalty[rows] != 0.0)
+            or np.any(self.frequency_penalty[rows] != 0.0)
+            or np.any(self.repetition_penalty[rows] != 1.0)
         )
 
-    def _padded_prompts(self, rows: np.ndarray, device: torch.device) -> torch.Tensor:
+    def _add_request_extras(
+        self, metadata: SamplingMetadata, rows: np.ndarray, upload: StepUpload
+    ) -> None:
+        states = [self.states[row] for row in rows]
+        params = [s.sampling_params for s in states]
+        metadata.generators = {
+            i: s.generator for i, s in enumerate(states) if s.generator is not None
+        }
+        metadata.max_num_logprobs = max(
+            (p.logprobs for p in params if p.logprobs is not None), default=None
+        )
+        metadata.banned_token_ids = {
+            i: banned for i, s in enumerate(states) if (banned := _banned_tokens(s))
+        }
+        metadata.logit_bias = {i: p.logit_bias for i, p in enumerate(params) if p.logit_bias}
+        if self.any_penalties(rows):
+            metadata.no_penalties = False
+            metadata.presence_penalties = upload.stage(self.presence_penalty[rows])
+            metadata.frequency_penalties = upload.stage(self.frequency_penalty[rows])
+            metadata.repetition_penalties = upload.stage(self.repetition_penalty[rows])
+            metadata.prompt_token_ids = self._padded_prompts(rows, upload)
+            metadata.output_token_ids = [s.output_token_ids for s in states]
+
+    def _padded_prompts(self, rows: np.ndarray, upload: StepUpload) -> torch.Tensor:
         """``[len(rows), max_prompt_len]`` prompt ids from the batch's buffer, padded with
         ``vocab_size`` (an id no logit has)."""
         lengths = self.num_prompt_tokens[rows]
         prompts = self.token_ids[rows, : lengths.max()].astype(np.int64)
         prompts[np.arange(prompts.shape[1]) >= lengths[:, None]] = self.vocab_size
-        return to_device(prompts, device)
+        return upload.stage(prompts)
 
 
 def _banned_tokens(state: CachedRequestState) -> list[int]:

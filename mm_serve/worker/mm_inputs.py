@@ -17,7 +17,8 @@ import torch
 
 from mm_serve.models.interface import VisionLanguageModel
 from mm_serve.request import MultiModalFeature
-from mm_serve.worker.input_batch import CachedRequestState, to_device
+from mm_serve.transfer import StepUpload
+from mm_serve.worker.input_batch import CachedRequestState
 
 
 @dataclass
@@ -68,9 +69,10 @@ def scheduled_slices(
 
 
 def gather_image_embeddings(
-    encoder_cache: dict[str, torch.Tensor], slices: list[EmbeddingSlice], device: torch.device
+    encoder_cache: dict[str, torch.Tensor], slices: list[EmbeddingSlice], upload: StepUpload
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(batch row indices [n] int64, embeddings [n, hidden])`` of this step's slices.
+    """``(batch row indices [n] int64, embeddings [n, hidden])`` of this step's slices, the
+    indices staged in ``upload``.
 
     Raises:
         RuntimeError: an image's embeddings are neither cached nor encoded this step (a
@@ -79,9 +81,9 @@ def gather_image_embeddings(
     missing = {piece.mm_hash for piece in slices} - encoder_cache.keys()
     if missing:
         raise RuntimeError(f"No encoder output for images {sorted(missing)} in this step.")
-    rows = torch.cat([torch.arange(p.dst, p.dst + p.end - p.start) for p in slices])
+    rows = np.concatenate([np.arange(p.dst, p.dst + p.end - p.start) for p in slices])
     values = torch.cat([encoder_cache[p.mm_hash][p.start : p.end] for p in slices])
-    return to_device(rows.numpy(), device), values
+    return upload.stage(rows, torch.int64), values
 
 
 def image_token_runs(feature: MultiModalFeature, image_token_id: int) -> list[tuple[int, int]]:

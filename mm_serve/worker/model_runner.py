@@ -23,6 +23,7 @@ from mm_serve.models.interface import LanguageModel
 from mm_serve.models.loader import load_model
 from mm_serve.sched.output import SchedulerOutput
 from mm_serve.sched.structured_output import GrammarBitmask
+from mm_serve.transfer import StepUpload
 from mm_serve.worker.compile import LMForward, lm_forward
 from mm_serve.worker.cuda_graphs import (
     CudaGraphRunner,
@@ -30,7 +31,7 @@ from mm_serve.worker.cuda_graphs import (
     capture_graphs,
     is_decode_only,
 )
-from mm_serve.worker.input_batch import CachedRequestState, InputBatch, to_device
+from mm_serve.worker.input_batch import CachedRequestState, InputBatch
 from mm_serve.worker.kv_cache import allocate_kv_caches, bind_kv_caches, determine_num_kv_blocks
 from mm_serve.worker.mm_inputs import (
     encode_images,
@@ -85,6 +86,7 @@ class ModelRunner:
             num_kv_cache_groups=self.kv_cache_layout.num_groups,
         )
         self.sampler = Sampler()
+        self.upload = StepUpload(self.device)  # each step's host arrays, in one copy
         self.model: LanguageModel | None = None
         self.lm_forward: LMForward | None = None  # set by load_model (worker.compile)
         self.kv_caches: list[torch.Tensor] = []
@@ -180,7 +182,8 @@ class ModelRunner:
         sampler_output = None
         if len(inputs.sample_rows):  # none while every request is mid-prompt
             logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
-            metadata = self.input_batch.sampling_metadata(inputs.sample_rows, self.device)
+            metadata = self.input_batch.sampling_metadata(inputs.sample_rows, self.upload)
+            self.upload.flush()
             if grammar_bitmask is not None:
                 req_ids = [self.input_batch.req_ids[row] for row in inputs.sample_rows]
                 metadata.grammar = GrammarMask.for_rows(grammar_bitmask, req_ids, self.device)
@@ -191,8 +194,7 @@ class ModelRunner:
         return self._launch_output(inputs.sample_rows, sampler_output, prompt_logprobs)
 
     def _needs_output_ids(self) -> bool:
-        batch = self.input_batch
-        return any(s.sampling_params.needs_penalties for s in batch.states[: batch.num_reqs])
+        return self.input_batch.any_penalties(slice(0, self.input_batch.num_reqs))
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """The LM over the flattened batch; image embeddings replace their placeholders.
@@ -292,7 +294,7 @@ class ModelRunner:
         # A request samples once all its tokens are computed (prompt done); ``num_tokens``
         # counts the tokens sampled by steps still in flight.
         sample_rows = np.nonzero(seq_lens == batch.num_tokens[:num_reqs])[0]
-        device = self.device
+        device, stage = self.device, self.upload.stage
         states = batch.states[:num_reqs]
         slices = scheduled_slices(states, num_computed, query_start_loc)
         key_end = None  # image tokens that attend to each other (Gemma 3)
@@ -300,38 +302,40 @@ class ModelRunner:
             image_token = self.model.image_token_id
             key_end = image_key_end(states, positions, query_start_loc, num_computed, image_token)
         attn_metadata = batch.attention_metadata(
-            slot_mapping, query_start_loc, seq_lens, device, key_end
+            slot_mapping, query_start_loc, seq_lens, self.upload, key_end
         )
         if self.model.uses_mrope:
             positions = mrope_positions(states, positions, query_start_loc, num_computed)
         cache = self.encoder_cache
-        image_embeddings = gather_image_embeddings(cache, slices, device) if slices else None
-        input_ids = to_device(input_ids, device, torch.int64)
-        self._fill_in_flight_tokens(input_ids, num_computed, num_scheduled, query_start_loc)
-        return StepInputs(
-            input_ids=input_ids,
-            positions=to_device(positions, device, torch.int64),
+        image_embeddings = gather_image_embeddings(cache, slices, self.upload) if slices else None
+        in_flight = self._in_flight_tokens(num_computed, num_scheduled, query_start_loc)
+        inputs = StepInputs(
+            input_ids=stage(input_ids, torch.int64),
+            positions=stage(positions, torch.int64),
             image_embeddings=image_embeddings,
             attn_metadata=attn_metadata,
             sample_rows=sample_rows,
-            logits_indices=to_device(cu_num_tokens[sample_rows] - 1, device, torch.int64),
+            logits_indices=stage(cu_num_tokens[sample_rows] - 1, torch.int64),
             prompt_logprobs_jobs=prompt_logprobs_jobs(
-                self.input_batch, num_computed, query_start_loc, self.device
+                self.input_batch, num_computed, query_start_loc, device
             ),
         )
+        if in_flight is not None:
+            dst, src = (stage(index, torch.int64) for index in in_flight)
+        self.upload.flush()  # before any kernel reads what was staged
+        if in_flight is not None:
+            inputs.input_ids[dst] = self.last_sampled.token_ids[src]
+        return inputs
 
-    def _fill_in_flight_tokens(
-        self,
-        input_ids: torch.Tensor,
-        num_computed: np.ndarray,
-        num_scheduled: np.ndarray,
-        query_start_loc: np.ndarray,
-    ) -> None:
-        """Copy the previous step's sampled tokens into ``input_ids`` ``[num_tokens]`` (device
-        to device) where this step's windows cover them: the host may not know them yet."""
+    def _in_flight_tokens(
+        self, num_computed: np.ndarray, num_scheduled: np.ndarray, query_start_loc: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Where the previous step's sampled tokens go in this step's ``input_ids``: ``(dst
+        [k], src [k])`` indices into ``input_ids`` and into the sampled tokens (on the device),
+        for those inside this step's windows that the host may not know yet; None if none."""
         sampled = self.last_sampled
         if sampled is None or self.last_output.done:
-            return  # the host already wrote them into the batch (always so without async)
+            return None  # the host already wrote them into the batch (always so without async)
         index = self.input_batch.req_id_to_index
         rows = np.array([index.get(r, -1) for r in sampled.req_ids], dtype=np.int64)
         src = np.nonzero(rows >= 0)[0]
@@ -339,10 +343,8 @@ class ModelRunner:
         offset = sampled.positions[src] - num_computed[rows]
         inside = (offset >= 0) & (offset < num_scheduled[rows])
         if not inside.any():
-            return
-        dst = query_start_loc[rows[inside]] + offset[inside]
-        src = to_device(src[inside], self.device)
-        input_ids[to_device(dst, self.device)] = sampled.token_ids[src]
+            return None
+        return query_start_loc[rows[inside]] + offset[inside], src[inside]
 
     def _launch_output(self, sample_rows, sampler_output, prompt_logprobs) -> PendingOutput:
         """Count the sampled tokens in the batch now (their ids arrive with the output) and

@@ -25,18 +25,19 @@ class SamplingMetadata:
     top_k: torch.Tensor | None  # [num_rows] int64, 0 = off
     min_p: torch.Tensor | None  # [num_rows] float32, 0.0 = off
     # Row -> that request's own generator; rows without one use the global generator.
-    generators: dict[int, torch.Generator]
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
     # Largest ``logprobs`` asked for by any row; None when no row wants logprobs.
-    max_num_logprobs: int | None
-    no_penalties: bool
-    presence_penalties: torch.Tensor | None  # [num_rows] float32
-    frequency_penalties: torch.Tensor | None  # [num_rows] float32
-    repetition_penalties: torch.Tensor | None  # [num_rows] float32
+    max_num_logprobs: int | None = None
+    no_penalties: bool = True
+    presence_penalties: torch.Tensor | None = None  # [num_rows] float32
+    frequency_penalties: torch.Tensor | None = None  # [num_rows] float32
+    repetition_penalties: torch.Tensor | None = None  # [num_rows] float32
     # Prompt tokens, padded with ``vocab_size`` (an id no logit has); only with penalties.
-    prompt_token_ids: torch.Tensor | None  # [num_rows, max_prompt_len] int64
-    output_token_ids: list[list[int]]  # per row, the tokens generated so far
+    prompt_token_ids: torch.Tensor | None = None  # [num_rows, max_prompt_len] int64
+    # Per row, the tokens generated so far; only with penalties.
+    output_token_ids: list[list[int]] = field(default_factory=list)
     # Row -> token ids to forbid this step (stop tokens and EOS while below min_tokens).
-    banned_token_ids: dict[int, list[int]]
+    banned_token_ids: dict[int, list[int]] = field(default_factory=dict)
     # Row -> {token id: bias added to its logit} (``SamplingParams.logit_bias``).
     logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)
     # The rows with a grammar and the tokens each may sample (``structured_outputs``).

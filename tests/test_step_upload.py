@@ -1,0 +1,58 @@
+"""``StepUpload``: a step's host arrays packed into one buffer and sent in one copy (CPU; on
+CUDA the same code runs with pinned memory and a non-blocking copy)."""
+
+import numpy as np
+import pytest
+import torch
+
+from mm_serve.transfer import StepUpload
+
+
+def test_staged_arrays_arrive_with_their_dtype_and_shape_after_flush():
+    upload = StepUpload(torch.device("cpu"), capacity=1024)
+    arrays = [
+        (np.arange(5, dtype=np.int32), torch.int64),  # converted
+        (np.arange(6, dtype=np.int64).reshape(2, 3), torch.int32),
+        (np.array([0.5, 1.5], dtype=np.float64), torch.float32),
+        (np.array([True, False, True]), None),  # kept as it is
+        (np.zeros(0, dtype=np.int64), torch.int64),
+    ]
+    staged = [upload.stage(array, dtype) for array, dtype in arrays]
+    upload.flush()
+    for (array, dtype), tensor in zip(arrays, staged, strict=True):
+        assert tensor.dtype == (dtype or torch.bool)
+        assert tensor.shape == array.shape
+        assert tensor.data_ptr() % 8 == 0 or tensor.numel() == 0
+        np.testing.assert_array_equal(tensor.numpy(), array.astype(tensor.numpy().dtype))
+
+
+def test_a_flushed_view_keeps_its_contents_when_the_next_step_stages():
+    upload = StepUpload(torch.device("cpu"), capacity=256)
+    first = upload.stage(np.full(4, 7), torch.int64)
+    upload.flush()
+    second = upload.stage(np.full(4, 9), torch.int64)
+    upload.flush()
+    assert first.tolist() == [7] * 4 and second.tolist() == [9] * 4
+
+
+def test_the_host_array_may_change_right_after_staging():
+    upload = StepUpload(torch.device("cpu"))
+    array = np.arange(8)
+    tensor = upload.stage(array, torch.int64)
+    array[:] = -1
+    upload.flush()
+    assert tensor.tolist() == list(range(8))
+
+
+@pytest.mark.parametrize("first_size", [0, 10])
+def test_an_array_past_the_capacity_goes_on_its_own_and_the_buffer_grows(first_size):
+    upload = StepUpload(torch.device("cpu"), capacity=128)
+    small = upload.stage(np.arange(first_size), torch.int64)
+    big = upload.stage(np.arange(100), torch.int64)  # 800 bytes > 128
+    upload.flush()
+    assert small.tolist() == list(range(first_size)) and big.tolist() == list(range(100))
+    assert upload.capacity >= 128 + 800
+    again = upload.stage(np.arange(100), torch.int64)
+    upload.flush()
+    assert again.tolist() == list(range(100))
+    assert again.untyped_storage().nbytes() == upload.capacity  # packed this time
