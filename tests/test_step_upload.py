@@ -56,3 +56,37 @@ def test_an_array_past_the_capacity_goes_on_its_own_and_the_buffer_grows(first_s
     upload.flush()
     assert again.tolist() == list(range(100))
     assert again.untyped_storage().nbytes() == upload.capacity  # packed this time
+
+
+def test_a_full_engine_step_fits_the_runners_upload(vlm_path):
+    """``upload_capacity`` bounds what ``_prepare_inputs`` stages: steps of the full token
+    budget, with images, chunked prompts, decode and every sampling setting, never grow it."""
+    from mm_serve import LLM, SamplingParams
+    from mm_serve.benchmarks.datasets import random_image_dataset
+
+    llm = LLM(vlm_path, max_model_len=512, max_num_batched_tokens=256, max_num_seqs=8)
+    runner = llm.engine_core.model_runner
+    capacity = runner.upload.capacity
+    requests = random_image_dataset(12, 30, 6, (112, 112), seed=3)
+    prompts = [
+        {
+            "prompt": r.prompt + "<|vision_start|><|image_pad|><|vision_end|>",
+            "multi_modal_data": {"image": list(r.images)},
+        }
+        for r in requests
+    ]
+    params = SamplingParams(
+        temperature=0.8,
+        top_p=0.9,
+        top_k=20,
+        min_p=0.05,
+        seed=1,
+        logprobs=2,
+        max_tokens=6,
+        min_tokens=2,
+        ignore_eos=True,
+    )
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outputs)
+    assert runner.upload.capacity == capacity
+    llm.shutdown()

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from mm_serve.attention import AttentionMetadata
-from mm_serve.cache.kv_cache_groups import kv_cache_layout
+from mm_serve.cache.kv_cache_groups import KVCacheLayout, kv_cache_layout
 from mm_serve.config import EngineConfig
 from mm_serve.distributed import init_tensor_parallel
 from mm_serve.kernels.dispatch import configure_kernels
@@ -46,7 +46,7 @@ from mm_serve.worker.prompt_logprobs import (
     prompt_logprobs_jobs,
 )
 from mm_serve.worker.sampler import Sampler
-from mm_serve.worker.sampling_metadata import GrammarMask
+from mm_serve.worker.sampling_metadata import GrammarMask, SamplingMetadata
 from mm_serve.worker.step_output import PendingOutput, SampledTokens
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,21 @@ class StepInputs:
     attn_metadata: AttentionMetadata
     sample_rows: np.ndarray  # batch rows that produce a token this step
     logits_indices: torch.Tensor  # [len(sample_rows)] int64, last scheduled token of each
+    sampling_metadata: SamplingMetadata | None  # of sample_rows (None when there are none)
     prompt_logprobs_jobs: list[PromptLogprobsJob]
+
+
+def upload_capacity(config: EngineConfig, layout: KVCacheLayout) -> int:
+    """Bytes one step stages at most (``_prepare_inputs``), so that ``StepUpload`` never grows
+    while serving: per token its id, (M-RoPE) positions, slots, key limit and image-row index;
+    per request its block tables, query start, length, logits index, in-flight token indices
+    and sampling settings; 16 bytes of alignment per array. Only penalties' padded prompts
+    may go past it (they then travel on their own)."""
+    sched = config.scheduler
+    max_blocks = -(-config.model.max_model_len // config.cache.block_size)
+    per_token = 8 + 24 + 8 * layout.num_groups + 4 + 8
+    per_request = 4 * max_blocks * layout.num_groups + 4 + 4 + 8 + 16 + 44
+    return sched.max_num_batched_tokens * per_token + sched.max_num_seqs * per_request + 1024
 
 
 class ModelRunner:
@@ -86,7 +100,8 @@ class ModelRunner:
             num_kv_cache_groups=self.kv_cache_layout.num_groups,
         )
         self.sampler = Sampler()
-        self.upload = StepUpload(self.device)  # each step's host arrays, in one copy
+        # Each step's host arrays, in one copy; sized for the largest step.
+        self.upload = StepUpload(self.device, upload_capacity(config, self.kv_cache_layout))
         self.model: LanguageModel | None = None
         self.lm_forward: LMForward | None = None  # set by load_model (worker.compile)
         self.kv_caches: list[torch.Tensor] = []
@@ -182,8 +197,7 @@ class ModelRunner:
         sampler_output = None
         if len(inputs.sample_rows):  # none while every request is mid-prompt
             logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
-            metadata = self.input_batch.sampling_metadata(inputs.sample_rows, self.upload)
-            self.upload.flush()
+            metadata = inputs.sampling_metadata
             if grammar_bitmask is not None:
                 req_ids = [self.input_batch.req_ids[row] for row in inputs.sample_rows]
                 metadata.grammar = GrammarMask.for_rows(grammar_bitmask, req_ids, self.device)
@@ -316,6 +330,9 @@ class ModelRunner:
             attn_metadata=attn_metadata,
             sample_rows=sample_rows,
             logits_indices=stage(cu_num_tokens[sample_rows] - 1, torch.int64),
+            sampling_metadata=batch.sampling_metadata(sample_rows, self.upload)
+            if len(sample_rows)
+            else None,
             prompt_logprobs_jobs=prompt_logprobs_jobs(
                 self.input_batch, num_computed, query_start_loc, device
             ),
