@@ -58,7 +58,7 @@ class RequestOutput:
 LogprobsEntry = tuple[list[int], list[float], int]
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     """New tokens of one engine request after a step, for the front end (detokenizer, stop
     strings): one ``LogprobsEntry`` per new token in ``new_logprobs``, per prompt position in

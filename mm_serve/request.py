@@ -155,7 +155,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return RequestStatus.is_finished(self.status)
+        return self.status > RequestStatus.PREEMPTED  # RequestStatus.is_finished, inlined
 
     def count_cached_images(self) -> None:
         """Set ``num_cached_images`` once the whole prompt is scheduled: by then each image was

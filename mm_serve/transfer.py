@@ -31,7 +31,18 @@ _NUMPY_DTYPES = {
     torch.float32: np.float32,
     torch.bool: np.bool_,
 }
+_TORCH_DTYPES = {
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.bool_): torch.bool,
+}
 _ALIGN = 16  # bytes between packed arrays: every dtype's view stays aligned
+
+
+def _strides(array: np.ndarray) -> tuple[int, ...]:
+    """A C-contiguous array's strides in elements."""
+    return tuple(stride // array.itemsize for stride in array.strides)
 
 
 class StepUpload:
@@ -51,9 +62,10 @@ class StepUpload:
 
     def __init__(self, device: torch.device, capacity: int = 1 << 18) -> None:
         self.device = device
-        self.capacity = capacity  # bytes
+        self.capacity = -(-capacity // _ALIGN) * _ALIGN  # bytes: a view of any dtype fits
         self._host: torch.Tensor | None = None  # [capacity] uint8
-        self._device_buffer: torch.Tensor | None = None  # [capacity] uint8
+        self._host_bytes: np.ndarray | None = None  # the same memory, for numpy's writes
+        self._device_views: dict[torch.dtype, torch.Tensor] = {}  # the device buffer, by dtype
         self._used = 0  # bytes, aligned
         self._overflow = 0  # bytes that did not fit since the last flush
 
@@ -66,20 +78,31 @@ class StepUpload:
             self._overflow += array.nbytes
             return host_to_device(torch.from_numpy(array.copy()), self.device)
         if self._host is None:
-            pin = self.device.type == "cuda"
-            self._host = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=pin)
-            self._device_buffer = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
-        self._host.numpy()[start:end] = array.reshape(-1).view(np.uint8)
+            self._allocate()
+        self._host_bytes[start:end] = array.reshape(-1).view(np.uint8)
         self._used = -(-end // _ALIGN) * _ALIGN
-        view = self._device_buffer[start:end].view(torch.from_numpy(array[:0]).dtype)
-        return view.view(array.shape)
+        torch_dtype = _TORCH_DTYPES.get(array.dtype) or torch.from_numpy(array[:0]).dtype
+        view = self._device_views.get(torch_dtype)
+        if view is None:
+            view = self._device_views[torch_dtype] = self._device_views[torch.uint8].view(
+                torch_dtype
+            )
+        return view.as_strided(array.shape, _strides(array), start // array.itemsize)
+
+    def _allocate(self) -> None:
+        pin = self.device.type == "cuda"
+        self._host = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=pin)
+        self._host_bytes = self._host.numpy()
+        device_buffer = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
+        self._device_views = {torch.uint8: device_buffer}
 
     def flush(self) -> None:
         """Queue the copy of everything staged since the last flush (non-blocking on CUDA)."""
         if self._used:
-            device_part, host_part = self._device_buffer[: self._used], self._host[: self._used]
-            device_part.copy_(host_part, non_blocking=self.device.type == "cuda")
+            device_part = self._device_views[torch.uint8][: self._used]
+            device_part.copy_(self._host[: self._used], non_blocking=self.device.type == "cuda")
         if self._overflow:
             self.capacity = 1 << (self.capacity + self._overflow - 1).bit_length()
-        self._host = self._device_buffer = None
+        self._host = self._host_bytes = None
+        self._device_views = {}
         self._used = self._overflow = 0

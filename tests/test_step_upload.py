@@ -9,18 +9,19 @@ from mm_serve.transfer import StepUpload
 
 
 def test_staged_arrays_arrive_with_their_dtype_and_shape_after_flush():
-    upload = StepUpload(torch.device("cpu"), capacity=1024)
+    upload = StepUpload(torch.device("cpu"), capacity=1001)  # rounded up to 1008
     arrays = [
         (np.arange(5, dtype=np.int32), torch.int64),  # converted
         (np.arange(6, dtype=np.int64).reshape(2, 3), torch.int32),
         (np.array([0.5, 1.5], dtype=np.float64), torch.float32),
+        (np.array([2.5], dtype=np.float64), None),  # a dtype the table lacks
         (np.array([True, False, True]), None),  # kept as it is
         (np.zeros(0, dtype=np.int64), torch.int64),
     ]
     staged = [upload.stage(array, dtype) for array, dtype in arrays]
     upload.flush()
     for (array, dtype), tensor in zip(arrays, staged, strict=True):
-        assert tensor.dtype == (dtype or torch.bool)
+        assert tensor.dtype == (dtype or torch.from_numpy(array).dtype)
         assert tensor.shape == array.shape
         assert tensor.data_ptr() % 8 == 0 or tensor.numel() == 0
         np.testing.assert_array_equal(tensor.numpy(), array.astype(tensor.numpy().dtype))

@@ -81,6 +81,7 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.mrope_delta = np.zeros(max_num_reqs, dtype=np.int64)  # CachedRequestState's
         shape = (num_kv_cache_groups, max_num_reqs, max_blocks)
         self.block_tables = np.zeros(shape, dtype=np.int32)
         self.block_table = self.block_tables[0]
@@ -112,6 +113,7 @@ class InputBatch:
         self.num_tokens[row] = state.num_tokens
         self.num_prompt_tokens[row] = len(prompt)
         self.num_computed_tokens[row] = state.num_computed_tokens
+        self.mrope_delta[row] = state.mrope_delta
         self.num_blocks[row] = 0
         self.append_block_ids(row, state.block_ids)
         params = state.sampling_params

@@ -50,14 +50,19 @@ def encode_images(
 
 
 def scheduled_slices(
-    states: list[CachedRequestState], num_computed: np.ndarray, query_start_loc: np.ndarray
+    states: list[CachedRequestState],
+    prompt_rows: np.ndarray,
+    num_computed: np.ndarray,
+    query_start_loc: np.ndarray,
 ) -> list[EmbeddingSlice]:
-    """The image slices inside this step's windows."""
+    """The image slices inside this step's windows; only ``prompt_rows``, the rows whose
+    window starts inside their prompt, can have one (images lie inside the prompt)."""
     slices = []
-    for row, state in enumerate(states):
+    for row in prompt_rows.tolist():
+        state = states[row]
+        if not state.mm_features:
+            continue
         start = int(num_computed[row])
-        if not state.mm_features or start >= len(state.prompt_token_ids):
-            continue  # no image in its window (images lie inside the prompt)
         end = start + int(query_start_loc[row + 1] - query_start_loc[row])
         for feature in state.mm_features:
             offset = feature.placeholder.offset
@@ -135,23 +140,21 @@ def image_key_end(
 
 def mrope_positions(
     states: list[CachedRequestState],
+    mrope_delta: np.ndarray,
     positions: np.ndarray,
     query_start_loc: np.ndarray,
-    num_computed: np.ndarray,
+    prompt_rows: np.ndarray,
 ) -> np.ndarray:
     """``[3, num_tokens]`` (t, h, w) positions: the precomputed prompt table inside the prompt,
-    ``position + mrope_delta`` on all three axes after it (Qwen2-VL's M-RoPE).
+    ``position + mrope_delta`` (``[num_reqs]``) on all three axes after it (Qwen2-VL's M-RoPE).
 
-    Vectorised over the batch; only rows whose window starts inside the prompt (prefill
-    chunks) are looked up in their table one by one.
+    Vectorised over the batch; only ``prompt_rows``, whose window starts inside the prompt
+    (prefill chunks), are looked up in their table one by one.
     """
     num_scheduled = np.diff(query_start_loc)
-    delta = np.fromiter((s.mrope_delta for s in states), np.int64, len(states))
-    out = np.repeat((positions + np.repeat(delta, num_scheduled))[None], 3, axis=0)
-    for row, state in enumerate(states):
-        table = state.mrope_positions
-        if num_computed[row] >= table.shape[1]:
-            continue  # decoding: past the prompt
+    out = np.repeat((positions + np.repeat(mrope_delta, num_scheduled))[None], 3, axis=0)
+    for row in prompt_rows.tolist():
+        table = states[row].mrope_positions
         lo, hi = int(query_start_loc[row]), int(query_start_loc[row + 1])
         pos = positions[lo:hi]
         in_prompt = pos < table.shape[1]

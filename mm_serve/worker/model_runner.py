@@ -291,8 +291,8 @@ class ModelRunner:
         batch = self.input_batch
         num_reqs = batch.num_reqs
         req_ids = batch.req_ids[:num_reqs]
-        num_scheduled = np.array(
-            [scheduler_output.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64
+        num_scheduled = np.fromiter(
+            map(scheduler_output.num_scheduled_tokens.__getitem__, req_ids), np.int64, num_reqs
         )
         cu_num_tokens = np.cumsum(num_scheduled)
         total = int(cu_num_tokens[-1])
@@ -310,7 +310,8 @@ class ModelRunner:
         sample_rows = np.nonzero(seq_lens == batch.num_tokens[:num_reqs])[0]
         device, stage = self.device, self.upload.stage
         states = batch.states[:num_reqs]
-        slices = scheduled_slices(states, num_computed, query_start_loc)
+        prompt_rows = np.nonzero(num_computed < batch.num_prompt_tokens[:num_reqs])[0]
+        slices = scheduled_slices(states, prompt_rows, num_computed, query_start_loc)
         key_end = None  # image tokens that attend to each other (Gemma 3)
         if slices and self.model.bidirectional_images:
             image_token = self.model.image_token_id
@@ -319,7 +320,8 @@ class ModelRunner:
             slot_mapping, query_start_loc, seq_lens, self.upload, key_end
         )
         if self.model.uses_mrope:
-            positions = mrope_positions(states, positions, query_start_loc, num_computed)
+            delta = batch.mrope_delta[:num_reqs]
+            positions = mrope_positions(states, delta, positions, query_start_loc, prompt_rows)
         cache = self.encoder_cache
         image_embeddings = gather_image_embeddings(cache, slices, self.upload) if slices else None
         in_flight = self._in_flight_tokens(num_computed, num_scheduled, query_start_loc)
