@@ -14,14 +14,10 @@ class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
-    # Everything after this is finished.
+    # Everything after this is finished (``Request.is_finished``).
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
-
-    @staticmethod
-    def is_finished(status: RequestStatus) -> bool:
-        return status > RequestStatus.PREEMPTED
 
     @staticmethod
     def finish_reason(status: RequestStatus) -> str | None:
@@ -155,7 +151,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status > RequestStatus.PREEMPTED  # RequestStatus.is_finished, inlined
+        return self.status > RequestStatus.PREEMPTED
 
     def count_cached_images(self) -> None:
         """Set ``num_cached_images`` once the whole prompt is scheduled: by then each image was

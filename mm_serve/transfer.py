@@ -31,12 +31,7 @@ _NUMPY_DTYPES = {
     torch.float32: np.float32,
     torch.bool: np.bool_,
 }
-_TORCH_DTYPES = {
-    np.dtype(np.int32): torch.int32,
-    np.dtype(np.int64): torch.int64,
-    np.dtype(np.float32): torch.float32,
-    np.dtype(np.bool_): torch.bool,
-}
+_TORCH_DTYPES = {np.dtype(np_dtype): dtype for dtype, np_dtype in _NUMPY_DTYPES.items()}
 _ALIGN = 16  # bytes between packed arrays: every dtype's view stays aligned
 
 
@@ -81,12 +76,10 @@ class StepUpload:
             self._allocate()
         self._host_bytes[start:end] = array.reshape(-1).view(np.uint8)
         self._used = -(-end // _ALIGN) * _ALIGN
-        torch_dtype = _TORCH_DTYPES.get(array.dtype) or torch.from_numpy(array[:0]).dtype
-        view = self._device_views.get(torch_dtype)
-        if view is None:
-            view = self._device_views[torch_dtype] = self._device_views[torch.uint8].view(
-                torch_dtype
-            )
+        dtype = _TORCH_DTYPES.get(array.dtype) or torch.from_numpy(array[:0]).dtype
+        if dtype not in self._device_views:
+            self._device_views[dtype] = self._device_views[torch.uint8].view(dtype)
+        view = self._device_views[dtype]
         return view.as_strided(array.shape, _strides(array), start // array.itemsize)
 
     def _allocate(self) -> None:

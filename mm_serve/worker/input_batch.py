@@ -261,6 +261,7 @@ class InputBatch:
     def _add_request_extras(
         self, metadata: SamplingMetadata, rows: np.ndarray, upload: StepUpload
     ) -> None:
+        """Fill in ``metadata``'s per-request settings (``request_extras`` rows have some)."""
         states = [self.states[row] for row in rows]
         params = [s.sampling_params for s in states]
         metadata.generators = {
