@@ -60,8 +60,9 @@ def test_an_array_past_the_capacity_goes_on_its_own_and_the_buffer_grows(first_s
 
 
 def test_a_full_engine_step_fits_the_runners_upload(vlm_path):
-    """``upload_capacity`` bounds what ``_prepare_inputs`` stages: steps of the full token
-    budget, with images, chunked prompts, decode and every sampling setting, never grow it."""
+    """``InputBatch.upload_capacity`` bounds what ``_prepare_inputs`` stages: steps of the full
+    token budget, with images, chunked prompts, decode and every sampling setting, never grow
+    it."""
     from mm_serve import LLM, SamplingParams
     from mm_serve.benchmarks.datasets import random_image_dataset
 

@@ -98,6 +98,18 @@ class InputBatch:
         self.states: list[CachedRequestState | None] = [None] * max_num_reqs
         self.num_reqs = 0
 
+    def upload_capacity(self, max_num_tokens: int) -> int:
+        """Bytes one step of at most ``max_num_tokens`` tokens stages (``ModelRunner.
+        _prepare_inputs``), so that its ``StepUpload`` never grows while serving: per token its
+        id, (M-RoPE) positions, slots, key limit and image-row index; per request its block
+        tables, query start, length, logits index, in-flight token indices and sampling
+        settings; 16 bytes of alignment per array. Only penalties' padded prompts may go past
+        it (they then travel on their own)."""
+        max_blocks = self.block_tables.shape[2]
+        per_token = 8 + 24 + 8 * self.num_groups + 4 + 8
+        per_request = 4 * max_blocks * self.num_groups + 4 + 4 + 8 + 16 + 44
+        return max_num_tokens * per_token + self.max_num_reqs * per_request + 1024
+
     # ---- rows in and out -----------------------------------------------------------------
 
     def add_request(self, state: CachedRequestState) -> None:

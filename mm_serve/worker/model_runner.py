@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from mm_serve.attention import AttentionMetadata
-from mm_serve.cache.kv_cache_groups import KVCacheLayout, kv_cache_layout
+from mm_serve.cache.kv_cache_groups import kv_cache_layout
 from mm_serve.config import EngineConfig
 from mm_serve.distributed import init_tensor_parallel
 from mm_serve.kernels.dispatch import configure_kernels
@@ -67,19 +67,6 @@ class StepInputs:
     prompt_logprobs_jobs: list[PromptLogprobsJob]
 
 
-def upload_capacity(config: EngineConfig, layout: KVCacheLayout) -> int:
-    """Bytes one step stages at most (``_prepare_inputs``), so that ``StepUpload`` never grows
-    while serving: per token its id, (M-RoPE) positions, slots, key limit and image-row index;
-    per request its block tables, query start, length, logits index, in-flight token indices
-    and sampling settings; 16 bytes of alignment per array. Only penalties' padded prompts
-    may go past it (they then travel on their own)."""
-    sched = config.scheduler
-    max_blocks = -(-config.model.max_model_len // config.cache.block_size)
-    per_token = 8 + 24 + 8 * layout.num_groups + 4 + 8
-    per_request = 4 * max_blocks * layout.num_groups + 4 + 4 + 8 + 16 + 44
-    return sched.max_num_batched_tokens * per_token + sched.max_num_seqs * per_request + 1024
-
-
 class ModelRunner:
     """Owns the model, the KV cache tensors and the persistent input batch of one device;
     ``rank``: its tensor-parallel rank (of ``config.parallel.tensor_parallel_size``)."""
@@ -101,7 +88,8 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         # Each step's host arrays, in one copy; sized for the largest step.
-        self.upload = StepUpload(self.device, upload_capacity(config, self.kv_cache_layout))
+        capacity = self.input_batch.upload_capacity(config.scheduler.max_num_batched_tokens)
+        self.upload = StepUpload(self.device, capacity)
         self.model: LanguageModel | None = None
         self.lm_forward: LMForward | None = None  # set by load_model (worker.compile)
         self.kv_caches: list[torch.Tensor] = []
