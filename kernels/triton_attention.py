@@ -126,10 +126,7 @@ def _attend_tiles(
     return acc, m_i, l_i
 
 
-# The step's request count and block-table width are no specialisation keys: Triton would
-# compile a new variant the first time either is 1 or a multiple of 16, in the middle of
-# serving (on an H100, 0.6-1.1 s within a fresh machine's first image batch).
-@triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt"])  # per-step values: no compiles mid-serving
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]            (NUM_SEGMENTS == 1)
     seg_out_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS, HEAD_DIM_PAD] fp32 (split)

@@ -55,10 +55,7 @@ def _store_slot(cache_ptr, slot, stride_c_slot, x1, x2, offs_h, offs_i, mask, HA
         tl.store(dst + HALF, x2.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
-# A step's token count (the M-RoPE positions' axis stride) is no specialisation key: Triton
-# would compile a new variant the first time a step's count is 1 or a multiple of 16, in the
-# middle of serving (on an H100, 0.6-1.1 s within a fresh machine's first image batch).
-@triton.jit(do_not_specialize=["stride_pos_axis"])
+@triton.jit(do_not_specialize=["stride_pos_axis"])  # per-step values: no compiles mid-serving
 def _rotary_kernel(
     q_out_ptr, k_out_ptr, q_ptr, k_ptr, positions_ptr, cos_sin_ptr,
     stride_pos_axis, stride_cs, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,

@@ -28,7 +28,7 @@ from test_kernels_triton import (
 from mm_serve.attention import AttentionMetadata
 from mm_serve.benchmarks.kernels import paged_metadata
 from mm_serve.config import KernelConfig
-from mm_serve.kernels import dispatch, paged_attention_ref, silu_and_mul_ref
+from mm_serve.kernels import dispatch, paged_attention_ref, silu_and_mul_ref, triton_rotary
 
 
 def _fake_flash_attn_varlen(
@@ -224,3 +224,16 @@ def test_vision_attention_of_equal_segments_matches_the_reference(num_images) ->
     ref_segments = varlen.make_segments(bounds, q.device, flash=False)
     ref = varlen.segment_attention_ref(q.float(), k.float(), v.float(), ref_segments)
     assert _rel_err(out.float(), ref) < 2e-2
+
+
+def test_per_step_integers_are_no_specialisation_keys() -> None:
+    """A step's request count, block-table width and token count (the M-RoPE positions' axis
+    stride) change from step to step. As specialisation keys (== 1, divisible by 16) they made
+    Triton compile new variants while serving, on the first step whose count was a multiple
+    of 16."""
+    kernels = {
+        _attn._paged_attention_kernel: {"num_reqs", "stride_bt"},
+        triton_rotary._rotary_kernel: {"stride_pos_axis"},
+    }
+    for kernel, names in kernels.items():
+        assert {p.name for p in kernel.params if p.do_not_specialize} == names
