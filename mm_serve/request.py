@@ -19,13 +19,13 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
 
-    @staticmethod
-    def finish_reason(status: RequestStatus) -> str | None:
-        """The OpenAI ``finish_reason`` of a finished status, else None."""
-        return _FINISH_REASONS.get(status)
 
+# The last unfinished status, as a plain module constant: ``Request.is_finished`` runs for
+# every request every step, and an enum class attribute costs several times a global lookup.
+LAST_UNFINISHED = int(RequestStatus.PREEMPTED)
 
-_FINISH_REASONS = {
+# The OpenAI ``finish_reason`` of each finished status (``.get``: None while unfinished).
+FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
@@ -151,7 +151,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status > RequestStatus.PREEMPTED
+        return self.status > LAST_UNFINISHED
 
     def count_cached_images(self) -> None:
         """Set ``num_cached_images`` once the whole prompt is scheduled: by then each image was

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import statistics
 import tempfile
@@ -58,6 +59,8 @@ def host_only_engine(max_num_seqs: int, vocab: int):
     logits = torch.randn(max_num_seqs * 8, vocab, generator=torch.Generator().manual_seed(0))
     runner._forward = lambda inputs: torch.zeros(len(inputs.input_ids), hidden_size)
     runner.model.compute_logits = lambda hidden: logits[: len(hidden)]
+    gc.collect()  # what the engine core process does after its start-up warm-up
+    gc.freeze()
     return llm
 
 

@@ -35,7 +35,7 @@ from mm_serve.cache.hybrid_kv_cache_manager import make_kv_cache_manager
 from mm_serve.cache.kv_cache_groups import KVCacheLayout
 from mm_serve.config import CacheConfig, SchedulerConfig
 from mm_serve.outputs import EngineCoreOutput
-from mm_serve.request import Request, RequestStatus
+from mm_serve.request import FINISH_REASONS, LAST_UNFINISHED, Request, RequestStatus
 from mm_serve.sched.encoder_inputs import (
     check_images_fit,
     free_consumed_encoder_inputs,
@@ -154,8 +154,9 @@ class Scheduler:
         )
         # The scheduled tokens count as computed from now on: their KV is written this step. A
         # request whose window reaches its end samples a token, unknown until the step is done.
+        requests = self.requests
         for req_id, num_tokens in step.num_scheduled.items():
-            request = self.requests[req_id]
+            request = requests[req_id]
             request.num_computed_tokens += num_tokens
             if request.num_computed_tokens == request.num_tokens_with_placeholders:
                 request.num_output_placeholders += 1
@@ -169,22 +170,24 @@ class Scheduler:
     def _schedule_running(self, step: StepDecisions) -> list[Request]:
         """Schedule running requests; returns those preempted to make room."""
         preempted: list[Request] = []
+        allocate_slots = self.kv_cache_manager.allocate_slots
         index = 0
         while index < len(self.running) and step.token_budget > 0:
             request = self.running[index]
-            if self._last_token_in_flight(request):
-                index += 1
+            placeholders = request.num_output_placeholders
+            if placeholders and self._at_length(request, placeholders):
+                index += 1  # the step in flight samples its last token: no more work
                 continue
+            num_computed = request.num_computed_tokens
             num_new = min(
-                request.num_tokens_with_placeholders - request.num_computed_tokens,
-                step.token_budget,
+                len(request.all_token_ids) + placeholders - num_computed, step.token_budget
             )
             to_encode: list[int] = []
-            if request.mm_features and request.num_computed_tokens < request.num_prompt_tokens:
+            if request.mm_features and num_computed < len(request.prompt_token_ids):
                 to_encode, num_new = schedule_encoder_inputs(
                     self.encoder_cache_manager,
                     request,
-                    request.num_computed_tokens,
+                    num_computed,
                     num_new,
                     step.encoder_budget,
                     self.config.whole_images,
@@ -192,7 +195,7 @@ class Scheduler:
             if num_new == 0:  # its next image waits for encoder budget or cache space
                 index += 1
                 continue
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            new_blocks = allocate_slots(request, num_new)
             while new_blocks is None:
                 # Out of KV blocks: preempt the newest running request and retry.
                 victim = self.running.pop()
@@ -200,7 +203,7 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is request:
                     break
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                new_blocks = allocate_slots(request, num_new)
             if new_blocks is None:
                 break
             step.cached_reqs.add(request, [b.block_id for b in new_blocks], resumed=False)
@@ -208,18 +211,13 @@ class Scheduler:
             index += 1
         return preempted
 
-    def _last_token_in_flight(self, request: Request) -> bool:
-        """A step in flight samples the request's last token (``max_tokens`` or the model
-        length): it finishes when that step's output arrives, so it gets no more work."""
-        placeholders = request.num_output_placeholders
-        return bool(placeholders) and self._at_length(request, placeholders)
-
     def _at_length(self, request: Request, ahead: int = 0) -> bool:
         """Whether ``ahead`` more tokens reach its ``max_tokens`` or the model length."""
         max_len = self.config.max_model_len
         max_tokens = request.sampling_params.max_tokens or max_len
         return (
-            request.num_output_tokens + ahead >= max_tokens or request.num_tokens + ahead >= max_len
+            len(request.output_token_ids) + ahead >= max_tokens
+            or len(request.all_token_ids) + ahead >= max_len
         )
 
     def _schedule_waiting(self, step: StepDecisions) -> None:
@@ -307,39 +305,46 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, free finished requests."""
         outputs, self.failed_outputs = self.failed_outputs, []
-        for index, req_id in enumerate(runner_output.req_ids):
-            request = self.requests.get(req_id)
-            if request is None or request.is_finished:
+        requests, prompt_logprobs = self.requests, runner_output.prompt_logprobs
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        for req_id, new_token_ids, logprobs in zip(
+            runner_output.req_ids,
+            runner_output.sampled_token_ids,
+            runner_output.logprobs,
+            strict=True,
+        ):
+            request = requests.get(req_id)
+            if request is None or request.status > LAST_UNFINISHED:
                 continue  # aborted while the step ran
-            new_token_ids = runner_output.sampled_token_ids[index]
             request.num_output_placeholders -= len(new_token_ids)
-            logprobs = runner_output.logprobs[index]
             for count, token_id in enumerate(new_token_ids, start=1):
-                request.append_output_token_ids([token_id])
-                if self._check_stop(request):
+                request.output_token_ids.append(token_id)
+                request.all_token_ids.append(token_id)
+                if self._check_stop(request, token_id):
                     del new_token_ids[count:]
                     break
-            prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
+            chunk_logprobs = prompt_logprobs.get(req_id) if prompt_logprobs else None
             if request.mm_features:
-                scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+                scheduled = num_scheduled.get(req_id, 0)
                 free_consumed_encoder_inputs(self.encoder_cache_manager, request, scheduled)
-            if new_token_ids or prompt_logprobs or request.is_finished:
-                outputs.append(self._make_output(request, new_token_ids, logprobs, prompt_logprobs))
-            if request.is_finished:
+            finished = request.status > LAST_UNFINISHED
+            if new_token_ids or chunk_logprobs or finished:
+                outputs.append(self._make_output(request, new_token_ids, logprobs, chunk_logprobs))
+            if finished:
                 self._free_request(request)
         return outputs
 
-    def _check_stop(self, request: Request) -> bool:
+    def _check_stop(self, request: Request, last: int) -> bool:
+        """Whether ``last``, the token just appended, finishes ``request`` (its status set)."""
         params = request.sampling_params
-        last = request.output_token_ids[-1]
         if request.grammar is not None and self.structured_output.accept_token(request, last):
             request.status = RequestStatus.FINISHED_STOPPED  # the output is complete
             return True
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and last == request.eos_token_id:
+        if len(request.output_token_ids) >= params.min_tokens:
+            if last == request.eos_token_id and not params.ignore_eos:
                 request.status = RequestStatus.FINISHED_STOPPED
                 return True
-            if last in params.stop_token_ids:
+            if params.stop_token_ids and last in params.stop_token_ids:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = last
                 return True
@@ -354,7 +359,7 @@ class Scheduler:
             new_token_ids=list(new_token_ids),
             new_logprobs=[logprobs] if logprobs is not None and new_token_ids else None,
             new_prompt_logprobs=prompt_logprobs,
-            finish_reason=RequestStatus.finish_reason(request.status),
+            finish_reason=FINISH_REASONS.get(request.status),
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             num_cached_images=max(request.num_cached_images, 0),
