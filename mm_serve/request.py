@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,11 +128,16 @@ class Request:
     block_hashes: list[Any] = field(default_factory=list, init=False)
     # Structured outputs: its grammar and matcher (``sched/structured_output.RequestGrammar``).
     grammar: Any = field(default=None, init=False)
+    max_num_tokens: int = field(init=False)  # see __post_init__
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("The prompt must contain at least one token.")
         self.all_token_ids = list(self.prompt_token_ids)
+        # The length (prompt + output) at which it stops; the scheduler caps it at the model
+        # length. One comparison per request per step (``Scheduler._at_length``).
+        max_tokens = self.sampling_params.max_tokens
+        self.max_num_tokens = len(self.prompt_token_ids) + max_tokens if max_tokens else sys.maxsize
 
     @property
     def num_prompt_tokens(self) -> int:

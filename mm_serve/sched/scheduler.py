@@ -115,6 +115,7 @@ class Scheduler:
                 f"{self.kv_cache_manager.num_blocks}; raise the KV cache size."
             )
         check_images_fit(self.config, request)
+        request.max_num_tokens = min(request.max_num_tokens, max_len)
         if request.sampling_params.structured_outputs is not None:
             if self.structured_output is None:
                 raise ValueError("This engine does not serve structured outputs.")
@@ -211,14 +212,10 @@ class Scheduler:
             index += 1
         return preempted
 
-    def _at_length(self, request: Request, ahead: int = 0) -> bool:
+    @staticmethod
+    def _at_length(request: Request, ahead: int = 0) -> bool:
         """Whether ``ahead`` more tokens reach its ``max_tokens`` or the model length."""
-        max_len = self.config.max_model_len
-        max_tokens = request.sampling_params.max_tokens or max_len
-        return (
-            len(request.output_token_ids) + ahead >= max_tokens
-            or len(request.all_token_ids) + ahead >= max_len
-        )
+        return len(request.all_token_ids) + ahead >= request.max_num_tokens
 
     def _schedule_waiting(self, step: StepDecisions) -> None:
         kv = self.kv_cache_manager
@@ -324,9 +321,10 @@ class Scheduler:
                     del new_token_ids[count:]
                     break
             chunk_logprobs = prompt_logprobs.get(req_id) if prompt_logprobs else None
-            if request.mm_features:
+            if request.mm_features:  # images lie in the prompt: none is left past it
                 scheduled = num_scheduled.get(req_id, 0)
-                free_consumed_encoder_inputs(self.encoder_cache_manager, request, scheduled)
+                if request.num_computed_tokens - scheduled < len(request.prompt_token_ids):
+                    free_consumed_encoder_inputs(self.encoder_cache_manager, request, scheduled)
             finished = request.status > LAST_UNFINISHED
             if new_token_ids or chunk_logprobs or finished:
                 outputs.append(self._make_output(request, new_token_ids, logprobs, chunk_logprobs))

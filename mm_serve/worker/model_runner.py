@@ -324,7 +324,7 @@ class ModelRunner:
             if len(sample_rows)
             else None,
             prompt_logprobs_jobs=prompt_logprobs_jobs(
-                self.input_batch, num_computed, query_start_loc, device
+                self.input_batch, prompt_rows, num_computed, query_start_loc, device
             ),
         )
         if in_flight is not None:
@@ -365,12 +365,15 @@ class ModelRunner:
         states = [batch.states[row] for row in rows]
         for state in states:
             state.num_pending_outputs += 1
+        num_logprobs = None
+        if sampler_output.logprobs is not None:
+            num_logprobs = [state.sampling_params.logprobs for state in states]
         sampled = SampledTokens(
             token_ids=sampler_output.sampled_token_ids,
             rows=rows,
             req_ids=[req_ids[row] for row in rows],
             positions=batch.num_tokens[sample_rows].astype(np.int64),
-            num_logprobs=[state.sampling_params.logprobs for state in states],
+            num_logprobs=num_logprobs,
         )
         batch.num_tokens[sample_rows] += 1
         self.last_sampled = sampled

@@ -23,6 +23,7 @@ class PromptLogprobsJob:
 
 def prompt_logprobs_jobs(
     batch: InputBatch,
+    prompt_rows: np.ndarray,
     num_computed: np.ndarray,
     query_start_loc: np.ndarray,
     device: torch.device,
@@ -31,11 +32,14 @@ def prompt_logprobs_jobs(
     not done yet (the hidden state at prompt position p predicts token p+1).
 
     Args:
+        prompt_rows: the batch rows whose window starts inside their prompt (no other row
+            has prompt positions left).
         num_computed: ``[num_reqs]`` tokens computed before this step, per batch row.
         query_start_loc: ``[num_reqs + 1]`` start of each row's tokens in the step.
     """
     jobs = []
-    for row, state in enumerate(batch.states[: batch.num_reqs]):
+    for row in prompt_rows.tolist():
+        state = batch.states[row]
         k = state.sampling_params.prompt_logprobs
         if k is None:
             continue

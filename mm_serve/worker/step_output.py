@@ -28,14 +28,15 @@ class SampledTokens:
     """The tokens one step sampled, still on the device.
 
     ``token_ids[i]`` belongs to batch row ``rows[i]`` (request ``req_ids[i]``) and sits at
-    position ``positions[i]`` of that request; ``num_logprobs[i]`` is what it asked for.
+    position ``positions[i]`` of that request; ``num_logprobs[i]`` is what it asked for
+    (``num_logprobs`` is None when no row asked for logprobs).
     """
 
     token_ids: torch.Tensor  # [num_sampled] int64, on the device
     rows: list[int]
     req_ids: list[str]
     positions: np.ndarray  # [num_sampled] int64
-    num_logprobs: list[int | None]
+    num_logprobs: list[int | None] | None
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -94,13 +95,13 @@ class PendingOutput:
             if self._event is not None:
                 self._event.synchronize()
             tokens = self._host[0].tolist()
-            lp_lists = [t.tolist() for t in self._host[1:]]
-            for i, (row, token) in enumerate(zip(sampled.rows, tokens, strict=True)):
+            for row, token in zip(sampled.rows, tokens, strict=True):
                 sampled_token_ids[row] = [token]
-                k = sampled.num_logprobs[i]
-                if k is not None and lp_lists:
-                    ids, values, ranks = lp_lists
-                    logprobs[row] = (ids[i][: k + 1], values[i][: k + 1], ranks[i])
+            if len(self._host) > 1:  # some row asked for logprobs
+                ids, values, ranks = (t.tolist() for t in self._host[1:])
+                for i, (row, k) in enumerate(zip(sampled.rows, sampled.num_logprobs, strict=True)):
+                    if k is not None:
+                        logprobs[row] = (ids[i][: k + 1], values[i][: k + 1], ranks[i])
             if self.on_tokens is not None:
                 self.on_tokens(sampled, tokens)
         self._output = ModelRunnerOutput(
