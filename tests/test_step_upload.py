@@ -66,7 +66,9 @@ def test_a_full_engine_step_fits_the_runners_upload(vlm_path):
     from mm_serve import LLM, SamplingParams
     from mm_serve.benchmarks.datasets import random_image_dataset
 
-    llm = LLM(vlm_path, max_model_len=512, max_num_batched_tokens=256, max_num_seqs=8)
+    llm = LLM(
+        vlm_path, max_model_len=512, max_num_batched_tokens=256, max_num_seqs=8, multiprocess=False
+    )
     runner = llm.engine_core.model_runner
     capacity = runner.upload.capacity
     requests = random_image_dataset(12, 30, 6, (112, 112), seed=3)
