@@ -15,6 +15,8 @@ and writes every figure to ``DIR/kernels.json``.
   against ``paged_attention_ref`` before it is timed; TFLOP/s counts causal FLOPs
   (``4 * head_dim * num_heads`` per visible query-key pair) of the rows it computes.
 - RMSNorm, SiLU-and-mul, rotary and the KV-cache write at a 4,096-token step of a 7B.
+- Workload 1's decode attention (Qwen2-VL-2B, 256 requests of 306-434 keys) timed inside a CUDA
+  graph, as the decode graph runs it (``graph_ms``: no host launch time).
 - The vision towers' attention on same-size images, and what cuDNN's plan for a new image
   count costs (``vision_attention``).
 
@@ -86,6 +88,30 @@ def paged_batch(reqs, heads, block_size: int, dtype: torch.dtype, seed: int = 0)
     metadata = paged_metadata(reqs, tables, block_size, "cuda")
     query = torch.randn(metadata.num_tokens, num_heads, head_dim, device="cuda")
     return query.to(dtype), kv_cache.to(dtype), metadata
+
+
+def graph_ms(fn, calls: int = 28, replays: int = 20) -> float:
+    """Median device ms per call of ``fn``: ``calls`` calls captured in one CUDA graph and
+    replayed, as the decode graph replays one call per layer. Unlike ``bench``, no host launch
+    time enters, which for a kernel of tens of microseconds is most of an eager call."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -235,6 +261,36 @@ def paged_attention_rows(sweep: bool, copy_bw: float) -> list[dict]:
     return rows
 
 
+def workload_decode_rows(copy_bw: float) -> list[dict]:
+    """Workload 1's decode attention under a CUDA graph (``graph_ms``): the Qwen2-VL-2B LM's 12
+    query / 2 KV heads of 128, 256 requests of 306-434 keys (its prompts and 128 outputs), the
+    launch heuristic's config and then 1-4 KV segments."""
+    from mm_serve.kernels.triton_attention import paged_attention_triton
+
+    heads, rng = (12, 2, 128), random.Random(0)
+    reqs = [(rng.randint(306, 434) - 1, 1) for _ in range(256)]
+    q, kv, md = paged_batch(reqs, heads, 16, torch.bfloat16)
+    scale = heads[2] ** -0.5
+    err = rel_err(paged_attention_triton(q, kv, md, scale), paged_attention_ref(q, kv, md, scale))
+    assert err < 1e-2, f"workload decode: relative error {err}"
+    kv_bytes = 2 * sum(md.seq_lens_cpu) * heads[1] * heads[2] * kv.element_size()
+    rows = []
+    for config in (None, *({"NUM_SEGMENTS": n} for n in (1, 2, 3, 4))):
+        ms = graph_ms(lambda c=config: paged_attention_triton(q, kv, md, scale, config=c))
+        rows.append({
+            "case": "workload 1 decode 256x306-434", "config": config or "heuristic", "ms": ms,
+            "kv_GBps": kv_bytes / ms / 1e6, "pct_copy_bw": 100 * kv_bytes / (ms * 1e-3) / copy_bw,
+        })  # fmt: skip
+    return rows
+
+
+def print_workload_decode(rows: list[dict]) -> None:
+    print("Paged attention under a CUDA graph (per call, as the decode graph replays it)")
+    for r in rows:
+        print(f"{r['case']:30} {r['ms'] * 1e3:7.1f} us {r['kv_GBps']:7.0f} GB/s "
+              f"{r['pct_copy_bw']:5.1f}% copy  {r['config']}")  # fmt: skip
+
+
 def main(args: argparse.Namespace) -> dict:
     """Run the tables, print them, write ``kernels.json``; returns what it wrote."""
     # Imported here: the prefill comparison builds on this module's helpers.
@@ -247,6 +303,7 @@ def main(args: argparse.Namespace) -> dict:
         result["attention"] = paged_attention_rows(args.sweep, copy_bw)
         result["sdpa_prefill_ms"] = sdpa_prefill_ms([(0, 2048)] * 4, (28, 4, 128))
         result["small"] = small_kernel_rows(copy_bw)
+        result["workload_decode"] = workload_decode_rows(copy_bw)
     result["prefill_attention"] = prefill_rows()
     result["vision_attention"] = vision.vision_attention_rows()
     if has_dense_cudnn(torch.device("cuda")):
@@ -255,6 +312,7 @@ def main(args: argparse.Namespace) -> dict:
         json.dump(result, f, indent=1)
     if not args.prefill_only:
         print_tables(copy_bw, result["attention"], result["sdpa_prefill_ms"], result["small"])
+        print_workload_decode(result["workload_decode"])
     print_prefill(result["prefill_attention"])
     vision.print_vision_attention(result["vision_attention"])
     if "vision_plan_cost" in result:
