@@ -180,7 +180,8 @@ class KVCacheManager(KVCacheManagerBase):
         end = request.num_computed_tokens + num_new_tokens
         if req_blocks is None or num_new_tokens < 0 or len(req_blocks) * self.block_size < end:
             return False
-        num_full_blocks = min(end, request.num_tokens) // self.block_size
+        num_tokens = len(request.all_token_ids)
+        num_full_blocks = (end if end < num_tokens else num_tokens) // self.block_size
         return not self.enable_caching or num_full_blocks <= self.num_cached_blocks.get(
             request.request_id, 0
         )

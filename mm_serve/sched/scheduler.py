@@ -352,15 +352,19 @@ class Scheduler:
         return False
 
     def _make_output(self, request, new_token_ids, logprobs, prompt_logprobs) -> EngineCoreOutput:
+        """The request's output of this step. ``new_token_ids`` (the runner output's list of
+        the step, read only from here on) goes in as it is; the counts of cached tokens and
+        images are -1 until known, sent as 0."""
+        num_cached_tokens, num_cached_images = request.num_cached_tokens, request.num_cached_images
         return EngineCoreOutput(
             request_id=request.request_id,
-            new_token_ids=list(new_token_ids),
+            new_token_ids=new_token_ids,
             new_logprobs=[logprobs] if logprobs is not None and new_token_ids else None,
             new_prompt_logprobs=prompt_logprobs,
             finish_reason=FINISH_REASONS.get(request.status),
             stop_reason=request.stop_reason,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            num_cached_images=max(request.num_cached_images, 0),
+            num_cached_tokens=num_cached_tokens if num_cached_tokens > 0 else 0,
+            num_cached_images=num_cached_images if num_cached_images > 0 else 0,
             scheduled_time=request.scheduled_time,
         )
 
