@@ -352,9 +352,7 @@ class Scheduler:
         return False
 
     def _make_output(self, request, new_token_ids, logprobs, prompt_logprobs) -> EngineCoreOutput:
-        """The request's output of this step. ``new_token_ids`` (the runner output's list of
-        the step, read only from here on) goes in as it is; the counts of cached tokens and
-        images are -1 until known, sent as 0."""
+        """Its output of the step; ``new_token_ids`` goes in as it is (read only from here on)."""
         num_cached_tokens, num_cached_images = request.num_cached_tokens, request.num_cached_images
         return EngineCoreOutput(
             request_id=request.request_id,
