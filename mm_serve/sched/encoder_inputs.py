@@ -94,8 +94,8 @@ def free_consumed_encoder_inputs(
     cache: EncoderCacheManager, request: Request, num_scheduled: int
 ) -> None:
     """Release the images whose whole range is now computed (their KV holds them); none can
-    newly be once a step began past the last image (features are in prompt order)."""
-    if request.num_computed_tokens - num_scheduled >= request.mm_features[-1].placeholder.end:
+    newly be once a step began past the prompt, where every image lies (a decode step)."""
+    if request.num_computed_tokens - num_scheduled >= len(request.prompt_token_ids):
         return
     for input_id in cache.get_cached_input_ids(request):
         if request.mm_features[input_id].placeholder.end <= request.num_computed_tokens:

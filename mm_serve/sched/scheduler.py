@@ -35,7 +35,7 @@ from mm_serve.cache.hybrid_kv_cache_manager import make_kv_cache_manager
 from mm_serve.cache.kv_cache_groups import KVCacheLayout
 from mm_serve.config import CacheConfig, SchedulerConfig
 from mm_serve.outputs import EngineCoreOutput
-from mm_serve.request import FINISH_REASONS, LAST_UNFINISHED, Request, RequestStatus
+from mm_serve.request import FINISH_REASONS, Request, RequestStatus
 from mm_serve.sched.encoder_inputs import (
     check_images_fit,
     free_consumed_encoder_inputs,
@@ -311,7 +311,7 @@ class Scheduler:
             strict=True,
         ):
             request = requests.get(req_id)
-            if request is None or request.status > LAST_UNFINISHED:
+            if request is None or request.is_finished:
                 continue  # aborted while the step ran
             request.num_output_placeholders -= len(new_token_ids)
             for count, token_id in enumerate(new_token_ids, start=1):
@@ -321,14 +321,12 @@ class Scheduler:
                     del new_token_ids[count:]
                     break
             chunk_logprobs = prompt_logprobs.get(req_id) if prompt_logprobs else None
-            if request.mm_features:  # images lie in the prompt: none is left past it
+            if request.mm_features:
                 scheduled = num_scheduled.get(req_id, 0)
-                if request.num_computed_tokens - scheduled < len(request.prompt_token_ids):
-                    free_consumed_encoder_inputs(self.encoder_cache_manager, request, scheduled)
-            finished = request.status > LAST_UNFINISHED
-            if new_token_ids or chunk_logprobs or finished:
+                free_consumed_encoder_inputs(self.encoder_cache_manager, request, scheduled)
+            if new_token_ids or chunk_logprobs or request.is_finished:
                 outputs.append(self._make_output(request, new_token_ids, logprobs, chunk_logprobs))
-            if finished:
+            if request.is_finished:
                 self._free_request(request)
         return outputs
 
