@@ -65,6 +65,26 @@ def test_greedy_is_argmax():
     assert out.logprobs is None
 
 
+def test_model_dtype_logits():
+    """bf16 logits (the model's dtype): plain greedy takes their argmax as they are, ties to the
+    first index as on their float32 upcast; any other step computes in float32."""
+    logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(1)).bfloat16()
+    logits[3, 10] = logits[3, 20] = logits[3].max() + 1  # a tie: the first index wins
+    metadata = make_metadata(8)
+    assert metadata.plain_greedy
+    out = Sampler()(logits, metadata)
+    assert torch.equal(out.sampled_token_ids, logits.float().argmax(dim=-1))
+    assert out.sampled_token_ids[3] == 10
+
+    metadata = make_metadata(8, max_num_logprobs=2)
+    assert not metadata.plain_greedy
+    out = Sampler()(logits, metadata)
+    assert torch.equal(out.sampled_token_ids, logits.float().argmax(dim=-1))
+    expected = torch.log_softmax(logits.float(), dim=-1).gather(1, out.sampled_token_ids[:, None])
+    assert out.logprobs.logprobs.dtype == torch.float32
+    torch.testing.assert_close(out.logprobs.logprobs[:, :1], expected)
+
+
 def test_penalties_match_hand_computation():
     vocab = 6
     logits = torch.tensor([[2.0, 1.5, -0.5, 1.0, 0.2, -1.0]] * 2)

@@ -337,4 +337,4 @@ def test_bfloat16_load(setup: Setup) -> None:
         grids = [tuple(g) for g in inputs["image_grid_thw"].tolist()]
         positions, _ = get_mrope_input_positions(input_ids.tolist(), grids, model.config)
     logits = model.compute_logits(model(None, positions, None, inputs_embeds=embeds))
-    assert logits.dtype == torch.float32 and logits.isfinite().all()
+    assert logits.dtype == torch.bfloat16 and logits.isfinite().all()

@@ -227,10 +227,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return self.model.embed(input_ids)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden] -> [N, vocab]`` float32, soft-capped by ``c * tanh(x / c)`` when the
-        config sets ``final_logit_softcapping`` (HF ``Gemma3ForCausalLM``)."""
+        """``[N, hidden] -> [N, vocab]`` in the model's dtype, soft-capped by ``c * tanh(x / c)``
+        when the config sets ``final_logit_softcapping`` (HF ``Gemma3ForCausalLM``)."""
         logits = self.lm_head(hidden_states)
         cap = self.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return logits

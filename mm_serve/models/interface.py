@@ -45,7 +45,7 @@ class LanguageModel(Protocol):
         ...
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden] -> [N, vocab]`` float32."""
+        """``[N, hidden] -> [N, vocab]`` in the model's dtype."""
         ...
 
     def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:

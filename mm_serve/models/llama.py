@@ -214,8 +214,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn_metadata, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden] -> [N, vocab]`` float32 (only the rows that are sampled)."""
-        return self.lm_head(hidden_states).float()
+        """``[N, hidden] -> [N, vocab]`` in the model's dtype (only the rows that are sampled;
+        the sampler computes in float32)."""
+        return self.lm_head(hidden_states)
 
     def attention_layers(self) -> list[Attention]:
         """The attention op of each layer, in order (one KV cache tensor each)."""

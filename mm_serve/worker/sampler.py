@@ -29,8 +29,8 @@ class Sampler(nn.Module):
         """Sample the next token of every row.
 
         Args:
-            logits: ``[num_rows, vocab_size]`` float32, the model's raw next-token logits. Not
-                modified.
+            logits: ``[num_rows, vocab_size]``, the model's raw next-token logits in its dtype
+                (computed on in float32). Not modified.
             metadata: per-row settings; row ``i`` of every tensor belongs to row ``i`` here.
 
         Returns:
@@ -38,6 +38,9 @@ class Sampler(nn.Module):
             ``metadata.max_num_logprobs`` is not None, the raw-model logprobs of the sampled
             token plus the top ``max_num_logprobs`` tokens of every row.
         """
+        if metadata.plain_greedy:  # the argmax of exact float32 upcasts: no upcast needed
+            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
+        logits = logits.float()
         # Reported logprobs are those of the model itself, before any processing (OpenAI/vLLM).
         num_logprobs = metadata.max_num_logprobs
         raw_logprobs = None if num_logprobs is None else torch.log_softmax(logits, dim=-1)

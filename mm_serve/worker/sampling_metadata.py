@@ -43,6 +43,19 @@ class SamplingMetadata:
     # The rows with a grammar and the tokens each may sample (``structured_outputs``).
     grammar: GrammarMask | None = None
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row takes the argmax of its raw logits: greedy, with no logprobs, penalties,
+        bias, banned tokens or grammar."""
+        return (
+            self.all_greedy
+            and self.max_num_logprobs is None
+            and self.no_penalties
+            and not self.banned_token_ids
+            and not self.logit_bias
+            and self.grammar is None
+        )
+
 
 @dataclass
 class GrammarMask:
