@@ -180,7 +180,10 @@ def sdpa_prefill_ms(reqs, heads) -> float:
 
 
 def small_kernel_rows(copy_bw: float) -> list[dict]:
-    """RMSNorm+residual, SiLU-and-mul, rotary, KV-cache write at a 4096-token step of a 7B."""
+    """RMSNorm+residual, SiLU-and-mul, rotary, KV-cache write at a 4096-token step of a 7B;
+    the plain-greedy argmax of workload 1's decode logits (256 x Qwen2's 151,936), on the
+    model's bf16 against its float32 upcast (what the sampler did before, still its path for
+    any other step)."""
     from mm_serve.kernels.triton_activation import silu_and_mul_triton
     from mm_serve.kernels.triton_cache import reshape_and_cache_triton
     from mm_serve.kernels.triton_norm import rms_norm_triton
@@ -196,6 +199,7 @@ def small_kernel_rows(copy_bw: float) -> list[dict]:
     pos = torch.randint(0, 32768, (t,), device="cuda")
     kv_cache = torch.empty(2, 4096, 16, 4, 128, device="cuda", dtype=dt)
     slots = torch.randperm(4096 * 16, device="cuda")[:t]
+    logits = torch.randn(256, 151936, device="cuda", dtype=dt)
     cases = [  # name, kernel, reference, bytes moved at least
         ("rms_norm+residual", lambda: rms_norm_triton(x, w, 1e-6, res),
          lambda: rms_norm_ref(x, w, 1e-6, res), 4 * x.nbytes),
@@ -205,6 +209,8 @@ def small_kernel_rows(copy_bw: float) -> list[dict]:
          lambda: apply_rotary_ref(pos, q, k, cache, 128), 2 * (q.nbytes + k.nbytes)),
         ("reshape_and_cache", lambda: reshape_and_cache_triton(k, k, kv_cache, slots),
          lambda: reshape_and_cache_ref(k, k, kv_cache, slots), 4 * k.nbytes),
+        ("greedy argmax 256 x 151936", lambda: logits.argmax(-1),
+         lambda: logits.float().argmax(-1), logits.nbytes),
     ]  # fmt: skip
     rows = []
     for name, kernel, ref, nbytes in cases:
