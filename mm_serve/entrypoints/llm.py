@@ -248,11 +248,8 @@ class LLM(FrontEnd):
         engine (tokenize, hash and queue their images), add them in order as each one's
         images are ready, and step the engine whenever it has work; wait for the next prompt
         only when it has none. The window keeps the preprocessing pool busy while the
-        first steps start at once instead of after every prompt was submitted: ready prompts
-        are added between two submissions, so the first reaches the engine after its own
-        preprocessing, not after the window's (about 1 ms of this process's time each). (A
-        remote engine core's ``step()`` returns the outputs that arrived, its steps run on
-        their own.)
+        first steps start at once instead of after every prompt was submitted. (A remote
+        engine core's ``step()`` returns the outputs that arrived, its steps run on their own.)
 
         Returns the prompts' request ids and the finished outputs (in finishing order).
         """
@@ -260,22 +257,15 @@ class LLM(FrontEnd):
         finished: list[RequestOutput] = []
         submitted: collections.deque[PendingPrompt | Future] = collections.deque()
         engine = self.engine_core
-
-        def add_ready() -> None:
-            """Add the submitted prompts that are ready, in order; wait for the first one
-            only while the engine has nothing to do."""
-            while submitted and (submitted[0].done() or not engine.has_unfinished_requests()):
-                params = sampling_params[len(request_ids)]
-                prompt = submitted.popleft().result()
-                request_ids.append(self._add_request(prompt, params, added))
-
         with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm) as bar:
             while len(request_ids) < len(prompts) or engine.has_unfinished_requests():
                 queued = len(request_ids) + len(submitted)
                 for prompt in prompts[queued : len(request_ids) + SUBMIT_WINDOW]:
                     submitted.append(self._submit(prompt))
-                    add_ready()
-                add_ready()
+                while submitted and (submitted[0].done() or not engine.has_unfinished_requests()):
+                    params = sampling_params[len(request_ids)]
+                    prompt = submitted.popleft().result()
+                    request_ids.append(self._add_request(prompt, params, added))
                 if not engine.has_unfinished_requests():
                     continue
                 done, to_abort = self.output_processor.process_outputs(engine.step())
