@@ -29,8 +29,8 @@ class Sampler(nn.Module):
         """Sample the next token of every row.
 
         Args:
-            logits: ``[num_rows, vocab_size]``, the model's raw next-token logits in its dtype
-                (computed on in float32). Not modified.
+            logits: ``[num_rows, vocab_size]``, the model's raw next-token logits in its dtype;
+                upcast to float32 unless the step is plain greedy. Not modified.
             metadata: per-row settings; row ``i`` of every tensor belongs to row ``i`` here.
 
         Returns:
