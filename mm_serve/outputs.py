@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 
 @dataclass
 class Logprob:
@@ -58,12 +60,13 @@ class RequestOutput:
 LogprobsEntry = tuple[list[int], list[float], int]
 
 
-@dataclass(slots=True)
-class EngineCoreOutput:
+class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     """New tokens of one engine request after a step, for the front end (detokenizer, stop
     strings): one ``LogprobsEntry`` per new token in ``new_logprobs``, per prompt position in
-    ``new_prompt_logprobs``. The engine core process sends it as it is (msgspec encodes a
-    dataclass as a map of its fields).
+    ``new_prompt_logprobs``. The engine core process sends it as it is: msgspec encodes it as
+    an array of its fields. A step makes one per request, so it is a Struct, which is built,
+    encoded and decoded several times faster than a dataclass; it never holds a reference
+    cycle, so the garbage collector does not track it (``gc=False``).
 
     For the metrics (``time.monotonic()`` seconds): ``scheduled_time``, when the engine first
     scheduled the request (``Request.scheduled_time``), comes with each of its outputs;

@@ -22,8 +22,9 @@ from mm_serve.benchmarks.latency import weight_bytes
 from mm_serve.config import EngineArgs
 from mm_serve.models.loader import load_model
 
-# The web stack: the offline benchmarks run on a GPU image that has none of it.
-WEB_MODULES = ("fastapi", "starlette", "uvicorn", "zmq", "msgspec")
+# The web stack and the engine core's socket: an engine in this process needs neither (msgspec,
+# a core dependency, it does need: ``EngineCoreOutput`` is a msgspec Struct).
+WEB_MODULES = ("fastapi", "starlette", "uvicorn", "zmq")
 
 
 @pytest.fixture(scope="module")

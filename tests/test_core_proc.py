@@ -245,8 +245,8 @@ def test_wire_is_msgpack_and_raw_frames(llm):
         stats=EngineStats(num_running_reqs=1),
     )
     encoded = OutputCodec().encode(outputs)
-    wire = msgspec.msgpack.decode(encoded)["outputs"][0]  # the dataclass's fields, by name
-    assert wire["request_id"] == "a" and wire["new_token_ids"] == [5]
+    wire = msgspec.msgpack.decode(encoded)["outputs"][0]  # the Struct's fields, in order
+    assert wire[:2] == ["a", [5]] and wire[4:6] == ["stop", 7]
     assert OutputCodec().decode(encoded) == outputs
 
 
