@@ -166,6 +166,6 @@ class Request:
             encoded = self.encoded_mm_hashes
             self.num_cached_images = sum(f.mm_hash not in encoded for f in self.mm_features)
 
-    def append_output_token_ids(self, token_ids: list[int]) -> None:
-        self.output_token_ids.extend(token_ids)
-        self.all_token_ids.extend(token_ids)
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

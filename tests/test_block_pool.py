@@ -216,9 +216,9 @@ def test_update_block_hashes_is_incremental() -> None:
     assert req.block_hashes == [h0, h1]  # the partial block [7] is not hashed
     update_block_hashes(req, block_size=3)
     assert req.block_hashes == [h0, h1]
-    req.append_output_token_ids([8])
+    req.append_output_token(8)
     update_block_hashes(req, block_size=3)
     assert len(req.block_hashes) == 2
-    req.append_output_token_ids([9])
+    req.append_output_token(9)
     update_block_hashes(req, block_size=3)
     assert req.block_hashes == [h0, h1, hash_block_tokens(h1, [7, 8, 9], ())]

@@ -261,18 +261,18 @@ def test_decode_caches_output_blocks(manager: KVCacheManager) -> None:
     pool = manager.block_pool
     assert pool.blocks[1].block_hash is None
 
-    req.append_output_token_ids([60])  # 7 tokens: block 1 not full yet
+    req.append_output_token(60)  # 7 tokens: block 1 not full yet
     assert manager.allocate_slots(req, 1) == []
     req.num_computed_tokens += 1
     assert pool.blocks[1].block_hash is None
 
-    req.append_output_token_ids([70])  # 8 tokens: block 1 full in this step
+    req.append_output_token(70)  # 8 tokens: block 1 full in this step
     assert manager.allocate_slots(req, 1) == []
     req.num_computed_tokens += 1
     assert len(req.block_hashes) == 2
     assert pool.blocks[1].block_hash == req.block_hashes[1]
 
-    req.append_output_token_ids([80])  # 9 tokens: a new block
+    req.append_output_token(80)  # 9 tokens: a new block
     assert ids(manager.allocate_slots(req, 1) or []) == [2]
     req.num_computed_tokens += 1
     assert manager.get_block_ids("0") == [0, 1, 2]
@@ -328,7 +328,8 @@ def test_out_of_blocks_returns_none_and_changes_nothing() -> None:
 def test_preempted_request_hits_its_own_blocks(manager: KVCacheManager) -> None:
     req = make_request("0", list(range(10)))
     schedule_prefill(manager, req)
-    req.append_output_token_ids([11, 12])
+    for token_id in (11, 12):
+        req.append_output_token(token_id)
     manager.free(req)  # preempted
     req.num_computed_tokens = 0
     hit_blocks, num_hit_tokens = manager.get_computed_blocks(req)

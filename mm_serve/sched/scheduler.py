@@ -315,8 +315,7 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_output_placeholders -= len(new_token_ids)
             for count, token_id in enumerate(new_token_ids, start=1):
-                request.output_token_ids.append(token_id)
-                request.all_token_ids.append(token_id)
+                request.append_output_token(token_id)
                 if self._check_stop(request, token_id):
                     del new_token_ids[count:]
                     break
