@@ -16,7 +16,7 @@ and writes every figure to ``DIR/kernels.json``.
   (``4 * head_dim * num_heads`` per visible query-key pair) of the rows it computes.
 - RMSNorm, SiLU-and-mul, rotary and the KV-cache write at a 4,096-token step of a 7B.
 - Workload 1's decode attention (Qwen2-VL-2B, 256 requests of 306-434 keys) timed inside a CUDA
-  graph, as the decode graph runs it (``graph_ms``: no host launch time).
+  graph, as the decode graph runs it (``gemv.time_calls``: no host launch time).
 - The vision towers' attention on same-size images, and what cuDNN's plan for a new image
   count costs (``vision_attention``).
 
@@ -35,6 +35,7 @@ import random
 import torch
 
 from mm_serve.attention import AttentionMetadata
+from mm_serve.benchmarks.gemv import time_calls
 from mm_serve.benchmarks.roofline import copy_rate
 from mm_serve.kernels import (
     apply_rotary_ref,
@@ -88,30 +89,6 @@ def paged_batch(reqs, heads, block_size: int, dtype: torch.dtype, seed: int = 0)
     metadata = paged_metadata(reqs, tables, block_size, "cuda")
     query = torch.randn(metadata.num_tokens, num_heads, head_dim, device="cuda")
     return query.to(dtype), kv_cache.to(dtype), metadata
-
-
-def graph_ms(fn, calls: int = 28, replays: int = 20) -> float:
-    """Median device ms per call of ``fn``: ``calls`` calls captured in one CUDA graph and
-    replayed, as the decode graph replays one call per layer. Unlike ``bench``, no host launch
-    time enters, which for a kernel of tens of microseconds is most of an eager call."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return sorted(times)[len(times) // 2]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -268,7 +245,7 @@ def paged_attention_rows(sweep: bool, copy_bw: float) -> list[dict]:
 
 
 def workload_decode_rows(copy_bw: float) -> list[dict]:
-    """Workload 1's decode attention under a CUDA graph (``graph_ms``): the Qwen2-VL-2B LM's 12
+    """Workload 1's decode attention under a CUDA graph (``time_calls``): the Qwen2-VL-2B LM's 12
     query / 2 KV heads of 128, 256 requests of 306-434 keys (its prompts and 128 outputs), the
     launch heuristic's config and then 1-4 KV segments."""
     from mm_serve.kernels.triton_attention import paged_attention_triton
@@ -282,7 +259,8 @@ def workload_decode_rows(copy_bw: float) -> list[dict]:
     kv_bytes = 2 * sum(md.seq_lens_cpu) * heads[1] * heads[2] * kv.element_size()
     rows = []
     for config in (None, *({"NUM_SEGMENTS": n} for n in (1, 2, 3, 4))):
-        ms = graph_ms(lambda c=config: paged_attention_triton(q, kv, md, scale, config=c))
+        us = time_calls(lambda _, c=config: paged_attention_triton(q, kv, md, scale, config=c), 28)
+        ms = us / 1e3  # 28 calls in the graph: one per layer
         rows.append({
             "case": "workload 1 decode 256x306-434", "config": config or "heuristic", "ms": ms,
             "kv_GBps": kv_bytes / ms / 1e6, "pct_copy_bw": 100 * kv_bytes / (ms * 1e-3) / copy_bw,
