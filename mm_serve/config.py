@@ -218,7 +218,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1  # engine core replicas behind one front end
-    distributed_executor_backend: str = "mp"  # TP workers: "mp" processes or "ray" actors
+    distributed_executor_backend: str | None = None  # "uni" (in the core), "mp", "ray"
     data_parallel_backend: str = "mp"  # DP engine cores: "mp" processes or "ray" actors
     device: str = "auto"
     max_pixels: int = 8192 * 8192

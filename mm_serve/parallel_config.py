@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 PARALLEL_BACKENDS = ("mp", "ray")
+EXECUTOR_BACKENDS = ("uni", *PARALLEL_BACKENDS)
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,10 @@ class ParallelConfig:
     """How the engine spreads over devices and hosts.
 
     ``tensor_parallel_size`` ranks split each model (``check_tensor_parallel``); their workers
-    are local processes (``distributed_executor_backend`` "mp") or Ray actors ("ray").
+    are local processes (``distributed_executor_backend`` "mp") or Ray actors ("ray"). With
+    one rank, "uni" runs the model in the engine core's process (vLLM's name), and "mp" in one
+    worker process, which prepares each step while the core schedules the next. None: "uni"
+    with one rank, else "mp" (``EngineArgs`` picks by device).
     ``data_parallel_size`` engine core replicas, each a whole engine with its own scheduler
     and caches, serve behind one front end, which routes every request to one of them; they
     are local processes ("mp") or Ray actors ("ray"). ``data_parallel_rank`` is the replica
@@ -27,20 +31,27 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
-    distributed_executor_backend: str = "mp"
+    distributed_executor_backend: str | None = None
     data_parallel_backend: str = "mp"
 
     def __post_init__(self) -> None:
-        """Raises ValueError on a size below 1, a rank out of range, an unknown backend, or
-        the ray backend without Ray installed."""
+        """Raises ValueError on a size below 1, a rank out of range, an unknown backend ("uni"
+        with more than one rank), or the ray backend without Ray installed."""
         size, rank = self.data_parallel_size, self.data_parallel_rank
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"data_parallel_size {size} (rank {rank}) must be at least 1.")
-        backends = (self.distributed_executor_backend, self.data_parallel_backend)
-        if not set(backends) <= set(PARALLEL_BACKENDS):
+        if self.distributed_executor_backend is None:
+            default = "uni" if self.tensor_parallel_size == 1 else "mp"
+            object.__setattr__(self, "distributed_executor_backend", default)
+        executor, backend = self.distributed_executor_backend, self.data_parallel_backend
+        if executor not in EXECUTOR_BACKENDS or backend not in PARALLEL_BACKENDS:
             raise ValueError(
-                f"Parallel backends are {' or '.join(PARALLEL_BACKENDS)}, not {backends}."
+                f"The executor backend is one of {EXECUTOR_BACKENDS} ({executor!r} given), the "
+                f"data-parallel backend one of {PARALLEL_BACKENDS} ({backend!r} given)."
             )
+        if executor == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError("The uni executor backend runs one rank; use mp or ray for more.")
+        backends = (executor, backend)
         if "ray" in backends and importlib.util.find_spec("ray") is None:
             raise ValueError("The ray backend needs Ray: pip install 'mm_serve[ray]'.")
 

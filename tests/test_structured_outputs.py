@@ -72,6 +72,7 @@ def _generate(llm, grammar_params, plain_params):
         {"async_scheduling": True},
         {"async_scheduling": True, "max_num_batched_tokens": 8},  # chunked prefill
         {"async_scheduling": True, "block_size": 4, "num_kv_blocks": 24},  # preemption
+        {"async_scheduling": True, "distributed_executor_backend": "mp"},  # a worker process
     ],
 )
 def test_grammar_requests_beside_plain_ones(qwen2_path, engine_args) -> None:

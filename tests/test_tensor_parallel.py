@@ -108,26 +108,34 @@ def _assert_same(tp2: list, tp1: list) -> None:
 
 
 # (family, how the engine runs): in this process; or in the engine core process (the served
-# API's), with async scheduling (the next step sent before the last one's tokens are read).
+# API's), with async scheduling (two steps sent before the first one's tokens are read); or
+# one rank in one worker process ("mp" at size 1), also with async scheduling.
+ASYNC = {"async_scheduling": True}
 MODES = {
     "llama": ("llama", {}),
     "qwen2": ("qwen2", {}),
-    "llama-engine-process-async": ("llama", {"multiprocess": True, "async_scheduling": True}),
+    "llama-engine-process-async": ("llama", {"multiprocess": True, **ASYNC}),
+    "qwen2-one-worker-async": (
+        "qwen2",
+        {"tensor_parallel_size": 1, "distributed_executor_backend": "mp", **ASYNC},
+    ),
 }
 
 
 @two_ranks
 @pytest.mark.parametrize("mode", MODES)
 def test_tp2_matches_tp1_and_hf(mode, llama_path, qwen2_path, hf_reference) -> None:
-    """Two CPU ranks (gloo): greedy tokens equal one rank's and HF's, with chunked prefill,
-    preemption and prefix caching; the second batch is served from the prefix cache."""
+    """Two CPU ranks (gloo), or one in a worker process: greedy tokens equal those of one rank
+    in this process and HF's, with chunked prefill, preemption and prefix caching; the second
+    batch is served from the prefix cache."""
     family, extra = MODES[mode]
     path = {"llama": llama_path, "qwen2": qwen2_path}[family]
     tp1 = LLM(path, **ENGINE_ARGS)
     prompts = _prompts(tp1.config.model.vocab_size)
     expected = _generate(tp1, prompts) + _generate(tp1, prompts[::-1])
     tp1.shutdown()
-    llm = LLM(path, tensor_parallel_size=2, **ENGINE_ARGS, **extra)
+    llm = LLM(path, **{"tensor_parallel_size": 2, **ENGINE_ARGS, **extra})
+    assert llm.config.parallel.distributed_executor_backend == "mp"
     try:
         got = _generate(llm, prompts)
         hits = llm.get_stats().prefix_cache_hits

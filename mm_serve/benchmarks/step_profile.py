@@ -107,8 +107,8 @@ def mixed_step(core, prompt_len: int, steps: int = 30) -> tuple[float, float]:
             ids = torch.randint(0, 150000, (prompt_len,), generator=gen).tolist()
             core.add_request(Request(request_id, ids, params))
             core.step()
-            if core._in_flight is not None:  # async scheduling: the step just launched
-                assert core._in_flight[0].num_scheduled_tokens[request_id] == prompt_len
+            if core._in_flight:  # async scheduling: the step just launched
+                assert core._in_flight[-1][0].num_scheduled_tokens[request_id] == prompt_len
 
     stream(5)  # warm-up
     torch.cuda.synchronize()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 
@@ -42,7 +43,7 @@ class EngineCore:
         tp_size = config.parallel.tensor_parallel_size
         check_tensor_parallel(config.model.hf_config, tp_size)  # a config built by hand
         self.config = config
-        if tp_size == 1:
+        if config.parallel.distributed_executor_backend == "uni":
             self.model_runner = ModelRunner(config)
             self.model_runner.load_model()
         elif config.parallel.distributed_executor_backend == "ray":  # Ray only when used
@@ -60,9 +61,15 @@ class EngineCore:
             config.model, pin_memory=config.device.type == "cuda"
         )
         self.scheduler = self._make_scheduler()
-        self.async_scheduling = config.scheduler.async_scheduling
-        # The launched step whose output has not been read yet (async scheduling only).
-        self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
+        # Steps left launched and unread after each step (async scheduling): one when the
+        # runner is in this process; two when it is a worker process, so that the worker
+        # prepares a step while this process schedules the next.
+        self.max_in_flight = 0
+        if config.scheduler.async_scheduling:
+            self.max_in_flight = 1 if config.parallel.distributed_executor_backend == "uni" else 2
+        self._in_flight: collections.deque[tuple[SchedulerOutput, PendingOutput]] = (
+            collections.deque()
+        )
         # For the metrics: the tokens scheduled per step.
         self.iteration_tokens = IterationTokens()
         install_from_env(self)  # MM_SERVE_STEP_TIMELINE: a step timeline for benchmarks
@@ -90,23 +97,28 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, execute, update: one forward pass over the batch the scheduler chose.
 
-        With async scheduling the update is that of the previous step, whose tokens the
-        scheduler treated as placeholders while it scheduled this one.
+        With async scheduling the update is that of an earlier step, whose tokens the
+        scheduler treated as placeholders while it scheduled this one (``max_in_flight``).
         """
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens:
             self.iteration_tokens.observe(scheduler_output.total_num_scheduled_tokens)
-        previous, self._in_flight = self._in_flight, None
-        bitmask = None
+        outputs, bitmask = [], None
         if scheduler_output.structured_output_request_ids:
+            # The bitmask needs every earlier token: at most the last step may be in flight.
+            outputs = self._update_in_flight(keep=1)
+            previous = self._in_flight[0] if self._in_flight else None
             bitmask = functools.partial(self._grammar_bitmask, scheduler_output, previous)
         pending = self.model_runner.execute_model(scheduler_output, bitmask)
+        self._in_flight.append((scheduler_output, pending))
+        return outputs + self._update_in_flight(keep=self.max_in_flight)
+
+    def _update_in_flight(self, keep: int) -> list[EngineCoreOutput]:
+        """Read the oldest launched steps' tokens and update the scheduler with them, until
+        ``keep`` steps are left in flight."""
         outputs = []
-        if previous is not None:
-            outputs = self.scheduler.update_from_output(previous[0], previous[1].get())
-        if self.async_scheduling:
-            self._in_flight = (scheduler_output, pending)
-        else:
+        while len(self._in_flight) > keep:
+            scheduler_output, pending = self._in_flight.popleft()
             outputs += self.scheduler.update_from_output(scheduler_output, pending.get())
         return outputs
 
@@ -136,10 +148,7 @@ class EngineCore:
         """
         if self.has_unfinished_requests():
             raise RuntimeError("Cannot reset the engine core while requests are unfinished.")
-        if self._in_flight is not None:  # the last launched step (async scheduling)
-            scheduler_output, pending = self._in_flight
-            self._in_flight = None
-            self.scheduler.update_from_output(scheduler_output, pending.get())
+        self._update_in_flight(keep=0)  # the last launched steps (async scheduling)
         # An empty step hands the runner the finished requests, whose states it then drops.
         self.model_runner.execute_model(self.scheduler.schedule())
         self.model_runner.reset_encoder_cache()

@@ -46,6 +46,7 @@ from mm_serve.messages import (
 )
 from mm_serve.mp_context import PARENT_CHECK_INTERVAL_MS
 from mm_serve.request import Request, check_image_tokens
+from mm_serve.worker.worker import limit_cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -110,19 +111,6 @@ def receive_config(reader: Connection, parent_pid: int) -> tuple[Any, EngineConf
         return reader.recv()
     except EOFError:  # the front end failed before it had a config
         return None
-
-
-def limit_cpu_threads() -> None:
-    """One intra-op CPU thread for torch in a CUDA engine core process, unless
-    ``OMP_NUM_THREADS`` says otherwise (as vLLM's GPU workers do).
-
-    Its CPU work is small (gathering pixels, input tables); with a thread per core, each
-    parallel region waits for threads that the preprocessing workers have descheduled: on an
-    H100 machine of 16 cores, encode+prefill steps took ~250 ms to launch while images were
-    arriving, ~140 ms with one thread (``benchmarks/step_timeline.py``).
-    """
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)
 
 
 def _raise_system_exit(signum: int, frame: Any) -> None:

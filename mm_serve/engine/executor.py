@@ -4,9 +4,10 @@ The engine core keeps the scheduler; this executor starts one worker process per
 (``worker.worker.run_worker``, spawn) and stands in for the ``ModelRunner`` (same methods).
 Each step it sends every rank the same ``SchedulerOutput`` (one ZeroMQ PUSH socket per rank,
 msgspec frames, ``worker.worker_messages``); rank 0 alone answers with the step's
-``ModelRunnerOutput``. A worker that dies or fails makes the next read raise
-``WorkerDiedError`` at once (the other ranks are stopped: they may wait in a collective).
-``RayExecutor`` (``engine/ray_executor.py``) is the same over Ray actors on tcp:// sockets.
+``ModelRunnerOutput``, once the next step is launched or the core asks for it ("flush"). A
+worker that dies or fails makes the next read raise ``WorkerDiedError`` at once (the other
+ranks are stopped: they may wait in a collective). ``RayExecutor`` (``engine/ray_executor.py``)
+is the same over Ray actors on tcp:// sockets.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ class StepFuture:
 
     def get(self) -> ModelRunnerOutput:
         """Raises ``WorkerDiedError`` if a worker dies before the output comes."""
+        if self.output is None:
+            self._executor._flush(self)
         while self.output is None:
             self._executor._receive()
         return self.output
@@ -127,6 +130,7 @@ class MultiprocExecutor:
         self._workers = self._bind()
         self._finalizer = weakref.finalize(self, self._workers.stop)
         self._pending: collections.deque[StepFuture] = collections.deque()
+        self._flushed = False  # whether the last step sent was flushed (``_flush``)
         self._failed: str | None = None
         try:
             self._start_workers(config)
@@ -182,6 +186,7 @@ class MultiprocExecutor:
         is computed first and travels with it. Returns rank 0's output to come."""
         bitmask = None if grammar_bitmask is None else grammar_bitmask()
         self._broadcast(encode_step(scheduler_output, bitmask))
+        self._flushed = False
         future = StepFuture(self)
         self._pending.append(future)
         return future
@@ -189,6 +194,13 @@ class MultiprocExecutor:
     def shutdown(self) -> None:
         """Stop the workers (also when the executor is collected)."""
         self._finalizer()
+
+    def _flush(self, future: StepFuture) -> None:
+        """Ask for the output of the last step sent, which a worker holds back until its next
+        message (``worker.serve``); an earlier step's output comes once a later step is sent."""
+        if self._pending and self._pending[-1] is future and not self._flushed:
+            self._broadcast([msgspec.msgpack.encode(WorkerCall("flush"))])
+            self._flushed = True
 
     # ---- messages ----------------------------------------------------------------------------
 

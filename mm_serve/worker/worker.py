@@ -12,6 +12,7 @@ seeded alike), so each rank's request state stays the same; only rank 0 returns 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -27,6 +28,7 @@ import zmq
 from mm_serve.config import EngineConfig
 from mm_serve.mp_context import PARENT_CHECK_INTERVAL_MS
 from mm_serve.worker.model_runner import ModelRunner
+from mm_serve.worker.step_output import PendingOutput
 from mm_serve.worker.worker_messages import (
     ExecuteModel,
     StepResult,
@@ -43,6 +45,19 @@ CALLS = ("determine_num_kv_blocks", "initialize_kv_cache", "capture_cuda_graphs"
          "reset_encoder_cache")  # fmt: skip
 
 
+def limit_cpu_threads() -> None:
+    """One intra-op CPU thread for torch in a CUDA engine core or worker process, unless
+    ``OMP_NUM_THREADS`` says otherwise (as vLLM's GPU workers do).
+
+    Its CPU work is small (gathering pixels, input tables); with a thread per core, each
+    parallel region waits for threads that the preprocessing workers have descheduled: on an
+    H100 machine of 16 cores, encode+prefill steps took ~250 ms to launch while images were
+    arriving, ~140 ms with one thread (``benchmarks/step_timeline.py``).
+    """
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+
+
 def init_worker_distributed(
     config: EngineConfig, rank: int, init_method: str, device_index: int | None = None
 ) -> EngineConfig:
@@ -55,6 +70,7 @@ def init_worker_distributed(
             device_index = (config.device.index or 0) + rank
         device = torch.device("cuda", device_index)
         torch.cuda.set_device(device)
+        limit_cpu_threads()
         config = dataclasses.replace(config, device=device)
         backend = "nccl"
     else:
@@ -123,7 +139,14 @@ def serve(
     parent_pid: int | None,
 ) -> None:
     """Run the core's messages in order until ``WorkerCall("shutdown")``; exit at once if the
-    core process is gone (nobody would read the outputs)."""
+    core process is gone (nobody would read the outputs).
+
+    A step's output is sent once the next message is in: a step the core sends before reading
+    the last one's output is launched first, so the device runs one step while this process
+    prepares the next (the core's async scheduling, across the two processes). "flush" (the
+    core waits on the last step sent) and every call send it without launching anything.
+    """
+    in_flight: PendingOutput | None = None
     while True:
         if not inputs.poll(PARENT_CHECK_INTERVAL_MS, zmq.POLLIN):
             if parent_pid is not None and os.getppid() != parent_pid:
@@ -132,22 +155,23 @@ def serve(
             continue
         frames = inputs.recv_multipart(copy=False)
         message = decode_to_worker(frames[0])
-        if isinstance(message, ExecuteModel):
-            output = execute(runner, message, frames)
+        launched = execute(runner, message, frames) if isinstance(message, ExecuteModel) else None
+        if in_flight is not None:
+            output = in_flight.get()  # its tokens go into the request states on every rank
             if rank == 0:
                 outputs.send(msgspec.msgpack.encode(StepResult(output)))
-        elif message.method == "shutdown":
+        in_flight = launched
+        if isinstance(message, ExecuteModel) or message.method == "flush":
+            continue
+        if message.method == "shutdown":
             return
-        else:
-            outputs.send(msgspec.msgpack.encode(call(runner, rank, message)))
+        outputs.send(msgspec.msgpack.encode(call(runner, rank, message)))
 
 
-def execute(runner: ModelRunner, message: ExecuteModel, frames: list[Any]):
-    """One step on this rank; every rank waits for its sampled tokens, which its request
-    states record (``ModelRunner._record_tokens``) before the next step."""
+def execute(runner: ModelRunner, message: ExecuteModel, frames: list[Any]) -> PendingOutput:
+    """Launch one step on this rank; its output is read (``PendingOutput.get``) later."""
     scheduler_output, bitmask = decode_step(message, frames)
-    pending = runner.execute_model(scheduler_output, None if bitmask is None else lambda: bitmask)
-    return pending.get()
+    return runner.execute_model(scheduler_output, None if bitmask is None else lambda: bitmask)
 
 
 def call(runner: ModelRunner, rank: int, message: WorkerCall) -> WorkerResult:
@@ -156,6 +180,9 @@ def call(runner: ModelRunner, rank: int, message: WorkerCall) -> WorkerResult:
         raise ValueError(f"Unknown worker call {message.method!r}.")
     method = getattr(runner, message.method)
     value = method(message.arg) if message.method == "initialize_kv_cache" else method()
+    if message.method == "reset_encoder_cache":  # the engine's reset, after start-up's warm-up
+        gc.collect()  # what start-up made lives as long as the process (as in the engine core)
+        gc.freeze()
     return WorkerResult(rank, value if isinstance(value, int) else None)
 
 

@@ -71,7 +71,8 @@ class ExecuteModel(msgspec.Struct, tag="execute"):
 class WorkerCall(msgspec.Struct, tag="call"):
     """A ``ModelRunner`` method every rank runs and answers with a ``WorkerResult``:
     "determine_num_kv_blocks", "initialize_kv_cache" (``arg``: blocks), "capture_cuda_graphs",
-    "reset_encoder_cache"; "shutdown" ends the worker (no answer)."""
+    "reset_encoder_cache"; "flush" sends the last step's output, "shutdown" ends the worker
+    (neither has an answer of its own)."""
 
     method: str
     arg: int = 0
