@@ -92,3 +92,18 @@ def test_request_preempted_with_a_token_in_flight_waits_for_it():
     step4 = launch(scheduler)
     assert step4[0].num_scheduled_tokens == {"b": 5}  # prompt and output, recomputed
     assert b.num_output_placeholders == 1
+
+
+def test_two_steps_in_flight_past_a_late_stop_token_are_discarded():
+    """A worker process keeps two steps in flight: the stop token of step 1 is read after
+    steps 2 and 3 are scheduled; both outputs are dropped and nothing leaks."""
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", 5, eos=99))
+    step1, step2, step3 = launch(scheduler), launch(scheduler), launch(scheduler)
+    request = scheduler.requests["a"]
+    assert step3[0].num_scheduled_tokens == {"a": 1} and request.num_output_placeholders == 3
+    outputs = finish(scheduler, step1, token=99)
+    assert outputs[0].finish_reason == "stop" and outputs[0].new_token_ids == [99]
+    assert_all_blocks_free(scheduler)
+    assert finish(scheduler, step2, token=5) == [] and finish(scheduler, step3, token=6) == []
+    assert launch(scheduler)[0].finished_req_ids == {"a"}

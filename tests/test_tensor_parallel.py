@@ -23,7 +23,7 @@ from mm_serve import LLM, SamplingParams, distributed
 from mm_serve.config import EngineArgs
 from mm_serve.engine.executor import WorkerDiedError
 from mm_serve.models.loader import load_model, safetensors_files
-from mm_serve.parallel_config import check_tensor_parallel
+from mm_serve.parallel_config import ParallelConfig, check_tensor_parallel
 from mm_serve.testing.leaks import assert_llm_idle
 from mm_serve.testing.server import RemoteServer, assert_group_gone, image_question, noise_png_url
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
@@ -61,6 +61,17 @@ def test_each_rank_loads_its_shard(family, rank, llama_path, qwen2_path, monkeyp
     part = embed[shard.vocab_start : shard.vocab_end]
     assert torch.equal(shard.weight[: len(part)], part)
     assert shard.weight.shape[0] == -(-embed.shape[0] // 2)
+
+
+def test_executor_backend_defaults_and_checks() -> None:
+    """One rank runs in the engine core's process unless asked otherwise; "uni" is one rank."""
+    assert ParallelConfig().distributed_executor_backend == "uni"
+    assert ParallelConfig(tensor_parallel_size=2).distributed_executor_backend == "mp"
+    assert ParallelConfig(distributed_executor_backend="mp").distributed_executor_backend == "mp"
+    with pytest.raises(ValueError, match="uni executor backend runs one rank"):
+        ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="uni")
+    with pytest.raises(ValueError, match="executor backend is one of"):
+        ParallelConfig(distributed_executor_backend="threads")
 
 
 def test_sizes_that_do_not_divide_the_model_fail_at_start_up(llama_path) -> None:

@@ -67,7 +67,8 @@ _ENGINE_ARG_HELP = {
     "(on CUDA with mp: its own tensor_parallel_size GPUs); requests go by load and cache "
     "affinity.",
     "distributed_executor_backend": "Tensor-parallel workers as local processes (mp) or as "
-    "Ray actors on the cluster's nodes (ray; pip install 'mm_serve[ray]').",
+    "Ray actors on the cluster's nodes (ray; pip install 'mm_serve[ray]'); uni: one rank in "
+    "the engine core's process (mp at one rank: one worker process).",
     "data_parallel_backend": "Data-parallel engine cores as local processes (mp) or as Ray "
     "actors on the cluster's nodes (ray).",
     "device": "auto, cpu or cuda.",
@@ -101,6 +102,7 @@ _UNSET_DEFAULTS = {
     "max_num_encoder_input_tokens": "max(token budget, largest image)",
     "encoder_cache_size": "max(token budget, largest image)",
     "async_scheduling": "on with CUDA, off on CPU",
+    "distributed_executor_backend": "uni at one rank, else mp",
     "chat_template": "the checkpoint's",
     "kernel_mode": "$MM_SERVE_KERNELS, else auto",
     "pdl": "on, off with MM_SERVE_PDL=0",
