@@ -20,7 +20,7 @@ class ParallelConfig:
     are local processes (``distributed_executor_backend`` "mp") or Ray actors ("ray"). With
     one rank, "uni" runs the model in the engine core's process (vLLM's name), and "mp" in one
     worker process, which prepares each step while the core schedules the next. None: "uni"
-    with one rank, else "mp" (``EngineArgs`` picks by device).
+    with one rank, else "mp".
     ``data_parallel_size`` engine core replicas, each a whole engine with its own scheduler
     and caches, serve behind one front end, which routes every request to one of them; they
     are local processes ("mp") or Ray actors ("ray"). ``data_parallel_rank`` is the replica

@@ -29,9 +29,11 @@ class EngineCore:
     before it reads the previous one's tokens, so scheduling and input preparation on the host
     overlap the device's work; each ``step()`` then returns the outputs of the step before.
 
-    With ``tensor_parallel_size > 1``, ``model_runner`` is a ``MultiprocExecutor`` (same
-    methods): one worker process per rank, each with its shard and its own ``ModelRunner``
-    (a ``RayExecutor``, Ray actors, with ``distributed_executor_backend="ray"``).
+    Unless ``distributed_executor_backend`` is "uni" (the default at one rank),
+    ``model_runner`` is a ``MultiprocExecutor`` (same methods): one worker process per rank,
+    each with its shard and its own ``ModelRunner`` (a ``RayExecutor``, Ray actors, with
+    "ray"). With async scheduling each ``step()`` then returns the outputs of the step two
+    before it.
 
     Raises (from the constructor):
         ValueError: the model does not split over ``config.parallel.tensor_parallel_size``

@@ -6,6 +6,8 @@ events around ``execute_model``; nothing is synchronised during the run. Each ti
 runs out of requests, it waits for the device once and appends one JSON line per step to the
 file. ``benchmarks/step_timeline.py`` reads it: the gap between one step's end event and the
 next one's start event is time the device sat idle because the host had not launched it yet.
+With the runner in a worker process (``distributed_executor_backend`` "mp" or "ray") the
+events time nothing on this process's stream: only the host times hold.
 """
 
 from __future__ import annotations
