@@ -27,7 +27,7 @@ from mm_serve.kernels.activation import get_activation
 from mm_serve.kernels.dispatch import apply_vision_rotary, varlen_attention, varlen_segments
 from mm_serve.kernels.rotary import VisionRotary, vision_rotary
 from mm_serve.kernels.varlen_attention import Segments
-from mm_serve.models.layers.layernorm import RMSNorm
+from mm_serve.models.layers.layernorm import LayerNorm, RMSNorm
 from mm_serve.transfer import host_to_device
 
 
@@ -148,7 +148,7 @@ class PatchMerger(nn.Module):
     def __init__(self, context_dim: int, out_dim: int, merge: int, rms_norm: bool = False):
         super().__init__()
         self.hidden_size = context_dim * merge**2
-        self.ln_q = RMSNorm(context_dim, eps=1e-6) if rms_norm else nn.LayerNorm(context_dim, 1e-6)
+        self.ln_q = (RMSNorm if rms_norm else LayerNorm)(context_dim, eps=1e-6)
         self.mlp = nn.Sequential(
             nn.Linear(self.hidden_size, self.hidden_size),
             nn.GELU(),
@@ -173,19 +173,32 @@ class VisionMlp(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    """Pre-norm block: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``; the norms are
-    LayerNorm (Qwen2-VL) or RMSNorm (Qwen2.5-VL, weight only), eps 1e-6."""
+    """Pre-norm block: ``h + attn(norm1(h))``, then ``h + mlp(norm2(h))``; the norms are
+    LayerNorm (Qwen2-VL) or RMSNorm (Qwen2.5-VL, weight only), eps 1e-6.
+
+    The residual stream travels in two parts, ``x + residual`` (vLLM's convention), so that each
+    residual add is fused into the norm after it (``kernels.triton_norm``): ``forward(x,
+    residual, segments, rotary) -> (x', residual')`` with ``x' + residual'`` the block's output
+    for the input ``x + residual`` (``residual`` None: ``x`` alone), all ``[N, dim]``.
+    """
 
     def __init__(self, dim: int, num_heads: int, mlp: nn.Module, rms_norm: bool = False) -> None:
         super().__init__()
-        norm = RMSNorm if rms_norm else nn.LayerNorm
+        norm = RMSNorm if rms_norm else LayerNorm
         self.norm1, self.norm2 = norm(dim, eps=1e-6), norm(dim, eps=1e-6)
         self.attn = VisionAttention(dim, num_heads)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, segments: Segments, rotary: VisionRotary) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), segments, rotary)
-        return x + self.mlp(self.norm2(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        segments: Segments,
+        rotary: VisionRotary,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        normed, residual = (self.norm1(x), x) if residual is None else self.norm1(x, residual)
+        normed, residual = self.norm2(self.attn(normed, segments, rotary), residual)
+        return self.mlp(normed), residual
 
 
 class Qwen2VisionTransformer(nn.Module):
@@ -234,10 +247,11 @@ class Qwen2VisionTransformer(nn.Module):
         x = self.patch_embed(pixel_values)  # [N, dim]
         if plan.index is not None:  # Qwen2.5-VL: the patches in window order
             x = to_window_order(x, plan.index, self.spatial_merge_size)
+        residual = None
         for i, block in enumerate(self.blocks):
             full = i in self.fullatt_block_indexes
-            x = block(x, plan.full if full else plan.windows, plan.rotary)
-        x = self.merger(x)
+            x, residual = block(x, residual, plan.full if full else plan.windows, plan.rotary)
+        x = self.merger(x + residual)
         return x if plan.inverse is None else x[plan.inverse]
 
 

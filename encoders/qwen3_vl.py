@@ -200,10 +200,10 @@ class Qwen3VisionTransformer(nn.Module):
         x = self.patch_embed(pixel_values)  # [N, dim]
         taps = self.pos_embed(plan.pos_indices) * plan.pos_weights[:, :, None]  # [N, 4, dim]
         x = x + taps.sum(1).to(x.dtype)
-        features = []  # DeepStack's, in block order (as HF's list)
+        features, residual = [], None  # DeepStack's, in block order (as HF's list)
         for i, block in enumerate(self.blocks):
-            x = block(x, plan.full, plan.rotary)
+            x, residual = block(x, residual, plan.full, plan.rotary)
             if i in self.deepstack_visual_indexes:
                 merger = self.deepstack_merger_list[self.deepstack_visual_indexes.index(i)]
-                features.append(merger(x))
-        return torch.cat([self.merger(x), *features], dim=-1)
+                features.append(merger(x + residual))
+        return torch.cat([self.merger(x + residual), *features], dim=-1)

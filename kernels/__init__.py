@@ -16,6 +16,7 @@ from mm_serve.kernels.dispatch import (
     apply_mrotary,
     apply_rotary,
     kernel_mode,
+    layer_norm,
     linear,
     paged_attention,
     reshape_and_cache,
@@ -25,7 +26,7 @@ from mm_serve.kernels.dispatch import (
     silu_and_mul_linear,
 )
 from mm_serve.kernels.linear import linear_ref, rms_norm_linear_ref, silu_and_mul_linear_ref
-from mm_serve.kernels.norm import rms_norm_ref
+from mm_serve.kernels.norm import layer_norm_ref, rms_norm_ref
 from mm_serve.kernels.rotary import apply_mrotary_ref, apply_rotary_ref
 
 __all__ = [
@@ -34,6 +35,8 @@ __all__ = [
     "apply_rotary",
     "apply_rotary_ref",
     "kernel_mode",
+    "layer_norm",
+    "layer_norm_ref",
     "linear",
     "linear_ref",
     "paged_attention",

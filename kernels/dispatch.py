@@ -21,7 +21,7 @@ from mm_serve.kernels import varlen_attention as varlen
 from mm_serve.kernels.activation import quick_gelu_ref, silu_and_mul_ref
 from mm_serve.kernels.attention import paged_attention_ref, reshape_and_cache_ref
 from mm_serve.kernels.linear import linear_ref
-from mm_serve.kernels.norm import rms_norm_ref
+from mm_serve.kernels.norm import layer_norm_ref, rms_norm_ref
 from mm_serve.kernels.rotary import (
     VisionRotary,
     apply_mrotary_ref,
@@ -162,6 +162,23 @@ def rms_norm(
 
         return rms_norm_triton(x, weight, eps, residual)
     return rms_norm_ref(x, weight, eps, residual)
+
+
+def layer_norm(
+    x: torch.Tensor,  # [..., hidden]
+    weight: torch.Tensor,  # [hidden]
+    bias: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [..., hidden]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """LayerNorm, optionally with the residual add; see ``layer_norm_ref``."""
+    extra = () if residual is None else (residual,)
+    same = all(t.dtype == x.dtype for t in (weight, bias, *extra))
+    if same and use_kernels(x, weight, bias, *extra):
+        from mm_serve.kernels.triton_norm import layer_norm_triton
+
+        return layer_norm_triton(x, weight, bias, eps, residual)
+    return layer_norm_ref(x, weight, bias, eps, residual)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

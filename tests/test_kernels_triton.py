@@ -11,6 +11,7 @@ output buffer is filled with NaN before the call, so an element a kernel leaves 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import random
@@ -28,6 +29,7 @@ from mm_serve.benchmarks.kernels import paged_metadata  # noqa: E402
 from mm_serve.kernels import (  # noqa: E402
     apply_mrotary_ref,
     apply_rotary_ref,
+    layer_norm_ref,
     linear_ref,
     paged_attention_ref,
     quick_gelu_ref,
@@ -188,23 +190,30 @@ def test_reshape_and_cache(num_kv_heads, head_dim, dtype) -> None:
     assert torch.equal(kv_cache, expected)
 
 
-# ---------------------------------------------------------------- RMSNorm, SiLU-and-mul
+# ---------------------------------------------------------------- RMSNorm, LayerNorm, SiLU-and-mul
 
 
 @kernel_test
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden", [1536, 3584, 1000] if ON_GPU else [64, 40])
-def test_rms_norm(hidden, dtype) -> None:
+@pytest.mark.parametrize("hidden", [1536, 1280, 1000] if ON_GPU else [64, 40])
+@pytest.mark.parametrize("layer_norm", [False, True])
+def test_norm(hidden, dtype, layer_norm) -> None:
+    """RMSNorm, or LayerNorm with its bias, alone and with the residual add fused in."""
     gen = torch.Generator().manual_seed(hidden)
     rows = 333 if ON_GPU else 5
     x, residual = (_randn(rows, hidden, dtype=dtype, gen=gen) for _ in range(2))
-    weight = _randn(hidden, dtype=dtype, gen=gen)
+    x = x + 3.0  # a mean far from 0: LayerNorm must subtract it
+    weight, bias = (_randn(hidden, dtype=dtype, gen=gen) for _ in range(2))
+    kernel, ref = _norm.rms_norm_triton, rms_norm_ref
+    if layer_norm:
+        kernel = functools.partial(_norm.layer_norm_triton, bias=bias)
+        ref = functools.partial(layer_norm_ref, bias=bias)
     out = _nan_like(x)
-    _norm.rms_norm_triton(x, weight, 1e-6, out=out)
-    assert _rel_err(out, rms_norm_ref(x, weight, 1e-6)) <= TOLERANCE[dtype]
+    kernel(x, weight, eps=1e-6, out=out)
+    assert _rel_err(out, ref(x, weight, eps=1e-6)) <= TOLERANCE[dtype]
     out, new_residual = _nan_like(x), _nan_like(x)
-    _norm.rms_norm_triton(x, weight, 1e-6, residual, out=out, residual_out=new_residual)
-    ref_out, ref_residual = rms_norm_ref(x, weight, 1e-6, residual)
+    kernel(x, weight, eps=1e-6, residual=residual, out=out, residual_out=new_residual)
+    ref_out, ref_residual = ref(x, weight, eps=1e-6, residual=residual)
     assert _rel_err(out, ref_out) <= TOLERANCE[dtype]
     assert torch.equal(new_residual, ref_residual)
 

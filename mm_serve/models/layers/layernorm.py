@@ -1,11 +1,11 @@
-"""RMSNorm with the residual add fused in (vLLM's calling convention)."""
+"""RMSNorm and LayerNorm with the residual add fused in (vLLM's calling convention)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from mm_serve.kernels import rms_norm, rms_norm_linear
+from mm_serve.kernels import layer_norm, rms_norm, rms_norm_linear
 
 
 class RMSNorm(nn.Module):
@@ -21,6 +21,17 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return rms_norm(x, self.weight, self.eps, residual)
+
+
+class LayerNorm(nn.LayerNorm):
+    """``torch.nn.LayerNorm`` (same parameters, ``weight`` and ``bias``) with RMSNorm's calling
+    convention: ``forward(x) -> normed`` or ``forward(x, residual) -> (normed(x + residual),
+    x + residual)``, all ``[..., normalized_shape]``; see ``layer_norm_ref``."""
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return layer_norm(x, self.weight, self.bias, self.eps, residual)
 
 
 def rms_norm_then_linear(
