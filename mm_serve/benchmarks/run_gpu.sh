@@ -3,10 +3,10 @@
 # JSON into $OUT (default ./bench-out). Run from the repository root on a CUDA machine:
 #   bash mm_serve/benchmarks/run_gpu.sh tests latency throughput serve kernels
 # tests:      the CUDA tests (kernels vs references, CUDA graphs, compile, outputs vs HF, async
-#             scheduling, pixel path, structured outputs); tests-kernels, tests-llm, tests-vlm
-#             and tests-outputs run its four parts (each within the GPU machine's 10 minutes per
-#             command; at the default compilation level every engine a test builds compiles its
-#             forward). Beyond the serving wheels, the test files import jsonschema and xgrammar:
+#             scheduling, pixel path, structured outputs, Qwen3-VL); tests-kernels, tests-llm,
+#             tests-vlm and tests-outputs run its four parts (each within the GPU machine's 10
+#             minutes per command; at the default compilation level every engine a test builds
+#             compiles its forward). Beyond the serving wheels, the test files import jsonschema and xgrammar:
 #             ../shared/gpu-wheels.sh jsonschema jsonschema-specifications referencing rpds-py
 #             attrs xgrammar apache-tvm-ffi
 # latency:    bench latency, Qwen2-VL-2B, batch 1: default, without PDL, without async
@@ -46,7 +46,7 @@ for stage in "$@"; do
         tests/test_llm_vs_hf.py)
       [[ $stage == tests || $stage == tests-vlm ]] && files+=(tests/test_vlm_vs_hf.py)
       [[ $stage == tests || $stage == tests-outputs ]] && files+=(tests/test_pixel_path.py
-        tests/test_structured_outputs.py)
+        tests/test_structured_outputs.py tests/test_qwen3_vl.py)
       $PY -m pytest -q -x "${files[@]}" 2>&1 | tee "$OUT/$stage.log" | tail -5 ;;
     latency)
       for mode in "" "no-pdl" "--no-async-scheduling" "--enforce-eager"; do
