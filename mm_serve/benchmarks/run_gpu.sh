@@ -7,8 +7,8 @@
 #             tests-vlm and tests-outputs run its four parts (each within the GPU machine's 10
 #             minutes per command; at the default compilation level every engine a test builds
 #             compiles its forward). Beyond the serving wheels, the test files import jsonschema
-#             and xgrammar: ../shared/gpu-wheels.sh jsonschema jsonschema-specifications referencing rpds-py
-#             attrs xgrammar apache-tvm-ffi
+#             and xgrammar: ../shared/gpu-wheels.sh jsonschema jsonschema-specifications
+#             referencing rpds-py attrs xgrammar apache-tvm-ffi
 # latency:    bench latency, Qwen2-VL-2B, batch 1: default, without PDL, without async
 #             scheduling, eager; then step_profile (the engine loop's step, kernel table)
 # throughput: bench throughput, Qwen2-VL-2B, 256 requests, HF baseline, prefix caching on/off
