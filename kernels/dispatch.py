@@ -166,15 +166,15 @@ def rms_norm(
 
 def layer_norm(
     x: torch.Tensor,  # [..., hidden]
-    weight: torch.Tensor,  # [hidden]
-    bias: torch.Tensor,  # [hidden]
+    weight: torch.Tensor | None,  # [hidden]
+    bias: torch.Tensor | None,  # [hidden]
     eps: float,
     residual: torch.Tensor | None = None,  # [..., hidden]
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """LayerNorm, optionally with the residual add; see ``layer_norm_ref``."""
-    extra = () if residual is None else (residual,)
-    same = all(t.dtype == x.dtype for t in (weight, bias, *extra))
-    if same and use_kernels(x, weight, bias, *extra):
+    tensors = (weight, bias) if residual is None else (weight, bias, residual)
+    affine = all(t is not None and t.dtype == x.dtype for t in tensors)  # else: the reference
+    if affine and use_kernels(x, *tensors):
         from mm_serve.kernels.triton_norm import layer_norm_triton
 
         return layer_norm_triton(x, weight, bias, eps, residual)

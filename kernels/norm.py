@@ -29,8 +29,8 @@ def rms_norm_ref(
 
 def layer_norm_ref(
     x: torch.Tensor,  # [..., hidden]
-    weight: torch.Tensor,  # [hidden]
-    bias: torch.Tensor,  # [hidden]
+    weight: torch.Tensor | None,  # [hidden]
+    bias: torch.Tensor | None,  # [hidden]
     eps: float,
     residual: torch.Tensor | None = None,  # [..., hidden]
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
