@@ -35,13 +35,14 @@ def build_tower(name: str, device: torch.device) -> torch.nn.Module:
     from mm_serve.models.registry import get_model_class  # the family's tower_class
 
     config = _build_config(name, {})
-    tower = get_model_class(config).tower_class(config.vision_config)
+    with device:
+        tower = get_model_class(config).tower_class(config.vision_config)
     torch.manual_seed(0)
     with torch.no_grad():
         for param_name, param in tower.named_parameters():
             is_norm = "norm" in param_name or "ln_q" in param_name
             param.normal_(1.0 if is_norm and param_name.endswith("weight") else 0.0, 0.02)
-    return tower.to(device).eval()
+    return tower.eval()
 
 
 def unfused_run(tower, pixel_values: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
