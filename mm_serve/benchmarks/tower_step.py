@@ -99,12 +99,7 @@ def kernel_table(fn, top: int = 12) -> list[tuple[str, float, int]]:
 def gemm_flops(tower: torch.nn.Module, patches: int) -> float:
     """FLOPs of the tower's linear layers over ``patches`` patches (2 per multiply-add; the
     merger's rows are merge windows): the attention's own products are left out."""
-    flops = (
-        2.0
-        * patches
-        * tower.patch_embed.proj.weight[0].numel()
-        * tower.patch_embed.proj.weight.shape[0]
-    )
+    flops = 2.0 * patches * tower.patch_embed.proj.weight.numel()  # [dim, C, T, P, P]
     for name, module in tower.named_modules():
         if isinstance(module, torch.nn.Linear):
             rows = patches // tower.spatial_merge_size**2 if "merger" in name else patches
