@@ -195,7 +195,7 @@ def test_reshape_and_cache(num_kv_heads, head_dim, dtype) -> None:
 
 @kernel_test
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden", [1536, 1280, 1000] if ON_GPU else [64, 40])
+@pytest.mark.parametrize("hidden", [1536, 3584, 1280, 1000] if ON_GPU else [64, 40])
 @pytest.mark.parametrize("layer_norm", [False, True])
 def test_norm(hidden, dtype, layer_norm) -> None:
     """RMSNorm, or LayerNorm with its bias, alone and with the residual add fused in."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
@@ -87,13 +86,9 @@ def kernel_table(fn, top: int = 12) -> list[tuple[str, float, int]]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for event in prof.events():
-        if event.device_type.name == "CUDA":
-            totals[event.name][0] += event.device_time / 1e3
-            totals[event.name][1] += 1
-    rows = sorted(((n[:90], ms, int(c)) for n, (ms, c) in totals.items()), key=lambda r: -r[1])
-    return rows[:top]
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return [(e.key[:90], e.self_device_time_total / 1e3, e.count) for e in kernels[:top]]
 
 
 def gemm_flops(tower: torch.nn.Module, patches: int) -> float:
@@ -139,11 +134,12 @@ def main() -> None:
             print(f"{name}: relative error against the float32 reference {err:.2e}")
             if not err < 5e-2:
                 raise SystemExit(f"The {name} form is wrong: relative error {err:.2e}.")
+        for fn in forms.values():
+            time_ms(fn, 2)  # warm-up
         times: dict[str, list[float]] = {name: [] for name in forms}
-        for round_ in range(3):  # a warm-up round, then two interleaved ones
+        for _ in range(2):  # two interleaved rounds
             for name, fn in forms.items():
-                values = time_ms(fn, args.iters // 2 if round_ else 2)
-                times[name] += values if round_ else []
+                times[name] += time_ms(fn, args.iters // 2)
         kernels = kernel_table(forms["fused"])
     flops = gemm_flops(tower, patches)
     print(f"\n{args.model_arch}: {args.images} images, grid {grid} each ({patches} patches)")
