@@ -155,7 +155,9 @@ def test_prefix_cache_hits_repeated_image(path, reference):
 def test_repeated_image_hits_encoder_cache(path, reference):
     """Two requests with the same photograph, chunked side by side without prefix caching:
     its tiles go through the tower once (encoder cache), and both match HF."""
-    args = dict(enable_prefix_caching=False, block_size=4, max_num_batched_tokens=16)
+    args = dict(
+        enable_prefix_caching=False, block_size=4, max_num_batched_tokens=16, multiprocess=False
+    )
     with checks.running_llm(path, **args) as llm:
         encoded = checks.record_encoded_images(llm)
         image = photo("grace_hopper.jpg")

@@ -169,7 +169,7 @@ def test_prefix_cache_hits_repeated_image(path, reference):
 def test_encoder_cache_hits_repeated_image(path, reference):
     """Without prefix caching, the same photograph behind two texts is encoded once: the
     second request takes its embeddings from the encoder cache, and both match HF."""
-    with checks.running_llm(path, enable_prefix_caching=False) as llm:
+    with checks.running_llm(path, enable_prefix_caching=False, multiprocess=False) as llm:
         encoded = checks.record_encoded_images(llm)
         image = photo("grace_hopper.jpg")
         cases = [(PROMPT, [image]), ("<image>Other text.", [image])]

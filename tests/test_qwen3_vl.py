@@ -134,7 +134,9 @@ def test_repeated_image_is_encoded_once_and_hits_the_prefix_cache(path, referenc
     other text: the hit ends inside the image (block size 4), so the step after it takes the
     image's last rows, DeepStack columns included, from the encoder output. A different image
     behind the same text hits nothing. All match HF."""
-    args = dict(enable_prefix_caching=True, block_size=4, max_num_batched_tokens=16)
+    args = dict(
+        enable_prefix_caching=True, block_size=4, max_num_batched_tokens=16, multiprocess=False
+    )
     with checks.running_llm(path, **args) as llm:
         model = llm.engine_core.model_runner.model
         encoded = checks.record_encoded_images(llm)

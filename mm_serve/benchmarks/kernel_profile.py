@@ -5,7 +5,12 @@ profiler (the engine core in-process, so that the profiler sees its kernels).
         --input-len 7 --output-len 32 --image-size 1280 720 --max-model-len 4096
 
 Prints the wall time of the profiled ``generate``, the sum of kernel times, and the top
-kernels (device ms and share of the kernel sum), each once per name.
+kernels (device ms and share of the kernel sum), each once per name. With ``--idle`` the
+profiler records device activity only (no host ops, so it adds little host time) and the
+script first prints where the device idled: the union of the kernels' and copies' intervals
+against the run's span, and the largest gaps with the kernels on either side. There the batch
+runs warm (a batch of other images first) and preprocessed before the profile starts, so that
+no tokenizing or image preprocessing in this process (the engine core's) shows as idle time.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import tempfile
 import time
 
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from mm_serve.benchmarks import common
@@ -22,6 +28,7 @@ from mm_serve.benchmarks.datasets import random_image_dataset
 def main() -> None:
     parser = common.profile_parser(__doc__, output_len=128)
     parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--idle", action="store_true", help="Where the device idled.")
     args = parser.parse_args()
     from mm_serve import SamplingParams
 
@@ -43,11 +50,17 @@ def main() -> None:
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
         llm.generate(prompts(100, 8), params, use_tqdm=False)
         batch = prompts(1, args.num_prompts)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        if args.idle:
+            llm.generate(prompts(2, args.num_prompts), params, use_tqdm=False)
+            batch = [llm.input_processor.process(prompt).result() for prompt in batch]
+        activities = [ProfilerActivity.CUDA] + ([] if args.idle else [ProfilerActivity.CPU])
+        with profile(activities=activities) as prof:
             t0 = time.perf_counter()
             llm.generate(batch, params, use_tqdm=False)
             wall = time.perf_counter() - t0
         common.shutdown(llm)
+    if args.idle:
+        print_idle(prof, wall, args.top)
     kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
     total_ms = sum(e.self_device_time_total for e in kernels) / 1e3
@@ -55,6 +68,39 @@ def main() -> None:
     for e in kernels[: args.top]:
         ms = e.self_device_time_total / 1e3
         print(f"{ms:9.1f} ms {100 * ms / total_ms:5.1f}% {e.count:7d}  {e.key[:110]}")
+
+
+def device_gaps(prof) -> tuple[float, list[tuple[float, str, str]]]:
+    """The device's busy ms (union of its activities' intervals) and its idle gaps as (us,
+    activity before, activity after), largest first."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA
+    )
+    busy_us, gaps = 0.0, []
+    start, end, name = spans[0]
+    for s, e, n in spans[1:]:
+        if s > end:
+            busy_us += end - start
+            gaps.append((s - end, name, n))
+            start = s
+        if e > end:
+            end, name = e, n
+    busy_us += end - start
+    gaps.sort(reverse=True)
+    return busy_us / 1e3, gaps
+
+
+def print_idle(prof, wall: float, top: int) -> None:
+    busy_ms, gaps = device_gaps(prof)
+    idle_ms = sum(g for g, _, _ in gaps) / 1e3
+    print(f"wall {wall * 1e3:.0f} ms (profiled), device busy {busy_ms:.0f}, idle {idle_ms:.0f} ms")
+    for low, high in ((0, 10), (10, 100), (100, 1000), (1000, float("inf"))):
+        inside = [g for g, _, _ in gaps if low <= g < high]
+        print(f"  gaps {low}-{high} us: {len(inside):6d}, {sum(inside) / 1e3:8.1f} ms")
+    for gap, before, after in gaps[:top]:
+        print(f"{gap / 1e3:8.2f} ms after {before[:60]} | before {after[:60]}")
 
 
 if __name__ == "__main__":

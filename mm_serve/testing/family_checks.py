@@ -257,8 +257,9 @@ def assert_prefix_cache_hits(
 
 
 def record_encoded_images(llm: LLM) -> list[Any]:
-    """Wrap the in-process model's ``embed_images``: the returned list collects every image
-    item the tower encodes from then on, in order."""
+    """Wrap the in-process model's ``embed_images`` (an ``LLM`` with ``multiprocess=False``,
+    which CUDA does not default to): the returned list collects every image item the tower
+    encodes from then on, in order."""
     model = llm.engine_core.model_runner.model
     encoded: list[Any] = []
     embed_images = model.embed_images
