@@ -100,7 +100,8 @@ class AbortRequests(msgspec.Struct, tag="abort"):
 class UtilityRequest(msgspec.Struct, tag="utility"):
     """A call answered by an ``EngineCoreOutputs`` with the same ``call_id``.
 
-    ``method``: "get_stats" (fills ``stats`` and ``kv_cache`` of the answer).
+    ``method``: "get_stats" (fills ``stats`` and ``kv_cache`` of the answer), "reset",
+    "start_profile" or "stop_profile" (``EngineCore``'s; an error fills ``call_error``).
     """
 
     call_id: int

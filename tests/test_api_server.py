@@ -283,6 +283,8 @@ def test_models_health_metrics(server, client):
     assert 'mm_serve_http_requests_total{endpoint="/v1/chat/completions",status="200"}' in after
     assert metric(after, "mm_serve_num_requests_running") == 0
     assert metric(after, "mm_serve_encoder_tokens_computed_total") > 0
+    # Profiling is off: no such route (the web page mounted at / answers 405 to a POST).
+    assert post(server, "/start_profile", {}).status_code in (404, 405)
 
 
 def post(server, path: str, body: dict | bytes, key: str | None = API_KEY) -> httpx.Response:

@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from mm_serve.benchmarks import common
 from mm_serve.benchmarks.datasets import random_image_dataset
+from mm_serve.benchmarks.trace_gaps import print_gaps
 
 
 def main() -> None:
@@ -70,37 +71,15 @@ def main() -> None:
         print(f"{ms:9.1f} ms {100 * ms / total_ms:5.1f}% {e.count:7d}  {e.key[:110]}")
 
 
-def device_gaps(prof) -> tuple[float, list[tuple[float, str, str]]]:
-    """The device's busy ms (union of its activities' intervals) and its idle gaps as (us,
-    activity before, activity after), largest first."""
-    spans = sorted(
+def print_idle(prof, wall: float, top: int) -> None:
+    """``trace_gaps.print_gaps`` of the profile's device activities (us)."""
+    print(f"wall {wall * 1e3:.0f} ms (profiled)")
+    spans = [
         (e.time_range.start, e.time_range.end, e.name)
         for e in prof.events()
         if e.device_type == DeviceType.CUDA
-    )
-    busy_us, gaps = 0.0, []
-    start, end, name = spans[0]
-    for s, e, n in spans[1:]:
-        if s > end:
-            busy_us += end - start
-            gaps.append((s - end, name, n))
-            start = s
-        if e > end:
-            end, name = e, n
-    busy_us += end - start
-    gaps.sort(reverse=True)
-    return busy_us / 1e3, gaps
-
-
-def print_idle(prof, wall: float, top: int) -> None:
-    busy_ms, gaps = device_gaps(prof)
-    idle_ms = sum(g for g, _, _ in gaps) / 1e3
-    print(f"wall {wall * 1e3:.0f} ms (profiled), device busy {busy_ms:.0f}, idle {idle_ms:.0f} ms")
-    for low, high in ((0, 10), (10, 100), (100, 1000), (1000, float("inf"))):
-        inside = [g for g, _, _ in gaps if low <= g < high]
-        print(f"  gaps {low}-{high} us: {len(inside):6d}, {sum(inside) / 1e3:8.1f} ms")
-    for gap, before, after in gaps[:top]:
-        print(f"{gap / 1e3:8.2f} ms after {before[:60]} | before {after[:60]}")
+    ]
+    print_gaps(spans, top)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ engine (its own process, as ``LLM`` runs it), sends the same four warm-up reques
 prefix-cache hit), and prints each run's seconds and output tok/s. With
 ``MM_SERVE_STEP_TIMELINE=<file>`` each run's steps are recorded; ``python -m
 mm_serve.benchmarks.step_timeline <file> --run N`` shows run ``N`` (0: start-up's warm-up,
-1: the four requests, 2: the first batch).
+1: the four requests, 2: the first batch). ``--profile-run N`` records run ``N`` with the torch
+profiler in the engine's processes (``mm_serve.profiler``); ``python -m
+mm_serve.benchmarks.trace_gaps`` reads the traces.
 
     python -m mm_serve.benchmarks.warm_runs --model-arch qwen2-vl-2b --image-size 448 448 \\
         --max-model-len 4096 --runs 3
@@ -27,6 +29,13 @@ from mm_serve.benchmarks.datasets import random_image_dataset
 def main() -> None:
     parser = common.profile_parser(__doc__, output_len=128)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--profile-run",
+        type=int,
+        help="Profile this run in the engine's processes (LLM.start_profile; set "
+        "MM_SERVE_TORCH_PROFILER_DIR, and MM_SERVE_TORCH_PROFILER_ACTIVITIES=cuda for the "
+        "device alone). Its time then includes the profiler's.",
+    )
     args = parser.parse_args()
     from mm_serve import LLM, SamplingParams
 
@@ -46,9 +55,13 @@ def main() -> None:
         llm.generate(prompts(100, 4), params, use_tqdm=False)
         for run in range(1, args.runs + 1):
             batch = prompts(run, args.num_prompts)
+            if run == args.profile_run:
+                llm.start_profile()
             start = time.perf_counter()
             llm.generate(batch, params, use_tqdm=False)
             seconds = time.perf_counter() - start
+            if run == args.profile_run:
+                llm.stop_profile()
             tok_s = args.num_prompts * args.output_len / seconds
             print(f"run {run}: {seconds:.3f} s, {tok_s:,.0f} output tok/s")
         common.shutdown(llm)

@@ -11,6 +11,7 @@ from mm_serve.config import EngineConfig
 from mm_serve.engine.step_timeline import install_from_env
 from mm_serve.outputs import EngineCoreOutput
 from mm_serve.parallel_config import check_tensor_parallel
+from mm_serve.profiler import TorchProfiler
 from mm_serve.request import Request, RequestStatus
 from mm_serve.sched.output import SchedulerOutput
 from mm_serve.sched.scheduler import Scheduler
@@ -75,6 +76,7 @@ class EngineCore:
         # For the metrics: the tokens scheduled per step.
         self.iteration_tokens = IterationTokens()
         install_from_env(self)  # MM_SERVE_STEP_TIMELINE: a step timeline for benchmarks
+        self.profiler = TorchProfiler("engine-core")
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -95,6 +97,25 @@ class EngineCore:
         """Counters of the scheduler and its caches, and the tokens per step (processor-cache
         counts are the front end's)."""
         return self.iteration_tokens.add_to(self.scheduler.make_stats())
+
+    def start_profile(self) -> None:
+        """Start the torch profiler (``mm_serve.profiler``) in this process and in each
+        tensor-parallel worker process.
+
+        Raises:
+            RuntimeError: ``MM_SERVE_TORCH_PROFILER_DIR`` is unset, or the profiler runs.
+            ValueError: an unknown name in ``MM_SERVE_TORCH_PROFILER_ACTIVITIES``.
+        """
+        self.profiler.start()
+        if self.config.parallel.distributed_executor_backend != "uni":
+            self.model_runner.start_profile()
+
+    def stop_profile(self) -> None:
+        """Stop the profilers ``start_profile`` started; each process writes its trace.
+        Raises RuntimeError when profiling is off or not running."""
+        self.profiler.stop()
+        if self.config.parallel.distributed_executor_backend != "uni":
+            self.model_runner.stop_profile()
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, execute, update: one forward pass over the batch the scheduler chose.

@@ -282,17 +282,19 @@ class EngineCoreProc:
                 raise ValueError(f"Image {feature.mm_hash!r}: the prompt differs from its tokens.")
 
     def _call_utility(self, call: UtilityRequest) -> EngineCoreOutputs:
-        """``get_stats`` (the counters and the KV pool) or ``reset`` (``EngineCore.reset``)."""
+        """``get_stats`` (the counters and the KV pool), or ``reset``, ``start_profile`` or
+        ``stop_profile`` of ``EngineCore`` (whose errors the answer carries)."""
         engine_core = self.engine_core
-        if call.method == "reset":
+        if call.method in ("reset", "start_profile", "stop_profile"):
             try:
-                engine_core.reset()
-            except RuntimeError as e:
+                getattr(engine_core, call.method)()
+            except (RuntimeError, ValueError) as e:
                 return EngineCoreOutputs(call_id=call.call_id, call_error=str(e))
-            # After the start-up warm-up: what start-up made (model, caches, kernels) lives as
-            # long as this process, so later collections need not walk it (as vLLM does).
-            gc.collect()
-            gc.freeze()
+            if call.method == "reset":
+                # After the start-up warm-up: what start-up made (model, caches, kernels) lives
+                # as long as this process, so later collections need not walk it (as vLLM does).
+                gc.collect()
+                gc.freeze()
             return EngineCoreOutputs(call_id=call.call_id)
         if call.method != "get_stats":
             return EngineCoreOutputs(

@@ -177,6 +177,14 @@ class MultiprocExecutor:
     def reset_encoder_cache(self) -> None:
         self._call("reset_encoder_cache")
 
+    def start_profile(self) -> None:
+        """Start each worker's torch profiler (``EngineCore.start_profile`` checked first)."""
+        self._call("start_profile")
+
+    def stop_profile(self) -> None:
+        """Stop each worker's torch profiler; each writes its trace."""
+        self._call("stop_profile")
+
     def execute_model(
         self,
         scheduler_output: SchedulerOutput,

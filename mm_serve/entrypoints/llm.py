@@ -122,6 +122,17 @@ class LLM(FrontEnd):
         """The engine core's counters plus the front end's processor-cache counters."""
         return self.add_front_end_stats(self.engine_core.get_stats())
 
+    def start_profile(self) -> None:
+        """Start the torch profiler in the engine's processes (``mm_serve.profiler``: set
+        ``MM_SERVE_TORCH_PROFILER_DIR`` first). Raises RuntimeError when it is unset or the
+        profiler runs already."""
+        self.engine_core.start_profile()
+
+    def stop_profile(self) -> None:
+        """Stop the profiler; each of the engine's processes writes its trace into
+        ``MM_SERVE_TORCH_PROFILER_DIR``. Raises RuntimeError when it is not running."""
+        self.engine_core.stop_profile()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's defaults, overridden by the checkpoint's ``generation_config.json``."""
         return SamplingParams(**self.default_sampling_overrides())

@@ -364,6 +364,24 @@ class AsyncLLM(FrontEnd):
         """
         return [self.add_front_end_stats(s) for s in await self.engine_core.get_replica_stats()]
 
+    async def start_profile(self) -> None:
+        """Start the torch profiler in the engine's processes (``mm_serve.profiler``).
+
+        Raises:
+            RuntimeError: ``MM_SERVE_TORCH_PROFILER_DIR`` is unset, or the profiler runs.
+            EngineDeadError: the engine core is gone.
+        """
+        await self.engine_core.start_profile()
+
+    async def stop_profile(self) -> None:
+        """Stop the profiler; each of the engine's processes writes its trace.
+
+        Raises:
+            RuntimeError: the profiler is not running.
+            EngineDeadError: the engine core is gone.
+        """
+        await self.engine_core.stop_profile()
+
     def shutdown(self) -> None:
         """Stop the engine core process, the preprocessing pool and the tokenizer thread;
         in-flight requests fail with ``EngineDeadError``. Idempotent."""

@@ -50,6 +50,16 @@ class SyncCalls:
         requests are unfinished."""
         self._call("reset").result(timeout_s)
 
+    def start_profile(self, timeout_s: float | None = 60.0) -> None:
+        """``EngineCore.start_profile`` in the engine core process (each replica's). Raises
+        RuntimeError as it does."""
+        self._call("start_profile").result(timeout_s)
+
+    def stop_profile(self, timeout_s: float | None = 300.0) -> None:
+        """``EngineCore.stop_profile`` (writing the traces takes a while). Raises RuntimeError
+        as it does."""
+        self._call("stop_profile").result(timeout_s)
+
 
 class AsyncCalls:
     """The async client's calls, over ``_add``, ``_abort`` and ``_call`` (as ``SyncCalls``)."""
@@ -89,3 +99,11 @@ class AsyncCalls:
         """``EngineCore.reset`` once all earlier inputs took effect. Raises RuntimeError while
         requests are unfinished."""
         await asyncio.wrap_future(self._call("reset"))
+
+    async def start_profile(self) -> None:
+        """``EngineCore.start_profile`` (each replica's). Raises RuntimeError as it does."""
+        await asyncio.wrap_future(self._call("start_profile"))
+
+    async def stop_profile(self) -> None:
+        """``EngineCore.stop_profile`` (each replica's). Raises RuntimeError as it does."""
+        await asyncio.wrap_future(self._call("stop_profile"))

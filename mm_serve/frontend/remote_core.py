@@ -97,6 +97,14 @@ class RemoteEngineCore:
         are unfinished."""
         self.client.reset()
 
+    def start_profile(self) -> None:
+        """``EngineCore.start_profile`` in the engine core process (RuntimeError as it)."""
+        self.client.start_profile()
+
+    def stop_profile(self) -> None:
+        """``EngineCore.stop_profile`` in the engine core process (RuntimeError as it)."""
+        self.client.stop_profile()
+
     def shutdown(self) -> None:
         """Stop the engine core process. Idempotent."""
         self.client.shutdown()

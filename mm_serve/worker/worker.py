@@ -27,6 +27,7 @@ import zmq
 
 from mm_serve.config import EngineConfig
 from mm_serve.mp_context import PARENT_CHECK_INTERVAL_MS
+from mm_serve.profiler import TorchProfiler
 from mm_serve.worker.model_runner import ModelRunner
 from mm_serve.worker.step_output import PendingOutput
 from mm_serve.worker.worker_messages import (
@@ -42,7 +43,7 @@ from mm_serve.worker.worker_messages import (
 logger = logging.getLogger(__name__)
 
 CALLS = ("determine_num_kv_blocks", "initialize_kv_cache", "capture_cuda_graphs",
-         "reset_encoder_cache")  # fmt: skip
+         "reset_encoder_cache", "start_profile", "stop_profile")  # fmt: skip
 
 
 def limit_cpu_threads() -> None:
@@ -147,6 +148,7 @@ def serve(
     core waits on the last step sent) and every call send it without launching anything.
     """
     in_flight: PendingOutput | None = None
+    profiler = TorchProfiler(f"rank{rank}")
     while True:
         if not inputs.poll(PARENT_CHECK_INTERVAL_MS, zmq.POLLIN):
             if parent_pid is not None and os.getppid() != parent_pid:
@@ -165,7 +167,7 @@ def serve(
             continue
         if message.method == "shutdown":
             return
-        outputs.send(msgspec.msgpack.encode(call(runner, rank, message)))
+        outputs.send(msgspec.msgpack.encode(call(runner, rank, message, profiler)))
 
 
 def execute(runner: ModelRunner, message: ExecuteModel, frames: list[Any]) -> PendingOutput:
@@ -174,10 +176,16 @@ def execute(runner: ModelRunner, message: ExecuteModel, frames: list[Any]) -> Pe
     return runner.execute_model(scheduler_output, None if bitmask is None else lambda: bitmask)
 
 
-def call(runner: ModelRunner, rank: int, message: WorkerCall) -> WorkerResult:
-    """Run one of ``CALLS`` (ValueError for another name); the answer carries its int result."""
+def call(
+    runner: ModelRunner, rank: int, message: WorkerCall, profiler: TorchProfiler
+) -> WorkerResult:
+    """Run one of ``CALLS`` (ValueError for another name) on the runner, or on this process's
+    ``profiler`` ("start_profile", "stop_profile"); the answer carries its int result."""
     if message.method not in CALLS:
         raise ValueError(f"Unknown worker call {message.method!r}.")
+    if message.method in ("start_profile", "stop_profile"):
+        profiler.start() if message.method == "start_profile" else profiler.stop()
+        return WorkerResult(rank)
     method = getattr(runner, message.method)
     value = method(message.arg) if message.method == "initialize_kv_cache" else method()
     if message.method == "reset_encoder_cache":  # the engine's reset, after start-up's warm-up

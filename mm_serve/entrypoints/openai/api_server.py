@@ -5,7 +5,8 @@ Ctrl-C, or until the engine core dies: then in-flight requests fail at once (503
 error event), ``/health`` answers 503 for ``ENGINE_DEAD_GRACE_S``, and the server exits with
 code 1. Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics``, vLLM's ``POST /tokenize``,
-``POST /detokenize`` and ``GET /version``, and the web page ``web/`` at ``/`` when it exists.
+``POST /detokenize``, ``GET /version`` and, while ``MM_SERVE_TORCH_PROFILER_DIR`` is set,
+``POST /start_profile`` and ``/stop_profile``; and the web page ``web/`` at ``/`` when it exists.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import logging
+import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +30,11 @@ from starlette.routing import Match, Mount
 from starlette.types import Scope
 
 from mm_serve.config import EngineArgs
-from mm_serve.entrypoints.openai.errors import engine_dead_error, install_error_handlers
+from mm_serve.entrypoints.openai.errors import (
+    bad_request,
+    engine_dead_error,
+    install_error_handlers,
+)
 from mm_serve.entrypoints.openai.media import MediaConfig, MediaResolver
 from mm_serve.entrypoints.openai.metrics import ServerMetrics
 from mm_serve.entrypoints.openai.middleware import RequestGuard, until_disconnected
@@ -48,6 +55,8 @@ from mm_serve.entrypoints.openai.serving_completion import ServingCompletion
 from mm_serve.entrypoints.openai.serving_tokenization import ServingTokenization
 from mm_serve.frontend.async_llm import AsyncLLM
 from mm_serve.frontend.engine_process import EngineProcess
+from mm_serve.frontend.exceptions import EngineDeadError
+from mm_serve.profiler import DIR_ENV as PROFILER_DIR_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +131,8 @@ def build_app(
         return await tokenization.detokenize(body)
 
     add_operational_routes(app, llm, metrics)
+    if os.environ.get(PROFILER_DIR_ENV):
+        add_profiler_routes(app, llm)
     if (config.web_dir / "index.html").is_file():
         web = StaticFiles(directory=config.web_dir, html=True)
         app.router.routes.append(_WebMount("/", app=web, name="web"))
@@ -132,6 +143,29 @@ def build_app(
         metrics=metrics,
     )
     return app
+
+
+def add_profiler_routes(app: FastAPI, llm: AsyncLLM) -> None:
+    """``POST /start_profile`` and ``/stop_profile`` (vLLM's, there only while
+    ``MM_SERVE_TORCH_PROFILER_DIR`` is set): the torch profiler in the engine's processes. A
+    start while it runs, or a stop while it does not, is a 400."""
+
+    async def call(method: Callable[[], Awaitable[None]]) -> JSONResponse:
+        try:
+            await method()
+        except EngineDeadError:
+            raise  # a 503, as for every request
+        except RuntimeError as e:
+            raise bad_request(str(e)) from e
+        return JSONResponse({"status": "ok"})
+
+    @app.post("/start_profile")
+    async def start_profile() -> JSONResponse:
+        return await call(llm.start_profile)
+
+    @app.post("/stop_profile")
+    async def stop_profile() -> JSONResponse:
+        return await call(llm.stop_profile)
 
 
 def add_operational_routes(app: FastAPI, llm: AsyncLLM, metrics: ServerMetrics) -> None:
