@@ -1,7 +1,7 @@
 """The torch profiler over a span of the engine's work, as vLLM's ``start_profile`` /
 ``stop_profile``: set ``MM_SERVE_TORCH_PROFILER_DIR`` to a folder, call ``LLM.start_profile()``,
-run requests, call ``LLM.stop_profile()``. Each process that runs the model (the engine core's,
-or each tensor-parallel worker's) and the engine core process write one Chrome trace
+run requests, call ``LLM.stop_profile()``. The engine core process (where the model runs at one
+rank by default) and each tensor-parallel worker process write one Chrome trace each
 (``.pt.trace.json.gz``) into the folder; ``chrome://tracing`` or Perfetto opens it, and
 ``python -m mm_serve.benchmarks.trace_gaps`` prints where its device idled.
 

@@ -180,11 +180,16 @@ def call(
     runner: ModelRunner, rank: int, message: WorkerCall, profiler: TorchProfiler
 ) -> WorkerResult:
     """Run one of ``CALLS`` (ValueError for another name) on the runner, or on this process's
-    ``profiler`` ("start_profile", "stop_profile"); the answer carries its int result."""
+    ``profiler`` ("start_profile", "stop_profile"); the answer carries its int result. The core
+    checked the profiler's settings first; a worker whose own differ (a Ray node's
+    environment) logs why it does not profile and goes on serving."""
     if message.method not in CALLS:
         raise ValueError(f"Unknown worker call {message.method!r}.")
     if message.method in ("start_profile", "stop_profile"):
-        profiler.start() if message.method == "start_profile" else profiler.stop()
+        try:
+            getattr(profiler, message.method.removesuffix("_profile"))()
+        except (RuntimeError, ValueError) as e:
+            logger.warning("Tensor-parallel worker %d: %s", rank, e)
         return WorkerResult(rank)
     method = getattr(runner, message.method)
     value = method(message.arg) if message.method == "initialize_kv_cache" else method()
