@@ -23,6 +23,9 @@
 # families:   bench throughput of each family's published architecture (dummy weights), 128
 #             requests x one 448x448 image + 18 words -> 128 tokens; FAMILIES=... picks some,
 #             PEER=vllm adds vLLM 0.33 side by side (installed in /tmp/vsite)
+# profile:    workload 1's engine profiled in its own processes, device activity only: warm run 3
+#             of warm_runs with output length 1 (encode and prefill steps) and 128, each read by
+#             trace_gaps (busy against idle), and the step timeline of the same runs
 # multi-gpu:  two GPUs (NCCL, NVLink multicast off): the tensor-parallel tests on CUDA; decode at
 #             batch 1 with TP=1 and TP=2; bench throughput (Qwen2-VL-7B, 256 x 448x448 image +
 #             50 tokens -> 128) at DP=1, DP=2 and TP=2; PEER=vllm adds vLLM at TP=1 and TP=2
@@ -100,6 +103,18 @@ for _ in range(300):
         bench throughput --model-arch "$arch" --num-prompts 128 --input-len 18 --output-len 128 \
           --image-size 448 448 --max-model-len 8192 --no-hf --repeats 1 "${peer[@]}" \
           --output-json "$OUT/family_$arch.json" 2>&1 | tee "$OUT/family_$arch.log" | tail -6
+      done ;;
+    profile)
+      for len in 1 128; do
+        dir="$OUT/traces$len"
+        MM_SERVE_TORCH_PROFILER_DIR="$dir" MM_SERVE_TORCH_PROFILER_ACTIVITIES=cuda \
+          MM_SERVE_STEP_TIMELINE="$OUT/timeline$len.jsonl" $PY -m mm_serve.benchmarks.warm_runs \
+          --model-arch qwen2-vl-2b --image-size 448 448 --max-model-len 4096 --runs 3 \
+          --output-len $len --profile-run 3 2>&1 | tee "$OUT/profile$len.log" | grep "^run"
+        $PY -m mm_serve.benchmarks.step_timeline "$OUT/timeline$len.jsonl" 2>&1 | tail -5
+        $PY -m mm_serve.benchmarks.trace_gaps "$dir"/*.gz 2>&1 \
+          | tee "$OUT/trace_gaps$len.log" | head -16
+        rm -rf "$dir"  # traces of tens of MB: the summaries are kept
       done ;;
     multi-gpu)
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
