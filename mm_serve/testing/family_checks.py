@@ -259,8 +259,11 @@ def assert_prefix_cache_hits(
 def record_encoded_images(llm: LLM) -> list[Any]:
     """Wrap the in-process model's ``embed_images`` (an ``LLM`` with ``multiprocess=False``,
     which CUDA does not default to): the returned list collects every image item the tower
-    encodes from then on, in order."""
-    model = llm.engine_core.model_runner.model
+    encodes from then on, in order. Raises TypeError for an engine core in its own process."""
+    runner = getattr(llm.engine_core, "model_runner", None)
+    if runner is None:
+        raise TypeError("record_encoded_images needs LLM(..., multiprocess=False).")
+    model = runner.model
     encoded: list[Any] = []
     embed_images = model.embed_images
 
