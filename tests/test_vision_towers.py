@@ -56,6 +56,7 @@ from mm_serve.encoders.clip import (  # noqa: E402
 )
 from mm_serve.encoders.qwen2_5_vl import Qwen2_5_VisionTransformer, window_index  # noqa: E402
 from mm_serve.encoders.qwen2_vl import Qwen2VisionTransformer  # noqa: E402
+from mm_serve.worker.tower_graphs import split_batch  # noqa: E402
 
 ATOL = RTOL = 1e-5
 # Grids in patches (t, h, w); Qwen2.5's window is 56 px = 2x2 merged tokens = 4x4 patches, so
@@ -151,6 +152,38 @@ def test_qwen_tower_bf16(hf_cls, ours_cls, make_config):
     out = ours(pixel_values, grid_thw)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_split_batch_chunks_runs_of_one_grid():
+    photo, wide = (1, 32, 32), (1, 52, 92)  # 1,024 and 4,784 patches
+    assert split_batch([photo] * 27, 16384) == [(0, 16, True), (16, 8, True), (24, 3, True)]
+    mixed = [photo] * 2 + [wide] * 4 + [photo]  # 4 wide images pass 16,384 patches: 3 + 1
+    assert split_batch(mixed, 16384) == [(0, 2, True), (2, 3, True), (5, 1, True), (6, 1, True)]
+    assert split_batch([wide] * 2 + [photo], 4096) == [(0, 2, False), (2, 1, True)]
+    assert split_batch([], 4096) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@QWEN_TOWERS
+@torch.inference_mode()
+def test_tower_graph_chunks_match_one_eager_forward(hf_cls, ours_cls, make_config):
+    from mm_serve.worker.tower_graphs import EncoderCudaGraphs
+
+    config = make_config()
+    _, ours = _pair(hf_cls, ours_cls, config, dtype=torch.bfloat16)
+    ours.cuda()
+    grids = [(1, 8, 8)] * 6 + [(1, 4, 6)] * 2 + [(2, 4, 4)] + [(1, 8, 8)] * 5
+    pixel_values, grid_thw = _qwen_inputs(config, grids)
+    pixel_values = pixel_values.to("cuda", torch.bfloat16)
+    expected = ours(pixel_values, grid_thw)
+    runner = EncoderCudaGraphs(ours, max_patches=4 * 64)  # chunks: 4 + 2, 2, 1, 4 + 1
+    chunks = split_batch(grids, runner.max_patches)
+    assert [count for _, count, _ in chunks] == [4, 2, 2, 1, 4, 1]
+    first = runner(pixel_values, grids)
+    second = runner(pixel_values * 0.5, grids)  # replays: the static buffers take new pixels
+    assert len(runner.graphs) == 5 and runner.num_replays == 2 * len(chunks)
+    torch.testing.assert_close(first, expected, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(second, ours(pixel_values * 0.5, grid_thw), atol=3e-2, rtol=3e-2)
 
 
 def test_window_index_matches_hf():

@@ -1,19 +1,22 @@
-"""CUDA graphs for the vision tower, one per batch of image grids.
+"""CUDA graphs for the vision tower, one per chunk of images of one grid.
 
-A tower forward over one or a few images is launch-bound: Qwen2-VL's 32 blocks launch some 400
-kernels, and on an H100 one 448x448 image took 18 ms of host time to launch 18 ms of device
-work. Everything a tower forward does on the host depends only on the images' grids
+A tower forward launches some 400 kernels (Qwen2-VL's 32 blocks): over one 448x448 image that
+took 18 ms of host time for 18 ms of device work on an H100, and over an encode step of 26
+images the host still launched barely ahead of the device, which idled between kernels
+(BENCHMARKS.md). Everything a tower forward does on the host depends only on the images' grids
 (``[t, h, w]`` in patches): the rotary tables, the attention segments, the window order. So a
-batch is keyed by its grids; the first batch of a key makes the tower's plan (``tower.plan``,
-kept for the graph's lifetime), and captures ``tower.run`` over a static pixel buffer; every
-later batch of the same key copies its pixels into that buffer and replays. A capture while
-serving costs one more tower forward and stalls nothing (``capture_graph``).
+batch goes through the graphs in chunks: each run of consecutive images of one grid is split
+into chunks of ``CHUNK_COUNTS`` images, largest first (27 photos: 16, 8, 3), of at most
+``max_patches`` patches each. The tower attends within an image, so chunks give the batch's
+result. The first chunk of a key (its grids) makes the tower's plan (``tower.plan``, kept for
+the graph's lifetime) and captures ``tower.run`` over the shared static pixel buffer; later
+chunks of the key copy their pixels in and replay. A capture while serving costs one more
+tower forward and stalls nothing (``capture_graph``).
 
-Only small batches are graphed (at most ``max_patches`` patches: large batches keep the GPU
-busy anyway) and at most ``max_graphs`` keys; the rest run eagerly. Start-up captures batches
-of one to four photo-sized images and runs 8 and 16 eagerly (``capture_photos``); other grids
-are captured the first time they come. All graphs share one memory pool; each replay's output
-is cloned before the next can overwrite it.
+At most ``max_graphs`` keys are captured; a chunk of another key, and an image over
+``max_patches`` patches, run eagerly. Start-up captures photo-sized chunks
+(``capture_photos``). All graphs share one memory pool; each replay's output is copied out
+before the next can overwrite it.
 """
 
 from __future__ import annotations
@@ -24,44 +27,63 @@ import time
 import torch
 from torch import nn
 
-from mm_serve.kernels.varlen_attention import MAX_DENSE_BATCH
 from mm_serve.worker.graph_capture import capture_graph
 
 logger = logging.getLogger(__name__)
 
 GridsKey = tuple[tuple[int, int, int], ...]
 
-# Batches up to 4 images of 448x448 (1,024 patches each) are graphed; more keep the GPU busy.
-DEFAULT_MAX_PATCHES = 4096
+# Images per graphed chunk, largest first: a run of n images of one grid takes the largest
+# that fits, then the rest (the tower's dense attention splits by powers of two alike).
+CHUNK_COUNTS = (16, 8, 4, 3, 2, 1)
+# A chunk's patches: 16 images of 448x448 (1,024 patches each).
+DEFAULT_MAX_PATCHES = 16384
 DEFAULT_MAX_GRAPHS = 32
-# Start-up captures batches of images of this side in pixels (start-up's warm-up sends them).
+# Start-up captures chunks of images of this side in pixels (start-up's warm-up sends them).
 PHOTO_SIDE = 448
 
 
+def split_batch(grids: list[tuple[int, int, int]], max_patches: int) -> list[tuple[int, int, bool]]:
+    """The chunks a batch of images of ``grids`` (``(t, h, w)`` each, in patches) runs in, in
+    order: ``(first image, number of images, graphed)``. Consecutive images of one grid are
+    taken ``CHUNK_COUNTS`` at a time, within ``max_patches``; an image over ``max_patches``
+    takes its run of same-grid images eagerly in one chunk."""
+    chunks, start = [], 0
+    while start < len(grids):
+        end = start
+        while end < len(grids) and grids[end] == grids[start]:
+            end += 1
+        t, h, w = grids[start]
+        if t * h * w > max_patches:
+            chunks.append((start, end - start, False))
+            start = end
+        while start < end:
+            count = next(
+                c for c in CHUNK_COUNTS if c <= end - start and c * t * h * w <= max_patches
+            )
+            chunks.append((start, count, True))
+            start += count
+    return chunks
+
+
 class _TowerGraph:
-    """One captured tower forward: its plan, static pixels ``[N, C*T*P*P]`` and output."""
+    """One captured tower forward over the first rows of the shared static ``pixels``: its
+    plan and its output, valid until the next replay of any graph."""
 
     def __init__(self, tower: nn.Module, grids: GridsKey, pixels: torch.Tensor, pool) -> None:
         self.plan = tower.plan([list(g) for g in grids], pixels.device)
-        self.pixels = torch.empty_like(pixels)
-        self.pixels.copy_(pixels)
-        tower.run(self.pixels, self.plan)  # warm-up: compiles kernels outside the capture
+        tower.run(pixels, self.plan)  # warm-up: compiles kernels outside the capture
         self.graph = torch.cuda.CUDAGraph()
-        self.output = capture_graph(self.graph, pool, lambda: tower.run(self.pixels, self.plan))
-
-    def replay(self, pixels: torch.Tensor) -> torch.Tensor:
-        self.pixels.copy_(pixels)
-        self.graph.replay()
-        return self.output.clone()
+        self.output = capture_graph(self.graph, pool, lambda: tower.run(pixels, self.plan))
 
 
 class EncoderCudaGraphs:
     """Runs a tower (``plan(grids, device)`` + ``run(pixels, plan)``, as the Qwen2-VL towers
-    have) through a CUDA graph per batch of grids (module doc).
+    have) through CUDA graphs, a chunk of same-grid images per replay (module doc).
 
     ``__call__(pixel_values [N, C*T*P*P], grids)`` returns what ``tower(pixel_values,
-    grid_thw)`` does, ``[N // merge**2, hidden]``; ``grids`` must describe ``pixel_values``
-    (the tower's ``check_grid``). ``num_replays`` counts replays, ``num_eager`` eager calls.
+    grid_thw)`` does, ``[N // merge**2, out]``; ``grids`` must describe ``pixel_values``
+    (the tower's ``check_grid``). ``num_replays`` counts replays, ``num_eager`` eager chunks.
     """
 
     def __init__(
@@ -75,56 +97,73 @@ class EncoderCudaGraphs:
         self.max_graphs = max_graphs
         self.graphs: dict[GridsKey, _TowerGraph] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        weight = tower.patch_embed.proj.weight  # [dim, C, T, P, P]
+        self.pixels = torch.zeros(  # every graph's input: its first rows
+            (max_patches, weight[0].numel()), dtype=weight.dtype, device=weight.device
+        )
         self.num_replays = 0
         self.num_eager = 0
 
     @torch.inference_mode()
     def __call__(self, pixel_values: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
-        key: GridsKey = tuple((int(t), int(h), int(w)) for t, h, w in grids)
+        grids = [(int(t), int(h), int(w)) for t, h, w in grids]
+        merge = self.tower.spatial_merge_size
+        patch_starts, row_starts = [0], [0]
+        for t, h, w in grids:
+            patch_starts.append(patch_starts[-1] + t * h * w)
+            row_starts.append(row_starts[-1] + t * h * w // merge**2)
+        chunks = split_batch(grids, self.max_patches)
+        out = None
+        for first, count, graphed in chunks:
+            last = first + count
+            chunk = pixel_values[patch_starts[first] : patch_starts[last]]
+            rows, replayed = self._run(chunk, tuple(grids[first:last]), graphed)
+            if len(chunks) == 1:
+                return rows.clone() if replayed else rows
+            if out is None:
+                out = rows.new_empty((row_starts[-1], rows.shape[1]))
+            out[row_starts[first] : row_starts[last]] = rows
+        return out
+
+    def _run(self, pixels: torch.Tensor, key: GridsKey, graphed: bool) -> tuple[torch.Tensor, bool]:
+        """One chunk's rows and whether a graph gave them (then valid until the next replay):
+        through its graph, captured now if new and room is left, else eagerly."""
         graph = self.graphs.get(key)
-        if graph is None and self._graphable(pixel_values):
-            graph = self._capture(key, pixel_values)
+        if graph is None and graphed and len(self.graphs) < self.max_graphs:
+            graph = self._capture(key, len(pixels))
         if graph is None:
             self.num_eager += 1
-            return self.tower.run(pixel_values, self.tower.plan(list(grids), pixel_values.device))
+            return self.tower.run(
+                pixels, self.tower.plan([list(g) for g in key], pixels.device)
+            ), False
+        self.pixels[: len(pixels)] = pixels
+        graph.graph.replay()
         self.num_replays += 1
-        return graph.replay(pixel_values)
+        return graph.output, True
 
     @torch.inference_mode()
-    def capture_photos(self, side: int = PHOTO_SIDE, max_images: int = 4) -> None:
-        """Capture batches of 1 to ``max_images`` single-frame images of ``side`` x ``side``
-        pixels (as the Qwen2-VL processors resize them: sides a multiple of patch * merge),
-        within ``max_patches``; and run the tower once on each larger power-of-two batch up to
-        ``MAX_DENSE_BATCH`` images, so that the attention plans their batches split into
-        (``varlen_attention.dense_parts``) exist before the first request."""
-        weight = self.tower.patch_embed.proj.weight  # [dim, C, T, P, P]
+    def capture_photos(self, side: int = PHOTO_SIDE) -> None:
+        """Capture chunks of each of ``CHUNK_COUNTS`` single-frame images of ``side`` x
+        ``side`` pixels (as the Qwen2-VL processors resize them: sides a multiple of patch *
+        merge) within ``max_patches``, so that photo batches replay from the first request;
+        this also builds the attention plans their chunks use."""
         merge = self.tower.spatial_merge_size
-        patches = side // (weight.shape[-1] * merge) * merge  # per side
+        patches = side // (self.tower.patch_embed.proj.weight.shape[-1] * merge) * merge
         grid = (1, patches, patches)
+        for count in CHUNK_COUNTS:
+            if count * patches**2 <= self.max_patches:
+                self._capture((grid,) * count, count * patches**2)
 
-        def zeros(count: int) -> torch.Tensor:
-            shape = (count * patches**2, weight[0].numel())
-            return torch.zeros(shape, dtype=weight.dtype, device=weight.device)
-
-        for count in range(1, max_images + 1):
-            pixels = zeros(count)
-            if self._graphable(pixels):
-                self._capture((grid,) * count, pixels)
-        for count in (2**i for i in range(MAX_DENSE_BATCH.bit_length())):
-            if count > max_images:
-                pixels = zeros(count)
-                self.tower.run(pixels, self.tower.plan([list(grid)] * count, pixels.device))
-
-    def _capture(self, key: GridsKey, pixels: torch.Tensor) -> _TowerGraph:
+    def _capture(self, key: GridsKey, num_patches: int) -> _TowerGraph:
         start = time.perf_counter()
-        graph = self.graphs[key] = _TowerGraph(self.tower, key, pixels, self.pool)
+        graph = self.graphs[key] = _TowerGraph(
+            self.tower, key, self.pixels[:num_patches], self.pool
+        )
         logger.info(
-            "Captured the vision tower for grids %s in %.0f ms (%d graphs).",
-            list(key),
+            "Captured the vision tower for %d images of grid %s in %.0f ms (%d graphs).",
+            len(key),
+            list(key[0]),
             1e3 * (time.perf_counter() - start),
             len(self.graphs),
         )
         return graph
-
-    def _graphable(self, pixel_values: torch.Tensor) -> bool:
-        return pixel_values.shape[0] <= self.max_patches and len(self.graphs) < self.max_graphs
