@@ -244,10 +244,11 @@ def paged_attention_rows(sweep: bool, copy_bw: float) -> list[dict]:
     return rows
 
 
-def workload_decode_rows(copy_bw: float) -> list[dict]:
+def workload_decode_rows(copy_bw: float, sweep: bool = False) -> list[dict]:
     """Workload 1's decode attention under a CUDA graph (``time_calls``): the Qwen2-VL-2B LM's 12
     query / 2 KV heads of 128, 256 requests of 306-434 keys (its prompts and 128 outputs), the
-    launch heuristic's config and then 1-4 KV segments."""
+    launch heuristic's config and then 1-4 KV segments; ``sweep``: a grid of tile sizes, KV
+    segments, warps and stages instead."""
     from mm_serve.kernels.triton_attention import paged_attention_triton
 
     heads, rng = (12, 2, 128), random.Random(0)
@@ -258,7 +259,14 @@ def workload_decode_rows(copy_bw: float) -> list[dict]:
     assert err < 1e-2, f"workload decode: relative error {err}"
     kv_bytes = 2 * sum(md.seq_lens_cpu) * heads[1] * heads[2] * kv.element_size()
     rows = []
-    for config in (None, *({"NUM_SEGMENTS": n} for n in (1, 2, 3, 4))):
+    configs = [{"NUM_SEGMENTS": n} for n in (1, 2, 3, 4)]
+    if sweep:
+        grid = itertools.product([32, 64, 128], [1, 2], [2, 4, 8], [2, 3, 4])
+        configs = [
+            {"TILE_N": t, "NUM_SEGMENTS": s, "num_warps": w, "num_stages": st}
+            for t, s, w, st in grid
+        ]
+    for config in (None, *configs):
         us = time_calls(lambda _, c=config: paged_attention_triton(q, kv, md, scale, config=c), 28)
         ms = us / 1e3  # 28 calls in the graph: one per layer
         rows.append({
@@ -287,7 +295,7 @@ def main(args: argparse.Namespace) -> dict:
         result["attention"] = paged_attention_rows(args.sweep, copy_bw)
         result["sdpa_prefill_ms"] = sdpa_prefill_ms([(0, 2048)] * 4, (28, 4, 128))
         result["small"] = small_kernel_rows(copy_bw)
-        result["workload_decode"] = workload_decode_rows(copy_bw)
+        result["workload_decode"] = workload_decode_rows(copy_bw, args.sweep)
     result["prefill_attention"] = prefill_rows()
     result["vision_attention"] = vision.vision_attention_rows()
     if has_dense_cudnn(torch.device("cuda")):

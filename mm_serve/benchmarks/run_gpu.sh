@@ -26,6 +26,9 @@
 # profile:    workload 1's engine profiled in its own processes, device activity only: warm run 3
 #             of warm_runs with output length 1 (encode and prefill steps) and 128, each read by
 #             trace_gaps (busy against idle), and the step timeline of the same runs
+# host-profile: py-spy (raw stacks, every thread) of the engine's processes during warm runs
+#             2-6 of workload 1 (LEN: output length, 128), and sync_points: the lines where a
+#             step makes the host wait for the device
 # multi-gpu:  two GPUs (NCCL, NVLink multicast off): the tensor-parallel tests on CUDA; decode at
 #             batch 1 with TP=1 and TP=2; bench throughput (Qwen2-VL-7B, 256 x 448x448 image +
 #             50 tokens -> 128) at DP=1, DP=2 and TP=2; PEER=vllm adds vLLM at TP=1 and TP=2
@@ -116,6 +119,16 @@ for _ in range(300):
           | tee "$OUT/trace_gaps$len.log" | head -16
         rm -rf "$dir"  # traces of tens of MB: the summaries are kept
       done ;;
+    host-profile)
+      $PY -m mm_serve.benchmarks.warm_runs --model-arch qwen2-vl-2b --image-size 448 448 \
+        --max-model-len 4096 --runs 6 --output-len "${LEN:-128}" >"$OUT/host_profile.log" 2>&1 &
+      runs=$!
+      until grep -q "^run 1" "$OUT/host_profile.log" || ! kill -0 $runs 2>/dev/null; do sleep 0.2; done
+      py-spy record --pid $runs --subprocesses --threads --rate 250 --duration 9 --format raw \
+        --output "$OUT/host_profile.txt" >/dev/null 2>&1
+      wait $runs; grep "^run" "$OUT/host_profile.log"
+      $PY -m mm_serve.benchmarks.sync_points --model-arch qwen2-vl-2b --image-size 448 448 \
+        --max-model-len 4096 2>&1 | tee "$OUT/sync_points.log" | grep -A30 synchronising ;;
     multi-gpu)
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
       MM_SERVE_TP_TEST_DEVICE=cuda $PY -m pytest -q tests/test_tensor_parallel.py 2>&1 \

@@ -9,7 +9,9 @@ engine (its own process, as ``LLM`` runs it), sends the same four warm-up reques
 prefix-cache hit), and prints each run's seconds and output tok/s. With
 ``MM_SERVE_STEP_TIMELINE=<file>`` each run's steps are recorded; ``python -m
 mm_serve.benchmarks.step_timeline <file> --run N`` shows run ``N`` (0: start-up's warm-up,
-1: the four requests, 2: the first batch). ``--profile-run N`` records run ``N`` with the torch
+1: the four requests, 2: the first batch), and each run's line adds the front end's share: the
+ms from the call to the first step and from the last step to the call's return.
+``--profile-run N`` records run ``N`` with the torch
 profiler in the engine's processes (``mm_serve.profiler``); ``python -m
 mm_serve.benchmarks.trace_gaps`` reads the traces.
 
@@ -19,11 +21,14 @@ mm_serve.benchmarks.trace_gaps`` reads the traces.
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 
 from mm_serve.benchmarks import common
 from mm_serve.benchmarks.datasets import random_image_dataset
+from mm_serve.benchmarks.step_timeline import load_runs
+from mm_serve.engine.step_timeline import ENV as TIMELINE_ENV
 
 
 def main() -> None:
@@ -59,12 +64,23 @@ def main() -> None:
                 llm.start_profile()
             start = time.perf_counter()
             llm.generate(batch, params, use_tqdm=False)
-            seconds = time.perf_counter() - start
+            end = time.perf_counter()
             if run == args.profile_run:
                 llm.stop_profile()
-            tok_s = args.num_prompts * args.output_len / seconds
-            print(f"run {run}: {seconds:.3f} s, {tok_s:,.0f} output tok/s")
+            tok_s = args.num_prompts * args.output_len / (end - start)
+            print(f"run {run}: {end - start:.3f} s, {tok_s:,.0f} output tok/s{_ends(start, end)}")
         common.shutdown(llm)
+
+
+def _ends(start: float, end: float) -> str:
+    """With a step timeline: ms from ``start`` (``time.perf_counter``, one clock for every
+    process) to the last run's first step, and from its last step to ``end``."""
+    path = os.environ.get(TIMELINE_ENV)
+    if not path:
+        return ""
+    steps = load_runs(path)[-1]
+    before, after = steps[0]["t0"] - start, end - steps[-1]["t1"]
+    return f" (front end: {before * 1e3:.1f} ms to the first step, {after * 1e3:.1f} ms after)"
 
 
 if __name__ == "__main__":
