@@ -112,3 +112,26 @@ def test_bad_input_raises_and_engine_keeps_serving(llm):
         SamplingParams(top_p=0.0)
     assert_no_kv_leak(llm)
     assert len(llm.generate("still serving", ok, use_tqdm=False)[0].outputs[0].token_ids) > 0
+
+
+def test_first_prompt_is_added_before_the_window_is_submitted(llm, monkeypatch):
+    """The engine starts on the first ready prompt: ``generate`` adds it right after its own
+    submission, not after the other prompts of the submit window; order is kept."""
+    events = []
+    submit, add = llm._submit, llm._add_request
+
+    def logged_submit(prompt):
+        events.append("submit")
+        return submit(prompt)
+
+    def logged_add(prompt, params, added):
+        events.append("add")
+        return add(prompt, params, added)
+
+    monkeypatch.setattr(llm, "_submit", logged_submit)
+    monkeypatch.setattr(llm, "_add_request", logged_add)
+    prompts = [f"prompt number {i}" for i in range(6)]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    assert events[:2] == ["submit", "add"] and events.count("add") == 6
+    assert [o.prompt for o in outputs] == prompts
+    assert_no_kv_leak(llm)
