@@ -28,7 +28,8 @@
 #             trace_gaps (busy against idle), and the step timeline of the same runs
 # host-profile: py-spy (raw stacks, every thread) of the engine's processes during warm runs
 #             2-6 of workload 1 (LEN: output length, 128), and sync_points: the lines where a
-#             step makes the host wait for the device
+#             step makes the host wait for the device. py-spy on PATH: ../shared/gpu-wheels.sh
+#             py-spy, installed with the others (--target DIR puts it in DIR/bin)
 # multi-gpu:  two GPUs (NCCL, NVLink multicast off): the tensor-parallel tests on CUDA; decode at
 #             batch 1 with TP=1 and TP=2; bench throughput (Qwen2-VL-7B, 256 x 448x448 image +
 #             50 tokens -> 128) at DP=1, DP=2 and TP=2; PEER=vllm adds vLLM at TP=1 and TP=2
