@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from mm_serve.benchmarks.architectures import architecture_names, write_architecture
-from mm_serve.benchmarks.datasets import BenchRequest
+from mm_serve.benchmarks.datasets import BenchRequest, random_image_dataset
 from mm_serve.config import EngineArgs
 
 logger = logging.getLogger(__name__)
@@ -122,6 +122,16 @@ def llm_prompts(requests: list[BenchRequest], texts: list[str]) -> list[dict[str
 def image_prompts(requests: list[BenchRequest], model_type: str) -> list[dict[str, Any] | str]:
     """``llm_prompts`` of ``requests`` with their ``prompt_texts`` for ``model_type``."""
     return llm_prompts(requests, prompt_texts(requests, model_type))
+
+
+def profile_prompts(args: argparse.Namespace, model_type: str, seed: int, count: int) -> list:
+    """``count`` image prompts of a profiling script's flags (``profile_parser``): random words
+    and noise images of ``seed``, as ``LLM.generate`` takes them."""
+    size = tuple(args.image_size)
+    requests = random_image_dataset(
+        count, args.input_len, args.output_len, size, seed=seed, num_images=args.num_images
+    )
+    return image_prompts(requests, model_type)
 
 
 def profile_parser(doc: str, output_len: int) -> argparse.ArgumentParser:

@@ -15,6 +15,7 @@ no tokenizing or image preprocessing in this process (the engine core's) shows a
 
 from __future__ import annotations
 
+import functools
 import tempfile
 import time
 
@@ -22,7 +23,6 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from mm_serve.benchmarks import common
-from mm_serve.benchmarks.datasets import random_image_dataset
 from mm_serve.benchmarks.trace_gaps import print_gaps
 
 
@@ -37,17 +37,7 @@ def main() -> None:
         llm = common.in_process_llm(args, workdir)
         model_type = llm.config.model.hf_config.model_type
 
-        def prompts(seed: int, n: int):
-            requests = random_image_dataset(
-                n,
-                args.input_len,
-                args.output_len,
-                tuple(args.image_size),
-                seed=seed,
-                num_images=args.num_images,
-            )
-            return common.image_prompts(requests, model_type)
-
+        prompts = functools.partial(common.profile_prompts, args, model_type)
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
         llm.generate(prompts(100, 8), params, use_tqdm=False)
         batch = prompts(1, args.num_prompts)

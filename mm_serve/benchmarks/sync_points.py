@@ -16,13 +16,13 @@ waits.
 from __future__ import annotations
 
 import collections
+import functools
 import tempfile
 import warnings
 
 import torch
 
 from mm_serve.benchmarks import common
-from mm_serve.benchmarks.datasets import random_image_dataset
 
 
 def main() -> None:
@@ -33,17 +33,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         llm = common.in_process_llm(args, workdir)
         model_type = llm.config.model.hf_config.model_type
-
-        def prompts(seed: int):
-            size = tuple(args.image_size)
-            requests = random_image_dataset(
-                args.num_prompts, args.input_len, args.output_len, size, seed=seed
-            )
-            return common.image_prompts(requests, model_type)
-
+        prompts = functools.partial(common.profile_prompts, args, model_type)
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-        llm.generate(prompts(2), params, use_tqdm=False)
-        batch = [llm.input_processor.process(prompt).result() for prompt in prompts(1)]
+        llm.generate(prompts(2, args.num_prompts), params, use_tqdm=False)
+        batch = [
+            llm.input_processor.process(prompt).result() for prompt in prompts(1, args.num_prompts)
+        ]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")

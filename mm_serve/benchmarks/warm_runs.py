@@ -21,12 +21,12 @@ mm_serve.benchmarks.trace_gaps`` reads the traces.
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 import time
 
 from mm_serve.benchmarks import common
-from mm_serve.benchmarks.datasets import random_image_dataset
 from mm_serve.benchmarks.step_timeline import load_runs
 from mm_serve.engine.step_timeline import ENV as TIMELINE_ENV
 
@@ -50,13 +50,7 @@ def main() -> None:
         model_type = llm.config.model.hf_config.model_type
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
 
-        def prompts(seed: int, count: int) -> list:
-            size = tuple(args.image_size)
-            requests = random_image_dataset(
-                count, args.input_len, args.output_len, size, seed=seed, num_images=args.num_images
-            )
-            return common.image_prompts(requests, model_type)
-
+        prompts = functools.partial(common.profile_prompts, args, model_type)
         llm.generate(prompts(100, 4), params, use_tqdm=False)
         for run in range(1, args.runs + 1):
             batch = prompts(run, args.num_prompts)
@@ -73,10 +67,11 @@ def main() -> None:
 
 
 def _ends(start: float, end: float) -> str:
-    """With a step timeline: ms from ``start`` (``time.perf_counter``, one clock for every
-    process) to the last run's first step, and from its last step to ``end``."""
+    """With a step timeline (recorded on CUDA only): ms from ``start`` (``time.perf_counter``,
+    one clock for every process) to the last run's first step, and from its last step to
+    ``end``."""
     path = os.environ.get(TIMELINE_ENV)
-    if not path:
+    if not path or not os.path.exists(path):
         return ""
     steps = load_runs(path)[-1]
     before, after = steps[0]["t0"] - start, end - steps[-1]["t1"]
