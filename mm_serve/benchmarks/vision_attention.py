@@ -1,6 +1,7 @@
 """The vision towers' attention on same-size images, for ``mm-serve bench kernels``: what the
 tower runs (``dispatch.varlen_attention``: cuDNN on equal segments where it is used) against
-FlashAttention-2's varlen kernel and batched SDPA (torch's choice of backend).
+FlashAttention-2's varlen kernel and batched SDPA (torch's choice of backend), and cuDNN on
+the same heads zero-padded to 96 and 128 channels (the padding done before timing).
 
 Qwen2-VL's tower (16 heads of 80, bf16) over 21 images of 448x448 (1,024 patches each, about
 one encode step of the image workload), and SigLIP-so400m's (16 heads of 72) over 16 images
@@ -55,6 +56,8 @@ def _case_rows(name: str, images: int, length: int, heads: int, head_dim: int) -
     }
     if varlen.has_dense_cudnn(device):
         methods["cuDNN dense"] = lambda: varlen.dense_attention(q, k, v, length)
+        for padded in (96, 128):
+            methods[f"cuDNN, head_dim {padded}"] = _padded_cudnn(q, k, v, length, padded)
     reference = sdpa()
     flops = 4 * images * length**2 * heads * head_dim
     rows = []
@@ -63,6 +66,24 @@ def _case_rows(name: str, images: int, length: int, heads: int, head_dim: int) -
         error = rel_err(fn(), reference)
         rows.append(dict(case=name, method=method, ms=ms, tflops=flops / ms / 1e9, rel_err=error))
     return rows
+
+
+def _padded_cudnn(q, k, v, length: int, padded: int):
+    """cuDNN's attention on ``q, k, v`` zero-padded to ``padded`` channels per head (padded
+    once, outside the timed call), scale ``head_dim ** -0.5``: the same scores and, in the
+    first ``head_dim`` channels, the same output, through cuDNN's kernel for the wider head."""
+    n, heads, head_dim = q.shape
+    views = []
+    for t in (q, k, v):
+        wide = F.pad(t, (0, padded - head_dim)).view(n // length, length, heads, padded)
+        views.append(wide.transpose(1, 2))
+    scale = head_dim**-0.5
+
+    def run():
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(*views, None, False, scale=scale)
+        return out[0].transpose(1, 2).reshape(n, heads, padded)[..., :head_dim]
+
+    return run
 
 
 def plan_cost_rows(counts=(12, 13, 26, 27), length: int = 1024) -> list[dict]:

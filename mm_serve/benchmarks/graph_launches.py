@@ -1,0 +1,174 @@
+"""How long the host spends launching work while the device is busy: is a step's host time its
+own work, or a wait for the device?
+
+A py-spy profile of the engine core counts the seconds spent inside a launch as host time. On
+CUDA a launch can block, though: past a bounded queue of pending launches, the next one waits
+for the device to drain. This script measures, on a busy device (``torch.cuda._sleep``):
+
+- ``queue``: how many eager launches are taken before one blocks; whether 400 replays of a
+  400-kernel graph block; how many eager launches are taken after three replays;
+- ``first replay``: host and device ms of a fresh graph's first three replays (the first one
+  also uploads the graph);
+- ``engine``: every CUDA graph replay during one warm ``bench throughput``-style batch (the
+  engine core in this process): host ms per replay, by caller, and how many found the device
+  still busy with earlier work (an event recorded just before the replay not yet done), and
+  the caching allocator's retries (each frees cached blocks after a synchronisation) and
+  device allocations during the batch.
+
+    python -m mm_serve.benchmarks.graph_launches --model-arch qwen2-vl-2b --image-size 448 448 \\
+        --max-model-len 4096 --output-len 128
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import statistics
+import tempfile
+import time
+import traceback
+
+import torch
+
+from mm_serve import SamplingParams
+from mm_serve.benchmarks import common
+
+BUSY_CYCLES = int(2e9)  # about a second of device time at H100/H200 clocks
+
+
+def capture(body) -> torch.cuda.CUDAGraph:
+    """A graph of ``body()``, run once eagerly first (as the engine warms up)."""
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        body()
+        with torch.cuda.graph(graph):
+            body()
+    torch.cuda.synchronize()
+    return graph
+
+
+def launches_before_block(launch, limit: int) -> int | None:
+    """On a busy device: how many ``launch()`` calls return before one takes over 2 ms."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(BUSY_CYCLES)
+    blocked = None
+    for i in range(limit):
+        start = time.perf_counter()
+        launch()
+        if blocked is None and time.perf_counter() - start > 2e-3:
+            blocked = i
+    torch.cuda.synchronize()
+    return blocked
+
+
+def queue_rows(nodes: int = 400) -> list[str]:
+    x = torch.zeros(1024, device="cuda")
+    x.add_(1)  # loads the kernel: a lazily loaded one waits for the busy device
+
+    def body():
+        for _ in range(nodes):
+            x.add_(1)
+
+    graph = capture(body)
+    graph.replay()
+
+    def eager_after_replays():
+        for _ in range(3):
+            graph.replay()
+        return launches_before_block(lambda: x.add_(1), 3000)
+
+    torch.cuda.synchronize()
+    return [
+        f"eager launches before one blocks: {launches_before_block(lambda: x.add_(1), 3000)}",
+        f"replays of a {nodes}-kernel graph before one blocks (of 400): "
+        f"{launches_before_block(graph.replay, 400)}",
+        f"eager launches before one blocks, after 3 replays: {eager_after_replays()}",
+    ]
+
+
+def first_replay_rows(matmuls: int = 20, adds: int = 20) -> list[str]:
+    """A fresh graph of ``matmuls`` bf16 2048^3 GEMMs, each followed by ``adds`` adds."""
+    x = torch.zeros(1024, device="cuda")
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+
+    def body():
+        for _ in range(matmuls):
+            a @ a
+            for _ in range(adds):
+                x.add_(1)
+
+    graph, cells = capture(body), []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        graph.replay()
+        host = time.perf_counter() - t0
+        end.record()
+        torch.cuda.synchronize()
+        cells.append(f"host {host * 1e3:.3f} / device {start.elapsed_time(end):.3f}")
+    return [f"replays 1-3 of a fresh {matmuls * (adds + 1)}-kernel graph, ms: " + "; ".join(cells)]
+
+
+def engine_rows(args) -> list[str]:
+    """Every graph replay of one warm batch of ``args``' workload, by caller."""
+    replays: dict[str, list[tuple[float, bool]]] = collections.defaultdict(list)
+    replay = torch.cuda.CUDAGraph.replay
+
+    def timed_replay(graph):
+        before = torch.cuda.Event()
+        before.record()
+        start = time.perf_counter()
+        replay(graph)
+        seconds = time.perf_counter() - start
+        caller = traceback.extract_stack(limit=2)[0]
+        replays[f"{caller.filename.rsplit('/', 1)[-1]}:{caller.name}"].append(
+            (seconds, not before.query())
+        )
+
+    with tempfile.TemporaryDirectory() as workdir:
+        llm = common.in_process_llm(args, workdir)
+        prompts = functools.partial(
+            common.profile_prompts, args, llm.config.model.hf_config.model_type
+        )
+        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        llm.generate(prompts(100, 8), params, use_tqdm=False)
+        llm.generate(prompts(2, args.num_prompts), params, use_tqdm=False)
+        batch = [llm.input_processor.process(p).result() for p in prompts(1, args.num_prompts)]
+        torch.cuda.CUDAGraph.replay = timed_replay
+        try:
+            before = torch.cuda.memory_stats()
+            start = time.perf_counter()
+            llm.generate(batch, params, use_tqdm=False)
+            wall = time.perf_counter() - start
+            after = torch.cuda.memory_stats()
+        finally:
+            torch.cuda.CUDAGraph.replay = replay
+            common.shutdown(llm)
+    allocator = {k: after[k] - before[k] for k in ("num_alloc_retries", "num_device_alloc")}
+    rows = [f"warm batch: {wall * 1e3:.0f} ms; caching allocator: {allocator}"]
+    for caller, runs in replays.items():
+        ms = [seconds * 1e3 for seconds, _ in runs]
+        num_busy = sum(busy for _, busy in runs)
+        rows.append(
+            f"{caller}: {len(ms)} replays, {sum(ms):.1f} ms in all, median "
+            f"{statistics.median(ms):.2f}, max {max(ms):.2f}; device busy at {num_busy}"
+        )
+    return rows
+
+
+def main() -> None:
+    args = common.profile_parser(__doc__, output_len=1).parse_args()
+    for title, rows in (
+        ("queue (device busy)", queue_rows()),
+        ("first replay", first_replay_rows()),
+        ("engine", engine_rows(args)),
+    ):
+        print(f"\n{title}")
+        for row in rows:
+            print(f"  {row}")
+
+
+if __name__ == "__main__":
+    main()
