@@ -6,7 +6,8 @@ CUDA a launch can block, though: past a bounded queue of pending launches, the n
 for the device to drain. This script measures, on a busy device (``torch.cuda._sleep``):
 
 - ``queue``: how many eager launches are taken before one blocks; whether 400 replays of a
-  400-kernel graph block; how many eager launches are taken after three replays;
+  400-kernel graph block; how many eager launches are taken after three replays; whether
+  replays of graphs of cuDNN attention or of a Triton kernel block;
 - ``first replay``: host and device ms of a fresh graph's first three replays (the first one
   also uploads the graph);
 - ``engine``: every CUDA graph replay during one warm ``bench throughput``-style batch (the
@@ -32,6 +33,7 @@ import torch
 
 from mm_serve import SamplingParams
 from mm_serve.benchmarks import common
+from mm_serve.kernels.triton_activation import quick_gelu_triton
 
 BUSY_CYCLES = int(2e9)  # about a second of device time at H100/H200 clocks
 
@@ -85,6 +87,27 @@ def queue_rows(nodes: int = 400) -> list[str]:
         f"{launches_before_block(graph.replay, 400)}",
         f"eager launches before one blocks, after 3 replays: {eager_after_replays()}",
     ]
+
+
+def kernel_graph_rows(calls: int = 32, replays: int = 100) -> list[str]:
+    """Replays before one blocks, on a busy device, of a graph of ``calls`` calls of the
+    kernels the tower's graphs hold and the synthetic ones do not: cuDNN's attention (16
+    images of 1,024 patches, 16 heads of 80) and a Triton kernel (QuickGELU)."""
+    q = torch.randn(16, 16, 1024, 80, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(16384, 5120, device="cuda", dtype=torch.bfloat16)
+    bodies = {
+        "cuDNN attention": lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, q, q, None, False
+        ),
+        "Triton QuickGELU": lambda: quick_gelu_triton(x),
+    }
+    rows = []
+    for name, call in bodies.items():
+        graph = capture(lambda call=call: [call() for _ in range(calls)])
+        graph.replay()
+        blocked = launches_before_block(graph.replay, replays)
+        rows.append(f"replays of a graph of {calls} {name} calls before one blocks: {blocked}")
+    return rows
 
 
 def first_replay_rows(matmuls: int = 20, adds: int = 20) -> list[str]:
@@ -161,7 +184,7 @@ def engine_rows(args) -> list[str]:
 def main() -> None:
     args = common.profile_parser(__doc__, output_len=1).parse_args()
     for title, rows in (
-        ("queue (device busy)", queue_rows()),
+        ("queue (device busy)", queue_rows() + kernel_graph_rows()),
         ("first replay", first_replay_rows()),
         ("engine", engine_rows(args)),
     ):
