@@ -65,6 +65,7 @@ def launches_before_block(launch, limit: int) -> int | None:
 
 
 def queue_rows(nodes: int = 400) -> list[str]:
+    """Eager launches and replays of a graph of ``nodes`` adds taken on a busy device."""
     x = torch.zeros(1024, device="cuda")
     x.add_(1)  # loads the kernel: a lazily loaded one waits for the busy device
 
@@ -94,7 +95,7 @@ def kernel_graph_rows(calls: int = 32, replays: int = 100) -> list[str]:
     kernels the tower's graphs hold and the synthetic ones do not: cuDNN's attention (16
     images of 1,024 patches, 16 heads of 80) and a Triton kernel (QuickGELU)."""
     q = torch.randn(16, 16, 1024, 80, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(16384, 5120, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(4096, 5120, device="cuda", dtype=torch.bfloat16)
     bodies = {
         "cuDNN attention": lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, q, q, None, False
