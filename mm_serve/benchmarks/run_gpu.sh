@@ -30,6 +30,9 @@
 #             2-6 of workload 1 (LEN: output length, 128), and sync_points: the lines where a
 #             step makes the host wait for the device. py-spy on PATH: ../shared/gpu-wheels.sh
 #             py-spy, installed with the others (--target DIR puts it in DIR/bin)
+# launches:   graph_launches (host time inside launches on a busy device, the engine's replays
+#             during a warm batch of workload 1), then warm_runs with uni, mp, uni, mp on the same
+#             machine (3 runs each): on a host whose decode steps are host-paced, does mp help?
 # multi-gpu:  two GPUs (NCCL, NVLink multicast off): the tensor-parallel tests on CUDA; decode at
 #             batch 1 with TP=1 and TP=2; bench throughput (Qwen2-VL-7B, 256 x 448x448 image +
 #             50 tokens -> 128) at DP=1, DP=2 and TP=2; PEER=vllm adds vLLM at TP=1 and TP=2
@@ -130,6 +133,14 @@ for _ in range(300):
       wait $runs; grep "^run" "$OUT/host_profile.log"
       $PY -m mm_serve.benchmarks.sync_points --model-arch qwen2-vl-2b --image-size 448 448 \
         --max-model-len 4096 2>&1 | tee "$OUT/sync_points.log" | grep -A30 synchronising ;;
+    launches)
+      $PY -m mm_serve.benchmarks.graph_launches --model-arch qwen2-vl-2b --image-size 448 448 \
+        --max-model-len 4096 --output-len 128 2>&1 | tee "$OUT/graph_launches.log" | tail -14
+      for backend in uni mp uni mp; do
+        echo "$backend: $($PY -m mm_serve.benchmarks.warm_runs --model-arch qwen2-vl-2b \
+          --image-size 448 448 --max-model-len 4096 --runs 3 --distributed-executor-backend \
+          $backend 2>&1 | grep '^run' | cut -d' ' -f3 | tr '\n' ' ')"
+      done | tee "$OUT/backends.log" ;;
     multi-gpu)
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
       MM_SERVE_TP_TEST_DEVICE=cuda $PY -m pytest -q tests/test_tensor_parallel.py 2>&1 \
