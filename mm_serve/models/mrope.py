@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from mm_serve.encoders.base import ProcessedImage
@@ -122,20 +123,23 @@ def get_mrope_input_positions(
     merge = hf_config.vision_config.spatial_merge_size
     spans = _spans(list(prompt_token_ids), items, hf_config, merge)
     num_tokens = len(prompt_token_ids)
-    positions = torch.empty(3, num_tokens, dtype=torch.int64)
+    # numpy, not torch: a prompt's table is a few small CPU arrays, built once per request on
+    # the engine's launch path, where each torch call's overhead would outweigh its work.
+    positions = np.empty((3, num_tokens), dtype=np.int64)
     next_pos, cursor = 0, 0  # next text position; first prompt index not yet filled
     for start, end, (t, h, w), interval in spans:
-        positions[:, cursor:start] = torch.arange(next_pos, next_pos + start - cursor)
+        positions[:, cursor:start] = np.arange(next_pos, next_pos + start - cursor)
         next_pos += start - cursor
-        times = torch.arange(t)
-        if interval is not None:
-            times = (times * interval).long()
-        grid = torch.meshgrid(
-            times, torch.arange(h // merge), torch.arange(w // merge), indexing="ij"
-        )
-        positions[:, start:end] = torch.stack(grid).reshape(3, -1) + next_pos
+        times = np.arange(t)
+        if interval is not None:  # float32 products truncated, as HF's tensors
+            times = (torch.arange(t) * interval).long().numpy()
+        # A view (the slice splits its contiguous last axis), filled axis by axis.
+        grid = positions[:, start:end].reshape(3, t, h // merge, w // merge)
+        grid[0] = times[:, None, None] + next_pos
+        grid[1] = np.arange(h // merge)[:, None] + next_pos
+        grid[2] = np.arange(w // merge) + next_pos
         next_pos += max(h, w) // merge
         cursor = end
-    positions[:, cursor:] = torch.arange(next_pos, next_pos + num_tokens - cursor)
+    positions[:, cursor:] = np.arange(next_pos, next_pos + num_tokens - cursor)
     delta = int(positions.max()) + 1 - num_tokens if num_tokens else 0
-    return positions, delta
+    return torch.from_numpy(positions), delta
