@@ -134,6 +134,17 @@ def profile_prompts(args: argparse.Namespace, model_type: str, seed: int, count:
     return image_prompts(requests, model_type)
 
 
+def warm_preprocessed_batch(llm: Any, args: argparse.Namespace, params: Any) -> list:
+    """For a profiling script: run ``llm`` once on ``--num-prompts`` prompts of other images
+    (seed 2), then return ``--num-prompts`` prompts of seed 1 already through the front end's
+    preprocessing (``LLM.generate`` takes them as they are), so that a timed or profiled
+    ``generate`` of them holds the engine's work alone, warm."""
+    model_type = llm.config.model.hf_config.model_type
+    llm.generate(profile_prompts(args, model_type, 2, args.num_prompts), params, use_tqdm=False)
+    batch = profile_prompts(args, model_type, 1, args.num_prompts)
+    return [llm.input_processor.process(prompt).result() for prompt in batch]
+
+
 def profile_parser(doc: str, output_len: int) -> argparse.ArgumentParser:
     """The flags of a profiling script (described by the first line of ``doc``): the model
     and image flags, ``--num-prompts`` (256), ``--input-len`` (18 random words, as

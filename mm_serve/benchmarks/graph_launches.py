@@ -23,7 +23,6 @@ for the device to drain. This script measures, on a busy device (``torch.cuda._s
 from __future__ import annotations
 
 import collections
-import functools
 import statistics
 import tempfile
 import time
@@ -153,13 +152,8 @@ def engine_rows(args) -> list[str]:
 
     with tempfile.TemporaryDirectory() as workdir:
         llm = common.in_process_llm(args, workdir)
-        prompts = functools.partial(
-            common.profile_prompts, args, llm.config.model.hf_config.model_type
-        )
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-        llm.generate(prompts(100, 8), params, use_tqdm=False)
-        llm.generate(prompts(2, args.num_prompts), params, use_tqdm=False)
-        batch = [llm.input_processor.process(p).result() for p in prompts(1, args.num_prompts)]
+        batch = common.warm_preprocessed_batch(llm, args, params)
         torch.cuda.CUDAGraph.replay = timed_replay
         try:
             before = torch.cuda.memory_stats()

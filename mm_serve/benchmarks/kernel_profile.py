@@ -40,10 +40,10 @@ def main() -> None:
         prompts = functools.partial(common.profile_prompts, args, model_type)
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
         llm.generate(prompts(100, 8), params, use_tqdm=False)
-        batch = prompts(1, args.num_prompts)
         if args.idle:
-            llm.generate(prompts(2, args.num_prompts), params, use_tqdm=False)
-            batch = [llm.input_processor.process(prompt).result() for prompt in batch]
+            batch = common.warm_preprocessed_batch(llm, args, params)
+        else:
+            batch = prompts(1, args.num_prompts)
         activities = [ProfilerActivity.CUDA] + ([] if args.idle else [ProfilerActivity.CPU])
         with profile(activities=activities) as prof:
             t0 = time.perf_counter()

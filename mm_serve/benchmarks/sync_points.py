@@ -16,7 +16,6 @@ waits.
 from __future__ import annotations
 
 import collections
-import functools
 import tempfile
 import warnings
 
@@ -32,13 +31,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as workdir:
         llm = common.in_process_llm(args, workdir)
-        model_type = llm.config.model.hf_config.model_type
-        prompts = functools.partial(common.profile_prompts, args, model_type)
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-        llm.generate(prompts(2, args.num_prompts), params, use_tqdm=False)
-        batch = [
-            llm.input_processor.process(prompt).result() for prompt in prompts(1, args.num_prompts)
-        ]
+        batch = common.warm_preprocessed_batch(llm, args, params)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
