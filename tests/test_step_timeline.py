@@ -32,6 +32,7 @@ def test_summary_splits_runs_and_classes(tmp_path):
         _step(10.106, 4, 6, 5, 1.0, 64, 64, 0),
         _step(10.112, 5, 7, 6, 0.5, 64, 64, 0),
     ]
+    second[0].update(host_allocs=2, host_alloc_us=3100)  # counters: only where they moved
     path = tmp_path / "tl.jsonl"
     lines = [*first, {"end_of_run": True}, *second, {"end_of_run": True}]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -48,4 +49,7 @@ def test_summary_splits_runs_and_classes(tmp_path):
     assert decode["device_ms_median"] == pytest.approx(5.5)
     assert decode["launch_ms_median"] == pytest.approx(4.5)
     assert decode["gap_ms_sum"] == pytest.approx(1.5)
-    assert summary["classes"]["encode"]["images_sum"] == 26
+    encode = summary["classes"]["encode"]
+    assert encode["images_sum"] == 26
+    assert (encode["host_allocs_sum"], encode["host_alloc_us_sum"]) == (2, 3100)
+    assert decode["host_allocs_sum"] == decode["alloc_retries_sum"] == 0

@@ -7,7 +7,9 @@ For the last recorded run (or ``--run N``), per class of step (encode: images go
 tower; prefill: prompt tokens, no images; decode: one token per request): the step count, the
 host's time per step (schedule to launched, and the whole ``step()``), the device span of
 ``execute_model`` and the device's idle gap before the step's kernels started. Device spans
-include the bubbles inside a step where the host launched slower than the device ran.
+include the bubbles inside a step where the host launched slower than the device ran. Each
+class also sums what its steps asked of the caching allocators (new pinned host blocks and
+their microseconds, new device segments, retries).
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ import argparse
 import json
 import statistics
 from collections import defaultdict
+
+
+# Per step, what the caching allocators did (``engine.step_timeline.allocator_counters``).
+ALLOCATOR_COUNTERS = ("host_allocs", "host_alloc_us", "device_allocs", "alloc_retries")
 
 
 def load_runs(path: str) -> list[list[dict]]:
@@ -58,6 +64,7 @@ def summarise(run: list[dict]) -> dict:
             "tokens_median": statistics.median(r["num_tokens"] for r in records),
             "reqs_median": statistics.median(r["num_reqs"] for r in records),
             "images_sum": sum(r["num_images"] for r in records),
+            **{f"{k}_sum": sum(r.get(k, 0) for r in records) for k in ALLOCATOR_COUNTERS},
         }
     return {
         "wall_ms": wall_ms,
@@ -80,13 +87,17 @@ def main() -> None:
         f"wall {summary['wall_ms']:.0f} ms, {summary['steps']} steps, device busy "
         f"{summary['device_ms_sum']:.0f} ms, idle gaps {summary['gap_ms_sum']:.0f} ms"
     )
-    header = "class steps tokens reqs images host_ms launch_ms device_ms device_sum gap_sum"
+    header = (
+        "class steps tokens reqs images host_ms launch_ms device_ms device_sum gap_sum "
+        "host_allocs host_alloc_us device_allocs alloc_retries"
+    )
     print(header)
     for name, c in sorted(summary["classes"].items()):
         print(
             f"{name} {c['steps']} {c['tokens_median']:.0f} {c['reqs_median']:.0f} "
             f"{c['images_sum']} {c['host_ms_median']:.2f} {c['launch_ms_median']:.2f} "
-            f"{c['device_ms_median']:.2f} {c['device_ms_sum']:.0f} {c['gap_ms_sum']:.0f}"
+            f"{c['device_ms_median']:.2f} {c['device_ms_sum']:.0f} {c['gap_ms_sum']:.0f} "
+            + " ".join(f"{c[k + '_sum']:.0f}" for k in ALLOCATOR_COUNTERS)
         )
     if args.steps:
         t0 = run[0]["t0"]
@@ -95,7 +106,8 @@ def main() -> None:
                 f"{(r['t0'] - t0) * 1e3:8.1f} {step_class(r):8s} tok={r.get('num_tokens')} "
                 f"reqs={r.get('num_reqs')} img={r.get('num_images')} wait={r['num_waiting']} "
                 f"host={(r['t1'] - r['t0']) * 1e3:.2f} dev={r.get('device_ms', 0):.2f} "
-                f"gap={r.get('gap_ms', 0):.2f}"
+                f"gap={r.get('gap_ms', 0):.2f} "
+                + " ".join(f"{k}={r[k]:.0f}" for k in ALLOCATOR_COUNTERS if k in r)
             )
 
 

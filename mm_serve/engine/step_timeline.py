@@ -1,8 +1,10 @@
 """A timeline of the engine core's steps, for finding where the device waits on the host.
 
 Set ``MM_SERVE_STEP_TIMELINE=<file>`` and the engine core (in whichever process it runs)
-records, for every step, host times (schedule start, launch done, step done) and two CUDA
-events around ``execute_model``; nothing is synchronised during the run. Each time the engine
+records, for every step, host times (schedule start, launch done, step done), two CUDA
+events around ``execute_model`` and what the step asked of the caching allocators (new pinned
+host blocks and the microseconds spent making them, new device segments, allocation retries:
+``allocator_counters``); nothing is synchronised during the run. Each time the engine
 runs out of requests, it waits for the device once and appends one JSON line per step to the
 file. ``benchmarks/step_timeline.py`` reads it: the gap between one step's end event and the
 next one's start event is time the device sat idle because the host had not launched it yet.
@@ -28,6 +30,21 @@ def install_from_env(engine_core: Any) -> None:
     path = os.environ.get(ENV)
     if path and engine_core.config.device.type == "cuda":
         StepTimeline(engine_core, path)
+
+
+def allocator_counters() -> dict[str, float]:
+    """Running totals of the CUDA caching allocators (torch's ``host_memory_stats`` and
+    ``memory_stats``): pinned host blocks created (``host_allocs``) and microseconds in those
+    CUDA calls (``host_alloc_us``), device segments created (``device_allocs``) and failed
+    allocations retried after freeing the cache (``alloc_retries``)."""
+    host = torch.cuda.host_memory_stats_as_nested_dict()
+    device = torch.cuda.memory_stats_as_nested_dict()
+    return {
+        "host_allocs": host.get("num_host_alloc", 0),
+        "host_alloc_us": host.get("host_alloc_time", {}).get("total", 0),
+        "device_allocs": device.get("num_device_alloc", 0),
+        "alloc_retries": device.get("num_alloc_retries", 0),
+    }
 
 
 class StepTimeline:
@@ -62,9 +79,12 @@ class StepTimeline:
 
     def step(self):
         waiting = len(self.engine_core.scheduler.waiting)
+        before = allocator_counters()
         self.records.append({"t0": time.perf_counter(), "num_waiting": waiting})
         outputs = self._step()
         self.records[-1]["t1"] = time.perf_counter()
+        after = allocator_counters()
+        self.records[-1].update({k: after[k] - before[k] for k in after if after[k] != before[k]})
         if not self.engine_core.has_unfinished_requests():
             self.flush()
         return outputs
