@@ -19,7 +19,6 @@ import json
 import statistics
 from collections import defaultdict
 
-
 # Per step, what the caching allocators did (``engine.step_timeline.allocator_counters``).
 ALLOCATOR_COUNTERS = ("host_allocs", "host_alloc_us", "device_allocs", "alloc_retries")
 
