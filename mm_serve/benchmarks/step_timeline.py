@@ -8,8 +8,8 @@ tower; prefill: prompt tokens, no images; decode: one token per request): the st
 host's time per step (schedule to launched, and the whole ``step()``), the device span of
 ``execute_model`` and the device's idle gap before the step's kernels started. Device spans
 include the bubbles inside a step where the host launched slower than the device ran. Each
-class also sums what its steps asked of the caching allocators (new pinned host blocks and
-their microseconds, new device segments, retries).
+class also sums its steps' counters: the caching allocators' new blocks and retries, the
+engine thread's CPU time and page faults, garbage collections.
 """
 
 from __future__ import annotations
@@ -19,8 +19,12 @@ import json
 import statistics
 from collections import defaultdict
 
-# Per step, what the caching allocators did (``engine.step_timeline.allocator_counters``).
-ALLOCATOR_COUNTERS = ("host_allocs", "host_alloc_us", "device_allocs", "alloc_retries")
+# Per step (``engine.step_timeline.step_counters``): the caching allocators' new blocks and
+# retries, the engine thread's CPU time and page faults, garbage collections.
+COUNTERS = (
+    "host_allocs", "host_alloc_us", "device_allocs", "alloc_retries", "cpu_us", "page_faults",
+    "gc_runs",
+)  # fmt: skip
 
 
 def load_runs(path: str) -> list[list[dict]]:
@@ -63,7 +67,7 @@ def summarise(run: list[dict]) -> dict:
             "tokens_median": statistics.median(r["num_tokens"] for r in records),
             "reqs_median": statistics.median(r["num_reqs"] for r in records),
             "images_sum": sum(r["num_images"] for r in records),
-            **{f"{k}_sum": sum(r.get(k, 0) for r in records) for k in ALLOCATOR_COUNTERS},
+            **{f"{k}_sum": sum(r.get(k, 0) for r in records) for k in COUNTERS},
         }
     return {
         "wall_ms": wall_ms,
@@ -88,7 +92,7 @@ def main() -> None:
     )
     header = (
         "class steps tokens reqs images host_ms launch_ms device_ms device_sum gap_sum "
-        "host_allocs host_alloc_us device_allocs alloc_retries"
+        + " ".join(COUNTERS)
     )
     print(header)
     for name, c in sorted(summary["classes"].items()):
@@ -96,7 +100,7 @@ def main() -> None:
             f"{name} {c['steps']} {c['tokens_median']:.0f} {c['reqs_median']:.0f} "
             f"{c['images_sum']} {c['host_ms_median']:.2f} {c['launch_ms_median']:.2f} "
             f"{c['device_ms_median']:.2f} {c['device_ms_sum']:.0f} {c['gap_ms_sum']:.0f} "
-            + " ".join(f"{c[k + '_sum']:.0f}" for k in ALLOCATOR_COUNTERS)
+            + " ".join(f"{c[k + '_sum']:.0f}" for k in COUNTERS)
         )
     if args.steps:
         t0 = run[0]["t0"]
@@ -106,7 +110,7 @@ def main() -> None:
                 f"reqs={r.get('num_reqs')} img={r.get('num_images')} wait={r['num_waiting']} "
                 f"host={(r['t1'] - r['t0']) * 1e3:.2f} dev={r.get('device_ms', 0):.2f} "
                 f"gap={r.get('gap_ms', 0):.2f} "
-                + " ".join(f"{k}={r[k]:.0f}" for k in ALLOCATOR_COUNTERS if k in r)
+                + " ".join(f"{k}={r[k]:.0f}" for k in COUNTERS if k in r)
             )
 
 

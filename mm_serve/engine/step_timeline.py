@@ -2,9 +2,9 @@
 
 Set ``MM_SERVE_STEP_TIMELINE=<file>`` and the engine core (in whichever process it runs)
 records, for every step, host times (schedule start, launch done, step done), two CUDA
-events around ``execute_model`` and what the step asked of the caching allocators (new pinned
-host blocks and the microseconds spent making them, new device segments, allocation retries:
-``allocator_counters``); nothing is synchronised during the run. Each time the engine
+events around ``execute_model``, and counters of what the step's host time went to (the caching
+allocators' new blocks, the thread's CPU time and page faults, garbage collections:
+``step_counters``); nothing is synchronised during the run. Each time the engine
 runs out of requests, it waits for the device once and appends one JSON line per step to the
 file. ``benchmarks/step_timeline.py`` reads it: the gap between one step's end event and the
 next one's start event is time the device sat idle because the host had not launched it yet.
@@ -14,8 +14,10 @@ events time nothing on this process's stream: only the host times hold.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import resource
 import time
 from typing import Any
 
@@ -32,11 +34,13 @@ def install_from_env(engine_core: Any) -> None:
         StepTimeline(engine_core, path)
 
 
-def allocator_counters() -> dict[str, float]:
-    """Running totals of the CUDA caching allocators (torch's ``host_memory_stats`` and
-    ``memory_stats``): pinned host blocks created (``host_allocs``) and microseconds in those
-    CUDA calls (``host_alloc_us``), device segments created (``device_allocs``) and failed
-    allocations retried after freeing the cache (``alloc_retries``)."""
+def step_counters() -> dict[str, float]:
+    """Running totals behind a step's host time: the CUDA caching allocators' (torch's
+    ``host_memory_stats`` and ``memory_stats``) pinned host blocks created (``host_allocs``)
+    and microseconds in those CUDA calls (``host_alloc_us``), device segments created
+    (``device_allocs``) and allocations retried after freeing the cache (``alloc_retries``);
+    this thread's CPU time (``cpu_us``, user and system) and minor page faults
+    (``page_faults``); the garbage collector's runs (``gc_runs``, all generations)."""
     host = torch.cuda.host_memory_stats_as_nested_dict()
     device = torch.cuda.memory_stats_as_nested_dict()
     return {
@@ -44,6 +48,9 @@ def allocator_counters() -> dict[str, float]:
         "host_alloc_us": host.get("host_alloc_time", {}).get("total", 0),
         "device_allocs": device.get("num_device_alloc", 0),
         "alloc_retries": device.get("num_alloc_retries", 0),
+        "cpu_us": time.thread_time_ns() // 1000,
+        "page_faults": resource.getrusage(resource.RUSAGE_THREAD).ru_minflt,
+        "gc_runs": sum(generation["collections"] for generation in gc.get_stats()),
     }
 
 
@@ -79,11 +86,11 @@ class StepTimeline:
 
     def step(self):
         waiting = len(self.engine_core.scheduler.waiting)
-        before = allocator_counters()
+        before = step_counters()
         self.records.append({"t0": time.perf_counter(), "num_waiting": waiting})
         outputs = self._step()
         self.records[-1]["t1"] = time.perf_counter()
-        after = allocator_counters()
+        after = step_counters()
         self.records[-1].update({k: after[k] - before[k] for k in after if after[k] != before[k]})
         if not self.engine_core.has_unfinished_requests():
             self.flush()
