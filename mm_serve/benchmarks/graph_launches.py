@@ -7,7 +7,9 @@ for the device to drain. This script measures, on a busy device (``torch.cuda._s
 
 - ``queue``: how many eager launches are taken before one blocks; whether 400 replays of a
   400-kernel graph block; how many eager launches are taken after three replays; whether
-  replays of graphs of cuDNN attention or of a Triton kernel block;
+  replays of graphs of cuDNN attention or of a Triton kernel block; whether pinned host
+  memory (a new block of the caching host allocator, a cached one, a new one copied to the
+  device) waits for the device;
 - ``first replay``: host and device ms of a fresh graph's first three replays (the first one
   also uploads the graph);
 - ``engine``: every CUDA graph replay during one warm ``bench throughput``-style batch (the
@@ -110,6 +112,32 @@ def kernel_graph_rows(calls: int = 32, replays: int = 100) -> list[str]:
     return rows
 
 
+def pinned_rows(size: int = 15 << 20) -> list[str]:
+    """Host ms of pinned host memory on a busy device: a block the caching host allocator must
+    create (``cudaHostAlloc``), the same size again once that block is free, and a fresh
+    block's non-blocking copy to the device (the engine's staging of a step's pixels)."""
+
+    def on_busy_device(body) -> float:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(BUSY_CYCLES)
+        start = time.perf_counter()
+        body()
+        seconds = time.perf_counter() - start
+        torch.cuda.synchronize()
+        return seconds * 1e3
+
+    def new_block(size: int) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+
+    fresh = on_busy_device(lambda: new_block(size))  # the allocator has no block of this size
+    cached = on_busy_device(lambda: new_block(size))  # the first one, freed and idle
+    copied = on_busy_device(lambda: new_block(2 * size).to("cuda", non_blocking=True))
+    return [
+        f"a new {size >> 20} MiB pinned block: {fresh:.2f} ms; the cached one: {cached:.3f} ms; "
+        f"a new {2 * size >> 20} MiB block and its copy to the device: {copied:.2f} ms"
+    ]
+
+
 def first_replay_rows(matmuls: int = 20, adds: int = 20) -> list[str]:
     """A fresh graph of ``matmuls`` bf16 2048^3 GEMMs, each followed by ``adds`` adds."""
     x = torch.zeros(1024, device="cuda")
@@ -179,7 +207,7 @@ def engine_rows(args) -> list[str]:
 def main() -> None:
     args = common.profile_parser(__doc__, output_len=1).parse_args()
     for title, rows in (
-        ("queue (device busy)", queue_rows() + kernel_graph_rows()),
+        ("queue (device busy)", queue_rows() + kernel_graph_rows() + pinned_rows()),
         ("first replay", first_replay_rows()),
         ("engine", engine_rows(args)),
     ):
