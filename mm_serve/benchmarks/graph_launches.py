@@ -7,7 +7,8 @@ for the device to drain. This script measures, on a busy device (``torch.cuda._s
 
 - ``queue``: how many eager launches are taken before one blocks; whether 400 replays of a
   400-kernel graph block; how many eager launches are taken after three replays; whether
-  replays of graphs of cuDNN attention or of a Triton kernel block; whether pinned host
+  replays of graphs of cuDNN attention or of a Triton kernel block, and of one cuDNN call
+  among 400 adds; whether pinned host
   memory (a new block of the caching host allocator, a cached one, a new one copied to the
   device) waits for the device;
 - ``first replay``: host and device ms of a fresh graph's first three replays (the first one
@@ -142,6 +143,27 @@ def pinned_rows(size: int = 15 << 20) -> list[str]:
     return [
         f"a new {size >> 20} MiB pinned block: {fresh:.2f} ms; the cached one: {cached:.3f} ms; "
         f"a new {2 * size >> 20} MiB block and its copy to the device: {copied:.2f} ms"
+    ]
+
+
+def mixed_graph_rows(adds: int = 400, replays: int = 100) -> list[str]:
+    """Replays before one blocks, on a busy device, of a graph of one cuDNN attention call
+    among ``adds`` adds (as a tower graph holds one per block among its other kernels): do
+    only the cuDNN nodes take places in the launch queue, or every node of such a graph?"""
+    q = torch.randn(16, 16, 1024, 80, device="cuda", dtype=torch.bfloat16)
+    x = torch.zeros(1024, device="cuda")
+
+    def body():
+        for i in range(adds):
+            x.add_(1)
+            if i == adds // 2:
+                torch.ops.aten._scaled_dot_product_cudnn_attention(q, q, q, None, False)
+
+    graph = capture(body)
+    graph.replay()
+    blocked = launches_before_block(graph.replay, replays)
+    return [
+        f"replays of a graph of 1 cuDNN attention call and {adds} adds before one blocks: {blocked}"
     ]
 
 
