@@ -8,9 +8,8 @@ for the device to drain. This script measures, on a busy device (``torch.cuda._s
 - ``queue``: how many eager launches are taken before one blocks; whether 400 replays of a
   400-kernel graph block; how many eager launches are taken after three replays; whether
   replays of graphs of cuDNN attention or of a Triton kernel block, and of one cuDNN call
-  among 400 adds; whether pinned host
-  memory (a new block of the caching host allocator, a cached one, a new one copied to the
-  device) waits for the device;
+  among 400 adds; whether pinned host memory (a new block of the caching host allocator, a
+  cached one, a new one copied to the device) waits for the device;
 - ``first replay``: host and device ms of a fresh graph's first three replays (the first one
   also uploads the graph);
 - ``engine``: every CUDA graph replay during one warm ``bench throughput``-style batch (the
@@ -238,7 +237,11 @@ def main() -> None:
     for title, rows in (
         (
             "queue (device busy)",
-            queue_rows() + kernel_graph_rows() + kernel_graph_rows(warm=50) + pinned_rows(),
+            queue_rows()
+            + kernel_graph_rows()
+            + kernel_graph_rows(warm=50)
+            + mixed_graph_rows()
+            + pinned_rows(),
         ),
         ("first replay", first_replay_rows()),
         ("engine", engine_rows(args)),
