@@ -168,12 +168,17 @@ class EngineCoreProc:
             self.output_queue.put(EngineFailed(message, traceback.format_exc(), during_startup))
             exit_code = 1
         finally:  # also on SystemExit (SIGTERM)
+            stopping = time.monotonic()
             self.stopping.set()
             self.output_queue.put(_SHUTDOWN)
             for thread in threads:
                 thread.join(timeout=5)
             self.output_socket.close(linger=2000)  # let the last outputs reach the front end
             self.ctx.term()
+            logger.info(
+                "The engine core stopped its threads and sockets in %.2f s",
+                time.monotonic() - stopping,
+            )
         return exit_code
 
     def _start_engine(self, config: EngineConfig) -> None:
