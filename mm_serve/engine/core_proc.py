@@ -51,6 +51,11 @@ from mm_serve.worker.worker import limit_cpu_threads
 logger = logging.getLogger(__name__)
 
 _SHUTDOWN = object()  # input/output queue marker: stop the loop / the output thread
+# How long the idle main thread waits on the input queue before it looks again. Python runs a
+# signal's handler in the main thread only, and a wait without a timeout is not woken when the
+# kernel delivers the signal to another thread (on CUDA the driver's threads are many): the
+# front end's SIGTERM would then go unanswered until its SIGKILL.
+IDLE_WAKEUP_S = 0.1
 
 
 def run_engine_core(
@@ -219,9 +224,10 @@ class EngineCoreProc:
                     self.output_queue.put(message)
 
     def _process_input_queue(self, block: bool) -> bool:
-        """Handle every queued input (waiting for one if ``block``); False on shutdown."""
+        """Handle every queued input (waiting up to ``IDLE_WAKEUP_S`` for one if ``block``);
+        False on shutdown."""
         try:
-            item = self.input_queue.get(block=block)
+            item = self.input_queue.get(block=block, timeout=IDLE_WAKEUP_S if block else None)
             while True:
                 if item is _SHUTDOWN:
                     return False
