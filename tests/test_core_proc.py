@@ -367,3 +367,43 @@ def test_engine_exits_when_its_parent_dies(llama_path, tmp_path):
         time.sleep(0.05)
     assert process_gone(int(pid))
     assert not os.path.exists(os.path.dirname(ipc_path))  # removed by the orphan itself
+
+
+SIGTERM_SCRIPT = """
+import signal, sys, threading, time
+from mm_serve.engine import core_proc
+
+class Idle:  # an engine core with nothing to do: the loop waits on its input queue
+    def has_unfinished_requests(self):
+        return False
+
+if __name__ == "__main__":
+    proc = core_proc.EngineCoreProc(f"ipc://{sys.argv[1]}/in", f"ipc://{sys.argv[1]}/out", None)
+    proc.engine_core = Idle()
+    signal.signal(signal.SIGTERM, core_proc._raise_system_exit)
+    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # may take the signal
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # as a library may leave it
+    print("idle", flush=True)
+    proc.run_busy_loop()
+"""
+
+
+def test_idle_engine_core_answers_sigterm_taken_by_another_thread(tmp_path):
+    """SIGTERM that the kernel hands to another thread (the main thread masks it here; on
+    CUDA the driver's threads are many) still stops an idle engine core: its main thread
+    wakes to run the handler (``core_proc.IDLE_WAKEUP_S``) instead of waiting for ever."""
+    script = tmp_path / "idle.py"
+    script.write_text(SIGTERM_SCRIPT)
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline().strip() == "idle"
+        time.sleep(0.5)  # in its wait
+        start = time.monotonic()
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=5) == 128 + signal.SIGTERM
+        assert time.monotonic() - start < 2.0
+    finally:
+        child.kill()
+        child.wait()
