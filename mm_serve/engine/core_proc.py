@@ -6,7 +6,8 @@ Three threads:
   stay in their ZeroMQ frames) and puts them on ``input_queue``; it also watches the parent
   and ends the process when the parent is gone, so no orphan is left.
 - main thread (``run_busy_loop``): drains ``input_queue`` (add / abort / utility), runs
-  ``EngineCore.step()`` while requests remain, and blocks on the queue when idle.
+  ``EngineCore.step()`` while requests remain, and waits on the queue when idle
+  (waking every ``IDLE_WAKEUP_S`` so that a signal is handled).
 - output thread: encodes ``EngineCoreOutputs`` and sends them, overlapping the next step.
 
 The front end binds both ipc sockets and owns their files; this process connects.
@@ -208,7 +209,7 @@ class EngineCoreProc:
         self.output_queue.put(ready)
 
     def run_busy_loop(self) -> None:
-        """Drain the inputs, step while there is work, block on the input queue when idle.
+        """Drain the inputs, step while there is work, wait on the input queue when idle.
 
         Returns when the input thread reports the parent gone; raises whatever ``step()``
         raises (a bug, fatal to the engine).
