@@ -1,5 +1,6 @@
 """The engine core in its own process: same outputs as in-process, errors per request, abort,
-death detection, clean shutdown, and a wire of msgpack bodies plus raw tensor frames.
+death detection, clean shutdown, and a wire of msgpack bodies plus raw tensor frames (its life
+outside serving: ``test_core_proc_lifetime.py``).
 
 One engine process (a tiny Qwen2-VL) is shared by the module; tests that kill or fail an
 engine start their own.
@@ -8,14 +9,8 @@ engine start their own.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import glob
-import multiprocessing
 import os
 import signal
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,9 +23,8 @@ from PIL import Image
 from mm_serve import LLM, SamplingParams
 from mm_serve.config import EngineArgs
 from mm_serve.encoders.base import ProcessedImage
-from mm_serve.frontend.async_llm import AsyncLLM
-from mm_serve.frontend.core_client import AsyncEngineCoreClient, EngineCoreClient
-from mm_serve.frontend.exceptions import EngineDeadError, EngineRequestError, EngineStartupError
+from mm_serve.frontend.core_client import AsyncEngineCoreClient
+from mm_serve.frontend.exceptions import EngineDeadError, EngineRequestError
 from mm_serve.messages import (
     EngineCoreOutputs,
     InputCodec,
@@ -39,9 +33,9 @@ from mm_serve.messages import (
     RequestDecodeError,
 )
 from mm_serve.outputs import EngineCoreOutput
-from mm_serve.parallel_config import ParallelConfig
 from mm_serve.request import MultiModalFeature, PlaceholderRange, Request
 from mm_serve.stats import EngineStats
+from mm_serve.testing.leaks import shut_down_and_check
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 ENGINE_ARGS = {"num_kv_blocks": 128, "max_model_len": 512}
@@ -76,26 +70,6 @@ def client(vlm_path):
     client = AsyncEngineCoreClient(EngineArgs(model=vlm_path, **ENGINE_ARGS).create_engine_config())
     yield client
     shut_down_and_check(client)
-
-
-def shut_down_and_check(client) -> None:
-    """After shutdown (twice: idempotent): the process is reaped, the ipc files are gone."""
-    pid = client.pid
-    client.shutdown()
-    client.shutdown()  # idempotent
-    assert process_gone(pid)
-    assert not any(os.path.exists(p) for p in client.ipc_paths)
-    assert not os.path.exists(os.path.dirname(client.ipc_paths[0]))
-    assert client.is_dead
-
-
-def process_gone(pid: int) -> bool:
-    """No such process, or a zombie nobody reaps yet (its parent is gone too)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
 
 
 def make_requests(llm: LLM, prompts: list, params: SamplingParams, prefix: str) -> list[Request]:
@@ -299,111 +273,3 @@ def test_killed_engine_fails_in_flight_requests(vlm_path, llm):
     with pytest.raises(EngineDeadError):
         asyncio.run(client.get_stats())
     shut_down_and_check(client)
-
-
-def test_startup_error_is_raised_and_leaves_nothing(vlm_path):
-    pattern = os.path.join(tempfile.gettempdir(), "mm_serve-*")
-    before = set(glob.glob(pattern))
-    children = set(multiprocessing.active_children())
-    config = EngineArgs(model=vlm_path).create_engine_config()
-    config = dataclasses.replace(config, parallel=ParallelConfig(tensor_parallel_size=3))
-    with pytest.raises(EngineStartupError, match="tensor_parallel_size"):
-        EngineCoreClient(config)
-    assert set(glob.glob(pattern)) <= before
-    assert set(multiprocessing.active_children()) <= children
-
-
-def test_engine_core_started_before_its_config_exits_without_one(vlm_path):
-    """The client starts the process first (it imports while the front end resolves the
-    config): if the front end fails before sending one, the process exits by itself, and a
-    client shut down then leaves nothing."""
-    pattern = os.path.join(tempfile.gettempdir(), "mm_serve-*")
-    before = set(glob.glob(pattern))
-    children = set(multiprocessing.active_children())
-    client = EngineCoreClient()
-    assert client.engine_info is None and client._proc.is_alive()
-    client._process.config_writer.close()  # what a front end that failed does
-    client._proc.join(timeout=120)
-    assert client._proc.exitcode == 0
-    client.shutdown()
-    assert set(glob.glob(pattern)) <= before
-    assert set(multiprocessing.active_children()) <= children
-
-    client = EngineCoreClient()  # started, then given its config
-    client.start(EngineArgs(model=vlm_path, num_kv_blocks=16).create_engine_config())
-    assert client.engine_info.num_kv_blocks == 16
-    shut_down_and_check(client)
-
-
-def test_async_llm_failing_before_its_config_leaves_nothing(tmp_path):
-    children = set(multiprocessing.active_children())
-    with pytest.raises((ValueError, OSError)):
-        AsyncLLM(EngineArgs(model=str(tmp_path / "no-such-model")))
-    assert set(multiprocessing.active_children()) <= children
-
-
-ORPHAN_SCRIPT = """
-import os, sys
-from mm_serve.config import EngineArgs
-from mm_serve.frontend.core_client import EngineCoreClient
-if __name__ == "__main__":
-    config = EngineArgs(model=sys.argv[1], num_kv_blocks=16).create_engine_config()
-    client = EngineCoreClient(config)
-    print(client.pid, client.ipc_paths[0], flush=True)
-    os._exit(0)  # a crash: no shutdown, no exit handlers
-"""
-
-
-def test_engine_exits_when_its_parent_dies(llama_path, tmp_path):
-    script = tmp_path / "orphan.py"
-    script.write_text(ORPHAN_SCRIPT)
-    out = subprocess.run(
-        [sys.executable, str(script), llama_path], capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    pid, ipc_path = out.stdout.split()
-    deadline = time.monotonic() + 5.0
-    while not process_gone(int(pid)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert process_gone(int(pid))
-    assert not os.path.exists(os.path.dirname(ipc_path))  # removed by the orphan itself
-
-
-SIGTERM_SCRIPT = """
-import signal, sys, threading, time
-from mm_serve.engine import core_proc
-
-class Idle:  # an engine core with nothing to do: the loop waits on its input queue
-    def has_unfinished_requests(self):
-        return False
-
-if __name__ == "__main__":
-    proc = core_proc.EngineCoreProc(f"ipc://{sys.argv[1]}/in", f"ipc://{sys.argv[1]}/out", None)
-    proc.engine_core = Idle()
-    signal.signal(signal.SIGTERM, core_proc._raise_system_exit)
-    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # may take the signal
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # as a library may leave it
-    print("idle", flush=True)
-    proc.run_busy_loop()
-"""
-
-
-def test_idle_engine_core_answers_sigterm_taken_by_another_thread(tmp_path):
-    """SIGTERM that the kernel hands to another thread (the main thread masks it here; on
-    CUDA the driver's threads are many) still stops an idle engine core: its main thread
-    wakes to run the handler (``core_proc.IDLE_WAKEUP_S``) instead of waiting for ever."""
-    script = tmp_path / "idle.py"
-    script.write_text(SIGTERM_SCRIPT)
-    child = subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert child.stdout.readline().strip() == "idle"
-        time.sleep(0.5)  # in its wait
-        start = time.monotonic()
-        child.send_signal(signal.SIGTERM)
-        assert child.wait(timeout=5) == 128 + signal.SIGTERM
-        assert time.monotonic() - start < 2.0
-    finally:
-        child.kill()
-        child.wait()

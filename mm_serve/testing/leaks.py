@@ -1,7 +1,9 @@
-"""Leak checks the tests run after every engine test: nothing held once all requests are done."""
+"""Leak checks the tests run after every engine test: nothing held once all requests are done,
+and nothing left behind once an engine core process is shut down."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from mm_serve.engine.core import EngineCore
@@ -43,3 +45,28 @@ def assert_llm_idle(llm: Any) -> None:
     stats = llm.get_stats()
     assert stats.num_running_reqs == stats.num_waiting_reqs == 0, stats
     assert stats.kv_cache_usage == 0 and stats.encoder_cache_usage == 0, stats
+
+
+def process_gone(pid: int) -> bool:
+    """No such process, or a zombie nobody reaps yet (its parent is gone too)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def shut_down_and_check(client: Any) -> None:
+    """Shut an engine core client down twice (it is idempotent), then assert that the process
+    is reaped, its ipc files and folder are gone and the client says it is dead.
+
+    Raises:
+        AssertionError: on any of those.
+    """
+    pid = client.pid
+    client.shutdown()
+    client.shutdown()
+    assert process_gone(pid)
+    assert not any(os.path.exists(p) for p in client.ipc_paths)
+    assert not os.path.exists(os.path.dirname(client.ipc_paths[0]))
+    assert client.is_dead
