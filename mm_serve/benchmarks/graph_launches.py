@@ -29,6 +29,7 @@ import statistics
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 
 import torch
 
@@ -51,10 +52,22 @@ def capture(body) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def launches_before_block(launch, limit: int) -> int | None:
-    """On a busy device: how many ``launch()`` calls return before one takes over 2 ms."""
+def busy_device() -> None:
+    """Wait for the device, then keep it busy for about a second (a sleep kernel)."""
     torch.cuda.synchronize()
     torch.cuda._sleep(BUSY_CYCLES)
+
+
+def cudnn_attention() -> Callable[[], torch.Tensor]:
+    """One cuDNN attention call on the tower's photo-chunk shape (16 images of 1,024 patches,
+    16 heads of 80, bf16), as a function to call or capture."""
+    q = torch.randn(16, 16, 1024, 80, device="cuda", dtype=torch.bfloat16)
+    return lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(q, q, q, None, False)
+
+
+def launches_before_block(launch, limit: int) -> int | None:
+    """On a busy device: how many ``launch()`` calls return before one takes over 2 ms."""
+    busy_device()
     blocked = None
     for i in range(limit):
         start = time.perf_counter()
@@ -97,12 +110,9 @@ def kernel_graph_rows(calls: int = 32, replays: int = 100, warm: int = 1) -> lis
     images of 1,024 patches, 16 heads of 80) and a Triton kernel (QuickGELU), each graph
     first replayed ``warm`` times on an idle device (does a graph launch differently once it
     has run many times, as the engine's have by a later batch?)."""
-    q = torch.randn(16, 16, 1024, 80, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(4096, 5120, device="cuda", dtype=torch.bfloat16)
     bodies = {
-        "cuDNN attention": lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, q, q, None, False
-        ),
+        "cuDNN attention": cudnn_attention(),
         "Triton QuickGELU": lambda: quick_gelu_triton(x),
     }
     rows = []
@@ -125,8 +135,7 @@ def pinned_rows(size: int = 15 << 20) -> list[str]:
     block's non-blocking copy to the device (the engine's staging of a step's pixels)."""
 
     def on_busy_device(body) -> float:
-        torch.cuda.synchronize()
-        torch.cuda._sleep(BUSY_CYCLES)
+        busy_device()
         start = time.perf_counter()
         body()
         seconds = time.perf_counter() - start
@@ -149,14 +158,13 @@ def mixed_graph_rows(adds: int = 400, replays: int = 100) -> list[str]:
     """Replays before one blocks, on a busy device, of a graph of one cuDNN attention call
     among ``adds`` adds (as a tower graph holds one per block among its other kernels): do
     only the cuDNN nodes take places in the launch queue, or every node of such a graph?"""
-    q = torch.randn(16, 16, 1024, 80, device="cuda", dtype=torch.bfloat16)
-    x = torch.zeros(1024, device="cuda")
+    attention, x = cudnn_attention(), torch.zeros(1024, device="cuda")
 
     def body():
         for i in range(adds):
             x.add_(1)
             if i == adds // 2:
-                torch.ops.aten._scaled_dot_product_cudnn_attention(q, q, q, None, False)
+                attention()
 
     graph = capture(body)
     graph.replay()
