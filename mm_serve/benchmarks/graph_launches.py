@@ -35,7 +35,10 @@ import torch
 
 from mm_serve import SamplingParams
 from mm_serve.benchmarks import common
-from mm_serve.kernels.triton_activation import quick_gelu_triton
+from mm_serve.config import KernelConfig
+from mm_serve.kernels.dispatch import configure_kernels
+from mm_serve.kernels.triton_activation import quick_gelu_triton, silu_and_mul_triton
+from mm_serve.kernels.triton_segment_attention import segment_attention_triton
 
 BUSY_CYCLES = int(2e9)  # about a second of device time at H100/H200 clocks
 
@@ -104,6 +107,29 @@ def queue_rows(nodes: int = 400) -> list[str]:
     ]
 
 
+def eager_kernel_rows(limit: int = 3000) -> list[str]:
+    """Eager launches taken on a busy device before one blocks, per kind of kernel an encode
+    step's LM launches eagerly: a cuBLAS GEMM, a Triton kernel with and without programmatic
+    dependent launch (``kernels.pdl``), and an add (one place each: 1,021)."""
+    x = torch.randn(256, 2560, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2560, 2560, device="cuda", dtype=torch.bfloat16)
+    calls = {
+        "cuBLAS GEMM": lambda: x @ w.T,
+        "Triton SiLU-and-mul, PDL": lambda: silu_and_mul_triton(x),
+        "Triton SiLU-and-mul, no PDL": lambda: silu_and_mul_triton(x),
+        "add": lambda: x.add_(1),
+    }
+    rows = []
+    for name, call in calls.items():
+        configure_kernels(KernelConfig(pdl="no PDL" not in name))
+        call()  # loads the kernel: a lazily loaded one waits for the busy device
+        torch.cuda.synchronize()
+        blocked = launches_before_block(call, limit)
+        rows.append(f"eager {name} launches before one blocks: {blocked}")
+    configure_kernels(KernelConfig.from_env())
+    return rows
+
+
 def kernel_graph_rows(calls: int = 32, replays: int = 100, warm: int = 1) -> list[str]:
     """Replays before one blocks, on a busy device, of a graph of ``calls`` calls of the
     kernels the tower's graphs hold and the synthetic ones do not: cuDNN's attention (16
@@ -111,9 +137,14 @@ def kernel_graph_rows(calls: int = 32, replays: int = 100, warm: int = 1) -> lis
     first replayed ``warm`` times on an idle device (does a graph launch differently once it
     has run many times, as the engine's have by a later batch?)."""
     x = torch.randn(4096, 5120, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1280, 5120, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(16 * 1024, 16, 80, device="cuda", dtype=torch.bfloat16)
+    cu_seqlens = torch.arange(17, device="cuda", dtype=torch.int32) * 1024
     bodies = {
         "cuDNN attention": cudnn_attention(),
         "Triton QuickGELU": lambda: quick_gelu_triton(x),
+        "cuBLAS GEMM (4096 x 5120 x 1280)": lambda: x @ w.T,
+        "Triton segment attention": lambda: segment_attention_triton(q, q, q, cu_seqlens, 1024),
     }
     rows = []
     for name, call in bodies.items():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import tempfile
+import traceback
 import warnings
 
 import torch
@@ -26,25 +27,45 @@ from mm_serve.benchmarks import common
 
 def main() -> None:
     parser = common.profile_parser(__doc__, output_len=4)
+    parser.add_argument(
+        "--first-batch", action="store_true", help="time the first batch after start-up"
+    )
     args = parser.parse_args()
     from mm_serve import SamplingParams
+
+    sites: collections.Counter[str] = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            sites[f"{filename}:{lineno} from {_engine_caller()}"] += 1
 
     with tempfile.TemporaryDirectory() as workdir:
         llm = common.in_process_llm(args, workdir)
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-        batch = common.warm_preprocessed_batch(llm, args, params)
-        with warnings.catch_warnings(record=True) as caught:
+        if args.first_batch:
+            model_type = llm.config.model.hf_config.model_type
+            batch = common.profile_prompts(args, model_type, 1, args.num_prompts)
+        else:
+            batch = common.warm_preprocessed_batch(llm, args, params)
+        with warnings.catch_warnings():
             warnings.simplefilter("always")
+            warnings.showwarning = record
             torch.cuda.set_sync_debug_mode("warn")
             llm.generate(batch, params, use_tqdm=False)
             torch.cuda.set_sync_debug_mode("default")
         common.shutdown(llm)
-    sites = collections.Counter(
-        f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)
-    )
     print(f"{sum(sites.values())} synchronising calls at {len(sites)} lines")
     for site, count in sites.most_common():
         print(f"{count:7d}  {site}")
+
+
+def _engine_caller() -> str:
+    """The innermost frame of the engine's own code on the current stack."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if "/mm_serve/" in frame.filename or "/kernels/" in frame.filename:
+            path = "/".join(frame.filename.rsplit("/", 2)[-2:])
+            return f"{path}:{frame.lineno} ({frame.name})"
+    return "?"
 
 
 if __name__ == "__main__":
