@@ -321,13 +321,10 @@ def varlen_attention(
 ) -> torch.Tensor:
     """Bidirectional attention within ``segments`` (``varlen_segments``): ``q, k, v: [N,
     num_heads, head_dim]`` -> ``[N, num_heads, head_dim]``, scale ``head_dim ** -0.5``. The
-    packed rows go to the Triton segment kernel when the segments are equal
-    (``triton_segment_attention``), else to FlashAttention-2's varlen kernel as they are, or
-    to ``segment_attention_ref``."""
+    packed rows go to cuDNN when the segments are equal (``dense_attention``), else to the
+    varlen kernel as they are, or to ``segment_attention_ref``."""
     if segments.dense:
-        from mm_serve.kernels.triton_segment_attention import segment_attention_triton
-
-        return segment_attention_triton(q, k, v, segments.cu_seqlens, segments.max_len)
+        return varlen.dense_attention(q, k, v, segments.max_len)
     if segments.groups is None:
         return varlen.flash_varlen(q, k, v, segments.cu_seqlens, segments.max_len, causal=False)
     return varlen.segment_attention_ref(q, k, v, segments)

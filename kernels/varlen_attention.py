@@ -143,8 +143,8 @@ class Segments:
     """A vision tower forward's attention segments (``dispatch.varlen_segments``, once per
     forward): rows ``[cu_seqlens[i], cu_seqlens[i + 1])`` (int32, device) attend to each other;
     ``groups``: one ``[num_segments, length]`` row index per length for SDPA, or None;
-    ``dense``: True when the segments, all of ``max_len`` rows, go to the Triton segment kernel
-    (``has_dense_segments``)."""
+    ``dense``: True when the segments, all of ``max_len`` rows, go to cuDNN as one
+    ``[num_segments, heads, max_len, head_dim]`` batch (``dense_attention``)."""
 
     cu_seqlens: torch.Tensor
     max_len: int
@@ -155,13 +155,13 @@ class Segments:
 def make_segments(bounds: list[int], device: torch.device, flash: bool) -> Segments:
     """The segments ``[bounds[i], bounds[i + 1])`` (empty ones dropped) on ``device``, grouped
     by length unless ``flash``; with ``flash``, segments of one length are ``dense`` where
-    the Triton segment kernel is measured faster (``has_dense_segments``)."""
+    cuDNN's attention is measured faster (``dense_attention``)."""
     bounds = [b for i, b in enumerate(bounds) if i == 0 or b != bounds[i - 1]]
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
     cu_seqlens = host_to_device(torch.tensor(bounds, dtype=torch.int32), device)
     max_len = max(lengths, default=0)
     if flash:
-        dense = len(set(lengths)) == 1 and has_dense_segments(device)
+        dense = len(set(lengths)) == 1 and has_dense_cudnn(device)
         return Segments(cu_seqlens, max_len, None, dense)
     by_length: dict[int, list[int]] = {}
     for start, length in zip(bounds[:-1], lengths, strict=True):
@@ -173,11 +173,61 @@ def make_segments(bounds: list[int], device: torch.device, flash: bool) -> Segme
     return Segments(cu_seqlens, max_len, groups)
 
 
-def has_dense_segments(device: torch.device) -> bool:
-    """Whether equal segments go to the Triton segment kernel
-    (``triton_segment_attention``): on sm90+ GPUs, where it was measured against cuDNN's
-    attention and FlashAttention-2's varlen kernel (``mm-serve bench kernels``)."""
-    return _capability(device)[0] >= 9
+def has_dense_cudnn(device: torch.device) -> bool:
+    """Whether equal segments go to cuDNN's attention (``dense_attention``): on sm90+ GPUs
+    with cuDNN, where it was measured faster than FlashAttention-2's varlen kernel."""
+    return torch.backends.cudnn.is_available() and _capability(device)[0] >= 9
+
+
+# cuDNN builds an execution plan for each new input shape (60-100 ms on an H100, against 0.2-0.6
+# ms per call once built; BENCHMARKS.md, "The first batch after start-up"), so a batch goes in
+# power-of-two parts of at most this many segments: one image size needs at most five plans,
+# which start-up builds for photo-sized images (``tower_graphs.EncoderCudaGraphs.capture_photos``).
+MAX_DENSE_BATCH = 16
+
+
+def dense_parts(num_segments: int) -> list[int]:
+    """``num_segments`` as powers of two of at most ``MAX_DENSE_BATCH``, largest first
+    (27 -> [16, 8, 2, 1]; 40 -> [16, 16, 8])."""
+    parts = [MAX_DENSE_BATCH] * (num_segments // MAX_DENSE_BATCH)
+    rest = num_segments % MAX_DENSE_BATCH
+    return parts + [1 << bit for bit in reversed(range(rest.bit_length())) if rest >> bit & 1]
+
+
+def dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_len: int
+) -> torch.Tensor:
+    """Bidirectional attention within consecutive segments of ``segment_len`` rows each,
+    through cuDNN's fused attention on ``[segments, heads, segment_len, head_dim]`` views of
+    each part (``dense_parts``): ``q, k, v: [N, heads, head_dim]`` (last dim contiguous) ->
+    ``[N, heads, head_dim]``, scale ``head_dim ** -0.5``.
+
+    Same-size images make such segments. Measured on an H100 (``mm-serve bench kernels``,
+    21 segments of 1,024 rows, 16 heads of 80): 0.28 ms against 0.47 ms for the varlen kernel,
+    which pads head_dim 80 to 96.
+    """
+    parts = dense_parts(q.shape[0] // segment_len)
+    if len(parts) == 1:
+        return cudnn_segments(q, k, v, segment_len)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    start = 0
+    for count in parts:
+        rows = slice(start, start + count * segment_len)
+        out[rows] = cudnn_segments(q[rows], k[rows], v[rows], segment_len)
+        start = rows.stop
+    return out
+
+
+def cudnn_segments(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_len: int
+) -> torch.Tensor:
+    """``dense_attention`` in one cuDNN call over all segments (whatever their number)."""
+    n, heads, head_dim = q.shape
+    q, k, v = (
+        t.view(n // segment_len, segment_len, heads, head_dim).transpose(1, 2) for t in (q, k, v)
+    )
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False)[0]
+    return out.transpose(1, 2).reshape(n, heads, head_dim)
 
 
 def segment_attention_ref(

@@ -194,11 +194,21 @@ def test_tiny_model_on_cuda_matches_cpu(tmp_path, dtype, monkeypatch) -> None:
     assert len(split_calls) == (0 if dtype == "float32" else config.num_layers)
 
 
+def test_dense_parts_are_powers_of_two_within_the_cap() -> None:
+    from mm_serve.kernels.varlen_attention import MAX_DENSE_BATCH, dense_parts
+
+    assert dense_parts(27) == [16, 8, 2, 1]
+    assert dense_parts(40) == [16, 16, 8]
+    for count in range(1, 70):
+        parts = dense_parts(count)
+        assert sum(parts) == count and parts == sorted(parts, reverse=True)
+        assert all(p <= MAX_DENSE_BATCH and p & (p - 1) == 0 for p in parts)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 @pytest.mark.parametrize("num_images", [1, 3, 27])
 def test_vision_attention_of_equal_segments_matches_the_reference(num_images) -> None:
-    """Same-size images go to the Triton segment kernel (sm90+); every image attends to itself
-    only."""
+    """Same-size images go to cuDNN in power-of-two parts; every image attends to itself only."""
     from mm_serve.kernels import varlen_attention as varlen
 
     length, heads, head_dim = 256, 16, 80
@@ -209,7 +219,7 @@ def test_vision_attention_of_equal_segments_matches_the_reference(num_images) ->
         for _ in range(3)
     )
     segments = dispatch.varlen_segments(bounds, q.device, q.dtype)
-    assert segments.dense == varlen.has_dense_segments(q.device)
+    assert segments.dense == varlen.has_dense_cudnn(q.device)
     out = dispatch.varlen_attention(q, k, v, segments)
     ref_segments = varlen.make_segments(bounds, q.device, flash=False)
     ref = varlen.segment_attention_ref(q.float(), k.float(), v.float(), ref_segments)

@@ -6,8 +6,9 @@ CUDA a launch can block, though: past a bounded queue of pending launches, the n
 for the device to drain. This script measures, on a busy device (``torch.cuda._sleep``):
 
 - ``queue``: how many eager launches are taken before one blocks; whether 400 replays of a
-  400-kernel graph block; how many eager launches are taken after three replays; whether
-  replays of graphs of cuDNN attention or of a Triton kernel block, and of one cuDNN call
+  400-kernel graph block; how many eager launches are taken after three replays; how many
+  eager cuBLAS GEMMs and Triton kernels (with and without PDL) are taken; whether replays of
+  graphs of cuDNN attention, of a Triton kernel or of cuBLAS GEMMs block, and of one cuDNN call
   among 400 adds; whether pinned host memory (a new block of the caching host allocator, a
   cached one, a new one copied to the device) waits for the device;
 - ``first replay``: host and device ms of a fresh graph's first three replays (the first one
@@ -38,7 +39,6 @@ from mm_serve.benchmarks import common
 from mm_serve.config import KernelConfig
 from mm_serve.kernels.dispatch import configure_kernels
 from mm_serve.kernels.triton_activation import quick_gelu_triton, silu_and_mul_triton
-from mm_serve.kernels.triton_segment_attention import segment_attention_triton
 
 BUSY_CYCLES = int(2e9)  # about a second of device time at H100/H200 clocks
 
@@ -138,13 +138,10 @@ def kernel_graph_rows(calls: int = 32, replays: int = 100, warm: int = 1) -> lis
     has run many times, as the engine's have by a later batch?)."""
     x = torch.randn(4096, 5120, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(1280, 5120, device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(16 * 1024, 16, 80, device="cuda", dtype=torch.bfloat16)
-    cu_seqlens = torch.arange(17, device="cuda", dtype=torch.int32) * 1024
     bodies = {
         "cuDNN attention": cudnn_attention(),
         "Triton QuickGELU": lambda: quick_gelu_triton(x),
         "cuBLAS GEMM (4096 x 5120 x 1280)": lambda: x @ w.T,
-        "Triton segment attention": lambda: segment_attention_triton(q, q, q, cu_seqlens, 1024),
     }
     rows = []
     for name, call in bodies.items():
@@ -277,6 +274,7 @@ def main() -> None:
         (
             "queue (device busy)",
             queue_rows()
+            + eager_kernel_rows()
             + kernel_graph_rows()
             + kernel_graph_rows(warm=50)
             + mixed_graph_rows()

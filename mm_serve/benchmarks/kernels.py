@@ -44,6 +44,7 @@ from mm_serve.kernels import (
     rms_norm_ref,
     silu_and_mul_ref,
 )
+from mm_serve.kernels.varlen_attention import has_dense_cudnn
 
 
 def bench(fn, rep_ms: int = 100) -> float:
@@ -297,6 +298,8 @@ def main(args: argparse.Namespace) -> dict:
         result["workload_decode"] = workload_decode_rows(copy_bw, args.sweep)
     result["prefill_attention"] = prefill_rows()
     result["vision_attention"] = vision.vision_attention_rows()
+    if has_dense_cudnn(torch.device("cuda")):
+        result["vision_plan_cost"] = vision.plan_cost_rows()
     with open(os.path.join(args.out, "kernels.json"), "w") as f:
         json.dump(result, f, indent=1)
     if not args.prefill_only:
@@ -304,6 +307,8 @@ def main(args: argparse.Namespace) -> dict:
         print_workload_decode(result["workload_decode"])
     print_prefill(result["prefill_attention"])
     vision.print_vision_attention(result["vision_attention"])
+    if "vision_plan_cost" in result:
+        vision.print_plan_cost(result["vision_plan_cost"])
     return result
 
 

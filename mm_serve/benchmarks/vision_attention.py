@@ -1,22 +1,20 @@
 """The vision towers' attention on same-size images, for ``mm-serve bench kernels``: what the
-tower runs (``dispatch.varlen_attention``: the Triton segment kernel on equal segments where it
-is used) against FlashAttention-2's varlen kernel, cuDNN's attention in one call over all the
-images (the tower's path before the Triton kernel), cuDNN on the same heads zero-padded to 96
-and 128 channels (the padding done before timing), and batched SDPA (torch's choice of backend).
+tower runs (``dispatch.varlen_attention``: cuDNN on equal segments where it is used) against
+FlashAttention-2's varlen kernel and batched SDPA (torch's choice of backend), and cuDNN on
+the same heads zero-padded to 96 and 128 channels (the padding done before timing).
 
-Qwen2-VL's tower (16 heads of 80, bf16) over 16 images of 448x448 (1,024 patches each: one
-graphed tower chunk) and 21 (about one encode step of the image workload), and SigLIP-so400m's
-(16 heads of 72) over 16 images of 729 patches. Each method is checked once against float32
-attention, then timed.
+Qwen2-VL's tower (16 heads of 80, bf16) over 21 images of 448x448 (1,024 patches each, about
+one encode step of the image workload), and SigLIP-so400m's (16 heads of 72) over 16 images
+of 729 patches. Each method is checked once against the SDPA result, then timed.
 
-``triton_config_rows``: the Triton kernel's tiles, warps and stages swept on one case (the
-engine's ``DEFAULT_CONFIG`` is the best of this sweep on an H200).
+``plan_cost_rows``: the first and the second call of cuDNN's attention on a batch count it has
+not seen (one call over all the images, ``varlen_attention.cudnn_segments``), against the
+engine's path, whose power-of-two parts are planned by then.
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
+import time
 
 import torch
 import torch.nn.functional as F
@@ -24,10 +22,8 @@ import torch.nn.functional as F
 from mm_serve.benchmarks.kernels import bench, rel_err
 from mm_serve.kernels import varlen_attention as varlen
 from mm_serve.kernels.dispatch import varlen_attention, varlen_segments
-from mm_serve.kernels.triton_segment_attention import segment_attention_triton
 
 CASES = (  # name, number of images, patches per image, heads, head dim
-    ("Qwen2-VL 16 x 1024, 16x80", 16, 1024, 16, 80),
     ("Qwen2-VL 21 x 1024, 16x80", 21, 1024, 16, 80),
     ("SigLIP 16 x 729, 16x72", 16, 729, 16, 72),
 )
@@ -35,7 +31,7 @@ CASES = (  # name, number of images, patches per image, heads, head dim
 
 def vision_attention_rows() -> list[dict]:
     """One row per case and method: ms, TFLOP/s (``4 * len**2 * heads * head_dim`` per
-    image) and the relative error against float32 attention."""
+    image) and the relative error against SDPA."""
     return [row for case in CASES for row in _case_rows(*case)]
 
 
@@ -47,65 +43,35 @@ def _case_rows(name: str, images: int, length: int, heads: int, head_dim: int) -
     )
     segments = varlen_segments([i * length for i in range(images + 1)], device, q.dtype)
     batched = [t.view(images, length, heads, head_dim).transpose(1, 2) for t in (q, k, v)]
+
+    def sdpa():
+        return F.scaled_dot_product_attention(*batched).transpose(1, 2).reshape(q.shape)
+
     methods = {
         "engine (varlen_attention)": lambda: varlen_attention(q, k, v, segments),
         "FlashAttention-2 varlen": lambda: varlen.flash_varlen(
             q, k, v, segments.cu_seqlens, length, causal=False
         ),
+        "SDPA batched": sdpa,
     }
-    if torch.backends.cudnn.is_available():
-        methods["cuDNN, one call"] = _padded_cudnn(q, k, v, length, head_dim)
+    if varlen.has_dense_cudnn(device):
+        methods["cuDNN dense"] = lambda: varlen.dense_attention(q, k, v, length)
         for padded in (96, 128):
             methods[f"cuDNN, head_dim {padded}"] = _padded_cudnn(q, k, v, length, padded)
-    methods["SDPA batched"] = lambda: (
-        F.scaled_dot_product_attention(*batched).transpose(1, 2).reshape(q.shape)
-    )
-    reference = _float32_attention(q, k, v, length)
+    reference = sdpa()
     flops = 4 * images * length**2 * heads * head_dim
     rows = []
     for method, fn in methods.items():
-        error = rel_err(fn(), reference)
         ms = bench(fn)
+        error = rel_err(fn(), reference)
         rows.append(dict(case=name, method=method, ms=ms, tflops=flops / ms / 1e9, rel_err=error))
     return rows
 
 
-def _float32_attention(q, k, v, length: int) -> torch.Tensor:
-    """Attention within each ``length``-row segment in float32, one segment at a time."""
-    out = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    for start in range(0, q.shape[0], length):
-        qs, ks, vs = (t[start : start + length].float().transpose(0, 1) for t in (q, k, v))
-        scores = torch.softmax(qs @ ks.transpose(1, 2) * q.shape[-1] ** -0.5, dim=-1)
-        out[start : start + length] = (scores @ vs).transpose(0, 1)
-    return out
-
-
-def triton_config_rows(case=CASES[0]) -> list[dict]:
-    """``segment_attention_triton`` over tiles (BLOCK_M, BLOCK_N), warps and stages on one
-    case, ``v`` a strided view of a fused qkv output as in the towers: ms and TFLOP/s each."""
-    _, images, length, heads, head_dim = case
-    qkv = torch.randn(images * length, 3, heads, head_dim, device="cuda", dtype=torch.bfloat16)
-    q, k = qkv[:, 0].contiguous(), qkv[:, 1].contiguous()
-    v = qkv[:, 2]
-    cu_seqlens = torch.arange(images + 1, device="cuda", dtype=torch.int32) * length
-    flops = 4 * images * length**2 * heads * head_dim
-    rows = []
-    for config in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
-        run = functools.partial(segment_attention_triton, q, k, v, cu_seqlens, length, config)
-        try:
-            ms = bench(run)
-        except Exception as error:  # out of shared memory or registers for this tile
-            rows.append(dict(config=config, ms=float("nan"), tflops=0.0, error=repr(error)[:80]))
-            continue
-        rows.append(dict(config=config, ms=ms, tflops=flops / ms / 1e9))
-    return sorted(rows, key=lambda r: r["tflops"], reverse=True)
-
-
 def _padded_cudnn(q, k, v, length: int, padded: int):
-    """cuDNN's attention in one call over all the segments of ``q, k, v`` zero-padded to
-    ``padded`` channels per head (padded once, outside the timed call; ``padded == head_dim``:
-    as they are), scale ``head_dim ** -0.5``: the same scores and, in the first ``head_dim``
-    channels, the same output, through cuDNN's kernel for the wider head."""
+    """cuDNN's attention on ``q, k, v`` zero-padded to ``padded`` channels per head (padded
+    once, outside the timed call), scale ``head_dim ** -0.5``: the same scores and, in the
+    first ``head_dim`` channels, the same output, through cuDNN's kernel for the wider head."""
     n, heads, head_dim = q.shape
     views = []
     for t in (q, k, v):
@@ -118,6 +84,43 @@ def _padded_cudnn(q, k, v, length: int, padded: int):
         return out[0].transpose(1, 2).reshape(n, heads, padded)[..., :head_dim]
 
     return run
+
+
+def plan_cost_rows(counts=(12, 13, 26, 27), length: int = 1024) -> list[dict]:
+    """Per image count (Qwen2-VL's 16 heads of 80, ``length`` patches each): ms of the first
+    and of a second one-call cuDNN attention, and of the engine's ``dense_attention`` once
+    every power-of-two part is planned (host wall time to a device synchronisation)."""
+
+    def wall_ms(fn, q: torch.Tensor) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn(q, q, q, length)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3
+
+    def images(count: int) -> torch.Tensor:
+        return torch.randn(count * length, 16, 80, device="cuda", dtype=torch.bfloat16)
+
+    varlen.dense_attention(*[images(2 * varlen.MAX_DENSE_BATCH - 1)] * 3, length)  # all parts
+    return [
+        {
+            "images": count,
+            "one call, first": wall_ms(varlen.cudnn_segments, q),
+            "one call, again": wall_ms(varlen.cudnn_segments, q),
+            "in parts": wall_ms(varlen.dense_attention, q),
+        }
+        for count, q in ((count, images(count)) for count in counts)
+    ]
+
+
+def print_plan_cost(rows: list[dict]) -> None:
+    print("\ncuDNN attention on a new image count, 1,024 patches each (ms, host wall time)")
+    print(f"{'images':>6} {'one call, first':>16} {'one call, again':>16} {'in parts':>9}")
+    for r in rows:
+        print(
+            f"{r['images']:6d} {r['one call, first']:16.1f} {r['one call, again']:16.2f} "
+            f"{r['in parts']:9.2f}"
+        )
 
 
 def print_vision_attention(rows: list[dict]) -> None:

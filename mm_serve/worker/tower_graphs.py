@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 GridsKey = tuple[tuple[int, int, int], ...]
 
 # Images per graphed chunk, largest first: a run of n images of one grid takes the largest
-# that fits, then the rest.
+# that fits, then the rest (the tower's dense attention splits by powers of two alike).
 CHUNK_COUNTS = (16, 8, 4, 3, 2, 1)
 # A chunk's patches: 16 images of 448x448 (1,024 patches each).
 DEFAULT_MAX_PATCHES = 16384
@@ -145,7 +145,8 @@ class EncoderCudaGraphs:
     def capture_photos(self, side: int = PHOTO_SIDE) -> None:
         """Capture chunks of each of ``CHUNK_COUNTS`` single-frame images of ``side`` x
         ``side`` pixels (as the Qwen2-VL processors resize them: sides a multiple of patch *
-        merge) within ``max_patches``, so that photo batches replay from the first request."""
+        merge) within ``max_patches``, so that photo batches replay from the first request;
+        this also builds the attention plans their chunks use."""
         merge = self.tower.spatial_merge_size
         patches = side // (self.tower.patch_embed.proj.weight.shape[-1] * merge) * merge
         grid = (1, patches, patches)
