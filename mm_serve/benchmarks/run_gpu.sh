@@ -30,6 +30,10 @@
 #             2-6 of workload 1 (LEN: output length, 128), and sync_points: the lines where a
 #             step makes the host wait for the device. py-spy on PATH: ../shared/gpu-wheels.sh
 #             py-spy, installed with the others (--target DIR puts it in DIR/bin)
+# first-batch-stacks: py-spy with native frames (every thread) of the engine's processes over
+#             the first large batch after start-up (warm_runs, 3 s from the end of its four
+#             warm-up requests), read by native_waits: what the engine core's main thread spins
+#             in while its encode steps run in lock-step with the device (BENCHMARKS.md)
 # launches:   graph_launches (host time inside launches on a busy device, the engine's replays
 #             during a warm batch of workload 1), then warm_runs with uni, mp, uni, mp on the same
 #             machine (3 runs each): on a host whose decode steps are host-paced, does mp help?
@@ -133,6 +137,17 @@ for _ in range(300):
       wait $runs; grep "^run" "$OUT/host_profile.log"
       $PY -m mm_serve.benchmarks.sync_points --model-arch qwen2-vl-2b --image-size 448 448 \
         --max-model-len 4096 2>&1 | tee "$OUT/sync_points.log" | grep -A30 synchronising ;;
+    first-batch-stacks)
+      $PY -m mm_serve.benchmarks.warm_runs --model-arch qwen2-vl-2b --image-size 448 448 \
+        --max-model-len 4096 --runs 2 >"$OUT/first_batch.log" 2>&1 &
+      runs=$!
+      until grep -q "^warm-up done" "$OUT/first_batch.log" || ! kill -0 $runs 2>/dev/null; do
+        sleep 0.05
+      done
+      py-spy record --pid $runs --subprocesses --threads --native --rate 500 --duration 3 \
+        --format raw --output "$OUT/first_batch_stacks.txt" >/dev/null 2>&1
+      wait $runs; grep "^run" "$OUT/first_batch.log"
+      $PY -m mm_serve.benchmarks.native_waits "$OUT/first_batch_stacks.txt" --threads 4 ;;
     launches)
       $PY -m mm_serve.benchmarks.graph_launches --model-arch qwen2-vl-2b --image-size 448 448 \
         --max-model-len 4096 --output-len 128 2>&1 | tee "$OUT/graph_launches.log" | tail -14

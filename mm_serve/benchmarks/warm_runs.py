@@ -52,6 +52,7 @@ def main() -> None:
 
         prompts = functools.partial(common.profile_prompts, args, model_type)
         llm.generate(prompts(100, 4), params, use_tqdm=False)
+        print("warm-up done: 4 requests", flush=True)  # run_gpu.sh first-batch-stacks waits
         for run in range(1, args.runs + 1):
             batch = prompts(run, args.num_prompts)
             if run == args.profile_run:
