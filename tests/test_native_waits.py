@@ -30,3 +30,5 @@ def test_parse_groups_samples_by_thread(tmp_path) -> None:
     )
     assert engine_frame(stacks[1]) == "get (mm_serve/worker/step_output.py:40)"
     assert engine_frame(("poll (zmq/sugar/socket.py:1)",)) == "?"
+    benchmark = ("step (mm_serve/engine/core.py:130)", "timed (mm_serve/benchmarks/x.py:9)")
+    assert engine_frame(benchmark) == "step (mm_serve/engine/core.py:130)"

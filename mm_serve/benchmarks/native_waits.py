@@ -48,9 +48,10 @@ def named_leaf(stack: tuple[str, ...]) -> str:
 
 
 def engine_frame(stack: tuple[str, ...]) -> str:
-    """The innermost frame of the engine's own code in ``stack`` (or ``?``)."""
+    """The innermost frame of the engine's own code (not a benchmark's) in ``stack``, or
+    ``?``."""
     for frame in reversed(stack):
-        if "mm_serve/" in frame or "kernels/" in frame:
+        if ("mm_serve/" in frame or "kernels/" in frame) and "benchmarks/" not in frame:
             return frame
     return "?"
 

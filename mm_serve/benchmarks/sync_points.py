@@ -3,11 +3,12 @@
 A synchronising call (``.item()``, ``.tolist()`` of a device tensor, a blocking copy to the
 host, ``nonzero`` and boolean-mask indexing on the device) stalls the host until every queued
 kernel is done; the device then idles while the host launches what follows. This script runs
-one ``bench throughput``-style batch warm in this process (the engine core in-process), with
-``torch.cuda.set_sync_debug_mode("warn")`` on for the timed batch only, and prints each line
-of Python that synchronised, with its count. Some synchronisations are meant (a step reads its
-sampled tokens behind an event, outside the launch); the rest show where a step's launch
-waits.
+one ``bench throughput``-style batch in this process (the engine core in-process), warm or,
+with ``--first-batch``, the first after start-up, with ``torch.cuda.set_sync_debug_mode("warn")``
+on for that batch only, and prints each line that synchronised with the engine's own line that
+led to it, and their count. Some synchronisations are meant (a step reads its sampled tokens
+behind an event, outside the launch); the rest show where a step's launch waits. Waits that
+torch does not check (an event's or the driver's) need ``native_waits``.
 
     python -m mm_serve.benchmarks.sync_points --model-arch qwen2-vl-2b --image-size 448 448 \\
         --max-model-len 4096 --output-len 4
@@ -28,7 +29,7 @@ from mm_serve.benchmarks import common
 def main() -> None:
     parser = common.profile_parser(__doc__, output_len=4)
     parser.add_argument(
-        "--first-batch", action="store_true", help="time the first batch after start-up"
+        "--first-batch", action="store_true", help="the first batch after start-up, not a warm one"
     )
     args = parser.parse_args()
     from mm_serve import SamplingParams
@@ -60,9 +61,10 @@ def main() -> None:
 
 
 def _engine_caller() -> str:
-    """The innermost frame of the engine's own code on the current stack."""
+    """The innermost frame of the engine's own code (not a benchmark's) on the current stack."""
     for frame in reversed(traceback.extract_stack()[:-2]):
-        if "/mm_serve/" in frame.filename or "/kernels/" in frame.filename:
+        engine = "/mm_serve/" in frame.filename or "/kernels/" in frame.filename
+        if engine and "/benchmarks/" not in frame.filename:
             path = "/".join(frame.filename.rsplit("/", 2)[-2:])
             return f"{path}:{frame.lineno} ({frame.name})"
     return "?"
