@@ -283,6 +283,11 @@ def print_workload_decode(rows: list[dict]) -> None:
               f"{r['pct_copy_bw']:5.1f}% copy  {r['config']}")  # fmt: skip
 
 
+def _write_json(out: str, result: dict) -> None:
+    with open(os.path.join(out, "kernels.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
 def main(args: argparse.Namespace) -> dict:
     """Run the tables, print them, write ``kernels.json``; returns what it wrote."""
     # Imported here: the prefill comparison builds on this module's helpers.
@@ -297,15 +302,15 @@ def main(args: argparse.Namespace) -> dict:
         result["small"] = small_kernel_rows(copy_bw)
         result["workload_decode"] = workload_decode_rows(copy_bw, args.sweep)
     result["prefill_attention"] = prefill_rows()
-    result["vision_attention"] = vision.vision_attention_rows()
-    if has_dense_cudnn(torch.device("cuda")):
-        result["vision_plan_cost"] = vision.plan_cost_rows()
-    with open(os.path.join(args.out, "kernels.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    _write_json(args.out, result)  # kept should the vision rows fail (BENCHMARKS.md)
     if not args.prefill_only:
         print_tables(copy_bw, result["attention"], result["sdpa_prefill_ms"], result["small"])
         print_workload_decode(result["workload_decode"])
     print_prefill(result["prefill_attention"])
+    result["vision_attention"] = vision.vision_attention_rows()
+    if has_dense_cudnn(torch.device("cuda")):
+        result["vision_plan_cost"] = vision.plan_cost_rows()
+    _write_json(args.out, result)
     vision.print_vision_attention(result["vision_attention"])
     if "vision_plan_cost" in result:
         vision.print_plan_cost(result["vision_plan_cost"])
