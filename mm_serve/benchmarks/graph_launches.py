@@ -6,7 +6,8 @@ CUDA a launch can block, though: past a bounded queue of pending launches, the n
 for the device to drain. This script measures, on a busy device (``torch.cuda._sleep``):
 
 - ``queue``: how many eager launches are taken before one blocks; whether 400 replays of a
-  400-kernel graph block; how many eager launches are taken after three replays; how many
+  400-kernel graph block; how many eager launches are taken after three replays; whether a
+  graph's replay waits for its own previous replay to finish; how many
   eager cuBLAS GEMMs and Triton kernels (with and without PDL) are taken; whether replays of
   graphs of cuDNN attention, of a Triton kernel or of cuBLAS GEMMs block, and of one cuDNN call
   among 400 adds; whether pinned host memory (a new block of the caching host allocator, a
@@ -128,6 +129,34 @@ def eager_kernel_rows(limit: int = 3000) -> list[str]:
         rows.append(f"eager {name} launches before one blocks: {blocked}")
     configure_kernels(KernelConfig.from_env())
     return rows
+
+
+def in_flight_rows(cycles: int = BUSY_CYCLES // 20) -> list[str]:
+    """Host ms of a graph's replay launched while its previous replay still runs on the device,
+    against a replay of a second graph of the same body, and against a replay queued behind
+    an eager kernel: does a launch wait for the same graph's last launch to finish? (The
+    engine replays one graph per step size, so step n + 1's replay may meet step n's.) Each
+    graph holds one sleep kernel of ``cycles`` (about 50 ms)."""
+    first, second = (capture(lambda: torch.cuda._sleep(cycles)) for _ in range(2))
+
+    def replay_ms(running, graph) -> float:
+        torch.cuda.synchronize()
+        running()
+        start = time.perf_counter()
+        graph.replay()
+        elapsed = (time.perf_counter() - start) * 1e3
+        torch.cuda.synchronize()
+        return elapsed
+
+    cases = {
+        "the same graph": (first.replay, first),
+        "another graph": (first.replay, second),
+        "the graph behind an eager sleep": (lambda: torch.cuda._sleep(cycles), first),
+    }
+    return [
+        f"replay of a 50 ms graph while {name} runs: {replay_ms(*case):.3f} ms of host time"
+        for name, case in cases.items()
+    ]
 
 
 def kernel_graph_rows(calls: int = 32, replays: int = 100, warm: int = 1) -> list[str]:
@@ -274,6 +303,7 @@ def main() -> None:
         (
             "queue (device busy)",
             queue_rows()
+            + in_flight_rows()
             + eager_kernel_rows()
             + kernel_graph_rows()
             + kernel_graph_rows(warm=50)
