@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -33,6 +34,9 @@ def test_summary_splits_runs_and_classes(tmp_path):
         _step(10.112, 5, 7, 6, 0.5, 64, 64, 0),
     ]
     second[0].update(host_allocs=2, host_alloc_us=3100)  # counters: only where they moved
+    second[0].update(schedule_ms=2.0, images_ms=30.0, inputs_ms=5.0, forward_ms=60.0)
+    for step, ms in zip(second[2:], (0.5, 0.7), strict=True):  # decode: no images
+        step.update(schedule_ms=ms, inputs_ms=0.2, forward_ms=0.1, sample_ms=0.3)
     path = tmp_path / "tl.jsonl"
     lines = [*first, {"end_of_run": True}, *second, {"end_of_run": True}]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -53,3 +57,60 @@ def test_summary_splits_runs_and_classes(tmp_path):
     assert encode["images_sum"] == 26
     assert (encode["host_allocs_sum"], encode["host_alloc_us_sum"]) == (2, 3100)
     assert decode["host_allocs_sum"] == decode["alloc_retries_sum"] == 0
+    assert encode["images_ms_median"] == 30.0 and encode["sample_ms_median"] == 0.0
+    assert decode["schedule_ms_median"] == pytest.approx(0.6)
+    assert decode["images_ms_median"] == 0.0 and decode["sample_ms_median"] == 0.3
+
+
+class _Model:
+    def embed_images(self, images):
+        time.sleep(0.002)
+        return [len(images)]
+
+
+class _Runner:
+    def __init__(self):
+        self.model = _Model()
+
+    def execute_model(self, scheduler_output, *args):
+        self.model.embed_images([1, 2])
+        self.model.embed_images([3])
+        return self.sample_tokens(self._forward(self._prepare_inputs(scheduler_output)))
+
+    def launch_forward(self, scheduler_output):
+        raise AssertionError("not called here")
+
+    def _prepare_inputs(self, scheduler_output):
+        return scheduler_output
+
+    def _forward(self, inputs):
+        time.sleep(0.005)
+        return inputs
+
+    def sample_tokens(self, hidden):
+        return hidden
+
+
+class _EngineCore:
+    def __init__(self):
+        self.model_runner = _Runner()
+
+    def step(self):
+        return self.model_runner.execute_model("out")
+
+
+def test_timeline_times_the_runner_phases_into_the_current_step(tmp_path):
+    """The phase wrappers (``PHASES``) add each call's host ms to the step being recorded, and
+    pass calls outside a step through untimed."""
+    from mm_serve.engine.step_timeline import PHASES, StepTimeline
+
+    core = _EngineCore()
+    timeline = StepTimeline(core, str(tmp_path / "tl.jsonl"))
+    assert core.model_runner._prepare_inputs("x") == "x"  # no step: nothing recorded
+    timeline.records.append({"t0": 0.0})
+    assert timeline._execute("out") == "out"  # the runner's own execute_model, phases wrapped
+    assert core.model_runner.model.embed_images([1]) == [1]
+    record = timeline.records[-1]
+    assert set(record) == {"t0", *(f"{phase}_ms" for phase in PHASES)}
+    assert record["images_ms"] >= 3 * 2.0  # three calls in the step, summed
+    assert record["forward_ms"] >= 5.0

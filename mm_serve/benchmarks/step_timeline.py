@@ -8,8 +8,10 @@ tower; prefill: prompt tokens, no images; decode: one token per request): the st
 host's time per step (schedule to launched, and the whole ``step()``), the device span of
 ``execute_model`` and the device's idle gap before the step's kernels started. Device spans
 include the bubbles inside a step where the host launched slower than the device ran. Each
-class also sums its steps' counters: the caching allocators' new blocks and retries, the
-engine thread's CPU time and page faults, garbage collections.
+class also sums its steps' counters (the caching allocators' new blocks and retries, the
+engine thread's CPU time and page faults, garbage collections) and gives the median host ms of
+each phase of a step: the schedule, the image encoder's launch, the inputs, the forward pass,
+the sampling (recorded when the runner is in the engine core's process).
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ COUNTERS = (
     "host_allocs", "host_alloc_us", "device_allocs", "alloc_retries", "cpu_us", "page_faults",
     "gc_runs",
 )  # fmt: skip
+
+
+# Per step, with the runner in the engine core's process (``engine.step_timeline.PHASES``):
+# host ms of the schedule and of the runner's phases.
+PHASE_KEYS = ("schedule_ms", "images_ms", "inputs_ms", "forward_ms", "sample_ms")
 
 
 def load_runs(path: str) -> list[list[dict]]:
@@ -68,6 +75,9 @@ def summarise(run: list[dict]) -> dict:
             "reqs_median": statistics.median(r["num_reqs"] for r in records),
             "images_sum": sum(r["num_images"] for r in records),
             **{f"{k}_sum": sum(r.get(k, 0) for r in records) for k in COUNTERS},
+            **{
+                f"{k}_median": statistics.median(r.get(k, 0.0) for r in records) for k in PHASE_KEYS
+            },
         }
     return {
         "wall_ms": wall_ms,
@@ -102,6 +112,10 @@ def main() -> None:
             f"{c['device_ms_median']:.2f} {c['device_ms_sum']:.0f} {c['gap_ms_sum']:.0f} "
             + " ".join(f"{c[k + '_sum']:.0f}" for k in COUNTERS)
         )
+    if any(k in r for r in run for k in PHASE_KEYS):
+        print("class " + " ".join(PHASE_KEYS) + " (medians)")
+        for name, c in sorted(summary["classes"].items()):
+            print(f"{name} " + " ".join(f"{c[k + '_median']:.2f}" for k in PHASE_KEYS))
     if args.steps:
         t0 = run[0]["t0"]
         for r in run:
@@ -111,6 +125,7 @@ def main() -> None:
                 f"host={(r['t1'] - r['t0']) * 1e3:.2f} dev={r.get('device_ms', 0):.2f} "
                 f"gap={r.get('gap_ms', 0):.2f} "
                 + " ".join(f"{k}={r[k]:.0f}" for k in COUNTERS if k in r)
+                + "".join(f" {k}={r[k]:.2f}" for k in PHASE_KEYS if k in r)
             )
 
 

@@ -1,7 +1,8 @@
 """A timeline of the engine core's steps, for finding where the device waits on the host.
 
 Set ``MM_SERVE_STEP_TIMELINE=<file>`` and the engine core (in whichever process it runs)
-records, for every step, host times (schedule start, launch done, step done), two CUDA
+records, for every step, host times (schedule start, launch done, step done; with the runner
+in the process, the host ms of the schedule and of the runner's phases, ``PHASES``), two CUDA
 events around ``execute_model``, and counters of what the step's host time went to (the caching
 allocators' new blocks, the thread's CPU time and page faults, garbage collections:
 ``step_counters``); nothing is synchronised during the run. Each time the engine
@@ -54,6 +55,16 @@ def step_counters() -> dict[str, float]:
     }
 
 
+# The phases of a step whose host ms each record holds (as ``<phase>_ms``) when the runner is
+# in the engine core's process: the schedule (to ``execute_model``), then the runner's.
+PHASES = {
+    "images": ("model", "embed_images"),  # the vision encoder's launch and pixel staging
+    "inputs": ("runner", "_prepare_inputs"),
+    "forward": ("runner", "_forward"),
+    "sample": ("runner", "sample_tokens"),
+}
+
+
 class StepTimeline:
     """Records ``engine_core``'s steps into ``path`` (JSON lines, appended)."""
 
@@ -65,10 +76,30 @@ class StepTimeline:
         self._execute = engine_core.model_runner.execute_model
         engine_core.step = self.step
         engine_core.model_runner.execute_model = self.execute_model
+        runner = engine_core.model_runner
+        if hasattr(runner, "launch_forward"):  # the runner in this process: time its phases
+            for phase, (owner, name) in PHASES.items():
+                target = runner.model if owner == "model" else runner
+                setattr(target, name, self._timed(getattr(target, name), f"{phase}_ms"))
+
+    def _timed(self, fn, key: str):
+        """``fn``, adding its host ms to the current step's ``key`` (summed over calls)."""
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self.records:
+                    record = self.records[-1]
+                    record[key] = record.get(key, 0.0) + (time.perf_counter() - start) * 1e3
+
+        return timed
 
     def execute_model(self, scheduler_output, *args):
         if not self.records:  # outside step() (the empty step of ``reset``): not recorded
             return self._execute(scheduler_output, *args)
+        self.records[-1]["schedule_ms"] = (time.perf_counter() - self.records[-1]["t0"]) * 1e3
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         pending = self._execute(scheduler_output, *args)
