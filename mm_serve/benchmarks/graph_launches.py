@@ -82,6 +82,18 @@ def launches_before_block(launch, limit: int) -> int | None:
     return blocked
 
 
+def host_ms(call, running=busy_device) -> float:
+    """Host ms of ``call()`` launched while ``running()`` keeps the otherwise idle device busy
+    (by default a sleep kernel of about a second)."""
+    torch.cuda.synchronize()
+    running()
+    start = time.perf_counter()
+    call()
+    elapsed = (time.perf_counter() - start) * 1e3
+    torch.cuda.synchronize()
+    return elapsed
+
+
 def queue_rows(nodes: int = 400) -> list[str]:
     """Eager launches and replays of a graph of ``nodes`` adds taken on a busy device."""
     x = torch.zeros(1024, device="cuda")
@@ -114,15 +126,15 @@ def eager_kernel_rows(limit: int = 3000) -> list[str]:
     dependent launch (``kernels.pdl``), and an add (one place each: 1,021)."""
     x = torch.randn(256, 2560, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2560, 2560, device="cuda", dtype=torch.bfloat16)
-    calls = {
-        "cuBLAS GEMM": lambda: x @ w.T,
-        "Triton SiLU-and-mul, PDL": lambda: silu_and_mul_triton(x),
-        "Triton SiLU-and-mul, no PDL": lambda: silu_and_mul_triton(x),
-        "add": lambda: x.add_(1),
-    }
+    calls = [  # (name, call, programmatic dependent launch on)
+        ("cuBLAS GEMM", lambda: x @ w.T, False),
+        ("Triton SiLU-and-mul, PDL", lambda: silu_and_mul_triton(x), True),
+        ("Triton SiLU-and-mul, no PDL", lambda: silu_and_mul_triton(x), False),
+        ("add", lambda: x.add_(1), False),
+    ]
     rows = []
-    for name, call in calls.items():
-        configure_kernels(KernelConfig(pdl="no PDL" not in name))
+    for name, call, pdl in calls:
+        configure_kernels(KernelConfig(pdl=pdl))
         call()  # loads the kernel: a lazily loaded one waits for the busy device
         torch.cuda.synchronize()
         blocked = launches_before_block(call, limit)
@@ -138,23 +150,13 @@ def in_flight_rows(cycles: int = BUSY_CYCLES // 20) -> list[str]:
     engine replays one graph per step size, so step n + 1's replay may meet step n's.) Each
     graph holds one sleep kernel of ``cycles`` (about 50 ms)."""
     first, second = (capture(lambda: torch.cuda._sleep(cycles)) for _ in range(2))
-
-    def replay_ms(running, graph) -> float:
-        torch.cuda.synchronize()
-        running()
-        start = time.perf_counter()
-        graph.replay()
-        elapsed = (time.perf_counter() - start) * 1e3
-        torch.cuda.synchronize()
-        return elapsed
-
-    cases = {
-        "the same graph": (first.replay, first),
-        "another graph": (first.replay, second),
-        "the graph behind an eager sleep": (lambda: torch.cuda._sleep(cycles), first),
+    cases = {  # what runs: (the replay timed, what the device runs meanwhile)
+        "the same graph": (first.replay, first.replay),
+        "another graph": (second.replay, first.replay),
+        "the graph behind an eager sleep": (first.replay, lambda: torch.cuda._sleep(cycles)),
     }
     return [
-        f"replay of a 50 ms graph while {name} runs: {replay_ms(*case):.3f} ms of host time"
+        f"replay of a 50 ms graph while {name} runs: {host_ms(*case):.3f} ms of host time"
         for name, case in cases.items()
     ]
 
@@ -162,7 +164,8 @@ def in_flight_rows(cycles: int = BUSY_CYCLES // 20) -> list[str]:
 def kernel_graph_rows(calls: int = 32, replays: int = 100, warm: int = 1) -> list[str]:
     """Replays before one blocks, on a busy device, of a graph of ``calls`` calls of the
     kernels the tower's graphs hold and the synthetic ones do not: cuDNN's attention (16
-    images of 1,024 patches, 16 heads of 80) and a Triton kernel (QuickGELU), each graph
+    images of 1,024 patches, 16 heads of 80), a Triton kernel (QuickGELU) and a cuBLAS GEMM
+    (the tower's fc2 over four photos), each graph
     first replayed ``warm`` times on an idle device (does a graph launch differently once it
     has run many times, as the engine's have by a later batch?)."""
     x = torch.randn(4096, 5120, device="cuda", dtype=torch.bfloat16)
@@ -191,20 +194,12 @@ def pinned_rows(size: int = 15 << 20) -> list[str]:
     create (``cudaHostAlloc``), the same size again once that block is free, and a fresh
     block's non-blocking copy to the device (the engine's staging of a step's pixels)."""
 
-    def on_busy_device(body) -> float:
-        busy_device()
-        start = time.perf_counter()
-        body()
-        seconds = time.perf_counter() - start
-        torch.cuda.synchronize()
-        return seconds * 1e3
-
     def new_block(size: int) -> torch.Tensor:
         return torch.empty(size, dtype=torch.uint8, pin_memory=True)
 
-    fresh = on_busy_device(lambda: new_block(size))  # the allocator has no block of this size
-    cached = on_busy_device(lambda: new_block(size))  # the first one, freed and idle
-    copied = on_busy_device(lambda: new_block(2 * size).to("cuda", non_blocking=True))
+    fresh = host_ms(lambda: new_block(size))  # the allocator has no block of this size
+    cached = host_ms(lambda: new_block(size))  # the first one, freed and idle
+    copied = host_ms(lambda: new_block(2 * size).to("cuda", non_blocking=True))
     return [
         f"a new {size >> 20} MiB pinned block: {fresh:.2f} ms; the cached one: {cached:.3f} ms; "
         f"a new {2 * size >> 20} MiB block and its copy to the device: {copied:.2f} ms"
