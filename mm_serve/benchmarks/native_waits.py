@@ -47,13 +47,14 @@ def named_leaf(stack: tuple[str, ...]) -> str:
     return named if named.endswith(library) else f"{named} [innermost in {library}]"
 
 
+def is_engine_code(location: str) -> bool:
+    """Whether a file path or frame is in the engine's own code (not a benchmark's)."""
+    return ("mm_serve/" in location or "kernels/" in location) and "benchmarks/" not in location
+
+
 def engine_frame(stack: tuple[str, ...]) -> str:
-    """The innermost frame of the engine's own code (not a benchmark's) in ``stack``, or
-    ``?``."""
-    for frame in reversed(stack):
-        if ("mm_serve/" in frame or "kernels/" in frame) and "benchmarks/" not in frame:
-            return frame
-    return "?"
+    """The innermost frame of the engine's own code in ``stack``, or ``?``."""
+    return next((frame for frame in reversed(stack) if is_engine_code(frame)), "?")
 
 
 def main() -> None:

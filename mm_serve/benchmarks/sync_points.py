@@ -24,6 +24,7 @@ import warnings
 import torch
 
 from mm_serve.benchmarks import common
+from mm_serve.benchmarks.native_waits import is_engine_code
 
 
 def main() -> None:
@@ -61,10 +62,10 @@ def main() -> None:
 
 
 def _engine_caller() -> str:
-    """The innermost frame of the engine's own code (not a benchmark's) on the current stack."""
+    """The innermost frame of the engine's own code on the current stack (``native_waits``'
+    test), or ``?``."""
     for frame in reversed(traceback.extract_stack()[:-2]):
-        engine = "/mm_serve/" in frame.filename or "/kernels/" in frame.filename
-        if engine and "/benchmarks/" not in frame.filename:
+        if is_engine_code(frame.filename):
             path = "/".join(frame.filename.rsplit("/", 2)[-2:])
             return f"{path}:{frame.lineno} ({frame.name})"
     return "?"
