@@ -21,6 +21,8 @@ import json
 import statistics
 from collections import defaultdict
 
+from mm_serve.engine.step_timeline import PHASES
+
 # Per step (``engine.step_timeline.step_counters``): the caching allocators' new blocks and
 # retries, the engine thread's CPU time and page faults, garbage collections.
 COUNTERS = (
@@ -29,9 +31,9 @@ COUNTERS = (
 )  # fmt: skip
 
 
-# Per step, with the runner in the engine core's process (``engine.step_timeline.PHASES``):
-# host ms of the schedule and of the runner's phases.
-PHASE_KEYS = ("schedule_ms", "images_ms", "inputs_ms", "forward_ms", "sample_ms")
+# Per step, with the runner in the engine core's process: host ms of the schedule and of the
+# runner's phases (``engine.step_timeline.PHASES``).
+PHASE_KEYS = ("schedule_ms", *(f"{phase}_ms" for phase in PHASES))
 
 
 def load_runs(path: str) -> list[list[dict]]:
