@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import random
 
 import torch
 
 from mm_serve.attention import AttentionMetadata
+from mm_serve.benchmarks.common import write_json
 from mm_serve.benchmarks.gemv import time_calls
 from mm_serve.benchmarks.roofline import copy_rate
 from mm_serve.kernels import (
@@ -283,11 +283,6 @@ def print_workload_decode(rows: list[dict]) -> None:
               f"{r['pct_copy_bw']:5.1f}% copy  {r['config']}")  # fmt: skip
 
 
-def _write_json(out: str, result: dict) -> None:
-    with open(os.path.join(out, "kernels.json"), "w") as f:
-        json.dump(result, f, indent=1)
-
-
 def main(args: argparse.Namespace) -> dict:
     """Run the tables, print them, write ``kernels.json``; returns what it wrote."""
     # Imported here: the prefill comparison builds on this module's helpers.
@@ -302,7 +297,8 @@ def main(args: argparse.Namespace) -> dict:
         result["small"] = small_kernel_rows(copy_bw)
         result["workload_decode"] = workload_decode_rows(copy_bw, args.sweep)
     result["prefill_attention"] = prefill_rows()
-    _write_json(args.out, result)  # kept should the vision rows fail (BENCHMARKS.md)
+    path = os.path.join(args.out, "kernels.json")
+    write_json(path, result)  # kept should the vision rows fail (BENCHMARKS.md)
     if not args.prefill_only:
         print_tables(copy_bw, result["attention"], result["sdpa_prefill_ms"], result["small"])
         print_workload_decode(result["workload_decode"])
@@ -310,7 +306,7 @@ def main(args: argparse.Namespace) -> dict:
     result["vision_attention"] = vision.vision_attention_rows()
     if has_dense_cudnn(torch.device("cuda")):
         result["vision_plan_cost"] = vision.plan_cost_rows()
-    _write_json(args.out, result)
+    write_json(path, result)
     vision.print_vision_attention(result["vision_attention"])
     if "vision_plan_cost" in result:
         vision.print_plan_cost(result["vision_plan_cost"])

@@ -5,7 +5,8 @@ the same heads zero-padded to 96 and 128 channels (the padding done before timin
 
 Qwen2-VL's tower (16 heads of 80, bf16) over 21 images of 448x448 (1,024 patches each, about
 one encode step of the image workload), and SigLIP-so400m's (16 heads of 72) over 16 images
-of 729 patches. Each method is timed, then checked against float32 attention.
+of 729 patches. Each method is timed, then checked against the float32 reference
+(``segment_attention_ref``).
 
 ``plan_cost_rows``: the first and the second call of cuDNN's attention on a batch count it has
 not seen (one call over all the images, ``varlen_attention.cudnn_segments``), against the
@@ -31,7 +32,7 @@ CASES = (  # name, number of images, patches per image, heads, head dim
 
 def vision_attention_rows() -> list[dict]:
     """One row per case and method: ms, TFLOP/s (``4 * len**2 * heads * head_dim`` per
-    image) and the relative error against float32 attention."""
+    image) and the relative error against the float32 reference."""
     return [row for case in CASES for row in _case_rows(*case)]
 
 
@@ -41,7 +42,8 @@ def _case_rows(name: str, images: int, length: int, heads: int, head_dim: int) -
         torch.randn(images * length, heads, head_dim, device=device, dtype=torch.bfloat16)
         for _ in range(3)
     )
-    segments = varlen_segments([i * length for i in range(images + 1)], device, q.dtype)
+    bounds = [i * length for i in range(images + 1)]
+    segments = varlen_segments(bounds, device, q.dtype)
     batched = [t.view(images, length, heads, head_dim).transpose(1, 2) for t in (q, k, v)]
 
     methods = {
@@ -54,12 +56,13 @@ def _case_rows(name: str, images: int, length: int, heads: int, head_dim: int) -
         methods["cuDNN dense"] = lambda: varlen.dense_attention(q, k, v, length)
         for padded in (96, 128):
             methods[f"cuDNN, head_dim {padded}"] = _padded_cudnn(q, k, v, length, padded)
-    # Last: on the twelfth session's GPU image, cuDNN's attention after an SDPA call on these
-    # shapes ended in an illegal memory access (BENCHMARKS.md).
+    # Last: on the twelfth session's GPU image, cuDNN's attention after a bf16 SDPA call on
+    # these shapes ended in an illegal memory access (BENCHMARKS.md).
     methods["SDPA batched"] = lambda: (
         F.scaled_dot_product_attention(*batched).transpose(1, 2).reshape(q.shape)
     )
-    reference = _float32_attention(q, k, v, length)
+    groups = varlen.make_segments(bounds, device, flash=False)  # float32 SDPA: not cuDNN's
+    reference = varlen.segment_attention_ref(q.float(), k.float(), v.float(), groups)
     flops = 4 * images * length**2 * heads * head_dim
     rows = []
     for method, fn in methods.items():
@@ -67,17 +70,6 @@ def _case_rows(name: str, images: int, length: int, heads: int, head_dim: int) -
         error = rel_err(fn(), reference)
         rows.append(dict(case=name, method=method, ms=ms, tflops=flops / ms / 1e9, rel_err=error))
     return rows
-
-
-def _float32_attention(q, k, v, length: int) -> torch.Tensor:
-    """Attention within each ``length``-row segment in float32 matmuls, one segment at a
-    time: ``[N, heads, head_dim]``."""
-    out = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    for start in range(0, q.shape[0], length):
-        qs, ks, vs = (t[start : start + length].float().transpose(0, 1) for t in (q, k, v))
-        scores = torch.softmax(qs @ ks.transpose(1, 2) * q.shape[-1] ** -0.5, dim=-1)
-        out[start : start + length] = (scores @ vs).transpose(0, 1)
-    return out
 
 
 def _padded_cudnn(q, k, v, length: int, padded: int):
