@@ -5,6 +5,7 @@ or an ipc file behind.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import multiprocessing
@@ -25,33 +26,35 @@ from mm_serve.parallel_config import ParallelConfig
 from mm_serve.testing.leaks import process_gone, shut_down_and_check
 
 
-def test_startup_error_is_raised_and_leaves_nothing(vlm_path):
+@contextlib.contextmanager
+def leaves_nothing():
+    """Asserts that the block leaves no new child process and no new ipc folder."""
     pattern = os.path.join(tempfile.gettempdir(), "mm_serve-*")
     before = set(glob.glob(pattern))
     children = set(multiprocessing.active_children())
-    config = EngineArgs(model=vlm_path).create_engine_config()
-    config = dataclasses.replace(config, parallel=ParallelConfig(tensor_parallel_size=3))
-    with pytest.raises(EngineStartupError, match="tensor_parallel_size"):
-        EngineCoreClient(config)
+    yield
     assert set(glob.glob(pattern)) <= before
     assert set(multiprocessing.active_children()) <= children
+
+
+def test_startup_error_is_raised_and_leaves_nothing(vlm_path):
+    config = EngineArgs(model=vlm_path).create_engine_config()
+    config = dataclasses.replace(config, parallel=ParallelConfig(tensor_parallel_size=3))
+    with leaves_nothing(), pytest.raises(EngineStartupError, match="tensor_parallel_size"):
+        EngineCoreClient(config)
 
 
 def test_engine_core_started_before_its_config_exits_without_one(vlm_path):
     """The client starts the process first (it imports while the front end resolves the
     config): if the front end fails before sending one, the process exits by itself, and a
     client shut down then leaves nothing."""
-    pattern = os.path.join(tempfile.gettempdir(), "mm_serve-*")
-    before = set(glob.glob(pattern))
-    children = set(multiprocessing.active_children())
-    client = EngineCoreClient()
-    assert client.engine_info is None and client._proc.is_alive()
-    client._process.config_writer.close()  # what a front end that failed does
-    client._proc.join(timeout=120)
-    assert client._proc.exitcode == 0
-    client.shutdown()
-    assert set(glob.glob(pattern)) <= before
-    assert set(multiprocessing.active_children()) <= children
+    with leaves_nothing():
+        client = EngineCoreClient()
+        assert client.engine_info is None and client._proc.is_alive()
+        client._process.config_writer.close()  # what a front end that failed does
+        client._proc.join(timeout=120)
+        assert client._proc.exitcode == 0
+        client.shutdown()
 
     client = EngineCoreClient()  # started, then given its config
     client.start(EngineArgs(model=vlm_path, num_kv_blocks=16).create_engine_config())
@@ -60,10 +63,8 @@ def test_engine_core_started_before_its_config_exits_without_one(vlm_path):
 
 
 def test_async_llm_failing_before_its_config_leaves_nothing(tmp_path):
-    children = set(multiprocessing.active_children())
-    with pytest.raises((ValueError, OSError)):
+    with leaves_nothing(), pytest.raises((ValueError, OSError)):
         AsyncLLM(EngineArgs(model=str(tmp_path / "no-such-model")))
-    assert set(multiprocessing.active_children()) <= children
 
 
 ORPHAN_SCRIPT = """
