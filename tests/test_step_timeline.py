@@ -63,14 +63,21 @@ def test_summary_splits_runs_and_classes(tmp_path):
 
 
 class _Model:
+    def __init__(self):
+        self.tower_runner = lambda images: [len(images)]
+
     def embed_images(self, images):
         time.sleep(0.002)
-        return [len(images)]
+        return self.tower_runner(images)
+
+    def compute_logits(self, hidden):
+        return hidden
 
 
 class _Runner:
     def __init__(self):
         self.model = _Model()
+        self.sampler = lambda logits: logits
 
     def execute_model(self, scheduler_output, *args):
         self.model.embed_images([1, 2])
@@ -88,7 +95,10 @@ class _Runner:
         return inputs
 
     def sample_tokens(self, hidden):
-        return hidden
+        return self._launch_output(self.sampler(self.model.compute_logits(hidden)))
+
+    def _launch_output(self, tokens):
+        return tokens
 
 
 class _EngineCore:

@@ -56,12 +56,18 @@ def step_counters() -> dict[str, float]:
 
 
 # The phases of a step whose host ms each record holds (as ``<phase>_ms``) when the runner is
-# in the engine core's process: the schedule (to ``execute_model``), then the runner's.
+# in the engine core's process: the schedule (to ``execute_model``), then the runner's. The
+# last four are parts of the one before them: the tower's graph replays (within "images"),
+# and the logits, the sampler and the tokens' copy to the host (within "sample").
 PHASES = {
     "images": ("model", "embed_images"),  # the vision encoder's launch and pixel staging
     "inputs": ("runner", "_prepare_inputs"),
     "forward": ("runner", "_forward"),
     "sample": ("runner", "sample_tokens"),
+    "tower": ("model", "tower_runner"),
+    "logits": ("model", "compute_logits"),
+    "sampler": ("runner", "sampler"),
+    "output": ("runner", "_launch_output"),
 }
 
 
@@ -80,7 +86,8 @@ class StepTimeline:
         if hasattr(runner, "launch_forward"):  # the runner in this process: time its phases
             for phase, (owner, name) in PHASES.items():
                 target = runner.model if owner == "model" else runner
-                setattr(target, name, self._timed(getattr(target, name), f"{phase}_ms"))
+                if getattr(target, name, None) is not None:  # (no tower runner: eager)
+                    setattr(target, name, self._timed(getattr(target, name), f"{phase}_ms"))
 
     def _timed(self, fn, key: str):
         """``fn``, adding its host ms to the current step's ``key`` (summed over calls)."""
