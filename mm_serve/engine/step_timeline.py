@@ -71,6 +71,13 @@ PHASES = {
 }
 
 
+# A phase call longer than this records whether the device had run out of work when it
+# returned (``<phase>_ms_drained``): a call that waited for the device to finish everything
+# queued (a synchronisation) returns to an idle device; one throttled by a full launch queue
+# returns to a busy one.
+LONG_CALL_MS = 5.0
+
+
 class StepTimeline:
     """Records ``engine_core``'s steps into ``path`` (JSON lines, appended)."""
 
@@ -99,7 +106,10 @@ class StepTimeline:
             finally:
                 if self.records:
                     record = self.records[-1]
-                    record[key] = record.get(key, 0.0) + (time.perf_counter() - start) * 1e3
+                    ms = (time.perf_counter() - start) * 1e3
+                    record[key] = record.get(key, 0.0) + ms
+                    if ms > LONG_CALL_MS and torch.cuda.is_initialized():  # device drained?
+                        record[f"{key}_drained"] = torch.cuda.current_stream().query()
 
         return timed
 

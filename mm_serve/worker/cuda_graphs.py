@@ -40,6 +40,7 @@ from mm_serve.attention import AttentionMetadata
 from mm_serve.cache.kv_cache_groups import kv_cache_layout
 from mm_serve.config import EngineConfig
 from mm_serve.worker.compile import LMForward
+from mm_serve.worker.gemm_warmup import warm_gemm_kernels
 from mm_serve.worker.graph_capture import capture_graph
 from mm_serve.worker.tower_graphs import EncoderCudaGraphs
 
@@ -328,7 +329,8 @@ def capture_graphs(
     model: torch.nn.Module, forward: LMForward, config: EngineConfig
 ) -> tuple[CudaGraphRunner | None, MixedCudaGraphRunner | None]:
     """Capture the decode graphs of ``model`` (its KV cache bound) and the mixed-step graphs
-    of ``forward`` into one pool, and send its vision tower, if it has one, through the
+    of ``forward`` into one pool, launch the GEMM kernels of the steps that run eagerly
+    (``worker.gemm_warmup``), and send its vision tower, if it has one, through the
     tower's graphs (``tower_runner``, ``worker.tower_graphs``). ``(None, None)`` on CPU, at
     compilation level 0, or when the kernels are forced to the host-looping references
     (``--kernel-mode ref``)."""
@@ -362,6 +364,8 @@ def capture_graphs(
             groups,
         )
         mixed.capture(pool)
+    scheduler = config.scheduler
+    warm_gemm_kernels(model, scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
     if hasattr(model, "tower_runner"):
         model.tower_runner = EncoderCudaGraphs(model.visual)
         model.tower_runner.capture_photos()

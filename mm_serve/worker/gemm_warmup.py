@@ -1,0 +1,76 @@
+"""Launch, at start-up, the cuBLAS kernels that the eager steps' GEMMs will pick.
+
+cuBLAS picks its kernel by the GEMM's shape, and for the LM's layers it picks tens of different
+kernels as the token count ``M`` varies (``mm_serve.benchmarks.gemm_kernels``: 74-144 per
+layer shape of Qwen2-VL-2B's LM over ``M = 1..8192``, 33 for its LM head over ``1..256``). The
+first launch of each one in a process sets its shared-memory attribute, and that call waits
+until the device has run everything queued (measured: a new ``M`` of the LM head behind 130 ms
+of queued work blocks the host for those 130 ms, the same ``M`` again for 0.02 ms). In a
+serving step the host is then stuck until the device runs dry, and the next step starts late.
+CUDA graphs load their kernels at capture; the steps that run eagerly are what this warms:
+
+- the logits, ``compute_logits`` over every row count up to ``max_num_seqs`` (the sampled
+  rows of a step);
+- the LM's linear layers (one of each weight shape) at every ``STRIDE``-th token count up to
+  ``max_num_batched_tokens``, and at that count itself (the full steps of a busy engine).
+
+Kernels of token counts between two warmed ones may remain: each costs one such wait, once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+
+from mm_serve.models.layers.linear import LinearBase, RowParallelLinear
+
+logger = logging.getLogger(__name__)
+
+STRIDE = 8  # token counts between two warmed LM GEMMs
+
+
+def lm_gemm_shapes(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """``(weight [N, K], bias [N] or None)`` of each distinct GEMM the LM's linear layers run
+    (``LinearBase``; the vision tower's ``nn.Linear`` layers run in CUDA graphs). A layer with
+    a bias gives the GEMM with it and without it: compiled code may add the bias apart."""
+    gemms: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for module in model.modules():
+        if not isinstance(module, LinearBase):
+            continue
+        weight = module.weight
+        biases = [None]
+        if module.bias is not None and not isinstance(module, RowParallelLinear):
+            biases.append(module.bias)  # (a row-parallel bias is added after the all-reduce)
+        for bias in biases:
+            gemms.setdefault((tuple(weight.shape), weight.dtype, bias is None), (weight, bias))
+    return list(gemms.values())
+
+
+@torch.inference_mode()
+def warm_gemm_kernels(model: torch.nn.Module, max_num_seqs: int, max_num_tokens: int) -> None:
+    """Run the LM head over ``1..max_num_seqs`` rows and each LM GEMM (``lm_gemm_shapes``)
+    over every ``STRIDE``-th token count up to ``max_num_tokens`` and that count itself, on
+    zero inputs; waits for the device at the end."""
+    start = time.perf_counter()
+    head = model.lm_head.weight
+    hidden = torch.zeros(max_num_seqs, head.shape[1], dtype=head.dtype, device=head.device)
+    for m in range(1, max_num_seqs + 1):
+        model.compute_logits(hidden[:m])
+    counts = sorted({1, *range(STRIDE, max_num_tokens + 1, STRIDE), max_num_tokens})
+    shapes = lm_gemm_shapes(model)
+    for weight, bias in shapes:
+        x = torch.zeros(max_num_tokens, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        for m in counts:
+            F.linear(x[:m], weight, bias)
+    torch.cuda.synchronize(head.device)
+    logger.info(
+        "Launched the LM head's GEMM for 1-%d rows and %d LM GEMM shapes for %d token counts "
+        "in %.1f s.",
+        max_num_seqs,
+        len(shapes),
+        len(counts),
+        time.perf_counter() - start,
+    )
