@@ -37,6 +37,9 @@
 # launches:   graph_launches (host time inside launches on a busy device, the engine's replays
 #             during a warm batch of workload 1), then warm_runs with uni, mp, uni, mp on the same
 #             machine (3 runs each): on a host whose decode steps are host-paced, does mp help?
+# exit-stacks: bench throughput of workload 1; once an engine core logs that its threads and
+#             sockets stopped, py-spy (native) dumps it 2 s later: where a core that the front
+#             end then kills after 5 s ("ignored SIGTERM") is stuck. py-spy on PATH
 # multi-gpu:  two GPUs (NCCL, NVLink multicast off): the tensor-parallel tests on CUDA; decode at
 #             batch 1 with TP=1 and TP=2; bench throughput (Qwen2-VL-7B, 256 x 448x448 image +
 #             50 tokens -> 128) at DP=1, DP=2 and TP=2; PEER=vllm adds vLLM at TP=1 and TP=2
@@ -148,6 +151,24 @@ for _ in range(300):
         --format raw --output "$OUT/first_batch_stacks.txt" >/dev/null 2>&1
       wait $runs; grep "^run" "$OUT/first_batch.log"
       $PY -m mm_serve.benchmarks.native_waits "$OUT/first_batch_stacks.txt" --threads 4 ;;
+    exit-stacks)
+      bench throughput --model-arch qwen2-vl-2b --num-prompts 256 --input-len 18 \
+        --output-len 128 --image-size 448 448 --max-model-len 4096 --no-hf --repeats 2 \
+        >"$OUT/exit.log" 2>&1 &
+      runs=$!; dumped=0
+      while kill -0 $runs 2>/dev/null; do
+        stopped=$(grep -c "stopped its threads and sockets" "$OUT/exit.log")
+        if (( stopped > dumped )); then
+          pid=$(grep -o "engine core process (pid [0-9]*)" "$OUT/exit.log" | sed -n "${stopped}p" \
+            | grep -o "[0-9]*")
+          sleep 2
+          py-spy dump --native --pid "$pid" >"$OUT/exit_stacks_$stopped.txt" 2>&1
+          dumped=$stopped
+        fi
+        sleep 0.2
+      done
+      grep "ignored SIGTERM\|out tok/s\|^mm_serve\|roofline" "$OUT/exit.log"
+      head -60 "$OUT"/exit_stacks_*.txt ;;
     launches)
       $PY -m mm_serve.benchmarks.graph_launches --model-arch qwen2-vl-2b --image-size 448 448 \
         --max-model-len 4096 --output-len 128 2>&1 | tee "$OUT/graph_launches.log" | tail -14
