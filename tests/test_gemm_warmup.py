@@ -9,7 +9,7 @@ from mm_serve.models.layers.linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
 )
-from mm_serve.worker.gemm_warmup import lm_gemm_shapes
+from mm_serve.worker.gemm_warmup import MAX_COUNTS, lm_gemm_shapes, token_counts
 
 
 def _layer():
@@ -40,3 +40,13 @@ def test_one_gemm_per_weight_shape_and_bias_across_layers():
     first = model.layers[0]
     assert any(b is first.qkv.bias for _, b in gemms)
     assert all(w.dtype == torch.float32 for w, _ in gemms)
+
+
+def test_token_counts_every_eighth_up_to_the_budget_then_wider():
+    """8,192 tokens: 1, 8, 16, ..., 8,192; an odd maximum is included; a larger budget keeps
+    the number of counts at ``MAX_COUNTS`` (plus the two ends)."""
+    counts = token_counts(8192)
+    assert counts[:3] == [1, 8, 16] and counts[-1] == 8192 and len(counts) == 1025
+    assert token_counts(100)[-2:] == [96, 100]
+    wide = token_counts(65536)
+    assert wide[:2] == [1, 64] and wide[-1] == 65536 and len(wide) <= MAX_COUNTS + 1

@@ -12,7 +12,8 @@ CUDA graphs load their kernels at capture; the steps that run eagerly are what t
 - the logits, ``compute_logits`` over every row count up to ``max_num_seqs`` (the sampled
   rows of a step);
 - the LM's linear layers (one of each weight shape) at every ``STRIDE``-th token count up to
-  ``max_num_batched_tokens``, and at that count itself (the full steps of a busy engine).
+  ``max_num_batched_tokens`` (a wider stride beyond ``MAX_COUNTS`` counts), and at that count
+  itself (the full steps of a busy engine).
 
 Kernels of token counts between two warmed ones may remain: each costs one such wait, once.
 """
@@ -30,6 +31,7 @@ from mm_serve.models.layers.linear import LinearBase, RowParallelLinear
 logger = logging.getLogger(__name__)
 
 STRIDE = 8  # token counts between two warmed LM GEMMs
+MAX_COUNTS = 1024  # at most this many token counts (1.5 s for Qwen2-VL-2B's 8,192 on an H200)
 
 
 def lm_gemm_shapes(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -49,17 +51,24 @@ def lm_gemm_shapes(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Ten
     return list(gemms.values())
 
 
+def token_counts(max_num_tokens: int) -> list[int]:
+    """The token counts the LM GEMMs are warmed at: 1, every ``STRIDE``-th (wider when that
+    would exceed ``MAX_COUNTS``) and ``max_num_tokens``, ascending."""
+    stride = max(STRIDE, -(-max_num_tokens // MAX_COUNTS))
+    return sorted({1, *range(stride, max_num_tokens + 1, stride), max_num_tokens})
+
+
 @torch.inference_mode()
 def warm_gemm_kernels(model: torch.nn.Module, max_num_seqs: int, max_num_tokens: int) -> None:
     """Run the LM head over ``1..max_num_seqs`` rows and each LM GEMM (``lm_gemm_shapes``)
-    over every ``STRIDE``-th token count up to ``max_num_tokens`` and that count itself, on
-    zero inputs; waits for the device at the end."""
+    over every ``STRIDE``-th token count (or wider) up to ``max_num_tokens`` and that count
+    itself, on zero inputs; waits for the device at the end."""
     start = time.perf_counter()
     head = model.lm_head.weight
     hidden = torch.zeros(max_num_seqs, head.shape[1], dtype=head.dtype, device=head.device)
     for m in range(1, max_num_seqs + 1):
         model.compute_logits(hidden[:m])
-    counts = sorted({1, *range(STRIDE, max_num_tokens + 1, STRIDE), max_num_tokens})
+    counts = token_counts(max_num_tokens)
     shapes = lm_gemm_shapes(model)
     for weight, bias in shapes:
         x = torch.zeros(max_num_tokens, weight.shape[1], dtype=weight.dtype, device=weight.device)
