@@ -1,0 +1,89 @@
+"""The vision tower's CUDA graphs over one encode step's images, by how the step is chunked.
+
+An encode step's images go through the tower's graphs in chunks (``worker.tower_graphs``:
+largest of ``CHUNK_COUNTS`` first, so 26 photos run as 16 + 8 + 2). A small chunk's GEMMs are
+short of rows: Qwen2-VL's ``proj`` and ``fc2`` have 1,280 output features, so a chunk of two
+448x448 images (2,048 rows) is a fraction of one wave of output tiles on 132 SMs. This script
+times the same images through graphs of other chunkings, in one process:
+
+    python -m mm_serve.benchmarks.tower_chunks [--model-arch qwen2-vl-2b] [--images 26]
+
+Each row is one chunking (its chunks' image counts) with the device ms of the whole step
+(CUDA events, median of ``--iters``, the rows interleaved) and its ratio to the engine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from mm_serve.benchmarks.tower_step import build_tower, time_ms
+from mm_serve.worker import tower_graphs
+from mm_serve.worker.tower_graphs import EncoderCudaGraphs
+
+
+def chunkings(images: int) -> list[list[int]]:
+    """The engine's chunking of ``images`` photos, then one chunk, two and three even ones."""
+    engine = tower_graphs.split_batch([(1, 32, 32)] * images, tower_graphs.DEFAULT_MAX_PATCHES)
+    rows = [[count for _, count, _ in engine]]
+    for parts in (1, 2, 3):
+        size = -(-images // parts)
+        rows.append([size] * (parts - 1) + [images - size * (parts - 1)])
+    return rows
+
+
+def chunked_run(tower, sizes: list[int], pixels: torch.Tensor, grid: tuple[int, int, int]):
+    """A function running ``pixels`` (same-grid images) through new tower graphs in chunks of
+    ``sizes`` images, each chunk one captured graph."""
+    patches = grid[0] * grid[1] * grid[2]
+    saved = tower_graphs.CHUNK_COUNTS
+    tower_graphs.CHUNK_COUNTS = tuple(sorted(set(sizes), reverse=True))
+    graphs = EncoderCudaGraphs(tower, max_patches=max(sizes) * patches)
+    starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+
+    def run():
+        tower_graphs.CHUNK_COUNTS = tuple(sorted(set(sizes), reverse=True))
+        try:
+            for first, last in zip(starts, starts[1:], strict=False):
+                graphs(pixels[first * patches : last * patches], [grid] * (last - first))
+        finally:
+            tower_graphs.CHUNK_COUNTS = saved
+
+    run()  # captures
+    assert graphs.num_eager == 0 and len(graphs.graphs) == len(set(sizes))
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-arch", default="qwen2-vl-2b")
+    parser.add_argument("--images", type=int, default=26)
+    parser.add_argument("--side", type=int, default=448)
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    tower = build_tower(args.model_arch, device).to(torch.bfloat16)
+    unit = tower.patch_embed.proj.weight.shape[-1] * tower.spatial_merge_size
+    side = args.side // unit * tower.spatial_merge_size  # in patches
+    grid, patches = (1, side, side), side * side
+    width = tower.patch_embed.proj.weight[0].numel()
+    pixels = torch.randn(args.images * patches, width, device=device, dtype=torch.bfloat16)
+    runs = {
+        "+".join(map(str, s)): chunked_run(tower, s, pixels, grid) for s in chunkings(args.images)
+    }
+    times = {name: [] for name in runs}
+    for _ in range(args.iters):
+        for name, run in runs.items():
+            times[name] += time_ms(run, 1)
+    base = None
+    print(f"{args.images} images of {args.side}x{args.side}, {torch.cuda.get_device_name()}")
+    for name, samples in times.items():
+        ms = statistics.median(samples)
+        base = base or ms
+        print(f"  chunks {name:>12}: {ms:7.2f} ms  ({ms / base:.3f} of the engine's)")
+
+
+if __name__ == "__main__":
+    main()
