@@ -3,9 +3,10 @@
 cuBLAS picks its kernel by the GEMM's shape, and for the LM's layers it picks tens of different
 kernels as the token count ``M`` varies (``mm_serve.benchmarks.gemm_kernels``: 74-144 per
 layer shape of Qwen2-VL-2B's LM over ``M = 1..8192``, 33 for its LM head over ``1..256``). The
-first launch of each one in a process sets its shared-memory attribute, and that call waits
-until the device has run everything queued (measured: a new ``M`` of the LM head behind 130 ms
-of queued work blocks the host for those 130 ms, the same ``M`` again for 0.02 ms). In a
+first launch of each one in a process waits until the device has run everything queued
+(measured: a new ``M`` of the LM head behind 130 ms of queued work blocks the host for those 130
+ms, the same ``M`` again for 0.02 ms; likely the kernel's attributes being set at its first
+use, a synchronising driver call, as CUDA's lazy loading is not the cause). In a
 serving step the host is then stuck until the device runs dry, and the next step starts late.
 CUDA graphs load their kernels at capture; the steps that run eagerly are what this warms:
 
