@@ -38,13 +38,12 @@ def chunked_run(tower, sizes: list[int], pixels: torch.Tensor, grid: tuple[int, 
     """A function running ``pixels`` (same-grid images) through new tower graphs in chunks of
     ``sizes`` images, each chunk one captured graph."""
     patches = grid[0] * grid[1] * grid[2]
-    saved = tower_graphs.CHUNK_COUNTS
-    tower_graphs.CHUNK_COUNTS = tuple(sorted(set(sizes), reverse=True))
     graphs = EncoderCudaGraphs(tower, max_patches=max(sizes) * patches)
     starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    saved, counts = tower_graphs.CHUNK_COUNTS, tuple(sorted(set(sizes), reverse=True))
 
-    def run():
-        tower_graphs.CHUNK_COUNTS = tuple(sorted(set(sizes), reverse=True))
+    def run():  # each chunk's count among CHUNK_COUNTS: one chunk, one graph per call
+        tower_graphs.CHUNK_COUNTS = counts
         try:
             for first, last in zip(starts, starts[1:], strict=False):
                 graphs(pixels[first * patches : last * patches], [grid] * (last - first))
