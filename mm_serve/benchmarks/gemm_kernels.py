@@ -1,12 +1,12 @@
 """Which cuBLAS kernel each token count gets, for the LM's linear layers.
 
-CUDA loads a kernel the first time it is launched (lazy loading, the default since CUDA 12),
-and loading one may synchronise the context: the host waits until the device has run
-everything queued. An eager step whose GEMM shape picks a kernel not launched before then
-stalls the engine's launch-ahead. This script lists, for each of the LM's linear shapes
-(``[M, K] x [K, N]``, bf16, with its bias where the layer has one), the kernels cuBLAS runs for
-every ``M`` in ``1..--max-tokens`` (``1..--max-num-seqs`` for the LM head: the sampled rows),
-and whether calling every ``--stride``-th ``M`` launches them all.
+The first launch of a cuBLAS kernel in a process waits until the device has run everything
+queued (BENCHMARKS.md), so an eager step whose GEMM picks a kernel not launched before stalls
+the engine's launch-ahead; start-up launches them first (``worker.gemm_warmup``). This script
+lists, for each GEMM that warm-up launches (the model built on ``meta``, ``lm_gemm_shapes``:
+``[M, K] x [K, N]``, bf16, with its bias or without), the kernels cuBLAS runs for every ``M`` in
+``1..--max-tokens`` (``1..--max-num-seqs`` for the LM head: the sampled rows), and whether
+calling every ``--stride``-th ``M`` launches them all.
 
     python -m mm_serve.benchmarks.gemm_kernels --model-arch qwen2-vl-2b --max-tokens 8192
 """
@@ -14,30 +14,31 @@ and whether calling every ``--stride``-th ``M`` launches them all.
 from __future__ import annotations
 
 import argparse
-import tempfile
-from collections import defaultdict
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig
 
-from mm_serve.benchmarks.architectures import ARCHITECTURES, write_architecture
+from mm_serve.benchmarks.architectures import ARCHITECTURES, _build_config
+from mm_serve.models.registry import get_model_class
+from mm_serve.worker.gemm_warmup import lm_gemm_shapes
 
 MARKER = "spin"  # torch.cuda._sleep's kernel name holds it: one between two calls
 
 
-def lm_linear_shapes(text_config) -> dict[str, tuple[int, int, bool]]:
-    """``{name: (K, N, has_bias)}`` of a Qwen2/Llama-style LM's linear layers."""
-    c = text_config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * head_dim
-    return {
-        "qkv_proj": (c.hidden_size, qkv, True),
-        "o_proj": (c.num_attention_heads * head_dim, c.hidden_size, False),
-        "gate_up_proj": (c.hidden_size, 2 * c.intermediate_size, False),
-        "down_proj": (c.intermediate_size, c.hidden_size, False),
-        "lm_head": (c.hidden_size, c.vocab_size, False),
-    }
+def model_gemms(name: str) -> dict[str, tuple[int, int, bool]]:
+    """``{label: (K, N, has_bias)}`` of the GEMMs ``warm_gemm_kernels`` launches for
+    architecture ``name``: its LM's (``lm_gemm_shapes``) and its LM head's (label
+    ``lm_head``)."""
+    config = _build_config(name, {})
+    with torch.device("meta"):
+        model = get_model_class(config)(config)
+    gemms = {}
+    for weight, bias in lm_gemm_shapes(model):
+        n, k = weight.shape
+        gemms[f"{n}x{k}" + (" + bias" if bias is not None else "")] = (k, n, bias is not None)
+    n, k = model.lm_head.weight.shape
+    return {**gemms, "lm_head": (k, n, False)}
 
 
 def kernels_per_m(k: int, n: int, bias: bool, ms: list[int]) -> dict[int, tuple[str, ...]]:
@@ -73,19 +74,18 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--stride", type=int, nargs="+", default=[8, 16, 64])
     args = parser.parse_args()
-    config = AutoConfig.from_pretrained(write_architecture(args.model_arch, tempfile.mkdtemp()))
-    for name, (k, n, bias) in lm_linear_shapes(config.get_text_config()).items():
+    for name, (k, n, bias) in model_gemms(args.model_arch).items():
         max_m = args.max_num_seqs if name == "lm_head" else args.max_tokens
         chosen = kernels_per_m(k, n, bias, list(range(1, max_m + 1)))
         first_m: dict[str, int] = {}
-        ranges: dict[str, list[int]] = defaultdict(list)
+        num_ms: Counter[str] = Counter()
         for m, names in chosen.items():
             for kernel in names:
                 first_m.setdefault(kernel, m)
-                ranges[kernel].append(m)
+                num_ms[kernel] += 1
         print(f"{name}: K={k} N={n} bias={bias}: {len(first_m)} kernels")
         for kernel, m in sorted(first_m.items(), key=lambda item: item[1]):
-            print(f"  first M {m:5d}, {len(ranges[kernel]):5d} Ms: {kernel[:90]}")
+            print(f"  first M {m:5d}, {num_ms[kernel]:5d} Ms: {kernel[:90]}")
         for stride in args.stride:
             swept = {1, *range(stride, max_m + 1, stride)}
             covered = {kernel for m in swept for kernel in chosen[m]}
