@@ -10,8 +10,10 @@ host's time per step (schedule to launched, and the whole ``step()``), the devic
 include the bubbles inside a step where the host launched slower than the device ran. Each
 class also sums its steps' counters (the caching allocators' new blocks and retries, the
 engine thread's CPU time and page faults, garbage collections) and gives the median host ms of
-each phase of a step: the schedule, the image encoder's launch, the inputs, the forward pass,
-the sampling (recorded when the runner is in the engine core's process).
+each phase of a step: the schedule, the image encoder's launch (its tower replays within it),
+the inputs, the forward pass, the sampling (its logits, sampler and copy to the host within it),
+recorded when the runner is in the engine core's process. ``--steps`` prints each step, naming
+after its phase times the phase calls that returned to an idle device (``<phase>_ms_drained``).
 """
 
 from __future__ import annotations
@@ -128,6 +130,7 @@ def main() -> None:
                 f"gap={r.get('gap_ms', 0):.2f} "
                 + " ".join(f"{k}={r[k]:.0f}" for k in COUNTERS if k in r)
                 + "".join(f" {k}={r[k]:.2f}" for k in PHASE_KEYS if k in r)
+                + "".join(f" {k}" for k in PHASE_KEYS if r.get(f"{k}_drained"))
             )
 
 
