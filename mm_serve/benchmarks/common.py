@@ -74,6 +74,14 @@ def add_image_args(parser: argparse.ArgumentParser) -> None:
         metavar=("WIDTH", "HEIGHT"),
         help="Noise image size in pixels (default: 448 448, 256 image tokens on Qwen2-VL).",
     )
+    group.add_argument(
+        "--max-image-size",
+        type=int,
+        nargs=2,
+        metavar=("WIDTH", "HEIGHT"),
+        help="Photos of varied sizes: each image's width and height drawn uniformly from "
+        "--image-size's up to these.",
+    )
     group.add_argument("--num-images", type=int, default=1, help="Images per request.")
 
 
@@ -128,8 +136,15 @@ def profile_prompts(args: argparse.Namespace, model_type: str, seed: int, count:
     """``count`` image prompts of a profiling script's flags (``profile_parser``): random words
     and noise images of ``seed``, as ``LLM.generate`` takes them."""
     size = tuple(args.image_size)
+    largest = getattr(args, "max_image_size", None)
     requests = random_image_dataset(
-        count, args.input_len, args.output_len, size, seed=seed, num_images=args.num_images
+        count,
+        args.input_len,
+        args.output_len,
+        size,
+        args.num_images,
+        seed,
+        largest and tuple(largest),
     )
     return image_prompts(requests, model_type)
 

@@ -49,15 +49,27 @@ def random_image_dataset(
     image_size: tuple[int, int] = (448, 448),
     num_images: int = 1,
     seed: int = 0,
+    max_image_size: tuple[int, int] | None = None,
 ) -> list[BenchRequest]:
     """``num_requests`` requests of ``input_len`` random words and ``num_images`` noise images
-    of ``image_size`` (width, height) each, every one asking for ``output_len`` tokens."""
+    of ``image_size`` (width, height) each, every one asking for ``output_len`` tokens. With
+    ``max_image_size``, each image's width and height are drawn uniformly from
+    ``image_size``'s up to ``max_image_size``'s (photos of varied sizes)."""
     words = random.Random(seed)
     pixels = np.random.default_rng(seed)
+    high = max_image_size or image_size
+    if any(lo > hi for lo, hi in zip(image_size, high, strict=True)):
+        raise ValueError(f"max_image_size {high} is below image_size {image_size}.")
+
+    def image() -> Image.Image:
+        sides = zip(image_size, high, strict=True)
+        width, height = (int(pixels.integers(lo, hi + 1)) for lo, hi in sides)
+        return random_image(pixels, width, height)
+
     return [
         BenchRequest(
             prompt=" ".join(words.choice(_WORDS) for _ in range(input_len)),
-            images=tuple(random_image(pixels, *image_size) for _ in range(num_images)),
+            images=tuple(image() for _ in range(num_images)),
             output_len=output_len,
         )
         for _ in range(num_requests)

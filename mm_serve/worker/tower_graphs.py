@@ -8,15 +8,16 @@ images the host still launched barely ahead of the device, which idled between k
 batch goes through the graphs in chunks: each run of consecutive images of one grid is split
 into chunks of ``CHUNK_COUNTS`` images, largest first (27 photos: 16, 8, 3), of at most
 ``max_patches`` patches each. The tower attends within an image, so chunks give the batch's
-result. The first chunk of a key (its grids) makes the tower's plan (``tower.plan``, kept for
-the graph's lifetime) and captures ``tower.run`` over the shared static pixel buffer; later
+result. A key (its grids) is captured the second time it is met: its plan (``tower.plan``,
+kept for the graph's lifetime) and ``tower.run`` over the shared static pixel buffer; later
 chunks of the key copy their pixels in and replay. A capture while serving costs one more
 tower forward and stalls nothing (``capture_graph``).
 
-At most ``max_graphs`` keys are captured; a chunk of another key, and an image over
-``max_patches`` patches, run eagerly. Start-up captures photo-sized chunks
-(``capture_photos``). All graphs share one memory pool; each replay's output is copied out
-before the next can overwrite it.
+Every chunk without a graph (a key met once, a key beyond ``max_graphs``, an image over
+``max_patches`` patches) runs in one eager forward over all such images of the batch: photos
+of varied sizes, each its own key, cost one tower forward per step, not one per image.
+Start-up captures photo-sized chunks (``capture_photos``). All graphs share one memory pool;
+each replay's output is copied out before the next can overwrite it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ CHUNK_COUNTS = (16, 8, 4, 3, 2, 1)
 # A chunk's patches: 16 images of 448x448 (1,024 patches each).
 DEFAULT_MAX_PATCHES = 16384
 DEFAULT_MAX_GRAPHS = 32
+# Keys met once that are remembered (a key's second sighting captures it).
+MAX_SEEN_KEYS = 4096
 # Start-up captures chunks of images of this side in pixels (start-up's warm-up sends them).
 PHOTO_SIDE = 448
 
@@ -96,6 +99,7 @@ class EncoderCudaGraphs:
         self.max_patches = max_patches
         self.max_graphs = max_graphs
         self.graphs: dict[GridsKey, _TowerGraph] = {}
+        self.seen: set[GridsKey] = set()  # keys met once, without a graph
         self.pool = torch.cuda.graph_pool_handle()
         weight = tower.patch_embed.proj.weight  # [dim, C, T, P, P]
         self.pixels = torch.zeros(  # every graph's input: its first rows
@@ -112,34 +116,52 @@ class EncoderCudaGraphs:
         for t, h, w in grids:
             patch_starts.append(patch_starts[-1] + t * h * w)
             row_starts.append(row_starts[-1] + t * h * w // merge**2)
-        chunks = split_batch(grids, self.max_patches)
-        out = None
-        for first, count, graphed in chunks:
+        replayed, eager = [], []  # (first image, last image + 1[, graph])
+        for first, count, fits in split_batch(grids, self.max_patches):
             last = first + count
-            chunk = pixel_values[patch_starts[first] : patch_starts[last]]
-            rows, replayed = self._run(chunk, tuple(grids[first:last]), graphed)
-            if len(chunks) == 1:
-                return rows.clone() if replayed else rows
+            graph = self._graph(tuple(grids[first:last])) if fits else None
+            if graph is None:
+                eager.append((first, last))
+            else:
+                replayed.append((first, last, graph))
+        if not replayed:  # one eager forward over the whole batch
+            return self._eager(pixel_values, grids)
+        out = None
+        if eager:  # one eager forward over every image without a graph
+            pixels = torch.cat([pixel_values[patch_starts[a] : patch_starts[b]] for a, b in eager])
+            rows = self._eager(pixels, [g for a, b in eager for g in grids[a:b]])
+            out = rows.new_empty((row_starts[-1], rows.shape[1]))
+            sizes = [row_starts[b] - row_starts[a] for a, b in eager]
+            for (a, b), part in zip(eager, rows.split(sizes), strict=True):
+                out[row_starts[a] : row_starts[b]] = part
+        for a, b, graph in replayed:
+            self.pixels[: patch_starts[b] - patch_starts[a]] = pixel_values[
+                patch_starts[a] : patch_starts[b]
+            ]
+            graph.graph.replay()
+            self.num_replays += 1
+            if len(replayed) == 1 and out is None:
+                return graph.output.clone()
             if out is None:
-                out = rows.new_empty((row_starts[-1], rows.shape[1]))
-            out[row_starts[first] : row_starts[last]] = rows
+                out = graph.output.new_empty((row_starts[-1], graph.output.shape[1]))
+            out[row_starts[a] : row_starts[b]] = graph.output
         return out
 
-    def _run(self, pixels: torch.Tensor, key: GridsKey, graphed: bool) -> tuple[torch.Tensor, bool]:
-        """One chunk's rows and whether a graph gave them (then valid until the next replay):
-        through its graph, captured now if new and room is left, else eagerly."""
+    def _graph(self, key: GridsKey) -> _TowerGraph | None:
+        """The graph of ``key``: captured on the key's second sighting while room is left (a
+        one-off image size runs eagerly, batched with the step's other such images)."""
         graph = self.graphs.get(key)
-        if graph is None and graphed and len(self.graphs) < self.max_graphs:
-            graph = self._capture(key, len(pixels))
-        if graph is None:
-            self.num_eager += 1
-            return self.tower.run(
-                pixels, self.tower.plan([list(g) for g in key], pixels.device)
-            ), False
-        self.pixels[: len(pixels)] = pixels
-        graph.graph.replay()
-        self.num_replays += 1
-        return graph.output, True
+        if graph is None and len(self.graphs) < self.max_graphs:
+            if key in self.seen:
+                graph = self._capture(key, sum(t * h * w for t, h, w in key))
+            elif len(self.seen) < MAX_SEEN_KEYS:
+                self.seen.add(key)
+        return graph
+
+    def _eager(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """One eager tower forward over images of ``grids``."""
+        self.num_eager += 1
+        return self.tower.run(pixels, self.tower.plan([list(g) for g in grids], pixels.device))
 
     @torch.inference_mode()
     def capture_photos(self, side: int = PHOTO_SIDE) -> None:

@@ -1,0 +1,80 @@
+"""The decode step's GEMMs at batch ``M``: cuBLAS against the kernels Inductor's max-autotune picks.
+
+For each GEMM of the LM (``gemm_kernels.model_gemms``: the model on ``meta``), one CUDA graph of
+``--layers`` calls, each on its own weight (as the decode graph runs them: no weight reused from
+L2), is replayed; the table gives microseconds per call, the matmul-rate and copy-rate floors of
+one call, and the ratio. Inductor's choice is ``torch.compile(F.linear, mode=
+"max-autotune-no-cudagraphs")`` over the same shapes (its autotune log names the kernel).
+
+    python -m mm_serve.benchmarks.decode_gemms --model-arch qwen2-vl-2b --batch-sizes 128 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from mm_serve.benchmarks.architectures import ARCHITECTURES
+from mm_serve.benchmarks.gemm_kernels import model_gemms
+from mm_serve.benchmarks.roofline import measure_rates
+
+
+def graph_us(call, args_per_layer: list[tuple], repeats: int = 50) -> float:
+    """Median microseconds per call of ``call(*args)`` over the layers, in one CUDA graph."""
+    for args in args_per_layer[:2]:
+        call(*args)  # compile / autotune outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for args in args_per_layer:
+            call(*args)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(args_per_layer))
+    return statistics.median(times)
+
+
+def rows(arch: str, batch_sizes: list[int], layers: int) -> list[tuple]:
+    """``(gemm, M, cuBLAS us, Inductor us, matmul floor us, copy floor us)`` per shape and M."""
+    rates = measure_rates("cuda")
+    flops, bps = rates.matmul_flops_per_s, rates.copy_bytes_per_s
+    compiled = torch.compile(F.linear, mode="max-autotune-no-cudagraphs", dynamic=False)
+    out = []
+    for label, (k, n, has_bias) in model_gemms(arch).items():
+        count = 2 if label == "lm_head" else layers  # one LM head; two copies leave L2 cold
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if has_bias else None
+        for m in batch_sizes:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            args = [(x, w, bias) for w in weights]
+            cublas, inductor = graph_us(F.linear, args), graph_us(compiled, args)
+            floor_mm, floor_copy = 2 * m * n * k / flops * 1e6, 2 * n * k / bps * 1e6
+            out.append((label, m, cublas, inductor, floor_mm, floor_copy))
+            print(*(f"{v:.2f}" if isinstance(v, float) else v for v in out[-1]), flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-arch", default="qwen2-vl-2b", choices=sorted(ARCHITECTURES))
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[128, 256])
+    parser.add_argument("--layers", type=int, default=28)
+    args = parser.parse_args()
+    table = rows(args.model_arch, args.batch_sizes, args.layers)
+    print("| GEMM | M | cuBLAS us | Inductor max-autotune us | matmul floor | copy floor |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for label, m, cublas, inductor, floor_mm, floor_copy in table:
+        cells = (f"{v:.2f}" for v in (cublas, inductor, floor_mm, floor_copy))
+        print(f"| {label} | {m} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
