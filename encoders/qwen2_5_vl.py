@@ -166,7 +166,7 @@ class Qwen2_5_VisionTransformer(Qwen2VisionTransformer):
         self.window_size = cfg.window_size
         self.fullatt_block_indexes = set(cfg.fullatt_block_indexes)
 
-    def plan(self, grids: list[list[int]], device: torch.device) -> TowerPlan:
+    def plan(self, grids: list[list[int]], device: torch.device, dense: bool = True) -> TowerPlan:
         """The host-side part of a forward (see ``Qwen2VisionTransformer.plan``): rotary tables
         in window order, the frame and window segments and the window order itself."""
         merge, dtype = self.spatial_merge_size, self.patch_embed.proj.weight.dtype
@@ -177,6 +177,6 @@ class Qwen2_5_VisionTransformer(Qwen2VisionTransformer):
             to_window_order(cos, index, merge), to_window_order(sin, index, merge)
         )
         # Windows never cross a frame, so per-frame boundaries stay valid after the permutation.
-        full = varlen_segments(frame_bounds(grids), device, dtype)
-        windows = varlen_segments(cu_window, device, dtype)
+        full = varlen_segments(frame_bounds(grids), device, dtype, dense)
+        windows = varlen_segments(cu_window, device, dtype, dense)
         return TowerPlan(rotary, full, windows, index, torch.argsort(index))

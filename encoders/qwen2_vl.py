@@ -233,13 +233,14 @@ class Qwen2VisionTransformer(nn.Module):
         grids = check_grid(pixel_values, grid_thw, self.spatial_merge_size)
         return self.run(pixel_values, self.plan(grids, pixel_values.device))
 
-    def plan(self, grids: list[list[int]], device: torch.device) -> TowerPlan:
+    def plan(self, grids: list[list[int]], device: torch.device, dense: bool = True) -> TowerPlan:
         """The host-side part of a forward over images of ``grids`` (``[t, h, w]`` each): the
         rotary tables and attention segments, on ``device``. It depends on the grids alone,
-        so a CUDA graph of ``run`` can keep it (``worker.tower_graphs``)."""
+        so a CUDA graph of ``run`` can keep it (``worker.tower_graphs``). Equal segments go
+        to cuDNN unless not ``dense`` (``kernels.varlen_attention.make_segments``)."""
         merge, dtype = self.spatial_merge_size, self.patch_embed.proj.weight.dtype
         cos, sin = rotary_cos_sin(grids, merge, self.head_dim, self.rope_theta, device)
-        segments = varlen_segments(frame_bounds(grids), device, dtype)
+        segments = varlen_segments(frame_bounds(grids), device, dtype, dense)
         return TowerPlan(vision_rotary(cos, sin), segments, segments)
 
     def run(self, pixel_values: torch.Tensor, plan: TowerPlan) -> torch.Tensor:

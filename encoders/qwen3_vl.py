@@ -179,13 +179,15 @@ class Qwen3VisionTransformer(nn.Module):
         grids = check_grid(pixel_values, grid_thw, self.spatial_merge_size)
         return self.run(pixel_values, self.plan(grids, pixel_values.device))
 
-    def plan(self, grids: list[list[int]], device: torch.device) -> Qwen3TowerPlan:
+    def plan(
+        self, grids: list[list[int]], device: torch.device, dense: bool = True
+    ) -> Qwen3TowerPlan:
         """The host-side part of a forward over images of ``grids`` (``[t, h, w]`` each): the
         rotary tables, the per-frame attention segments and the position taps, on ``device``.
         """
         merge, dtype = self.spatial_merge_size, self.patch_embed.proj.weight.dtype
         cos, sin = rotary_cos_sin(grids, merge, self.head_dim, self.rope_theta, device)
-        segments = varlen_segments(frame_bounds(grids), device, dtype)
+        segments = varlen_segments(frame_bounds(grids), device, dtype, dense)
         indices, weights = position_taps(grids, self.num_grid_per_side, merge)
         return Qwen3TowerPlan(
             vision_rotary(cos, sin),

@@ -307,13 +307,16 @@ def apply_mrotary(
     return query, key
 
 
-def varlen_segments(bounds: list[int], device: torch.device, dtype: torch.dtype) -> Segments:
+def varlen_segments(
+    bounds: list[int], device: torch.device, dtype: torch.dtype, dense: bool = True
+) -> Segments:
     """The segments ``[bounds[i], bounds[i + 1])`` of a vision tower forward for
     ``varlen_attention``, with ``dtype`` activations on ``device``: for FlashAttention-2's
-    varlen kernel (torch's) on CUDA in fp16/bf16, else grouped by length for batched SDPA."""
+    varlen kernel (torch's) on CUDA in fp16/bf16, equal segments to cuDNN unless not
+    ``dense`` (``make_segments``), else grouped by length for batched SDPA."""
     flash = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
     flash = flash and varlen.has_flash_varlen() and kernel_mode() != "ref"
-    return varlen.make_segments(bounds, device, flash)
+    return varlen.make_segments(bounds, device, flash, dense)
 
 
 def varlen_attention(

@@ -152,16 +152,20 @@ class Segments:
     dense: bool = False
 
 
-def make_segments(bounds: list[int], device: torch.device, flash: bool) -> Segments:
+def make_segments(
+    bounds: list[int], device: torch.device, flash: bool, dense: bool = True
+) -> Segments:
     """The segments ``[bounds[i], bounds[i + 1])`` (empty ones dropped) on ``device``, grouped
-    by length unless ``flash``; with ``flash``, segments of one length are ``dense`` where
-    cuDNN's attention is measured faster (``dense_attention``)."""
+    by length unless ``flash``; with ``flash`` and ``dense``, segments of one length are
+    ``dense`` where cuDNN's attention is measured faster (``dense_attention``). A forward
+    that runs once per shape passes ``dense=False``: cuDNN builds a plan per new shape
+    (60-100 ms), FlashAttention-2 none."""
     bounds = [b for i, b in enumerate(bounds) if i == 0 or b != bounds[i - 1]]
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
     cu_seqlens = host_to_device(torch.tensor(bounds, dtype=torch.int32), device)
     max_len = max(lengths, default=0)
     if flash:
-        dense = len(set(lengths)) == 1 and has_dense_cudnn(device)
+        dense = dense and len(set(lengths)) == 1 and has_dense_cudnn(device)
         return Segments(cu_seqlens, max_len, None, dense)
     by_length: dict[int, list[int]] = {}
     for start, length in zip(bounds[:-1], lengths, strict=True):

@@ -207,8 +207,10 @@ def test_dense_parts_are_powers_of_two_within_the_cap() -> None:
 
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 @pytest.mark.parametrize("num_images", [1, 3, 27])
-def test_vision_attention_of_equal_segments_matches_the_reference(num_images) -> None:
-    """Same-size images go to cuDNN in power-of-two parts; every image attends to itself only."""
+@pytest.mark.parametrize("dense", [True, False])
+def test_vision_attention_of_equal_segments_matches_the_reference(num_images, dense) -> None:
+    """Same-size images go to cuDNN in power-of-two parts (not ``dense``: FlashAttention-2's
+    varlen kernel); every image attends to itself only."""
     from mm_serve.kernels import varlen_attention as varlen
 
     length, heads, head_dim = 256, 16, 80
@@ -218,8 +220,8 @@ def test_vision_attention_of_equal_segments_matches_the_reference(num_images) ->
         torch.randn(bounds[-1], heads, head_dim, generator=gen).to("cuda", torch.bfloat16)
         for _ in range(3)
     )
-    segments = dispatch.varlen_segments(bounds, q.device, q.dtype)
-    assert segments.dense == varlen.has_dense_cudnn(q.device)
+    segments = dispatch.varlen_segments(bounds, q.device, q.dtype, dense)
+    assert segments.dense == (dense and varlen.has_dense_cudnn(q.device))
     out = dispatch.varlen_attention(q, k, v, segments)
     ref_segments = varlen.make_segments(bounds, q.device, flash=False)
     ref = varlen.segment_attention_ref(q.float(), k.float(), v.float(), ref_segments)
