@@ -176,7 +176,8 @@ def test_tower_graph_chunks_match_one_eager_forward(hf_cls, ours_cls, make_confi
     pixel_values, grid_thw = _qwen_inputs(config, grids)
     pixel_values = pixel_values.to("cuda", torch.bfloat16)
     expected = ours(pixel_values, grid_thw)
-    runner = EncoderCudaGraphs(ours, max_patches=4 * 64)  # chunks: 4 + 2, 2, 1, 4 + 1
+    # chunks: 4 + 2, 2, 1, 4 + 1; a key is captured when met twice
+    runner = EncoderCudaGraphs(ours, max_patches=4 * 64, capture_after=2)
     chunks = split_batch(grids, runner.max_patches)
     assert [count for _, count, _ in chunks] == [4, 2, 2, 1, 4, 1]
     # Keys met once run in one eager forward; 4 x (1, 8, 8), met twice, is captured.

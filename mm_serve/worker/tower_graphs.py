@@ -8,13 +8,13 @@ images the host still launched barely ahead of the device, which idled between k
 batch goes through the graphs in chunks: each run of consecutive images of one grid is split
 into chunks of ``CHUNK_COUNTS`` images, largest first (27 photos: 16, 8, 3), of at most
 ``max_patches`` patches each. The tower attends within an image, so chunks give the batch's
-result. A key (its grids) is captured the second time it is met: its plan (``tower.plan``,
-kept for the graph's lifetime) and ``tower.run`` over the shared static pixel buffer; later
-chunks of the key copy their pixels in and replay. A capture while serving costs one more
-tower forward and stalls nothing (``capture_graph``).
+result. A key (its grids) is captured the ``capture_after``-th time it is met: its plan
+(``tower.plan``, kept for the graph's lifetime) and ``tower.run`` over the shared static pixel
+buffer; later chunks of the key copy their pixels in and replay. A capture while serving
+costs one more tower forward and stalls nothing (``capture_graph``).
 
-Every chunk without a graph (a key met once, a key beyond ``max_graphs``, an image over
-``max_patches`` patches) runs in one eager forward over all such images of the batch: photos
+Every chunk without a graph (a key met fewer times, a key beyond ``max_graphs``, an image
+over ``max_patches`` patches) runs in one eager forward over all such images of the batch: photos
 of varied sizes, each its own key, cost one tower forward per step, not one per image.
 Start-up captures photo-sized chunks (``capture_photos``). All graphs share one memory pool;
 each replay's output is copied out before the next can overwrite it.
@@ -40,7 +40,11 @@ CHUNK_COUNTS = (16, 8, 4, 3, 2, 1)
 # A chunk's patches: 16 images of 448x448 (1,024 patches each).
 DEFAULT_MAX_PATCHES = 16384
 DEFAULT_MAX_GRAPHS = 32
-# Keys met once that are remembered (a key's second sighting captures it).
+# A key is captured when met this many times: a capture while serving (an eager forward, the
+# capture, a cuDNN plan: 100-150 ms of host time on an H100) pays off only for a key that
+# recurs; photos of varied sizes rarely do, a pipeline's pages or frames at once.
+CAPTURE_AFTER = 4
+# At most this many keys without a graph are counted.
 MAX_SEEN_KEYS = 4096
 # Start-up captures chunks of images of this side in pixels (start-up's warm-up sends them).
 PHOTO_SIDE = 448
@@ -94,12 +98,14 @@ class EncoderCudaGraphs:
         tower: nn.Module,
         max_patches: int = DEFAULT_MAX_PATCHES,
         max_graphs: int = DEFAULT_MAX_GRAPHS,
+        capture_after: int = CAPTURE_AFTER,
     ) -> None:
         self.tower = tower
         self.max_patches = max_patches
         self.max_graphs = max_graphs
         self.graphs: dict[GridsKey, _TowerGraph] = {}
-        self.seen: set[GridsKey] = set()  # keys met once, without a graph
+        self.capture_after = capture_after
+        self.seen: dict[GridsKey, int] = {}  # how often each key without a graph was met
         self.pool = torch.cuda.graph_pool_handle()
         weight = tower.patch_embed.proj.weight  # [dim, C, T, P, P]
         self.pixels = torch.zeros(  # every graph's input: its first rows
@@ -148,14 +154,16 @@ class EncoderCudaGraphs:
         return out
 
     def _graph(self, key: GridsKey) -> _TowerGraph | None:
-        """The graph of ``key``: captured on the key's second sighting while room is left (a
-        one-off image size runs eagerly, batched with the step's other such images)."""
+        """The graph of ``key``: captured when met ``capture_after`` times while room is left
+        (until then the key runs eagerly, batched with the step's other such images)."""
         graph = self.graphs.get(key)
         if graph is None and len(self.graphs) < self.max_graphs:
-            if key in self.seen:
+            seen = self.seen.get(key, 0) + 1
+            if seen >= self.capture_after:
+                self.seen.pop(key, None)
                 graph = self._capture(key, sum(t * h * w for t, h, w in key))
-            elif len(self.seen) < MAX_SEEN_KEYS:
-                self.seen.add(key)
+            elif key in self.seen or len(self.seen) < MAX_SEEN_KEYS:
+                self.seen[key] = seen
         return graph
 
     def _eager(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
