@@ -241,3 +241,25 @@ def test_host_overhead_script(images) -> None:
     for batch, step_ms, per_request_us in rows:
         assert float(step_ms) > 0
         assert abs(float(per_request_us) - float(step_ms) * 1e3 / int(batch)) < 1.0  # rounding
+
+
+def test_varied_image_sizes_in_the_profiling_flags() -> None:
+    """``--max-image-size`` draws each image's width and height between ``--image-size``'s and
+    its own, reproducibly by seed; a range that ends below its start is an error."""
+    from mm_serve.benchmarks import common
+    from mm_serve.benchmarks.datasets import random_image_dataset
+
+    parser = common.profile_parser("profile", output_len=4)
+    args = parser.parse_args(
+        ["--image-size", "56", "84", "--max-image-size", "112", "90", "--num-prompts", "3"]
+    )
+    prompts = common.profile_prompts(args, "qwen2_vl", seed=5, count=40)
+    sizes = [p["multi_modal_data"]["image"][0].size for p in prompts]
+    assert all(56 <= w <= 112 and 84 <= h <= 90 for w, h in sizes)
+    assert len(set(sizes)) > 10
+    again = common.profile_prompts(args, "qwen2_vl", seed=5, count=40)
+    assert [p["multi_modal_data"]["image"][0].size for p in again] == sizes
+    fixed = common.profile_prompts(parser.parse_args([]), "qwen2_vl", seed=5, count=3)
+    assert {p["multi_modal_data"]["image"][0].size for p in fixed} == {(448, 448)}
+    with pytest.raises(ValueError, match="below image_size"):
+        random_image_dataset(1, image_size=(64, 64), max_image_size=(32, 128))

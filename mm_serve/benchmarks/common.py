@@ -74,14 +74,6 @@ def add_image_args(parser: argparse.ArgumentParser) -> None:
         metavar=("WIDTH", "HEIGHT"),
         help="Noise image size in pixels (default: 448 448, 256 image tokens on Qwen2-VL).",
     )
-    group.add_argument(
-        "--max-image-size",
-        type=int,
-        nargs=2,
-        metavar=("WIDTH", "HEIGHT"),
-        help="Photos of varied sizes: each image's width and height drawn uniformly from "
-        "--image-size's up to these.",
-    )
     group.add_argument("--num-images", type=int, default=1, help="Images per request.")
 
 
@@ -135,16 +127,9 @@ def image_prompts(requests: list[BenchRequest], model_type: str) -> list[dict[st
 def profile_prompts(args: argparse.Namespace, model_type: str, seed: int, count: int) -> list:
     """``count`` image prompts of a profiling script's flags (``profile_parser``): random words
     and noise images of ``seed``, as ``LLM.generate`` takes them."""
-    size = tuple(args.image_size)
-    largest = getattr(args, "max_image_size", None)
+    size, largest = tuple(args.image_size), args.max_image_size and tuple(args.max_image_size)
     requests = random_image_dataset(
-        count,
-        args.input_len,
-        args.output_len,
-        size,
-        args.num_images,
-        seed,
-        largest and tuple(largest),
+        count, args.input_len, args.output_len, size, args.num_images, seed, largest
     )
     return image_prompts(requests, model_type)
 
@@ -162,11 +147,20 @@ def warm_preprocessed_batch(llm: Any, args: argparse.Namespace, params: Any) -> 
 
 def profile_parser(doc: str, output_len: int) -> argparse.ArgumentParser:
     """The flags of a profiling script (described by the first line of ``doc``): the model
-    and image flags, ``--num-prompts`` (256), ``--input-len`` (18 random words, as
-    ``bench throughput``'s image workload) and ``--output-len`` (``output_len`` tokens)."""
+    and image flags, ``--max-image-size`` (``profile_prompts``: photos of varied sizes),
+    ``--num-prompts`` (256), ``--input-len`` (18 random words, as ``bench throughput``'s image
+    workload) and ``--output-len`` (``output_len`` tokens)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     add_model_args(parser)
     add_image_args(parser)
+    parser.add_argument(
+        "--max-image-size",
+        type=int,
+        nargs=2,
+        metavar=("WIDTH", "HEIGHT"),
+        help="Photos of varied sizes: each image's width and height drawn uniformly from "
+        "--image-size's up to these.",
+    )
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=18)
     parser.add_argument("--output-len", type=int, default=output_len)

@@ -20,7 +20,6 @@ import time
 import torch
 
 from mm_serve.benchmarks import common
-from mm_serve.benchmarks.datasets import random_image_dataset
 
 
 class PhaseTimer:
@@ -75,10 +74,7 @@ def main() -> None:
         model_type = llm.config.model.hf_config.model_type
 
         def prompts(seed: int):
-            requests = random_image_dataset(
-                args.num_prompts, args.input_len, args.output_len, tuple(args.image_size), seed=seed
-            )
-            return common.image_prompts(requests, model_type)
+            return common.profile_prompts(args, model_type, seed, args.num_prompts)
 
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
         llm.generate(prompts(1), params, use_tqdm=False)  # warm-up: shapes, graphs
