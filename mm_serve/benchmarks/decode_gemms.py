@@ -45,6 +45,8 @@ def graph_us(call, args_per_layer: list[tuple], repeats: int = 50) -> float:
 def rows(arch: str, batch_sizes: list[int], layers: int) -> list[tuple]:
     """``(gemm, M, cuBLAS us, Inductor us, matmul floor us, copy floor us)`` per shape and M."""
     rates = measure_rates("cuda")
+    # One compiled F.linear per shape and M: past Dynamo's default limit of 8 it runs eagerly.
+    torch._dynamo.config.recompile_limit = 64
     flops, bps = rates.matmul_flops_per_s, rates.copy_bytes_per_s
     compiled = torch.compile(F.linear, mode="max-autotune-no-cudagraphs", dynamic=False)
     out = []
