@@ -38,7 +38,7 @@ def chunked_run(tower, sizes: list[int], pixels: torch.Tensor, grid: tuple[int, 
     """A function running ``pixels`` (same-grid images) through new tower graphs in chunks of
     ``sizes`` images, each chunk one captured graph."""
     patches = grid[0] * grid[1] * grid[2]
-    graphs = EncoderCudaGraphs(tower, max_patches=max(sizes) * patches)
+    graphs = EncoderCudaGraphs(tower, max_patches=max(sizes) * patches, capture_after=1)
     starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
     saved, counts = tower_graphs.CHUNK_COUNTS, tuple(sorted(set(sizes), reverse=True))
 

@@ -90,7 +90,7 @@ class EncoderCudaGraphs:
 
     ``__call__(pixel_values [N, C*T*P*P], grids)`` returns what ``tower(pixel_values,
     grid_thw)`` does, ``[N // merge**2, out]``; ``grids`` must describe ``pixel_values``
-    (the tower's ``check_grid``). ``num_replays`` counts replays, ``num_eager`` eager chunks.
+    (the tower's ``check_grid``). ``num_replays`` counts replays, ``num_eager`` eager forwards.
     """
 
     def __init__(
