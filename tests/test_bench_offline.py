@@ -214,6 +214,24 @@ def test_bench_throughput_cli(tmp_path) -> None:
     assert result["load_format"] == "dummy" and result["dtype"] == "float32"
 
 
+def test_bench_throughput_cli_with_varied_image_sizes(tmp_path) -> None:
+    """``--max-image-size``: each image's size is drawn, recorded in the workload, and the HF
+    baseline (same requests) gets the same tokens; ``--peer-bench`` (one size) refuses it."""
+    args = ["throughput", "--num-prompts", "4", "--input-len", "6", "--output-len", "3"]
+    args += ["--image-size", "56", "56", "--max-image-size", "112", "140", "--hf-batch-sizes", "4"]
+    result, stdout = _run_bench(args, tmp_path)
+    workload = result["workload"]
+    assert workload["max_image_size"] == [112, 140] and len(workload["image_sizes"]) == 4
+    assert all(56 <= w <= 112 and 56 <= h <= 140 for w, h in workload["image_sizes"])
+    assert len({tuple(size) for size in workload["image_sizes"]}) > 1
+    assert "1 x 56x56-112x140 image(s)" in stdout
+    assert result["mm_serve"]["output_tokens"] == 4 * 3 and result["hf"]["best"] is not None
+    command = [sys.executable, "-m", "mm_serve.entrypoints.cli", "bench", *args, "--no-hf"]
+    command += ["--peer", "vllm", "--peer-bench"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--peer-bench sends vLLM's random-mm" in proc.stderr
+
+
 def test_bench_latency_cli(tmp_path) -> None:
     args = ["latency", "--batch-size", "2", "--input-len", "8", "--output-len", "6"]
     args += ["--image-size", "56", "56", "--num-iters", "2", "--num-iters-warmup", "1"]

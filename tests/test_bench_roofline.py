@@ -85,6 +85,24 @@ def test_decode_step_takes_the_slower_of_compute_and_memory(qwen2_vl_2b) -> None
     assert slow_copy["decode_s"] == pytest.approx(slow_copy["decode_bytes"] / 1e9)
 
 
+def test_images_of_varied_sizes_count_one_by_one(qwen2_vl_2b) -> None:
+    """``image_sizes``: each image's tower FLOPs and each request's prefill at its own prompt
+    length; decode at the mean context (linear in it). Equal sizes give the fixed workload."""
+    sizes = ((448, 448), (896, 448))  # 256 and 512 image tokens
+    out = roofline.roofline(qwen2_vl_2b, Workload(2, (448, 448), 1, 50, 4, sizes), ISSUE_RATES)
+    grids = [roofline.image_grid(qwen2_vl_2b.vision_config, *size) for size in sizes]
+    assert out["vision_flops"] == sum(roofline.vision_flops(qwen2_vl_2b, g) for g in grids)
+    lm = roofline.LMShape.from_config(qwen2_vl_2b.text_config)
+    assert out["prefill_flops"] == pytest.approx(lm.prefill_flops(306) + lm.prefill_flops(562))
+    assert out["prompt_tokens"] == 434 and out["image_tokens"] == 384
+    same = ((448, 448),) * 2
+    fixed = roofline.roofline(qwen2_vl_2b, Workload(2, (448, 448), 1, 50, 4), ISSUE_RATES)
+    varied = roofline.roofline(qwen2_vl_2b, Workload(2, (448, 448), 1, 50, 4, same), ISSUE_RATES)
+    assert varied == pytest.approx(fixed)
+    with pytest.raises(ValueError, match="4 image sizes for 2 requests"):
+        roofline.roofline(qwen2_vl_2b, Workload(2, (448, 448), 1, 50, 4, same * 2), ISSUE_RATES)
+
+
 def test_unmodelled_model_type_is_an_error(qwen2_vl_2b) -> None:
     config = AutoConfig.for_model("llava")
     with pytest.raises(ValueError, match="No roofline for model type 'llava'"):
@@ -108,6 +126,11 @@ def test_bench_roofline_from_a_throughput_result(qwen2_vl_2b, monkeypatch) -> No
     assert set(percent) == {"mm_serve", "vllm"}
     assert percent["vllm"] == pytest.approx(100 * 2e4 / expected["output_tokens_per_s"])
     assert roofline.bench_roofline(qwen2_vl_2b, result, torch.device("cpu")) is None
+    # Images of varied sizes: the text tokens are what the images leave of the prompt tokens.
+    result["workload"]["image_sizes"] = [[448, 448], [896, 448]] * 128
+    result["mm_serve"]["prompt_tokens"] = 256 * 50 + 128 * (256 + 512)
+    out = roofline.bench_roofline(qwen2_vl_2b, result, torch.device("cuda"))
+    assert out["workload"]["text_tokens"] == 50 and out["prompt_tokens"] == 434
 
 
 def test_measure_rates_on_cpu() -> None:

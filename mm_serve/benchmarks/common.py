@@ -77,6 +77,19 @@ def add_image_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-images", type=int, default=1, help="Images per request.")
 
 
+def add_varied_size_arg(parser: argparse.ArgumentParser) -> None:
+    """``--max-image-size``: photos of varied sizes (``random_image_dataset``'s
+    ``max_image_size``), for the scripts that read it."""
+    parser.add_argument(
+        "--max-image-size",
+        type=int,
+        nargs=2,
+        metavar=("WIDTH", "HEIGHT"),
+        help="Photos of varied sizes: each image's width and height drawn uniformly from "
+        "--image-size's up to these.",
+    )
+
+
 def model_folder(args: argparse.Namespace, workdir: str) -> tuple[str, str]:
     """``(folder, load_format)``: ``--model`` as given, or ``--model-arch`` written into
     ``workdir`` with ``load_format="dummy"``."""
@@ -153,14 +166,7 @@ def profile_parser(doc: str, output_len: int) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     add_model_args(parser)
     add_image_args(parser)
-    parser.add_argument(
-        "--max-image-size",
-        type=int,
-        nargs=2,
-        metavar=("WIDTH", "HEIGHT"),
-        help="Photos of varied sizes: each image's width and height drawn uniformly from "
-        "--image-size's up to these.",
-    )
+    add_varied_size_arg(parser)
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=18)
     parser.add_argument("--output-len", type=int, default=output_len)

@@ -61,13 +61,27 @@ class Rates:
 class Workload:
     """The throughput workload: ``num_requests`` x (``num_images`` images of ``image_size``
     (width, height) pixels + ``text_tokens`` other prompt tokens) -> ``output_len`` tokens.
-    ``text_tokens`` is per request (the prompt minus its image tokens; may be an average)."""
+    ``text_tokens`` is per request (the prompt minus its image tokens; may be an average).
+    ``image_sizes``, if given, is every image's (width, height) instead, request by request
+    (photos of varied sizes)."""
 
     num_requests: int
     image_size: tuple[int, int]
     num_images: int
     text_tokens: float
     output_len: int
+    image_sizes: tuple[tuple[int, int], ...] = ()
+
+    def sizes(self) -> list[tuple[int, int]]:
+        """Every image's (width, height), request by request."""
+        if not self.image_sizes:
+            return [self.image_size] * (self.num_requests * self.num_images)
+        if len(self.image_sizes) != self.num_requests * self.num_images:
+            raise ValueError(
+                f"{len(self.image_sizes)} image sizes for {self.num_requests} requests of "
+                f"{self.num_images} image(s)."
+            )
+        return [tuple(size) for size in self.image_sizes]
 
 
 def measure_rates(
@@ -218,14 +232,19 @@ def roofline(
     """
     if hf_config.model_type not in MODEL_TYPES:
         raise ValueError(f"No roofline for model type {hf_config.model_type!r}: {MODEL_TYPES}.")
-    w = workload
-    grid = image_grid(hf_config.vision_config, *w.image_size)
-    tokens = image_tokens(hf_config.vision_config, *w.image_size)
-    prompt_len = w.text_tokens + w.num_images * tokens
+    w, vc = workload, hf_config.vision_config
+    sizes = w.sizes()
+    grids = {size: image_grid(vc, *size) for size in set(sizes)}
+    flops = {size: vision_flops(hf_config, grid) for size, grid in grids.items()}
+    tokens = [image_tokens(vc, *size) for size in sizes]
+    per_request = [  # prompt tokens of each request
+        w.text_tokens + sum(tokens[i * w.num_images : (i + 1) * w.num_images])
+        for i in range(w.num_requests)
+    ]
+    prompt_len = sum(per_request) / w.num_requests  # decode is linear in it: the mean is exact
     lm = LMShape.from_config(hf_config.text_config)
-    images = w.num_requests * w.num_images
-    vision = images * vision_flops(hf_config, grid)
-    prefill = w.num_requests * lm.prefill_flops(prompt_len)
+    vision = sum(flops[size] for size in sizes)
+    prefill = sum(lm.prefill_flops(t) for t in per_request)
     weight_bytes = (lm.params + lm.head_params) * dtype_bytes
     decode_s = decode_flops = decode_bytes = 0.0
     for k in range(1, w.output_len):
@@ -238,7 +257,7 @@ def roofline(
     vision_s, prefill_s = vision / rates.matmul_flops_per_s, prefill / rates.matmul_flops_per_s
     total_s = vision_s + prefill_s + decode_s
     return {
-        "image_tokens": tokens,
+        "image_tokens": sum(tokens) / len(tokens) if tokens else 0,
         "prompt_tokens": prompt_len,
         "vision_flops": vision,
         "prefill_flops": prefill,
@@ -261,10 +280,12 @@ def bench_roofline(hf_config: Any, result: dict[str, Any], device: torch.device)
         return None
     spec, ours = result["workload"], result["mm_serve"]
     try:
-        tokens = image_tokens(hf_config.vision_config, *spec["image_size"])
-        text_tokens = ours["prompt_tokens"] / ours["num_requests"] - spec["num_images"] * tokens
+        sizes = tuple(tuple(size) for size in spec.get("image_sizes") or ())
         workload = Workload(ours["num_requests"], tuple(spec["image_size"]), spec["num_images"],
-                            text_tokens, spec["output_len"])  # fmt: skip
+                            0, spec["output_len"], sizes)  # fmt: skip
+        image_tokens_all = sum(image_tokens(hf_config.vision_config, *s) for s in workload.sizes())
+        text_tokens = (ours["prompt_tokens"] - image_tokens_all) / ours["num_requests"]
+        workload = dataclasses.replace(workload, text_tokens=text_tokens)
         rates = measure_rates(device)
         out = roofline(hf_config, workload, rates)
     except (ValueError, AttributeError) as error:

@@ -1,8 +1,9 @@
 """Offline throughput, like ``vllm bench throughput``: all requests at once through ``LLM``.
 
 The workload is ``--num-prompts`` synthetic requests (``datasets.random_image_dataset``):
-``--input-len`` random words, then ``--num-images`` noise images of ``--image-size``, each
-forced to exactly ``--output-len`` tokens (greedy, ignore EOS). Prompts are raw text (words,
+``--input-len`` random words, then ``--num-images`` noise images of ``--image-size`` (or, with
+``--max-image-size``, each of a width and height drawn up to it), each forced to exactly
+``--output-len`` tokens (greedy, ignore EOS). Prompts are raw text (words,
 then the image placeholders; no chat template), so they differ from their first token and the
 prefix cache gets no hits: the script checks that it got none.
 
@@ -56,6 +57,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--input-len", type=int, default=50, help="Random words per prompt.")
     group.add_argument("--output-len", type=int, default=128, help="Output tokens per request.")
     common.add_image_args(parser)
+    common.add_varied_size_arg(parser)
     group = parser.add_argument_group("comparisons and output")
     group.add_argument(
         "--hf-batch-sizes",
@@ -149,10 +151,12 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark; returns the results (also written to ``--output-json``)."""
     from mm_serve.config import EngineArgs
 
-    size = tuple(args.image_size)
+    size, largest = tuple(args.image_size), args.max_image_size and tuple(args.max_image_size)
+    if largest and args.peer_bench:
+        raise ValueError("--peer-bench sends vLLM's random-mm images of one size.")
     dataset = random_image_dataset(
         args.num_prompts + NUM_WARMUP_REQUESTS, args.input_len, args.output_len, size,
-        args.num_images, args.seed,
+        args.num_images, args.seed, largest,
     )  # fmt: skip
     requests, warmup = dataset[NUM_WARMUP_REQUESTS:], dataset[:NUM_WARMUP_REQUESTS]
     with tempfile.TemporaryDirectory(prefix="mm-serve-bench-") as workdir:
@@ -164,7 +168,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         folder, model_type = config.model.path, config.model.hf_config.model_type
         texts = common.prompt_texts(requests, model_type)
         warmup_texts = common.prompt_texts(warmup, model_type)
-        result = common.result_header(args, load_format, config, _workload(args))
+        result = common.result_header(args, load_format, config, _workload(args, requests))
         result["hf"] = None
         if not args.no_hf:
             result["hf"] = _run_hf(args, folder, requests, texts, config)
@@ -208,8 +212,13 @@ def _configurations(args, load_format: str, kwargs: dict[str, Any]) -> dict[str,
     return configs
 
 
-def _workload(args: argparse.Namespace) -> dict[str, Any]:
-    return {"num_prompts": args.num_prompts, **common.image_workload(args)}
+def _workload(args: argparse.Namespace, requests: list[BenchRequest]) -> dict[str, Any]:
+    """The workload's fields; with ``--max-image-size``, every image's (width, height) too."""
+    workload = {"num_prompts": args.num_prompts, **common.image_workload(args)}
+    if args.max_image_size:
+        workload["max_image_size"] = list(args.max_image_size)
+        workload["image_sizes"] = [list(image.size) for r in requests for image in r.images]
+    return workload
 
 
 def _keep_best_runs(result: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> None:
@@ -245,12 +254,19 @@ def _add_ratios(result: dict[str, Any]) -> None:
         result["mm_serve_over_hf_best"] = ours / best["output_tokens_per_s"]
 
 
+def _sizes(workload: dict[str, Any]) -> str:
+    """``WxH``, or ``WxH-WxH`` for images of varied sizes."""
+    low = "x".join(map(str, workload["image_size"]))
+    high = workload.get("max_image_size")
+    return f"{low}-{high[0]}x{high[1]}" if high else low
+
+
 def print_summary(result: dict[str, Any]) -> None:
     """The short table, last on stdout."""
     w = result["workload"]
     print(f"\n{result['model']} ({result['load_format']} weights, {result['dtype']}) on "
           f"{result['device']}: {w['num_prompts']} requests, {w['input_len_words']} words + "
-          f"{w['num_images']} x {w['image_size'][0]}x{w['image_size'][1]} image(s) -> "
+          f"{w['num_images']} x {_sizes(w)} image(s) -> "
           f"{w['output_len']} tokens")  # fmt: skip
     print(f"{'run':<28} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>12} {'prompt tok':>11}")
     runs = (("mm_serve", "mm_serve"), ("mm_serve_prefix_caching_off", "  prefix caching off"),
