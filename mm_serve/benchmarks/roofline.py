@@ -24,6 +24,8 @@ measured rates (``measure_rates``); nothing here runs the model.
   ``2 P + 4 c H_q D L + 2 h V`` FLOPs per request; it takes the longer of bytes / copy rate and
   FLOPs / matmul rate.
 
+Images of varied sizes (``Workload.image_sizes``) count one by one, and each request's prefill
+at its own prompt length; decode is linear in the context, so the mean prompt gives it exactly.
 Weights in ``dtype_bytes`` (2: bf16). Norms, biases, activations, rotary and sampling are left
 out (under 1% of the FLOPs). The issue's arithmetic for Qwen2-VL-2B, 256 x (448x448 image + 50
 tokens) -> 128 at 800 TFLOP/s and 3.0 TB/s: vision ~374 TFLOP, prefill ~205 TFLOP, 128 decode
