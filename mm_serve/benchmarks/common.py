@@ -137,14 +137,19 @@ def image_prompts(requests: list[BenchRequest], model_type: str) -> list[dict[st
     return llm_prompts(requests, prompt_texts(requests, model_type))
 
 
+def args_dataset(args: argparse.Namespace, count: int, seed: int) -> list[BenchRequest]:
+    """``count`` requests of the workload flags (``--input-len``, ``--output-len``, the image
+    flags and ``--max-image-size``), random words and noise images of ``seed``."""
+    size, largest = tuple(args.image_size), args.max_image_size and tuple(args.max_image_size)
+    return random_image_dataset(
+        count, args.input_len, args.output_len, size, args.num_images, seed, largest
+    )
+
+
 def profile_prompts(args: argparse.Namespace, model_type: str, seed: int, count: int) -> list:
     """``count`` image prompts of a profiling script's flags (``profile_parser``): random words
     and noise images of ``seed``, as ``LLM.generate`` takes them."""
-    size, largest = tuple(args.image_size), args.max_image_size and tuple(args.max_image_size)
-    requests = random_image_dataset(
-        count, args.input_len, args.output_len, size, args.num_images, seed, largest
-    )
-    return image_prompts(requests, model_type)
+    return image_prompts(args_dataset(args, count, seed), model_type)
 
 
 def warm_preprocessed_batch(llm: Any, args: argparse.Namespace, params: Any) -> list:

@@ -238,7 +238,7 @@ def roofline(
     sizes = w.sizes()
     grids = {size: image_grid(vc, *size) for size in set(sizes)}
     flops = {size: vision_flops(hf_config, grid) for size, grid in grids.items()}
-    tokens = [image_tokens(vc, *size) for size in sizes]
+    tokens = [math.prod(grids[size]) // vc.spatial_merge_size**2 for size in sizes]
     per_request = [  # prompt tokens of each request
         w.text_tokens + sum(tokens[i * w.num_images : (i + 1) * w.num_images])
         for i in range(w.num_requests)

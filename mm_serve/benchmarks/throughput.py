@@ -33,7 +33,7 @@ import time
 from typing import Any
 
 from mm_serve.benchmarks import common, peer_vllm, roofline
-from mm_serve.benchmarks.datasets import BenchRequest, random_image_dataset
+from mm_serve.benchmarks.datasets import BenchRequest
 
 logger = logging.getLogger(__name__)
 
@@ -151,13 +151,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark; returns the results (also written to ``--output-json``)."""
     from mm_serve.config import EngineArgs
 
-    size, largest = tuple(args.image_size), args.max_image_size and tuple(args.max_image_size)
-    if largest and args.peer_bench:
+    if args.max_image_size and args.peer_bench:
         raise ValueError("--peer-bench sends vLLM's random-mm images of one size.")
-    dataset = random_image_dataset(
-        args.num_prompts + NUM_WARMUP_REQUESTS, args.input_len, args.output_len, size,
-        args.num_images, args.seed, largest,
-    )  # fmt: skip
+    dataset = common.args_dataset(args, args.num_prompts + NUM_WARMUP_REQUESTS, args.seed)
     requests, warmup = dataset[NUM_WARMUP_REQUESTS:], dataset[:NUM_WARMUP_REQUESTS]
     with tempfile.TemporaryDirectory(prefix="mm-serve-bench-") as workdir:
         folder, load_format = common.model_folder(args, workdir)
@@ -191,7 +187,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 runs["vllm"].append(peer.run(runs["mm_serve"][-1]["prompt_tokens"]))
         _keep_best_runs(result, runs)
         if peer and args.peer_bench:
-            tokens = roofline.image_tokens(config.model.hf_config.vision_config, *size)
+            vision_config = config.model.hf_config.vision_config
+            tokens = roofline.image_tokens(vision_config, *args.image_size)
             result["vllm_bench"] = peer.bench(result["mm_serve"]["prompt_tokens"], tokens)
     result["roofline"] = roofline.bench_roofline(config.model.hf_config, result, config.device)
     _add_ratios(result)

@@ -133,24 +133,26 @@ class EncoderCudaGraphs:
         if not replayed:  # one eager forward over the whole batch
             return self._eager(pixel_values, grids)
         out = None
+
+        def place(first: int, last: int, rows: torch.Tensor) -> None:  # images first..last-1
+            nonlocal out
+            if out is None:
+                out = rows.new_empty((row_starts[-1], rows.shape[1]))
+            out[row_starts[first] : row_starts[last]] = rows
+
         if eager:  # one eager forward over every image without a graph
             pixels = torch.cat([pixel_values[patch_starts[a] : patch_starts[b]] for a, b in eager])
             rows = self._eager(pixels, [g for a, b in eager for g in grids[a:b]])
-            out = rows.new_empty((row_starts[-1], rows.shape[1]))
             sizes = [row_starts[b] - row_starts[a] for a, b in eager]
             for (a, b), part in zip(eager, rows.split(sizes), strict=True):
-                out[row_starts[a] : row_starts[b]] = part
-        for a, b, graph in replayed:
+                place(a, b, part)
+        for a, b, graph in replayed:  # each output copied out before the next replay
             self.pixels[: patch_starts[b] - patch_starts[a]] = pixel_values[
                 patch_starts[a] : patch_starts[b]
             ]
             graph.graph.replay()
             self.num_replays += 1
-            if len(replayed) == 1 and out is None:
-                return graph.output.clone()
-            if out is None:
-                out = graph.output.new_empty((row_starts[-1], graph.output.shape[1]))
-            out[row_starts[a] : row_starts[b]] = graph.output
+            place(a, b, graph.output)
         return out
 
     def _graph(self, key: GridsKey) -> _TowerGraph | None:
