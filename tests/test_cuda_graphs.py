@@ -289,3 +289,30 @@ def test_qwen_vl_graphs_match_eager_and_hf(tmp_path, engine_args, make_cases):
     assert runner.cuda_graphs.num_replays > 0 and runner.mixed_graphs.num_replays > 0
     assert runner.model.tower_runner.num_replays > 0
     assert eager.engine_core.model_runner.model.tower_runner is None
+
+
+@needs_cuda
+def test_tower_graphs_are_captured_before_the_kv_cache_is_sized(tmp_path, monkeypatch):
+    """The tower's graphs read no KV cache: they are captured when the cache is sized, so that
+    the budget (free device memory, ``worker.kv_cache``) already counts their pool and their
+    warm-up's activations. Captured after the cache, a 7B tower's chunks ran out of memory."""
+    from mm_serve.worker import model_runner as runner_module
+
+    path = qwen2_vl_cases(tmp_path)[0]
+    config = EngineArgs(model=path).create_engine_config()
+    runner = runner_module.ModelRunner(config)
+    runner.load_model()
+    sized_with = []
+
+    def size(config, model):  # what the sizing sees: the graphs, and the memory they hold
+        sized_with.append((len(model.tower_runner.graphs), torch.cuda.memory_reserved()))
+        return 64
+
+    monkeypatch.setattr(runner_module, "determine_num_kv_blocks", size)
+    before = torch.cuda.memory_reserved()
+    assert runner.determine_num_kv_blocks() == 64
+    ((num_graphs, reserved),) = sized_with
+    assert num_graphs > 0 and reserved > before
+    runner.initialize_kv_cache(64)
+    runner.capture_cuda_graphs()
+    assert len(runner.model.tower_runner.graphs) == num_graphs  # not captured again

@@ -329,18 +329,10 @@ def capture_graphs(
     model: torch.nn.Module, forward: LMForward, config: EngineConfig
 ) -> tuple[CudaGraphRunner | None, MixedCudaGraphRunner | None]:
     """Capture the decode graphs of ``model`` (its KV cache bound) and the mixed-step graphs
-    of ``forward`` into one pool, launch the GEMM kernels of the steps that run eagerly
-    (``worker.gemm_warmup``), and send its vision tower, if it has one, through the
-    tower's graphs (``tower_runner``, ``worker.tower_graphs``). ``(None, None)`` on CPU, at
-    compilation level 0, or when the kernels are forced to the host-looping references
-    (``--kernel-mode ref``)."""
-    from mm_serve.kernels import kernel_mode
-
+    of ``forward`` into one pool, and launch the GEMM kernels of the steps that run eagerly
+    (``worker.gemm_warmup``). ``(None, None)`` where ``graphs_enabled`` says no."""
     compilation, model_config, device = config.compilation, config.model, config.device
-    if compilation.enforce_eager or device.type != "cuda":
-        return None, None
-    if kernel_mode() == "ref":
-        logger.info("No CUDA graphs: kernel mode ref runs host-side loops.")
+    if not graphs_enabled(config):
         return None, None
     pool = torch.cuda.graph_pool_handle()
     max_model_len, block_size = model_config.max_model_len, config.cache.block_size
@@ -366,7 +358,29 @@ def capture_graphs(
         mixed.capture(pool)
     scheduler = config.scheduler
     warm_gemm_kernels(model, scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
-    if hasattr(model, "tower_runner"):
+    return decode, mixed
+
+
+def graphs_enabled(config: EngineConfig) -> bool:
+    """Whether steps replay CUDA graphs: on CUDA, above compilation level 0, unless the
+    kernels are forced to the host-looping references (``--kernel-mode ref``)."""
+    from mm_serve.kernels import kernel_mode
+
+    if config.compilation.enforce_eager or config.device.type != "cuda":
+        return False
+    if kernel_mode() == "ref":
+        logger.info("No CUDA graphs: kernel mode ref runs host-side loops.")
+        return False
+    return True
+
+
+@torch.inference_mode()
+def capture_tower_graphs(model: torch.nn.Module, config: EngineConfig) -> None:
+    """Send ``model``'s vision tower, if it has one, through the tower's graphs
+    (``tower_runner``, ``worker.tower_graphs``), capturing photo-sized chunks now. The tower
+    reads no KV cache, so this runs before the cache is sized: the graphs' pool and the
+    activations of their warm-up forwards then count as memory in use, and the KV cache gets
+    what is left (captured after it, a 7B tower's chunks ran out of memory on an H100)."""
+    if hasattr(model, "tower_runner") and graphs_enabled(config):
         model.tower_runner = EncoderCudaGraphs(model.visual)
         model.tower_runner.capture_photos()
-    return decode, mixed

@@ -29,6 +29,7 @@ from mm_serve.worker.cuda_graphs import (
     CudaGraphRunner,
     MixedCudaGraphRunner,
     capture_graphs,
+    capture_tower_graphs,
     is_decode_only,
 )
 from mm_serve.worker.input_batch import CachedRequestState, InputBatch
@@ -121,7 +122,10 @@ class ModelRunner:
         logger.info("Loaded the weights in %.1f s", time.perf_counter() - start)
 
     def determine_num_kv_blocks(self) -> int:
-        """How many KV blocks fit (see ``worker.kv_cache``); the scheduler gets this number."""
+        """How many KV blocks fit (see ``worker.kv_cache``); the scheduler gets this number.
+        The vision tower's graphs are captured first, so that their memory is counted
+        (``capture_tower_graphs``)."""
+        capture_tower_graphs(self.model, self.config)
         return determine_num_kv_blocks(self.config, self.model)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -129,8 +133,8 @@ class ModelRunner:
         bind_kv_caches(self.model, self.kv_caches, self.kv_cache_layout)
 
     def capture_cuda_graphs(self) -> None:
-        """Capture the LM's graphs and send the vision tower through its own (after the KV
-        cache is bound; see ``worker.cuda_graphs.capture_graphs``)."""
+        """Capture the LM's graphs (after the KV cache is bound; see
+        ``worker.cuda_graphs.capture_graphs``)."""
         self.cuda_graphs, self.mixed_graphs = capture_graphs(
             self.model, self.lm_forward, self.config
         )
