@@ -67,6 +67,7 @@ class StepDecisions:
     new_reqs: list[NewRequestData] = field(default_factory=list)
     cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
     encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    structured_output_request_ids: list[str] = field(default_factory=list)
 
 
 @dataclass

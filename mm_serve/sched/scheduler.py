@@ -148,23 +148,12 @@ class Scheduler:
             scheduled_new_reqs=step.new_reqs,
             scheduled_cached_reqs=step.cached_reqs,
             num_scheduled_tokens=step.num_scheduled,
-            total_num_scheduled_tokens=sum(step.num_scheduled.values()),
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - step.token_budget,
             finished_req_ids=self.finished_req_ids,
             scheduled_encoder_inputs=step.encoder_inputs,
             free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
+            structured_output_request_ids=step.structured_output_request_ids,
         )
-        # The scheduled tokens count as computed from now on: their KV is written this step. A
-        # request whose window reaches its end samples a token, unknown until the step is done.
-        requests = self.requests
-        for req_id, num_tokens in step.num_scheduled.items():
-            request = requests[req_id]
-            request.num_computed_tokens += num_tokens
-            if request.num_computed_tokens == request.num_tokens_with_placeholders:
-                request.num_output_placeholders += 1
-                if request.grammar is not None:
-                    output.structured_output_request_ids.append(req_id)
-            if request.num_cached_images < 0:
-                request.count_cached_images()
         self.finished_req_ids = set()
         return output
 
@@ -274,7 +263,10 @@ class Scheduler:
     def _commit(
         self, step: StepDecisions, request: Request, num_new: int, to_encode: list[int]
     ) -> None:
-        """Record a scheduled request: its tokens, and the images it encodes this step."""
+        """Record a scheduled request (after its diff for the runner is made): its tokens, and
+        the images it encodes this step. Its tokens count as computed from now on, since their
+        KV is written this step; a request whose window reaches its end samples a token,
+        unknown until the step is done (a placeholder)."""
         step.num_scheduled[request.request_id] = num_new
         step.token_budget -= num_new
         if to_encode:
@@ -283,6 +275,13 @@ class Scheduler:
                 self.encoder_cache_manager.allocate(request, input_id)
                 request.encoded_mm_hashes.add(request.mm_features[input_id].mm_hash)
                 step.encoder_budget -= request.mm_features[input_id].placeholder.length
+        request.num_computed_tokens += num_new
+        if request.num_computed_tokens == request.num_tokens_with_placeholders:
+            request.num_output_placeholders += 1
+            if request.grammar is not None:
+                step.structured_output_request_ids.append(request.request_id)
+        if request.num_cached_images < 0:
+            request.count_cached_images()
 
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: drop the KV and start the request over later."""
