@@ -313,18 +313,20 @@ class Scheduler:
             if request is None or request.is_finished:
                 continue  # aborted while the step ran
             request.num_output_placeholders -= len(new_token_ids)
+            finished = False
             for count, token_id in enumerate(new_token_ids, start=1):
                 request.append_output_token(token_id)
                 if self._check_stop(request, token_id):
                     del new_token_ids[count:]
+                    finished = True
                     break
             chunk_logprobs = prompt_logprobs.get(req_id) if prompt_logprobs else None
             if request.mm_features:
                 scheduled = num_scheduled.get(req_id, 0)
                 free_consumed_encoder_inputs(self.encoder_cache_manager, request, scheduled)
-            if new_token_ids or chunk_logprobs or request.is_finished:
+            if new_token_ids or chunk_logprobs or finished:
                 outputs.append(self._make_output(request, new_token_ids, logprobs, chunk_logprobs))
-            if request.is_finished:
+            if finished:
                 self._free_request(request)
         return outputs
 
