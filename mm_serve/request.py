@@ -135,7 +135,7 @@ class Request:
             raise ValueError("The prompt must contain at least one token.")
         self.all_token_ids = list(self.prompt_token_ids)
         # The length (prompt + output) at which it stops; the scheduler caps it at the model
-        # length. One comparison per request per step (``Scheduler._at_length``).
+        # length. One comparison per request per step.
         max_tokens = self.sampling_params.max_tokens
         self.max_num_tokens = len(self.prompt_token_ids) + max_tokens if max_tokens else sys.maxsize
 

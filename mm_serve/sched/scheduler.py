@@ -164,14 +164,13 @@ class Scheduler:
         index = 0
         while index < len(self.running) and step.token_budget > 0:
             request = self.running[index]
-            placeholders = request.num_output_placeholders
-            if placeholders and self._at_length(request, placeholders):
+            # Its tokens and the ones in flight (placeholders) against where it stops.
+            num_tokens = len(request.all_token_ids) + request.num_output_placeholders
+            if num_tokens >= request.max_num_tokens:
                 index += 1  # the step in flight samples its last token: no more work
                 continue
             num_computed = request.num_computed_tokens
-            num_new = min(
-                len(request.all_token_ids) + placeholders - num_computed, step.token_budget
-            )
+            num_new = min(num_tokens - num_computed, step.token_budget)
             to_encode: list[int] = []
             if request.mm_features and num_computed < len(request.prompt_token_ids):
                 to_encode, num_new = schedule_encoder_inputs(
@@ -200,11 +199,6 @@ class Scheduler:
             self._commit(step, request, num_new, to_encode)
             index += 1
         return preempted
-
-    @staticmethod
-    def _at_length(request: Request, ahead: int = 0) -> bool:
-        """Whether ``ahead`` more tokens reach its ``max_tokens`` or the model length."""
-        return len(request.all_token_ids) + ahead >= request.max_num_tokens
 
     def _schedule_waiting(self, step: StepDecisions) -> None:
         kv = self.kv_cache_manager
@@ -344,7 +338,7 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = last
                 return True
-        if self._at_length(request):
+        if len(request.all_token_ids) >= request.max_num_tokens:  # max_tokens, model length
             request.status = RequestStatus.FINISHED_LENGTH
             return True
         return False
