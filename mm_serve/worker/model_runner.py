@@ -122,9 +122,8 @@ class ModelRunner:
         logger.info("Loaded the weights in %.1f s", time.perf_counter() - start)
 
     def determine_num_kv_blocks(self) -> int:
-        """How many KV blocks fit (see ``worker.kv_cache``); the scheduler gets this number.
-        The vision tower's graphs are captured first, so that their memory is counted
-        (``capture_tower_graphs``)."""
+        """How many KV blocks fit (``worker.kv_cache``), counting the memory of the vision
+        tower's graphs, captured first (``capture_tower_graphs``)."""
         capture_tower_graphs(self.model, self.config)
         return determine_num_kv_blocks(self.config, self.model)
 
@@ -341,21 +340,13 @@ class ModelRunner:
     def _in_flight_tokens(
         self, num_computed: np.ndarray, num_scheduled: np.ndarray, query_start_loc: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray] | None:
-        """Where the previous step's sampled tokens go in this step's ``input_ids``: ``(dst
-        [k], src [k])`` indices into ``input_ids`` and into the sampled tokens (on the device),
-        for those inside this step's windows that the host may not know yet; None if none."""
-        sampled = self.last_sampled
-        if sampled is None or self.last_output.done:
-            return None  # the host already wrote them into the batch (always so without async)
-        index = self.input_batch.req_id_to_index
-        rows = np.array([index.get(r, -1) for r in sampled.req_ids], dtype=np.int64)
-        src = np.nonzero(rows >= 0)[0]
-        rows = rows[src]
-        offset = sampled.positions[src] - num_computed[rows]
-        inside = (offset >= 0) & (offset < num_scheduled[rows])
-        if not inside.any():
+        """The previous step's sampled tokens that this step's ``input_ids`` take from the
+        device (``SampledTokens.destinations``); None when the host already wrote them into
+        the batch (always so without async scheduling)."""
+        if self.last_sampled is None or self.last_output.done:
             return None
-        return query_start_loc[rows[inside]] + offset[inside], src[inside]
+        row_of = self.input_batch.req_id_to_index
+        return self.last_sampled.destinations(row_of, num_computed, num_scheduled, query_start_loc)
 
     def _launch_output(self, sample_rows, sampler_output, prompt_logprobs) -> PendingOutput:
         """Count the sampled tokens in the batch now (their ids arrive with the output) and

@@ -38,6 +38,25 @@ class SampledTokens:
     positions: np.ndarray  # [num_sampled] int64
     num_logprobs: list[int | None] | None
 
+    def destinations(
+        self,
+        row_of: dict[str, int],
+        num_computed: np.ndarray,  # [num_reqs] int64, before the step
+        num_scheduled: np.ndarray,  # [num_reqs] int64
+        query_start_loc: np.ndarray,  # [num_reqs + 1]
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Where these tokens go in the next step's ``input_ids``: ``(dst [k], src [k])``,
+        indices into ``input_ids`` and into ``token_ids``, for those inside the next step's
+        windows (requests found by ``row_of``, their batch rows); None if none."""
+        rows = np.array([row_of.get(r, -1) for r in self.req_ids], dtype=np.int64)
+        src = np.nonzero(rows >= 0)[0]
+        rows = rows[src]
+        offset = self.positions[src] - num_computed[rows]
+        inside = (offset >= 0) & (offset < num_scheduled[rows])
+        if not inside.any():
+            return None
+        return query_start_loc[rows[inside]] + offset[inside], src[inside]
+
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     """Start a non-blocking copy of ``tensor`` into pinned host memory (a no-op on CPU)."""
