@@ -24,7 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from mm_serve.kernels.activation import get_activation
-from mm_serve.kernels.dispatch import apply_vision_rotary, varlen_attention, varlen_segments
+from mm_serve.kernels.dispatch import (
+    apply_vision_rotary,
+    linear_quick_gelu,
+    varlen_attention,
+    varlen_segments,
+)
 from mm_serve.kernels.rotary import VisionRotary, vision_rotary
 from mm_serve.kernels.varlen_attention import Segments
 from mm_serve.models.layers.layernorm import LayerNorm, RMSNorm
@@ -165,10 +170,13 @@ class VisionMlp(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, hidden_act: str) -> None:
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden_dim)
+        self.hidden_act = hidden_act
         self.act = get_activation(hidden_act)  # QuickGELU: one Triton pass on CUDA
         self.fc2 = nn.Linear(hidden_dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.hidden_act == "quick_gelu":  # one GEMM with the activation for large batches
+            return self.fc2(linear_quick_gelu(x, self.fc1.weight, self.fc1.bias))
         return self.fc2(self.act(self.fc1(x)))
 
 

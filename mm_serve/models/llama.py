@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from mm_serve.attention import AttentionMetadata
+from mm_serve.kernels.dispatch import linear_silu_and_mul
 from mm_serve.models.layers.attention import Attention
 from mm_serve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from mm_serve.models.layers.layernorm import RMSNorm, rms_norm_then_linear
@@ -124,12 +125,17 @@ class LlamaDecoderLayer(nn.Module):
         attn_metadata: AttentionMetadata | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(mlp_out, residual)``; the caller adds them (fused into the next norm).
-        Each norm is fused into the projection after it (one kernel for one token)."""
+        Each norm is fused into the projection after it for one token; for more, the MLP's
+        activation is fused into its first projection (``linear_silu_and_mul``)."""
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = rms_norm_then_linear(
             self.input_layernorm, attn.qkv_proj, hidden_states, residual
         )
         hidden_states = attn(positions, qkv, attn_metadata)
+        if hidden_states.shape[0] > 1:  # the activation in gate_up's GEMM (large steps, Hopper)
+            normed, residual = self.post_attention_layernorm(hidden_states, residual)
+            proj = mlp.gate_up_proj
+            return mlp.down_proj(linear_silu_and_mul(normed, proj.weight, proj.bias)), residual
         gate_up, residual = rms_norm_then_linear(
             self.post_attention_layernorm, mlp.gate_up_proj, hidden_states, residual
         )

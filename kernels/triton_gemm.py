@@ -1,0 +1,117 @@
+"""A GEMM with the MLP's activation in its epilogue: ``act(x @ W.T + b)`` in one kernel (Hopper).
+
+A prefill or encode step's MLP writes its first projection's output (``[T, 2 I]`` for a gated
+MLP, ``[N, 4 d]`` for the vision tower's) and reads it back in a separate activation kernel:
+two passes over the largest activation of the layer, at the copy rate. Here the persistent
+GEMM applies the activation to each output tile while it is still in registers and writes only
+the result, so those passes are gone. The weight stays as the checkpoint stores it (``[N, K]``):
+
+- ``quick_gelu``: ``x * sigmoid(1.702 x)`` of ``F.linear``'s output (one tile of ``BLOCK_N``
+  output features);
+- ``silu_and_mul``: for ``W = [gate; up]`` (``[2 I, K]``), ``silu(gate) * up``: each program
+  loads the same ``BLOCK_N`` features of gate and of up in one TMA load (``W`` seen as ``[2, I,
+  K]``) and multiplies them as one ``2 BLOCK_N``-wide tile, so an output tile needs no data
+  from another.
+
+The epilogue rounds as the unfused path does (``F.linear``'s bf16/fp16 output, then each op of
+``kernels/triton_activation.py``), so only the GEMM's summation order can differ from cuBLAS.
+Tiles are loaded by TMA (``TensorDescriptor``), so this runs on sm90+ only; ``dispatch`` takes it
+for steps of at least ``dispatch.FUSED_MLP_MIN_ROWS`` rows, where it was measured faster.
+Measured on an H100 (``python -m mm_serve.benchmarks.fused_gemm``): Qwen2-VL-2B's tower ``fc1``
++ QuickGELU over 16,384 patches 0.93x the time of cuBLAS and the activation kernel; its LM's
+``gate_up_proj`` + SiLU-and-mul over 8,192 tokens 0.82x.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+QUICK_GELU, SILU_AND_MUL = 1, 2
+# (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps) per activation; SiLU-and-mul's BLOCK_N is per half.
+CONFIGS = {QUICK_GELU: (128, 256, 64, 3, 8), SILU_AND_MUL: (128, 128, 64, 3, 8)}
+
+
+@triton.jit
+def _tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped tile order: ``GROUP_M`` row blocks share each weight tile while it is in L2."""
+    group = GROUP_M * num_pid_n
+    first_m = (tile_id // group) * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile_id % group) % size_m, (tile_id % group) // size_m
+
+
+@triton.jit
+def _linear_act_kernel(
+    x_desc, w_desc, out_desc, bias_ptr, M, N, K,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+):  # fmt: skip
+    """``out[M, N] = act(x[M, K] @ w.T + bias)``; for SiLU-and-mul, ``w`` is ``[2 N, K]``
+    (gate rows, then up rows) and ``bias`` ``[2 N]``."""
+    dtype = out_desc.dtype
+    ACC_N: tl.constexpr = 2 * BLOCK_N if ACT == 2 else BLOCK_N
+    num_pid_m, num_pid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=True):
+        pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, ACC_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            if ACT == 2:  # w_desc is [2, N, K]: the gate and up tiles in one load
+                w = tl.reshape(w_desc.load([0, off_n, k]), (ACC_N, BLOCK_K))
+            else:
+                w = w_desc.load([off_n, k])
+            acc = tl.dot(x_desc.load([off_m, k]), w.T, acc)
+        if HAS_BIAS:
+            if ACT == 2:
+                half = tl.arange(0, ACC_N) // BLOCK_N  # 0: gate, 1: up
+                cols = half * N + off_n + tl.arange(0, ACC_N) % BLOCK_N
+                ok = off_n + tl.arange(0, ACC_N) % BLOCK_N < N
+            else:
+                cols = off_n + tl.arange(0, ACC_N)
+                ok = cols < N
+            acc += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)[None, :]
+        y = acc.to(dtype).to(tl.float32)  # F.linear's output
+        if ACT == 1:  # quick_gelu_triton's roundings
+            t = (y * 1.702).to(dtype).to(tl.float32)
+            y = y * (1.0 / (1.0 + tl.exp(-t))).to(dtype).to(tl.float32)
+        else:  # silu_and_mul_triton's, gate and up being the tile's two halves
+            gate, up = tl.split(tl.permute(tl.reshape(y, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+            y = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+        out_desc.store([off_m, off_n], y.to(dtype))
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def linear_act_triton(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: int
+) -> torch.Tensor:
+    """``x [M, K]``, ``weight [N, K]`` (``[2 I, K]`` for ``SILU_AND_MUL``), ``bias [N]`` or
+    None -> ``[M, N]`` (``[M, I]``), in ``x``'s dtype; ``x`` and ``weight`` contiguous, of one
+    dtype, ``K`` and ``N`` multiples of 8 (TMA's 16-byte strides): ``dispatch._fused_mlp_fits``."""
+    block_m, block_n, block_k, stages, warps = CONFIGS[act]
+    m, k = x.shape
+    n = weight.shape[0] // 2 if act == SILU_AND_MUL else weight.shape[0]
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    num_sms = _num_sms(x.device) if x.is_cuda else 4  # CPU: Triton's interpreter
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    if act == SILU_AND_MUL:  # [gate; up] as [2, I, K]: one load brings both tiles
+        w_desc = TensorDescriptor.from_tensor(weight.view(2, n, k), [2, block_n, block_k])
+    else:
+        w_desc = TensorDescriptor.from_tensor(weight, [block_n, block_k])
+    _linear_act_kernel[(min(num_sms, tiles),)](
+        TensorDescriptor.from_tensor(x, [block_m, block_k]),
+        w_desc,
+        TensorDescriptor.from_tensor(out, [block_m, block_n]),
+        x if bias is None else bias,
+        m, n, k, ACT=act, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, GROUP_M=8, NUM_SMS=num_sms, num_stages=stages, num_warps=warps,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,94 @@
+"""The GEMM with the MLP's activation in its epilogue (``kernels/triton_gemm.py``) against
+cuBLAS and the activation kernels, and the dispatch that picks it.
+
+On an sm90+ GPU the kernel runs compiled at Qwen2-VL-2B's shapes in bf16 and fp16. On a CPU
+host it runs in Triton's interpreter in fp32 at small shapes and tiles, in a child pytest of
+this file started with ``TRITON_INTERPRET=1`` (which must be set before triton is imported).
+Every case has rows that are not a multiple of the tile, so the edge tiles are checked too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+from mm_serve.kernels import dispatch  # noqa: E402
+from mm_serve.kernels import triton_gemm as _gemm  # noqa: E402
+from mm_serve.kernels.activation import quick_gelu_ref, silu_and_mul_ref  # noqa: E402
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if HOPPER else "cpu"
+DTYPES = [torch.bfloat16, torch.float16] if HOPPER else [torch.float32]
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+# (rows, K, N) per activation; N is the output width (the weight has 2 N rows for SiLU-and-mul).
+SHAPES = {
+    _gemm.QUICK_GELU: (4100, 1280, 5120) if HOPPER else (70, 64, 96),
+    _gemm.SILU_AND_MUL: (1100, 1536, 8960) if HOPPER else (70, 64, 48),
+}
+REFERENCES = {_gemm.QUICK_GELU: quick_gelu_ref, _gemm.SILU_AND_MUL: silu_and_mul_ref}
+
+
+@pytest.mark.skipif(HOPPER or INTERPRET, reason="the kernel tests run in this process")
+def test_kernel_in_triton_interpreter() -> None:
+    """This file's kernel tests in a fresh process under ``TRITON_INTERPRET=1``."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "matches"]
+    result = subprocess.run([*cmd, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "4 passed" in result.stdout, result.stdout[-3000:]
+
+
+@pytest.mark.skipif(not (HOPPER or INTERPRET), reason="needs an sm90+ GPU or the interpreter")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("has_bias", [False, True])
+@pytest.mark.parametrize("act", [_gemm.QUICK_GELU, _gemm.SILU_AND_MUL])
+def test_fused_kernel_matches_linear_then_activation(act, has_bias, dtype, monkeypatch) -> None:
+    if not HOPPER:  # tiles small enough for the shapes, few programs: every branch runs
+        monkeypatch.setitem(_gemm.CONFIGS, act, (32, 32, 32, 2, 4))
+    rows, k, n = SHAPES[act]
+    n_weight = 2 * n if act == _gemm.SILU_AND_MUL else n
+    gen = torch.Generator().manual_seed(act + 2 * has_bias)
+    x = torch.randn(rows, k, generator=gen).to(DEVICE, dtype)
+    weight = (torch.randn(n_weight, k, generator=gen) / k**0.5).to(DEVICE, dtype)
+    bias = torch.randn(n_weight, generator=gen).to(DEVICE, dtype) if has_bias else None
+    out = _gemm.linear_act_triton(x, weight, bias, act)
+    ref = REFERENCES[act](
+        F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    )
+    assert out.shape == (rows, n) and out.dtype == dtype
+    err = (out.float() - ref).abs().max() / ref.abs().max()
+    assert err <= TOLERANCE[dtype], err
+
+
+@pytest.mark.skipif(not HOPPER, reason="the fused GEMM serves sm90+ GPUs only")
+def test_dispatch_takes_the_fused_gemm_for_large_steps_only() -> None:
+    """Large steps get the fused kernel and the same result as cuBLAS plus the activation;
+    a decode batch keeps cuBLAS."""
+    weight = torch.randn(2 * 8960, 1536, device="cuda", dtype=torch.bfloat16) / 40
+    for rows, fused in [(2048, True), (256, False)]:
+        x = torch.randn(rows, 1536, device="cuda", dtype=torch.bfloat16)
+        assert dispatch._fused_mlp_fits(x, weight, "silu_and_mul") is fused
+        out = dispatch.linear_silu_and_mul(x, weight)
+        unfused = dispatch.silu_and_mul(F.linear(x, weight))
+        assert (out.float() - unfused.float()).abs().max() <= 1e-2 * unfused.abs().max()
+
+
+def test_dispatch_runs_the_references_on_cpu() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, weight, bias = (torch.randn(*s, generator=gen) for s in [(5, 8), (12, 8), (12,)])
+    assert torch.equal(
+        dispatch.linear_silu_and_mul(x, weight, bias), silu_and_mul_ref(F.linear(x, weight, bias))
+    )
+    assert torch.equal(
+        dispatch.linear_quick_gelu(x, weight, bias), quick_gelu_ref(F.linear(x, weight, bias))
+    )
