@@ -24,12 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mm_serve.kernels.activation import get_activation
-from mm_serve.kernels.dispatch import (
-    apply_vision_rotary,
-    linear_quick_gelu,
-    varlen_attention,
-    varlen_segments,
-)
+from mm_serve.kernels.dispatch import apply_vision_rotary, varlen_attention, varlen_segments
+from mm_serve.kernels.dispatch_linear import linear_quick_gelu
 from mm_serve.kernels.rotary import VisionRotary, vision_rotary
 from mm_serve.kernels.varlen_attention import Segments
 from mm_serve.models.layers.layernorm import LayerNorm, RMSNorm

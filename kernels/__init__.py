@@ -17,14 +17,12 @@ from mm_serve.kernels.dispatch import (
     apply_rotary,
     kernel_mode,
     layer_norm,
-    linear,
     paged_attention,
     reshape_and_cache,
     rms_norm,
-    rms_norm_linear,
     silu_and_mul,
-    silu_and_mul_linear,
 )
+from mm_serve.kernels.dispatch_linear import linear, rms_norm_linear, silu_and_mul_linear
 from mm_serve.kernels.linear import linear_ref, rms_norm_linear_ref, silu_and_mul_linear_ref
 from mm_serve.kernels.norm import layer_norm_ref, rms_norm_ref
 from mm_serve.kernels.rotary import apply_mrotary_ref, apply_rotary_ref

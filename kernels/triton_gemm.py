@@ -15,8 +15,8 @@ the result, so those passes are gone. The weight stays as the checkpoint stores 
 
 The epilogue rounds as the unfused path does (``F.linear``'s bf16/fp16 output, then each op of
 ``kernels/triton_activation.py``), so only the GEMM's summation order can differ from cuBLAS.
-Tiles are loaded by TMA (``TensorDescriptor``), so this runs on sm90+ only; ``dispatch`` takes it
-for steps of at least ``dispatch.FUSED_MLP_MIN_ROWS`` rows, where it was measured faster.
+Tiles are loaded by TMA (``TensorDescriptor``), so this runs on sm90+ only; ``dispatch_linear``
+takes it for steps of at least ``FUSED_MLP_MIN_ROWS`` rows, where it was measured faster.
 Measured on an H100 (``python -m mm_serve.benchmarks.fused_gemm``), against cuBLAS and the
 activation kernel: Qwen2-VL-2B's tower ``fc1`` + QuickGELU 0.97x the time over 16,384 patches
 (0.91x over 26,624); its LM's ``gate_up_proj`` + SiLU-and-mul 0.88x over 8,192 tokens (0.85x
@@ -96,7 +96,8 @@ def linear_act_triton(
 ) -> torch.Tensor:
     """``x [M, K]``, ``weight [N, K]`` (``[2 I, K]`` for ``SILU_AND_MUL``), ``bias [N]`` or
     None -> ``[M, N]`` (``[M, I]``), in ``x``'s dtype; ``x`` and ``weight`` contiguous, of one
-    dtype, ``K`` and ``N`` multiples of 8 (TMA's 16-byte strides): ``dispatch._fused_mlp_fits``."""
+    dtype, ``K`` and ``N`` multiples of 8 (TMA's 16-byte strides), as ``dispatch_linear``
+    checks."""
     block_m, block_n, block_k, stages, warps = CONFIGS[act]
     m, k = x.shape
     n = weight.shape[0] // 2 if act == SILU_AND_MUL else weight.shape[0]

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from mm_serve.attention import AttentionMetadata
-from mm_serve.kernels.dispatch import linear_silu_and_mul
+from mm_serve.kernels.dispatch_linear import linear_silu_and_mul
 from mm_serve.models.layers.attention import Attention
 from mm_serve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from mm_serve.models.layers.layernorm import RMSNorm, rms_norm_then_linear
