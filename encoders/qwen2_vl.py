@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mm_serve.kernels.activation import get_activation
-from mm_serve.kernels.dispatch import varlen_attention, varlen_segments
-from mm_serve.kernels.dispatch_linear import linear_quick_gelu, linear_vision_rotary
+from mm_serve.kernels.dispatch import apply_vision_rotary, varlen_attention, varlen_segments
+from mm_serve.kernels.dispatch_linear import linear_quick_gelu
 from mm_serve.kernels.rotary import VisionRotary, vision_rotary
 from mm_serve.kernels.varlen_attention import Segments
 from mm_serve.models.layers.layernorm import LayerNorm, RMSNorm
@@ -133,8 +133,10 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, segments: Segments, rotary: VisionRotary) -> torch.Tensor:
-        q, k, v = linear_vision_rotary(x, self.qkv.weight, self.qkv.bias, rotary, self.num_heads)
-        return self.proj(varlen_attention(q, k, v, segments).reshape(x.shape[0], -1))
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)  # [N, heads, head_dim]
+        q, k = apply_vision_rotary(q, k, rotary)
+        return self.proj(varlen_attention(q, k, v, segments).reshape(n, -1))
 
 
 class PatchMerger(nn.Module):

@@ -1,7 +1,7 @@
 """The linear layers' kernel choice per call (beside ``dispatch``, which holds the mode and the
 other kernels): the one-token Triton GEMV (with the norm before it or the gated activation
-fused), on Hopper the GEMM with the MLP's activation or the vision rotary in its epilogue for
-large steps (``triton_gemm``), and cuBLAS (``linear_ref``) otherwise; the references on the CPU.
+fused), on Hopper the GEMM with the MLP's activation in its epilogue for large steps
+(``triton_gemm``), and cuBLAS (``linear_ref``) otherwise; the references on the CPU.
 """
 
 from __future__ import annotations
@@ -9,16 +9,8 @@ from __future__ import annotations
 import torch
 
 from mm_serve.kernels.activation import silu_and_mul_ref
-from mm_serve.kernels.dispatch import (
-    apply_vision_rotary,
-    kernel_mode,
-    quick_gelu,
-    rms_norm,
-    silu_and_mul,
-    use_kernels,
-)
+from mm_serve.kernels.dispatch import kernel_mode, quick_gelu, rms_norm, silu_and_mul, use_kernels
 from mm_serve.kernels.linear import linear_ref
-from mm_serve.kernels.rotary import VisionRotary
 
 
 def _gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -43,16 +35,15 @@ def linear(
 
 
 # The fewest rows for which the fused GEMM (``triton_gemm``) beat cuBLAS plus the activation
-# or rotary kernel on an H100 (``benchmarks/fused_gemm.py``): QuickGELU 1.48x slower at 1,024
-# rows and 0.96x at 4,096; SiLU-and-mul 1.16x slower at 512 rows and 0.94x at 1,024.
-FUSED_GEMM_MIN_ROWS = {"quick_gelu": 4096, "silu_and_mul": 1024, "vision_rotary": 4096}
+# kernel on an H100 (``benchmarks/fused_gemm.py``): QuickGELU 1.48x slower at 1,024 rows and
+# 0.96x at 4,096; SiLU-and-mul 1.16x slower at 512 rows and 0.94x at 1,024.
+FUSED_MLP_MIN_ROWS = {"quick_gelu": 4096, "silu_and_mul": 1024}
 
 
-def _fused_gemm_fits(x: torch.Tensor, weight: torch.Tensor, act: str) -> bool:
-    """Whether ``triton_gemm`` serves this call (``act``: a ``FUSED_GEMM_MIN_ROWS`` key): rows
-    enough, an sm90+ GPU (TMA), fp16/bf16 operands of one dtype, contiguous, with 16-byte row
-    strides."""
-    if x.dim() != 2 or x.shape[0] < FUSED_GEMM_MIN_ROWS[act] or not use_kernels(x, weight):
+def _fused_mlp_fits(x: torch.Tensor, weight: torch.Tensor, act: str) -> bool:
+    """Whether ``triton_gemm`` serves this call: rows enough, an sm90+ GPU (TMA), fp16/bf16
+    operands of one dtype, contiguous, with 16-byte row strides."""
+    if x.dim() != 2 or x.shape[0] < FUSED_MLP_MIN_ROWS[act] or not use_kernels(x, weight):
         return False
     same = x.dtype == weight.dtype and x.dtype in (torch.float16, torch.bfloat16)
     aligned = x.shape[1] % 8 == 0 and weight.shape[0] % 16 == 0
@@ -67,7 +58,7 @@ def linear_quick_gelu(
 ) -> torch.Tensor:
     """``quick_gelu(x @ weight.T + bias)``, ``[T, N]``: one GEMM with the activation in its
     epilogue (``triton_gemm``) for large ``T`` on Hopper, else cuBLAS and ``quick_gelu``."""
-    if _fused_gemm_fits(x, weight, "quick_gelu"):
+    if _fused_mlp_fits(x, weight, "quick_gelu"):
         from mm_serve.kernels.triton_gemm import QUICK_GELU, linear_act_triton
 
         return linear_act_triton(x, weight, bias, QUICK_GELU)
@@ -87,7 +78,7 @@ def linear_silu_and_mul(
         if x.is_cuda and kernel_mode() != "ref":
             return torch.ops.mm_serve.linear_silu_and_mul(x, weight, bias)
         return silu_and_mul_ref(linear_ref(x, weight, bias))  # Inductor fuses the activation
-    if _fused_gemm_fits(x, weight, "silu_and_mul"):
+    if _fused_mlp_fits(x, weight, "silu_and_mul"):
         from mm_serve.kernels.triton_gemm import SILU_AND_MUL, linear_act_triton
 
         return linear_act_triton(x, weight, bias, SILU_AND_MUL)
@@ -104,28 +95,6 @@ def _linear_silu_and_mul_op(
 @_linear_silu_and_mul_op.register_fake
 def _(x, weight, bias):
     return x.new_empty(x.shape[0], weight.shape[0] // 2)
-
-
-def linear_vision_rotary(
-    x: torch.Tensor,  # [T, dim]
-    weight: torch.Tensor,  # [3 * dim, dim]: q, k, v rows
-    bias: torch.Tensor | None,  # [3 * dim]
-    rotary: VisionRotary,  # tables of T rows
-    num_heads: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A vision tower's fused qkv projection with its 2-D rotary on q and k: ``(q, k, v)``,
-    each ``[T, num_heads, head_dim]``, equal to ``apply_vision_rotary`` on ``x @ weight.T +
-    bias``. For large ``T`` on Hopper one GEMM rotates in its epilogue (``triton_gemm``), else
-    cuBLAS and the rotary kernel."""
-    rows, head_dim = x.shape[0], weight.shape[0] // (3 * num_heads)
-    if _fused_gemm_fits(x, weight, "vision_rotary") and head_dim % 2 == 0:
-        from mm_serve.kernels.triton_gemm import VISION_ROTARY, linear_act_triton
-
-        table = (rotary.table, head_dim, 2 * num_heads * head_dim)
-        qkv = linear_act_triton(x, weight, bias, VISION_ROTARY, table)
-        return qkv.view(rows, 3, num_heads, head_dim).unbind(1)
-    q, k, v = linear_ref(x, weight, bias).view(rows, 3, num_heads, head_dim).unbind(1)
-    return (*apply_vision_rotary(q, k, rotary), v)
 
 
 def silu_and_mul_linear(

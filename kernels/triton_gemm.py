@@ -1,5 +1,4 @@
-"""A GEMM with the elementwise pass after it in its epilogue: ``act(x @ W.T + b)`` in one kernel
-(Hopper).
+"""A GEMM with the MLP's activation in its epilogue: ``act(x @ W.T + b)`` in one kernel (Hopper).
 
 A prefill or encode step's MLP writes its first projection's output (``[T, 2 I]`` for a gated
 MLP, ``[N, 4 d]`` for the vision tower's) and reads it back in a separate activation kernel:
@@ -12,17 +11,12 @@ the result, so those passes are gone. The weight stays as the checkpoint stores 
 - ``silu_and_mul``: for ``W = [gate; up]`` (``[2 I, K]``), ``silu(gate) * up``: each program
   loads the same ``BLOCK_N`` features of gate and of up in one TMA load (``W`` seen as ``[2, I,
   K]``) and multiplies them as one ``2 BLOCK_N``-wide tile, so an output tile needs no data
-  from another;
-- ``vision_rotary``: a vision tower's fused qkv projection with the 2-D rotary applied to q and
-  k (``x cos + rotate_half(x) sin`` per head). A tile holds whole heads (``BLOCK_N //
-  head_dim`` of them: 240 of 256 columns for Qwen2-VL's 80-wide heads), so each column's
-  ``rotate_half`` partner is in the same tile: the program stores the tile, reads the partners
-  back from its own writes (L2) between two barriers, and overwrites the q and k columns.
+  from another.
 
 The epilogue rounds as the unfused path does (``F.linear``'s bf16/fp16 output, then each op of
 ``kernels/triton_activation.py``), so only the GEMM's summation order can differ from cuBLAS.
 Tiles are loaded by TMA (``TensorDescriptor``), so this runs on sm90+ only; ``dispatch_linear``
-takes it for steps of at least ``FUSED_GEMM_MIN_ROWS`` rows, where it was measured faster.
+takes it for steps of at least ``FUSED_MLP_MIN_ROWS`` rows, where it was measured faster.
 Measured on an H100 (``python -m mm_serve.benchmarks.fused_gemm``), against cuBLAS and the
 activation kernel: Qwen2-VL-2B's tower ``fc1`` + QuickGELU 0.97x the time over 16,384 patches
 (0.91x over 26,624); its LM's ``gate_up_proj`` + SiLU-and-mul 0.88x over 8,192 tokens (0.85x
@@ -38,13 +32,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-QUICK_GELU, SILU_AND_MUL, VISION_ROTARY = 1, 2, 3
+QUICK_GELU, SILU_AND_MUL = 1, 2
 # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps) per activation; SiLU-and-mul's BLOCK_N is per half.
-CONFIGS = {
-    QUICK_GELU: (128, 256, 64, 3, 8),
-    SILU_AND_MUL: (128, 128, 64, 3, 8),
-    VISION_ROTARY: (128, 256, 64, 3, 8),
-}
+CONFIGS = {QUICK_GELU: (128, 256, 64, 3, 8), SILU_AND_MUL: (128, 128, 64, 3, 8)}
 
 
 @triton.jit
@@ -58,21 +48,18 @@ def _tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _linear_act_kernel(
-    x_desc, w_desc, out_desc, bias_ptr, M, N, K, out_ptr, stride_out, table_ptr, stride_table,
-    rotary_cols, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    x_desc, w_desc, out_desc, bias_ptr, M, N, K,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
 ):  # fmt: skip
     """``out[M, N] = act(x[M, K] @ w.T + bias)``; for SiLU-and-mul, ``w`` is ``[2 N, K]``
-    (gate rows, then up rows) and ``bias`` ``[2 N]``; for the vision rotary, the columns left
-    of ``rotary_cols`` rotated by ``table`` (``_rotary_epilogue``)."""
-    dtype = out_ptr.dtype.element_ty
+    (gate rows, then up rows) and ``bias`` ``[2 N]``."""
+    dtype = out_desc.dtype
     ACC_N: tl.constexpr = 2 * BLOCK_N if ACT == 2 else BLOCK_N
-    TILE_N: tl.constexpr = (BLOCK_N // HEAD_DIM) * HEAD_DIM if ACT == 3 else BLOCK_N
-    num_pid_m, num_pid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, TILE_N)
+    num_pid_m, num_pid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=True):
         pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        off_m, off_n = pid_m * BLOCK_M, pid_n * TILE_N
+        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, ACC_N), dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             if ACT == 2:  # w_desc is [2, N, K]: the gate and up tiles in one load
@@ -93,49 +80,10 @@ def _linear_act_kernel(
         if ACT == 1:  # quick_gelu_triton's roundings
             t = (y * 1.702).to(dtype).to(tl.float32)
             y = y * (1.0 / (1.0 + tl.exp(-t))).to(dtype).to(tl.float32)
-        elif ACT == 2:  # silu_and_mul_triton's, gate and up being the tile's two halves
+        else:  # silu_and_mul_triton's, gate and up being the tile's two halves
             gate, up = tl.split(tl.permute(tl.reshape(y, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
             y = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
-        if ACT == 3:
-            _rotary_epilogue(
-                out_ptr, stride_out, table_ptr, stride_table, y, off_m, off_n, M, N,
-                rotary_cols, BLOCK_M, BLOCK_N, TILE_N, HEAD_DIM,
-            )  # fmt: skip
-        else:
-            out_desc.store([off_m, off_n], y.to(dtype))
-
-
-@triton.jit
-def _rotary_epilogue(
-    out_ptr, stride_out, table_ptr, stride_table, y, off_m, off_n, M, N, rotary_cols,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-):  # fmt: skip
-    """Stores the tile ``y`` (``F.linear``'s rounded output, ``[BLOCK_M, BLOCK_N]``, whose first
-    ``TILE_N`` columns are whole heads) at ``out[off_m:, off_n:]``, the heads left of
-    ``rotary_cols`` rotated: ``x * cos + rotate_half(x) * sin`` in float32, rounded once, as
-    ``apply_rotary_triton(..., round_products=False)`` does. ``table[row]`` holds the row's
-    ``HEAD_DIM // 2`` cosines, then its sines. Each column's partner (``HEAD_DIM // 2`` away in
-    its head) is read back from the stored tile, between barriers."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    dtype = out_ptr.dtype.element_ty
-    rows = off_m + tl.arange(0, BLOCK_M)[:, None]
-    local = tl.arange(0, BLOCK_N)[None, :]
-    cols = off_n + local
-    ok = (rows < M) & (local < TILE_N) & (cols < N)
-    dst = out_ptr + rows.to(tl.int64) * stride_out + cols
-    tl.store(dst, y.to(dtype), mask=ok)
-    if off_n < rotary_cols:
-        d = local % HEAD_DIM
-        first = d < HALF
-        tl.debug_barrier()  # the tile stored by every thread before any partner is read
-        src = dst + tl.where(first, HALF, -HALF)
-        partner = tl.load(src, mask=ok, other=0.0, cache_modifier=".cg")
-        tl.debug_barrier()  # every partner read before any column is overwritten
-        angle = table_ptr + rows.to(tl.int64) * stride_table + d % HALF
-        cos, sin = tl.load(angle, mask=ok, other=0.0), tl.load(angle + HALF, mask=ok, other=0.0)
-        partner = partner.to(tl.float32)
-        rotated = tl.where(first, y * cos - partner * sin, y * cos + partner * sin)
-        tl.store(dst, rotated.to(dtype), mask=ok & (cols < rotary_cols))
+        out_desc.store([off_m, off_n], y.to(dtype))
 
 
 @functools.lru_cache(maxsize=8)
@@ -144,26 +92,18 @@ def _num_sms(device: torch.device) -> int:
 
 
 def linear_act_triton(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    act: int,
-    rotary: tuple[torch.Tensor, int, int] | None = None,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: int
 ) -> torch.Tensor:
     """``x [M, K]``, ``weight [N, K]`` (``[2 I, K]`` for ``SILU_AND_MUL``), ``bias [N]`` or
     None -> ``[M, N]`` (``[M, I]``), in ``x``'s dtype; ``x`` and ``weight`` contiguous, of one
     dtype, ``K`` and ``N`` multiples of 8 (TMA's 16-byte strides), as ``dispatch_linear``
-    checks. ``VISION_ROTARY`` takes ``rotary = (table [M, head_dim] float32, head_dim,
-    rotary_cols)``: row ``i``'s cosines then sines (``VisionRotary.table``), an even
-    ``head_dim`` of at most ``BLOCK_N``, and the q and k columns, ``2 * num_heads * head_dim``."""
+    checks."""
     block_m, block_n, block_k, stages, warps = CONFIGS[act]
     m, k = x.shape
     n = weight.shape[0] // 2 if act == SILU_AND_MUL else weight.shape[0]
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    table, head_dim, rotary_cols = rotary if act == VISION_ROTARY else (x, 1, 0)
-    tile_n = block_n // head_dim * head_dim if act == VISION_ROTARY else block_n
     num_sms = _num_sms(x.device) if x.is_cuda else 4  # CPU: Triton's interpreter
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, tile_n)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     if act == SILU_AND_MUL:  # [gate; up] as [2, I, K]: one load brings both tiles
         w_desc = TensorDescriptor.from_tensor(weight.view(2, n, k), [2, block_n, block_k])
     else:
@@ -173,9 +113,7 @@ def linear_act_triton(
         w_desc,
         TensorDescriptor.from_tensor(out, [block_m, block_n]),
         x if bias is None else bias,
-        m, n, k, out, out.stride(0), table, table.stride(0), rotary_cols,
-        ACT=act, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        GROUP_M=8, NUM_SMS=num_sms, HEAD_DIM=head_dim, num_stages=stages, num_warps=warps,
-        enable_fp_fusion=act != VISION_ROTARY,  # an FMA would skip a product's rounding
+        m, n, k, ACT=act, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, GROUP_M=8, NUM_SMS=num_sms, num_stages=stages, num_warps=warps,
     )  # fmt: skip
     return out

@@ -1,5 +1,4 @@
 """Can a Triton GEMM with the activation in its epilogue beat cuBLAS plus the activation kernel?
-(And with the vision rotary in it, cuBLAS plus the rotary kernel?)
 
 The encode steps' elementwise kernels run at the copy rate and take about 212 ms of workload 1's
 batch on an H100 (QuickGELU 55, the tower's norms 57, rotary 40, the LM's SiLU-and-mul 38:
@@ -23,20 +22,15 @@ import torch.nn.functional as F
 import triton
 
 from mm_serve.kernels import triton_gemm
-from mm_serve.kernels.rotary import vision_rotary
 from mm_serve.kernels.triton_activation import quick_gelu_triton, silu_and_mul_triton
-from mm_serve.kernels.triton_rotary import apply_rotary_triton
-
-HEAD_DIM = 80  # the tower's heads (qkv + rotary)
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps) tried per activation besides the module's own.
 SWEEP = [(128, 256, 64, 3, 8), (128, 128, 64, 3, 8), (128, 128, 64, 4, 8), (256, 128, 64, 3, 8),
          (128, 128, 128, 2, 8), (64, 256, 64, 4, 4)]  # fmt: skip
-# name: (K, N, activation, bias, token counts): Qwen2-VL-2B's tower fc1 and qkv (16 heads of
-# 80; photos of 1,024 patches) and its LM's gate_up_proj (prefill steps).
+# name: (K, N, activation, bias, token counts): Qwen2-VL-2B's tower fc1 (photos of 1,024
+# patches) and its LM's gate_up_proj (prefill steps).
 SHAPES = {
     "tower fc1": (1280, 5120, triton_gemm.QUICK_GELU, True, [1024, 4096, 16384, 26624]),
-    "tower qkv": (1280, 3840, triton_gemm.VISION_ROTARY, True, [1024, 4096, 16384, 26624]),
     "LM gate_up": (1536, 2 * 8960, triton_gemm.SILU_AND_MUL, False, [512, 1024, 2048, 8192]),
 }
 
@@ -50,35 +44,16 @@ def _unfused(act_fn, x, w, bias):
     return act_fn(F.linear(x, w, bias))
 
 
-def _rotary(m: int):
-    """``(unfused act_fn, fused fn)`` of the vision rotary over ``m`` rows (random angles)."""
-    angles = torch.rand(m, HEAD_DIM // 2, device="cuda") * 50
-    rotary = vision_rotary(*(f(angles).repeat(1, 2) for f in (torch.cos, torch.sin)))
-
-    def act_fn(y):  # the engine's rotary kernel, here in place: the same traffic
-        q, k, _ = y.view(m, 3, -1, HEAD_DIM).unbind(1)
-        apply_rotary_triton(
-            rotary.positions, q, k, rotary.table, HEAD_DIM, out=(q, k), round_products=False
-        )
-        return y
-
-    def fused_fn(x, w, bias, act):
-        return triton_gemm.linear_act_triton(x, w, bias, act, (rotary.table, HEAD_DIM, 2 * 1280))
-
-    return act_fn, fused_fn
-
-
 def rows(sweep: bool) -> list[tuple]:
     """``(shape, M, config, unfused us, fused us, max relative difference)``, printed as made."""
     out = []
+    fused_fn = triton_gemm.linear_act_triton
     for name, (k, n, act, has_bias, token_counts) in SHAPES.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if has_bias else None
         act_fn = quick_gelu_triton if act == triton_gemm.QUICK_GELU else silu_and_mul_triton
-        fused_fn, default = triton_gemm.linear_act_triton, triton_gemm.CONFIGS[act]
+        default = triton_gemm.CONFIGS[act]
         for m in token_counts:
-            if act == triton_gemm.VISION_ROTARY:
-                act_fn, fused_fn = _rotary(m)
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = _unfused(act_fn, x, w, bias)
             unfused = _us(_unfused, act_fn, x, w, bias)
