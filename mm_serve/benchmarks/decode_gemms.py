@@ -1,12 +1,16 @@
-"""The decode step's GEMMs at batch ``M``: cuBLAS against the kernels Inductor's max-autotune picks.
+"""The decode step's GEMMs at batch ``M``: cuBLAS against cuBLASLt and the kernels Inductor's
+max-autotune picks.
 
 For each GEMM of the LM (``gemm_kernels.model_gemms``: the model on ``meta``), one CUDA graph of
 ``--layers`` calls, each on its own weight (as the decode graph runs them: no weight reused from
-L2), is replayed; the table gives microseconds per call, the matmul-rate and copy-rate floors of
-one call, and the ratio. Inductor's choice is ``torch.compile(F.linear, mode=
-"max-autotune-no-cudagraphs")`` over the same shapes (its autotune log names the kernel).
+L2), is replayed; the table gives microseconds per call and the matmul-rate and copy-rate floors
+of one call. cuBLASLt is torch's other BLAS back end (``preferred_blas_library("cublaslt")``,
+or ``TORCH_BLAS_PREFER_CUBLASLT=1`` for a whole process). Inductor's choice is
+``torch.compile(F.linear, mode="max-autotune-no-cudagraphs")`` over the same shapes (its
+autotune log names the kernel).
 
-    python -m mm_serve.benchmarks.decode_gemms --model-arch qwen2-vl-2b --batch-sizes 128 256
+    python -m mm_serve.benchmarks.decode_gemms --model-arch qwen2-vl-2b --batch-sizes 128 256 \
+        [--no-inductor]
 """
 
 from __future__ import annotations
@@ -42,8 +46,19 @@ def graph_us(call, args_per_layer: list[tuple], repeats: int = 50) -> float:
     return statistics.median(times)
 
 
-def rows(arch: str, batch_sizes: list[int], layers: int) -> list[tuple]:
-    """``(gemm, M, cuBLAS us, Inductor us, matmul floor us, copy floor us)`` per shape and M."""
+def cublaslt_us(args_per_layer: list[tuple]) -> float:
+    """``graph_us`` of ``F.linear`` with cuBLASLt as torch's BLAS back end."""
+    default = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        return graph_us(F.linear, args_per_layer)
+    finally:
+        torch.backends.cuda.preferred_blas_library(default)
+
+
+def rows(arch: str, batch_sizes: list[int], layers: int, inductor: bool = True) -> list[tuple]:
+    """``(gemm, M, cuBLAS us, cuBLASLt us, Inductor us or nan, matmul floor us, copy floor
+    us)`` per shape and M."""
     rates = measure_rates("cuda")
     # One compiled F.linear per shape and M: past Dynamo's default limit of 8 it runs eagerly.
     torch._dynamo.config.recompile_limit = 64
@@ -57,9 +72,10 @@ def rows(arch: str, batch_sizes: list[int], layers: int) -> list[tuple]:
         for m in batch_sizes:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             args = [(x, w, bias) for w in weights]
-            cublas, inductor = graph_us(F.linear, args), graph_us(compiled, args)
+            cublas, lt = graph_us(F.linear, args), cublaslt_us(args)
+            chosen = graph_us(compiled, args) if inductor else float("nan")
             floor_mm, floor_copy = 2 * m * n * k / flops * 1e6, 2 * n * k / bps * 1e6
-            out.append((label, m, cublas, inductor, floor_mm, floor_copy))
+            out.append((label, m, cublas, lt, chosen, floor_mm, floor_copy))
             print(*(f"{v:.2f}" if isinstance(v, float) else v for v in out[-1]), flush=True)
     return out
 
@@ -69,12 +85,14 @@ def main() -> None:
     parser.add_argument("--model-arch", default="qwen2-vl-2b", choices=sorted(ARCHITECTURES))
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[128, 256])
     parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--no-inductor", action="store_true", help="skip the autotuned column")
     args = parser.parse_args()
-    table = rows(args.model_arch, args.batch_sizes, args.layers)
-    print("| GEMM | M | cuBLAS us | Inductor max-autotune us | matmul floor | copy floor |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for label, m, cublas, inductor, floor_mm, floor_copy in table:
-        cells = (f"{v:.2f}" for v in (cublas, inductor, floor_mm, floor_copy))
+    table = rows(args.model_arch, args.batch_sizes, args.layers, not args.no_inductor)
+    columns = "cuBLAS us | cuBLASLt us | Inductor max-autotune us | matmul floor | copy floor"
+    print(f"| GEMM | M | {columns} |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for label, m, *times in table:
+        cells = (f"{v:.2f}" for v in times)
         print(f"| {label} | {m} | " + " | ".join(cells) + " |")
 
 
