@@ -78,7 +78,7 @@ def test_split_k_gemm_matches_linear(has_bias) -> None:
     through one workspace: the per-tile counts are back at zero after each call."""
     from mm_serve.benchmarks.decode_splitk import SplitKLinear
 
-    (m, n, k), config = ((200, 1000, 1536), (128, 128, 64, 3, 4, 4)) if HOPPER else (
+    (m, n, k), config = ((200, 1000, 1600), (128, 128, 64, 3, 4, 4)) if HOPPER else (
         (40, 72, 80), (32, 32, 16, 3, 2, 4))  # fmt: skip
     dtype = torch.bfloat16 if HOPPER else torch.float32
     gen = torch.Generator().manual_seed(int(has_bias))
