@@ -80,11 +80,18 @@ def rows(arch: str, batch_sizes: list[int], layers: int, inductor: bool = True) 
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def gemm_parser(doc: str) -> argparse.ArgumentParser:
+    """The options of the decode-GEMM scripts (this one, ``decode_splitk``): the architecture,
+    the batch sizes and the number of layers (weights) per CUDA graph."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--model-arch", default="qwen2-vl-2b", choices=sorted(ARCHITECTURES))
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[128, 256])
     parser.add_argument("--layers", type=int, default=28)
+    return parser
+
+
+def main() -> None:
+    parser = gemm_parser(__doc__)
     parser.add_argument("--no-inductor", action="store_true", help="skip the autotuned column")
     args = parser.parse_args()
     table = rows(args.model_arch, args.batch_sizes, args.layers, not args.no_inductor)

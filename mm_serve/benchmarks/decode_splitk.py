@@ -21,13 +21,15 @@ graph), and checks each result against ``F.linear``.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from mm_serve.benchmarks.decode_gemms import gemm_parser, graph_us
+from mm_serve.benchmarks.gemm_kernels import model_gemms
+from mm_serve.benchmarks.roofline import copy_rate
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, stages, warps)
 CONFIGS = [(128, 128, 64, 4, 4, 4), (128, 128, 64, 2, 4, 4), (64, 128, 64, 4, 4, 4),
@@ -97,10 +99,6 @@ class SplitKLinear:
 def rows(arch: str, batch_sizes: list[int], layers: int) -> list[tuple]:
     """``(gemm, M, config, cuBLAS us, split-K us, copy floor us, max relative difference)``
     per GEMM, batch and config, printed as made (a config Triton cannot build is skipped)."""
-    from mm_serve.benchmarks.decode_gemms import graph_us
-    from mm_serve.benchmarks.gemm_kernels import model_gemms
-    from mm_serve.benchmarks.roofline import copy_rate
-
     bps, out = copy_rate("cuda"), []
     for label, (k, n, has_bias) in model_gemms(arch).items():
         if label == "lm_head" or n >= 4 * k:  # gate_up and the LM head have tiles enough
@@ -125,13 +123,7 @@ def rows(arch: str, batch_sizes: list[int], layers: int) -> list[tuple]:
 
 
 def main() -> None:
-    from mm_serve.benchmarks.architectures import ARCHITECTURES
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-arch", default="qwen2-vl-2b", choices=sorted(ARCHITECTURES))
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[128, 256])
-    parser.add_argument("--layers", type=int, default=28)
-    args = parser.parse_args()
+    args = gemm_parser(__doc__).parse_args()
     table = rows(args.model_arch, args.batch_sizes, args.layers)
     print("| GEMM | M | BM, BN, BK, split, stages, warps | cuBLAS us | split-K us | copy floor |")
     print("| --- | ---: | --- | ---: | ---: | ---: |")
