@@ -7,7 +7,10 @@ GEMM applies the activation to each output tile while it is still in registers a
 the result, so those passes are gone. The weight stays as the checkpoint stores it (``[N, K]``):
 
 - ``quick_gelu``: ``x * sigmoid(1.702 x)`` of ``F.linear``'s output (one tile of ``BLOCK_N``
-  output features);
+  output features), stored in two halves: the first half's TMA store runs while the second is
+  computed, and the smaller store buffer leaves room for a fourth stage (2.8% less time than a
+  whole-tile store with three stages over 26,624 patches on an H100, the same outputs:
+  ``benchmarks/epilogue_cost.py``);
 - ``silu_and_mul``: for ``W = [gate; up]`` (``[2 I, K]``), ``silu(gate) * up``: each program
   loads the same ``BLOCK_N`` features of gate and of up in one TMA load (``W`` seen as ``[2, I,
   K]``) and multiplies them as one ``2 BLOCK_N``-wide tile, so an output tile needs no data
@@ -18,8 +21,8 @@ The epilogue rounds as the unfused path does (``F.linear``'s bf16/fp16 output, t
 Tiles are loaded by TMA (``TensorDescriptor``), so this runs on sm90+ only; ``dispatch_linear``
 takes it for steps of at least ``FUSED_MLP_MIN_ROWS`` rows, where it was measured faster.
 Measured on an H100 (``python -m mm_serve.benchmarks.fused_gemm``), against cuBLAS and the
-activation kernel: Qwen2-VL-2B's tower ``fc1`` + QuickGELU 0.97x the time over 16,384 patches
-(0.91x over 26,624); its LM's ``gate_up_proj`` + SiLU-and-mul 0.88x over 8,192 tokens (0.85x
+activation kernel: Qwen2-VL-2B's tower ``fc1`` + QuickGELU 0.93x the time over 16,384 patches
+(0.91x over 26,624); its LM's ``gate_up_proj`` + SiLU-and-mul 0.84x over 8,192 tokens (0.85x
 over 2,048).
 """
 
@@ -34,7 +37,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 QUICK_GELU, SILU_AND_MUL = 1, 2
 # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps) per activation; SiLU-and-mul's BLOCK_N is per half.
-CONFIGS = {QUICK_GELU: (128, 256, 64, 3, 8), SILU_AND_MUL: (128, 128, 64, 3, 8)}
+# QuickGELU stores its tile in two halves, which leaves shared memory for a fourth stage.
+CONFIGS = {QUICK_GELU: (128, 256, 64, 4, 8), SILU_AND_MUL: (128, 128, 64, 3, 8)}
 
 
 @triton.jit
@@ -77,13 +81,21 @@ def _linear_act_kernel(
                 ok = cols < N
             acc += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)[None, :]
         y = acc.to(dtype).to(tl.float32)  # F.linear's output
-        if ACT == 1:  # quick_gelu_triton's roundings
-            t = (y * 1.702).to(dtype).to(tl.float32)
-            y = y * (1.0 / (1.0 + tl.exp(-t))).to(dtype).to(tl.float32)
-        else:  # silu_and_mul_triton's, gate and up being the tile's two halves
+        if ACT == 1:  # in two halves: the first's TMA store overlaps the second's math
+            y0, y1 = tl.split(tl.permute(tl.reshape(y, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            out_desc.store([off_m, off_n], _quick_gelu(y0, dtype).to(dtype))
+            out_desc.store([off_m, off_n + BLOCK_N // 2], _quick_gelu(y1, dtype).to(dtype))
+        else:  # silu_and_mul_triton's roundings, gate and up being the tile's two halves
             gate, up = tl.split(tl.permute(tl.reshape(y, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
             y = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
-        out_desc.store([off_m, off_n], y.to(dtype))
+            out_desc.store([off_m, off_n], y.to(dtype))
+
+
+@triton.jit
+def _quick_gelu(y, dtype: tl.constexpr):
+    """quick_gelu_triton's roundings, on ``F.linear``'s output ``y`` (float32 of bf16/fp16)."""
+    t = (y * 1.702).to(dtype).to(tl.float32)
+    return y * (1.0 / (1.0 + tl.exp(-t))).to(dtype).to(tl.float32)
 
 
 @functools.lru_cache(maxsize=8)
@@ -104,6 +116,7 @@ def linear_act_triton(
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     num_sms = _num_sms(x.device) if x.is_cuda else 4  # CPU: Triton's interpreter
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    store_n = block_n // 2 if act == QUICK_GELU else block_n  # QuickGELU stores half tiles
     if act == SILU_AND_MUL:  # [gate; up] as [2, I, K]: one load brings both tiles
         w_desc = TensorDescriptor.from_tensor(weight.view(2, n, k), [2, block_n, block_k])
     else:
@@ -111,7 +124,7 @@ def linear_act_triton(
     _linear_act_kernel[(min(num_sms, tiles),)](
         TensorDescriptor.from_tensor(x, [block_m, block_k]),
         w_desc,
-        TensorDescriptor.from_tensor(out, [block_m, block_n]),
+        TensorDescriptor.from_tensor(out, [block_m, store_n]),
         x if bias is None else bias,
         m, n, k, ACT=act, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, GROUP_M=8, NUM_SMS=num_sms, num_stages=stages, num_warps=warps,

@@ -1,0 +1,157 @@
+"""What does the fused MLP GEMM's activation epilogue cost, and which variant is cheapest?
+
+``kernels/triton_gemm.py`` runs the tower's ``fc1`` + QuickGELU and the LM's ``gate_up`` +
+SiLU-and-mul; its epilogue (bias, roundings, an exponential and a division per element) runs
+while the tensor cores idle. This script times, per shape, cuBLAS alone and the same persistent
+kernel with these epilogues (3 stages and a whole-tile store unless named otherwise):
+
+- ``ieee``: the engine's arithmetic, ``1 / (1 + exp(-t))`` in IEEE division;
+- ``none``: bias and rounding only, the floor for any epilogue;
+- ``rcp``: ``rcp.approx`` instead of the division;
+- ``tanh``: ``0.5 tanh(t / 2) + 0.5``, one ``tanh.approx`` per element;
+- ``sub`` (QuickGELU): ``ieee`` stored in two half tiles; ``sub4``: that with a fourth stage
+  in the shared memory the half store frees (the engine's kernel).
+
+Each line gives the share of outputs that differ from ``ieee`` and the largest difference in
+bf16 ulps of the output.
+
+    python -m mm_serve.benchmarks.epilogue_cost
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from mm_serve.kernels.triton_gemm import CONFIGS, QUICK_GELU, SILU_AND_MUL, _tile
+
+MODES = {"ieee": 0, "none": 1, "rcp": 2, "tanh": 3, "sub": 4, "sub4": 5}
+
+
+@triton.jit
+def _sigmoid(t, MODE: tl.constexpr):
+    if MODE == 0:
+        s = 1.0 / (1.0 + tl.exp(-t))
+    elif MODE == 2:
+        e = 1.0 + tl.exp(-t)
+        s = tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=f,f", [e], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        h = tl.inline_asm_elementwise(
+            "tanh.approx.f32 $0, $1;", "=f,f", [0.5 * t], dtype=tl.float32, is_pure=True, pack=1
+        )
+        s = 0.5 * h + 0.5
+    return s
+
+
+@triton.jit
+def _quick_gelu(y, dtype: tl.constexpr):
+    t = (y * 1.702).to(dtype).to(tl.float32)
+    return (y * (1.0 / (1.0 + tl.exp(-t))).to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _kernel(
+    x_desc, w_desc, out_desc, bias_ptr, M, N, K,
+    ACT: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+):  # fmt: skip
+    dtype = out_desc.dtype
+    ACC_N: tl.constexpr = 2 * BLOCK_N if ACT == 2 else BLOCK_N
+    num_pid_m, num_pid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=True):
+        pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, ACC_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            if ACT == 2:
+                w = tl.reshape(w_desc.load([0, off_n, k]), (ACC_N, BLOCK_K))
+            else:
+                w = w_desc.load([off_n, k])
+            acc = tl.dot(x_desc.load([off_m, k]), w.T, acc)
+        if HAS_BIAS:
+            cols = off_n + tl.arange(0, ACC_N)
+            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        y = acc.to(dtype).to(tl.float32)
+        if ACT == 1 and MODE >= 4:  # the engine's QuickGELU, in two halves of the tile
+            y0, y1 = tl.split(tl.permute(tl.reshape(y, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            out_desc.store([off_m, off_n], _quick_gelu(y0, dtype))
+            out_desc.store([off_m, off_n + BLOCK_N // 2], _quick_gelu(y1, dtype))
+        elif ACT == 1:
+            if MODE != 1:
+                t = (y * 1.702).to(dtype).to(tl.float32)
+                y = y * _sigmoid(t, MODE).to(dtype).to(tl.float32)
+            out_desc.store([off_m, off_n], y.to(dtype))
+        else:
+            gate, up = tl.split(tl.permute(tl.reshape(y, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+            if MODE == 0:  # the engine's expression
+                gate = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            elif MODE != 1:
+                gate = (gate * _sigmoid(gate, MODE)).to(dtype).to(tl.float32)
+            out_desc.store([off_m, off_n], (gate * up).to(dtype))
+
+
+def fused(x, w, bias, act: int, mode: int) -> torch.Tensor:
+    bm, bn, bk, _, warps = CONFIGS[act]
+    out_bn = bn // 2 if mode >= MODES["sub"] else bn
+    stages = 4 if mode == MODES["sub4"] else 3  # a whole tile's store leaves room for 3
+    m, k = x.shape
+    n = w.shape[0] // 2 if act == SILU_AND_MUL else w.shape[0]
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    w_desc = (
+        TensorDescriptor.from_tensor(w.view(2, n, k), [2, bn, bk])
+        if act == SILU_AND_MUL
+        else TensorDescriptor.from_tensor(w, [bn, bk])
+    )
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    _kernel[(min(sms, tiles),)](
+        TensorDescriptor.from_tensor(x, [bm, bk]), w_desc,
+        TensorDescriptor.from_tensor(out, [bm, out_bn]), x if bias is None else bias, m, n, k,
+        ACT=act, MODE=mode, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        GROUP_M=8, NUM_SMS=sms, num_stages=stages, num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
+def _us(fn) -> float:
+    return triton.testing.do_bench(fn, rep=200, return_mode="median") * 1e3
+
+
+def main() -> None:
+    shapes = {
+        "tower fc1 26624": (26624, 1280, 5120, QUICK_GELU, True),
+        "LM gate_up 8192": (8192, 1536, 2 * 8960, SILU_AND_MUL, False),
+    }
+    for name, (m, k, n, act, has_bias) in shapes.items():
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if has_bias else None
+        flops = 2 * m * k * n
+        cublas = _us(lambda: F.linear(x, w, bias))  # noqa: B023
+        print(f"{name}: cuBLAS {cublas:.1f} us ({flops / cublas / 1e6:.0f} TFLOP/s)")
+        ref = fused(x, w, bias, act, 0).float()
+        for label, mode in MODES.items():
+            if mode >= MODES["sub"] and act != QUICK_GELU:
+                continue
+            try:
+                out = fused(x, w, bias, act, mode).float()
+            except Exception as e:  # shared memory: a config this Triton cannot build
+                print(f"  {label:5s} {type(e).__name__}")
+                continue
+            us = _us(lambda: fused(x, w, bias, act, mode))  # noqa: B023
+            ulp = ((out - ref).abs() / ref.abs().clamp_min(1e-30) * 2**8).max().item()
+            share = (out != ref).float().mean().item()
+            print(
+                f"  {label:5s} {us:8.1f} us ({flops / us / 1e6:.0f} TFLOP/s, "
+                f"{us / cublas:.3f}x cuBLAS)  differs in {share:.2%} of outputs, "
+                f"at most {ulp:.1f} bf16 ulps"
+            )
+
+
+if __name__ == "__main__":
+    main()
