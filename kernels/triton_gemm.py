@@ -7,10 +7,9 @@ GEMM applies the activation to each output tile while it is still in registers a
 the result, so those passes are gone. The weight stays as the checkpoint stores it (``[N, K]``):
 
 - ``quick_gelu``: ``x * sigmoid(1.702 x)`` of ``F.linear``'s output (one tile of ``BLOCK_N``
-  output features), stored in two halves: the first half's TMA store runs while the second is
-  computed, and the smaller store buffer leaves room for a fourth stage (2.8% less time than a
-  whole-tile store with three stages over 26,624 patches on an H100, the same outputs:
-  ``benchmarks/epilogue_cost.py``);
+  output features), stored in two halves, so that the half-size store buffer leaves shared
+  memory for a fourth stage (2.8% less time than a whole-tile store with three stages over
+  26,624 patches on an H100, the same outputs: ``benchmarks/epilogue_cost.py``);
 - ``silu_and_mul``: for ``W = [gate; up]`` (``[2 I, K]``), ``silu(gate) * up``: each program
   loads the same ``BLOCK_N`` features of gate and of up in one TMA load (``W`` seen as ``[2, I,
   K]``) and multiplies them as one ``2 BLOCK_N``-wide tile, so an output tile needs no data
@@ -81,7 +80,7 @@ def _linear_act_kernel(
                 ok = cols < N
             acc += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)[None, :]
         y = acc.to(dtype).to(tl.float32)  # F.linear's output
-        if ACT == 1:  # in two halves: the first's TMA store overlaps the second's math
+        if ACT == 1:  # stored in two halves: a half-size store buffer leaves room for a stage
             y0, y1 = tl.split(tl.permute(tl.reshape(y, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
             out_desc.store([off_m, off_n], _quick_gelu(y0, dtype).to(dtype))
             out_desc.store([off_m, off_n + BLOCK_N // 2], _quick_gelu(y1, dtype).to(dtype))
