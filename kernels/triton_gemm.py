@@ -50,6 +50,24 @@ def _tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def tile_product(
+    x_desc, w_desc, off_m, off_n, K,
+    BLOCK_M: tl.constexpr, ACC_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRED: tl.constexpr,
+):  # fmt: skip
+    """``x[off_m:, :K] @ w[off_n:, :K].T`` for one ``[BLOCK_M, ACC_N]`` output tile, float32,
+    TMA loads along K. ``PAIRED``: ``w_desc`` is ``[2, N, K]`` and one load brings the gate
+    and up tiles (``ACC_N / 2`` rows each) as one ``[ACC_N, BLOCK_K]`` tile."""
+    acc = tl.zeros((BLOCK_M, ACC_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if PAIRED:
+            w = tl.reshape(w_desc.load([0, off_n, k]), (ACC_N, BLOCK_K))
+        else:
+            w = w_desc.load([off_n, k])
+        acc = tl.dot(x_desc.load([off_m, k]), w.T, acc)
+    return acc
+
+
+@triton.jit
 def _linear_act_kernel(
     x_desc, w_desc, out_desc, bias_ptr, M, N, K,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -63,13 +81,7 @@ def _linear_act_kernel(
     for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=True):
         pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, ACC_N), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            if ACT == 2:  # w_desc is [2, N, K]: the gate and up tiles in one load
-                w = tl.reshape(w_desc.load([0, off_n, k]), (ACC_N, BLOCK_K))
-            else:
-                w = w_desc.load([off_n, k])
-            acc = tl.dot(x_desc.load([off_m, k]), w.T, acc)
+        acc = tile_product(x_desc, w_desc, off_m, off_n, K, BLOCK_M, ACC_N, BLOCK_K, ACT == 2)
         if HAS_BIAS:
             if ACT == 2:
                 half = tl.arange(0, ACC_N) // BLOCK_N  # 0: gate, 1: up

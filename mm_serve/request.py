@@ -93,7 +93,7 @@ def _num_tokens(feature: MultiModalFeature, token: int) -> int:
     return token_ids.count(token)
 
 
-@dataclass
+@dataclass(slots=True)
 class Request:
     """A request inside the engine core.
 

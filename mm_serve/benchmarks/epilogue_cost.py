@@ -35,6 +35,7 @@ from mm_serve.kernels.triton_gemm import (
     SILU_AND_MUL,
     _tile,
     linear_act_triton,
+    tile_product,
 )
 
 MODES = {"ieee": 0, "none": 1, "rcp": 2, "tanh": 3}
@@ -70,13 +71,7 @@ def _kernel(
     for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=True):
         pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, ACC_N), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            if ACT == 2:
-                w = tl.reshape(w_desc.load([0, off_n, k]), (ACC_N, BLOCK_K))
-            else:
-                w = w_desc.load([off_n, k])
-            acc = tl.dot(x_desc.load([off_m, k]), w.T, acc)
+        acc = tile_product(x_desc, w_desc, off_m, off_n, K, BLOCK_M, ACC_N, BLOCK_K, ACT == 2)
         if HAS_BIAS:
             cols = off_n + tl.arange(0, ACC_N)
             acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]

@@ -195,7 +195,8 @@ class Scheduler:
                 new_blocks = allocate_slots(request, num_new)
             if new_blocks is None:
                 break
-            step.cached_reqs.add(request, [b.block_id for b in new_blocks], resumed=False)
+            block_ids = [b.block_id for b in new_blocks] if new_blocks else []
+            step.cached_reqs.add(request, block_ids, False)
             self._commit(step, request, num_new, to_encode)
             index += 1
         return preempted

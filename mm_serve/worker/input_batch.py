@@ -21,7 +21,7 @@ from mm_serve.transfer import StepUpload
 from mm_serve.worker.sampling_metadata import SamplingMetadata
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedRequestState:
     """The runner's copy of one request; outlives its batch row across preemption."""
 
