@@ -196,7 +196,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             block_ids = [b.block_id for b in new_blocks] if new_blocks else []
-            step.cached_reqs.add(request, block_ids, False)
+            step.cached_reqs.add(request, block_ids, resumed=False)
             self._commit(step, request, num_new, to_encode)
             index += 1
         return preempted
