@@ -1,8 +1,11 @@
-"""The step timeline summary (``benchmarks/step_timeline.py``) on a hand-made two-run file."""
+"""The step timeline summary (``benchmarks/step_timeline.py``) on a hand-made two-run file;
+the recorder's phase wrappers and its vCPU reading."""
 
 from __future__ import annotations
 
 import json
+import os
+import threading
 import time
 
 import pytest
@@ -35,8 +38,8 @@ def test_summary_splits_runs_and_classes(tmp_path):
     ]
     second[0].update(host_allocs=2, host_alloc_us=3100)  # counters: only where they moved
     second[0].update(schedule_ms=2.0, images_ms=30.0, inputs_ms=5.0, forward_ms=60.0)
-    for step, ms in zip(second[2:], (0.5, 0.7), strict=True):  # decode: no images
-        step.update(schedule_ms=ms, inputs_ms=0.2, forward_ms=0.1, sample_ms=0.3)
+    for step, ms, vcpu in zip(second[2:], (0.5, 0.7), (3, 5), strict=True):  # decode: no images
+        step.update(schedule_ms=ms, inputs_ms=0.2, forward_ms=0.1, sample_ms=0.3, vcpu=vcpu)
     path = tmp_path / "tl.jsonl"
     lines = [*first, {"end_of_run": True}, *second, {"end_of_run": True}]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -58,6 +61,7 @@ def test_summary_splits_runs_and_classes(tmp_path):
     assert (encode["host_allocs_sum"], encode["host_alloc_us_sum"]) == (2, 3100)
     assert decode["host_allocs_sum"] == decode["alloc_retries_sum"] == 0
     assert encode["images_ms_median"] == 30.0 and encode["sample_ms_median"] == 0.0
+    assert decode["vcpus"] == {3: 1, 5: 1} and encode["vcpus"] == {}
     assert decode["schedule_ms_median"] == pytest.approx(0.6)
     assert decode["images_ms_median"] == 0.0 and decode["sample_ms_median"] == 0.3
 
@@ -124,3 +128,21 @@ def test_timeline_times_the_runner_phases_into_the_current_step(tmp_path):
     assert set(record) == {"t0", *(f"{phase}_ms" for phase in PHASES)}
     assert record["images_ms"] >= 3 * 2.0  # three calls in the step, summed
     assert record["forward_ms"] >= 5.0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/stat"), reason="Linux /proc only")
+def test_current_vcpu_is_the_one_the_thread_runs_on():
+    """Each step records its loop thread's vCPU: a thread pinned to each vCPU reads that one."""
+    from mm_serve.engine.step_timeline import current_vcpu
+
+    seen = {}
+
+    def run(vcpu):
+        os.sched_setaffinity(0, {vcpu})
+        seen[vcpu] = current_vcpu()
+
+    for vcpu in sorted(os.sched_getaffinity(0)):
+        thread = threading.Thread(target=run, args=(vcpu,))
+        thread.start()
+        thread.join()
+    assert seen == {vcpu: vcpu for vcpu in seen}

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from mm_serve.engine.step_timeline import PHASES
 
@@ -78,6 +78,7 @@ def summarise(run: list[dict]) -> dict:
             "tokens_median": statistics.median(r["num_tokens"] for r in records),
             "reqs_median": statistics.median(r["num_reqs"] for r in records),
             "images_sum": sum(r["num_images"] for r in records),
+            "vcpus": dict(Counter(r["vcpu"] for r in records if r.get("vcpu") is not None)),
             **{f"{k}_sum": sum(r.get(k, 0) for r in records) for k in COUNTERS},
             **{
                 f"{k}_median": statistics.median(r.get(k, 0.0) for r in records) for k in PHASE_KEYS
@@ -120,6 +121,9 @@ def main() -> None:
         print("class " + " ".join(PHASE_KEYS) + " (medians)")
         for name, c in sorted(summary["classes"].items()):
             print(f"{name} " + " ".join(f"{c[k + '_median']:.2f}" for k in PHASE_KEYS))
+    for name, c in sorted(summary["classes"].items()):
+        if c["vcpus"]:
+            print(f"{name} steps per vCPU of the loop thread: {c['vcpus']}")
     if args.steps:
         t0 = run[0]["t0"]
         for r in run:

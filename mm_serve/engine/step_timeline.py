@@ -5,10 +5,11 @@ records, for every step, host times (schedule start, launch done, step done; wit
 in the process, the host ms of the schedule and of the runner's phases, ``PHASES``), two CUDA
 events around ``execute_model``, and counters of what the step's host time went to (the caching
 allocators' new blocks, the thread's CPU time and page faults, garbage collections:
-``step_counters``); nothing is synchronised during the run. Each time the engine
-runs out of requests, it waits for the device once and appends one JSON line per step to the
-file. ``benchmarks/step_timeline.py`` reads it: the gap between one step's end event and the
-next one's start event is time the device sat idle because the host had not launched it yet.
+``step_counters``) and the vCPU the step ended on; nothing is synchronised during the run.
+Each time the engine runs out of requests, it waits for the device once and appends one JSON
+line per step to the file. ``benchmarks/step_timeline.py`` reads it: the gap between one
+step's end event and the next one's start event is time the device sat idle because the host
+had not launched it yet.
 With the runner in a worker process (``distributed_executor_backend`` "mp" or "ray") the
 events time nothing on this process's stream: only the host times hold.
 """
@@ -53,6 +54,18 @@ def step_counters() -> dict[str, float]:
         "page_faults": resource.getrusage(resource.RUSAGE_THREAD).ru_minflt,
         "gc_runs": sum(generation["collections"] for generation in gc.get_stats()),
     }
+
+
+def current_vcpu() -> int | None:
+    """The vCPU this thread ran on last (Linux: field 39 of ``/proc/thread-self/stat``), or
+    None where that file is missing. The loop's pace follows its vCPU's speed
+    (``engine/cpu_affinity.py``)."""
+    try:
+        with open("/proc/thread-self/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat.rsplit(b")", 1)[1].split()[36])  # fields from the third on, after comm
 
 
 # The phases of a step whose host ms each record holds (as ``<phase>_ms``) when the runner is
@@ -138,6 +151,7 @@ class StepTimeline:
         self.records.append({"t0": time.perf_counter(), "num_waiting": waiting})
         outputs = self._step()
         self.records[-1]["t1"] = time.perf_counter()
+        self.records[-1]["vcpu"] = current_vcpu()
         after = step_counters()
         self.records[-1].update({k: after[k] - before[k] for k in after if after[k] != before[k]})
         if not self.engine_core.has_unfinished_requests():
