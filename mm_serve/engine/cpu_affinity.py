@@ -91,14 +91,19 @@ def pin_loop_thread(auto: bool = True) -> set[int] | None:
     when ``auto``) to the fast ones; returns the set, or None where nothing was restricted
     (``all``, unset without ``auto``, one vCPU, no affinity support).
 
-    Raises ``ValueError`` for a malformed ``MM_SERVE_ENGINE_CPUS`` and ``OSError`` for vCPUs
-    the process may not use."""
+    Raises ``ValueError`` for a malformed ``MM_SERVE_ENGINE_CPUS`` or one naming vCPUs the
+    process may not use."""
     setting = os.environ.get("MM_SERVE_ENGINE_CPUS", "auto" if auto else "all").strip()
     if setting == "all" or not hasattr(os, "sched_setaffinity"):
         return None
     allowed = os.sched_getaffinity(0)
     if setting != "auto":
         chosen = parse_vcpus(setting)
+        if not chosen <= allowed:
+            raise ValueError(
+                f"MM_SERVE_ENGINE_CPUS={setting!r}: vCPUs {sorted(chosen - allowed)} are not "
+                f"among this process's {sorted(allowed)}."
+            )
     elif len(allowed) < 2:
         return None
     else:
