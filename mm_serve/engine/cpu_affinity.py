@@ -5,9 +5,9 @@ about as long as the GPU's step, so the loop thread's CPU speed sets the decode 
 cloud GPU machines measured (H200 VMs of 16 vCPUs, BENCHMARKS.md, nineteenth session) one
 VM's vCPUs ran the engine's own Python at speeds up to 1.66x apart
 (``benchmarks/host_overhead.py`` under ``taskset``: 2.02-2.47 ms per step on five vCPUs,
-2.97-3.35 on four). The guest cannot see which vCPUs share a physical core with other work,
-so an unpinned engine core landed on a slow one by chance, and workload 1 then ran at 56-62%
-of the roofline instead of 64-65%.
+2.97-3.35 on four); the guest sees 16 cores of one thread each, so the cause lies below it.
+Workload 1's batches whose engine loop ran its decode steps at the slow pace reached 56-63% of
+the roofline, those at the fast pace 64-65% (which vCPU each ran on was not recorded then).
 
 So at start-up a CUDA engine core (the only engine process on its host) times a short
 pure-Python workload on each vCPU its loop thread may use (``vcpu_timings``) and restricts that
