@@ -41,22 +41,30 @@ CONFIGS = {QUICK_GELU: (128, 256, 64, 4, 8), SILU_AND_MUL: (128, 128, 64, 3, 8)}
 
 
 @triton.jit
-def _tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Grouped tile order: ``GROUP_M`` row blocks share each weight tile while it is in L2."""
+def tile_offsets(
+    tile_id, num_pid_m, num_pid_n,
+    GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The first row and column of output tile ``tile_id``, in grouped order: ``GROUP_M`` row
+    blocks share each weight tile while it is in L2."""
     group = GROUP_M * num_pid_n
     first_m = (tile_id // group) * GROUP_M
     size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    return first_m + (tile_id % group) % size_m, (tile_id % group) // size_m
+    pid_m, pid_n = first_m + (tile_id % group) % size_m, (tile_id % group) // size_m
+    return pid_m * BLOCK_M, pid_n * BLOCK_N
 
 
 @triton.jit
-def tile_product(
-    x_desc, w_desc, off_m, off_n, K,
-    BLOCK_M: tl.constexpr, ACC_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRED: tl.constexpr,
+def linear_tile(
+    x_desc, w_desc, bias_ptr, off_m, off_n, N, K, dtype: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PAIRED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """``x[off_m:, :K] @ w[off_n:, :K].T`` for one ``[BLOCK_M, ACC_N]`` output tile, float32,
-    TMA loads along K. ``PAIRED``: ``w_desc`` is ``[2, N, K]`` and one load brings the gate
-    and up tiles (``ACC_N / 2`` rows each) as one ``[ACC_N, BLOCK_K]`` tile."""
+    """One output tile of ``F.linear(x, w, bias)`` at ``(off_m, off_n)``: ``[BLOCK_M,
+    BLOCK_N]``, rounded to ``dtype`` as F.linear's output, returned in float32 (TMA loads
+    along K). ``PAIRED`` (SiLU-and-mul): ``w_desc`` is ``[2, N, K]``; one load brings the gate
+    and up tiles, and the result is ``[BLOCK_M, 2 BLOCK_N]``, gate columns then up columns
+    (``bias`` ``[2 N]`` likewise)."""
+    ACC_N: tl.constexpr = 2 * BLOCK_N if PAIRED else BLOCK_N
     acc = tl.zeros((BLOCK_M, ACC_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         if PAIRED:
@@ -64,7 +72,11 @@ def tile_product(
         else:
             w = w_desc.load([off_n, k])
         acc = tl.dot(x_desc.load([off_m, k]), w.T, acc)
-    return acc
+    if HAS_BIAS:
+        within = off_n + tl.arange(0, ACC_N) % BLOCK_N  # the feature in gate's or up's half
+        cols = (tl.arange(0, ACC_N) // BLOCK_N) * N + within  # one half unless PAIRED
+        acc += tl.load(bias_ptr + cols, mask=within < N, other=0.0).to(tl.float32)[None, :]
+    return acc.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -76,22 +88,13 @@ def _linear_act_kernel(
     """``out[M, N] = act(x[M, K] @ w.T + bias)``; for SiLU-and-mul, ``w`` is ``[2 N, K]``
     (gate rows, then up rows) and ``bias`` ``[2 N]``."""
     dtype = out_desc.dtype
-    ACC_N: tl.constexpr = 2 * BLOCK_N if ACT == 2 else BLOCK_N
     num_pid_m, num_pid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=True):
-        pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
-        acc = tile_product(x_desc, w_desc, off_m, off_n, K, BLOCK_M, ACC_N, BLOCK_K, ACT == 2)
-        if HAS_BIAS:
-            if ACT == 2:
-                half = tl.arange(0, ACC_N) // BLOCK_N  # 0: gate, 1: up
-                cols = half * N + off_n + tl.arange(0, ACC_N) % BLOCK_N
-                ok = off_n + tl.arange(0, ACC_N) % BLOCK_N < N
-            else:
-                cols = off_n + tl.arange(0, ACC_N)
-                ok = cols < N
-            acc += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)[None, :]
-        y = acc.to(dtype).to(tl.float32)  # F.linear's output
+        off_m, off_n = tile_offsets(tile_id, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N)
+        y = linear_tile(
+            x_desc, w_desc, bias_ptr, off_m, off_n, N, K, dtype, HAS_BIAS, ACT == 2, BLOCK_M,
+            BLOCK_N, BLOCK_K,
+        )  # fmt: skip
         if ACT == 1:  # stored in two halves: a half-size store buffer leaves room for a stage
             y0, y1 = tl.split(tl.permute(tl.reshape(y, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
             out_desc.store([off_m, off_n], _quick_gelu(y0, dtype).to(dtype))

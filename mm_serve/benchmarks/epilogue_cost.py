@@ -33,9 +33,9 @@ from mm_serve.kernels.triton_gemm import (
     CONFIGS,
     QUICK_GELU,
     SILU_AND_MUL,
-    _tile,
     linear_act_triton,
-    tile_product,
+    linear_tile,
+    tile_offsets,
 )
 
 MODES = {"ieee": 0, "none": 1, "rcp": 2, "tanh": 3}
@@ -66,16 +66,13 @@ def _kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
 ):  # fmt: skip
     dtype = out_desc.dtype
-    ACC_N: tl.constexpr = 2 * BLOCK_N if ACT == 2 else BLOCK_N
     num_pid_m, num_pid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=True):
-        pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
-        acc = tile_product(x_desc, w_desc, off_m, off_n, K, BLOCK_M, ACC_N, BLOCK_K, ACT == 2)
-        if HAS_BIAS:
-            cols = off_n + tl.arange(0, ACC_N)
-            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        y = acc.to(dtype).to(tl.float32)
+        off_m, off_n = tile_offsets(tile_id, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N)
+        y = linear_tile(
+            x_desc, w_desc, bias_ptr, off_m, off_n, N, K, dtype, HAS_BIAS, ACT == 2, BLOCK_M,
+            BLOCK_N, BLOCK_K,
+        )  # fmt: skip
         if ACT == 1:
             if MODE != 1:
                 t = (y * 1.702).to(dtype).to(tl.float32)
