@@ -40,9 +40,6 @@
 # exit-stacks: bench throughput of workload 1; once an engine core logs that its threads and
 #             sockets stopped, py-spy (native) dumps it 2 s later: where a core that the front
 #             end then kills after 5 s ("ignored SIGTERM") is stuck. py-spy on PATH
-# vcpus:      workload 1 three times each with the engine loop thread on the fast vCPUs
-#             (MM_SERVE_ENGINE_CPUS=auto, the default) and on any (all), alternating, with
-#             step timelines: the share, the decode steps' host ms and vCPUs of each batch
 # multi-gpu:  two GPUs (NCCL, NVLink multicast off): the tensor-parallel tests on CUDA; decode at
 #             batch 1 with TP=1 and TP=2; bench throughput (Qwen2-VL-7B, 256 x 448x448 image +
 #             50 tokens -> 128) at DP=1, DP=2 and TP=2; PEER=vllm adds vLLM at TP=1 and TP=2
@@ -180,18 +177,6 @@ for _ in range(300):
           --image-size 448 448 --max-model-len 4096 --runs 3 --distributed-executor-backend \
           $backend 2>&1 | grep '^run' | cut -d' ' -f3 | tr '\n' ' ')"
       done | tee "$OUT/backends.log" ;;
-    vcpus)
-      # Workload 1 with the engine loop on the fast vCPUs (auto) and unrestricted (all),
-      # alternating: each batch's share, its decode steps' host ms and the loop's vCPUs.
-      for i in 1 2 3; do
-        for mode in auto all; do
-          MM_SERVE_ENGINE_CPUS=$mode MM_SERVE_STEP_TIMELINE="$OUT/tl_$mode.jsonl" bench \
-            throughput --model-arch qwen2-vl-2b --num-prompts 256 --input-len 18 \
-            --output-len 128 --image-size 448 448 --max-model-len 4096 --no-hf \
-            --output-json "$OUT/w1_${mode}_$i.json" 2>&1 | grep "loop's vCPUs\|of the roofline"
-          $PY -m mm_serve.benchmarks.step_timeline "$OUT/tl_$mode.jsonl" | grep "^decode"
-        done
-      done 2>&1 | tee "$OUT/vcpus.log" ;;
     multi-gpu)
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
       MM_SERVE_TP_TEST_DEVICE=cuda $PY -m pytest -q tests/test_tensor_parallel.py 2>&1 \

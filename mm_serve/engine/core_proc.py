@@ -7,8 +7,7 @@ Three threads:
   and ends the process when the parent is gone, so no orphan is left.
 - main thread (``run_busy_loop``): drains ``input_queue`` (add / abort / utility), runs
   ``EngineCore.step()`` while requests remain, and waits on the queue when idle
-  (waking every ``IDLE_WAKEUP_S`` so that a signal is handled). It runs on the machine's
-  fast vCPUs only (``engine/cpu_affinity.py``).
+  (waking every ``IDLE_WAKEUP_S`` so that a signal is handled).
 - output thread: encodes ``EngineCoreOutputs`` and sends them, overlapping the next step.
 
 The front end binds both ipc sockets and owns their files; this process connects.
@@ -34,7 +33,6 @@ import zmq
 
 from mm_serve.config import EngineConfig
 from mm_serve.engine.core import EngineCore
-from mm_serve.engine.cpu_affinity import pin_loop_thread
 from mm_serve.messages import (
     AbortRequests,
     EngineCoreOutputs,
@@ -198,11 +196,6 @@ class EngineCoreProc:
             cores = os.cpu_count() or 1
             torch.set_num_threads(max(1, cores // config.parallel.processes_per_host))
         self.engine_core = EngineCore(config)
-        # This thread runs the loop (the input and output threads keep their vCPUs). Measured
-        # with CUDA; local replicas or ranks would crowd onto the same fast vCPUs.
-        pin_loop_thread(
-            auto=config.device.type == "cuda" and config.parallel.processes_per_host == 1
-        )
         kv = self.engine_core.scheduler.kv_cache_manager
         ready = EngineReady(
             pid=os.getpid(),

@@ -58,8 +58,7 @@ def step_counters() -> dict[str, float]:
 
 def current_vcpu() -> int | None:
     """The vCPU this thread ran on last (Linux: field 39 of ``/proc/thread-self/stat``), or
-    None where that file is missing. The loop's pace follows its vCPU's speed
-    (``engine/cpu_affinity.py``)."""
+    None where that file is missing (a step's host time can follow its vCPU's speed)."""
     try:
         with open("/proc/thread-self/stat", "rb") as f:
             stat = f.read()
