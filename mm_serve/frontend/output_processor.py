@@ -216,12 +216,15 @@ class OutputProcessor:
             if state.update(output):
                 to_abort.append(output.request_id)
             parent = state.parent
-            parent.record_cache_hits(state.index, output)
+            if output.num_cached_tokens or output.num_cached_images:
+                parent.record_cache_hits(state.index, output)
             if state.prompt_logprobs is not None and state.index == 0:
                 parent.prompt_logprobs = state.prompt_logprobs
-            if state.finished:
+            finished = state.finished
+            if finished:
                 del self.states[output.request_id]
-            parents[id(parent)] = parent
+            if finished or parent.stream:  # a whole output needs every child finished
+                parents[id(parent)] = parent
         request_outputs = [o for p in parents.values() if (o := p.make_output()) is not None]
         return request_outputs, to_abort
 
