@@ -248,16 +248,17 @@ def test_bench_latency_cli(tmp_path) -> None:
 
 @pytest.mark.parametrize("images", [[], ["--image-size", "56", "56"]], ids=["text", "images"])
 def test_host_overhead_script(images) -> None:
-    """The engine core's host work per decode step: a row per batch size, every timed step
-    gave each request a token (the script checks it)."""
+    """The engine core's host work per decode step, and the front end's: a row per batch size,
+    every timed step gave each request a token (the script checks it)."""
     command = [sys.executable, "-m", "mm_serve.benchmarks.host_overhead"]
     args = ["--batch-sizes", "1", "4", "--steps", "5", *images]
     proc = subprocess.run([*command, *args], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = re.findall(r"^\s*(\d+) \|\s*([\d.]+) \|\s*([\d.]+)$", proc.stdout, re.MULTILINE)
-    assert [int(batch) for batch, _, _ in rows] == [1, 4]
-    for batch, step_ms, per_request_us in rows:
-        assert float(step_ms) > 0
+    row = r"^\s*(\d+) \|\s*([\d.]+) \|\s*([\d.]+) \|\s*([\d.]+)$"
+    rows = re.findall(row, proc.stdout, re.MULTILINE)
+    assert [int(batch) for batch, *_ in rows] == [1, 4]
+    for batch, step_ms, per_request_us, front_end_ms in rows:
+        assert float(step_ms) > 0 and float(front_end_ms) > 0
         assert abs(float(per_request_us) - float(step_ms) * 1e3 / int(batch)) < 1.0  # rounding
 
 

@@ -8,7 +8,9 @@ measures that Python alone, on any machine: the tiny Qwen2-VL architecture runs 
 on the CPU with its LM forward replaced by a zero hidden state and its logits by a fixed random
 ``[num_tokens, --vocab]`` block (greedy sampling then picks varying tokens). Everything else is
 the engine's own code, in ``EngineCore.step``'s async order, plus what the engine core
-process adds per step (``OutputCodec.encode``).
+process adds per step (``OutputCodec.encode``). Apart, the front end's part of each step:
+decoding the message and ``OutputProcessor.process_outputs`` (detokenizing, whole outputs of
+the finished), which ``LLM.generate`` runs in its own process while the engine steps on.
 
     python -m mm_serve.benchmarks.host_overhead --batch-sizes 1 64 256
     python -m mm_serve.benchmarks.host_overhead --image-size 56 56  # each prompt with an image
@@ -16,8 +18,9 @@ process adds per step (``OutputCodec.encode``).
 With ``--image-size`` every request is 18 random words and one noise image, as workload 1's
 (its tower runs before the timed steps); without, 50 random token ids.
 
-Prints, per batch size, the median ms per step and us per request per step; ``--profile``
-adds the cProfile table of the largest batch (its tottime column, the top rows).
+Prints, per batch size, the median ms per step and us per request per step of the engine core,
+and the front end's median ms per step; ``--profile`` adds the cProfile table of the engine
+core's steps at the largest batch (its tottime column, the top rows).
 """
 
 from __future__ import annotations
@@ -37,7 +40,6 @@ from mm_serve.benchmarks import common
 from mm_serve.benchmarks.architectures import write_architecture
 from mm_serve.benchmarks.datasets import random_image_dataset
 from mm_serve.messages import EngineCoreOutputs, OutputCodec
-from mm_serve.request import Request
 from mm_serve.sampling_params import SamplingParams
 
 
@@ -67,49 +69,58 @@ def host_only_engine(max_num_seqs: int, vocab: int):
 def add_requests(llm, batch_size: int, params, prefix: str, image_size) -> list[str]:
     """Add ``batch_size`` requests to ``llm``'s engine core: 50 random token ids below the
     special ids, or, with ``image_size``, 18 random words and one noise image each."""
-    core = llm.engine_core
     if image_size is None:
         gen = torch.Generator().manual_seed(batch_size)
-        for i in range(batch_size):
-            ids = torch.randint(0, 400, (50,), generator=gen).tolist()
-            core.add_request(Request(f"{prefix}{i}", ids, params))
-        return [f"{prefix}{i}" for i in range(batch_size)]
-    requests = random_image_dataset(batch_size, 18, 1, tuple(image_size), seed=batch_size)
-    prompts = common.image_prompts(requests, llm.config.model.hf_config.model_type)
+        prompts = [
+            {"prompt_token_ids": torch.randint(0, 400, (50,), generator=gen).tolist()}
+            for _ in range(batch_size)
+        ]
+    else:
+        requests = random_image_dataset(batch_size, 18, 1, tuple(image_size), seed=batch_size)
+        prompts = common.image_prompts(requests, llm.config.model.hf_config.model_type)
     processed = [llm.input_processor.process(prompt) for prompt in prompts]
     engine_requests = []
-    for i, pending in enumerate(processed):
-        engine_requests += llm.input_processor.make_requests(
-            f"{prefix}{i}", pending.result(), params
-        )
-    core.add_requests(engine_requests)
+    for i, pending in enumerate(processed):  # tracked by the output processor too
+        engine_requests += llm.make_requests(f"{prefix}{i}", pending.result(), params, False)[1]
+    llm.engine_core.add_requests(engine_requests)
     return [request.request_id for request in engine_requests]
 
 
-def step_times(llm, batch_size: int, steps: int, prefix: str, image_size=None) -> list[float]:
+def step_times(
+    llm, batch_size: int, steps: int, prefix: str, image_size=None
+) -> tuple[list[float], list[float]]:
     """Add ``batch_size`` requests (``add_requests``), run them to decode, then time ``steps``
-    decode steps (ms).
+    decode steps: the engine core's ms per step, and the front end's (decode the step's
+    message, process its outputs).
 
     Raises:
-        RuntimeError: a timed step did not give one new token to every request.
+        RuntimeError: a timed step did not give one new token to every request, or the front
+            end did not take them all.
     """
-    core = llm.engine_core
+    core, output_processor = llm.engine_core, llm.output_processor
     params = SamplingParams(temperature=0.0, max_tokens=steps + 32, ignore_eos=True)
     request_ids = add_requests(llm, batch_size, params, prefix, image_size)
     while any(r.num_output_tokens < 4 for r in core.scheduler.requests.values()):
-        core.step()  # the prompts (and images), then a few decode steps
-    codec, times = OutputCodec(), []
+        output_processor.process_outputs(core.step())  # prompts (and images), a few decodes
+    codec, engine_times, front_end_times = OutputCodec(), [], []
     for _ in range(steps):
         start = time.perf_counter()
         outputs = core.step()
         if sorted(len(o.new_token_ids) for o in outputs) != [1] * batch_size:
             raise RuntimeError(f"A decode step gave {len(outputs)} outputs for {batch_size}.")
-        codec.encode(EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic()))
-        times.append((time.perf_counter() - start) * 1e3)
+        message = codec.encode(EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic()))
+        received = time.perf_counter()
+        output_processor.process_outputs(codec.decode(message).outputs)
+        engine_times.append((received - start) * 1e3)
+        front_end_times.append((time.perf_counter() - received) * 1e3)
+    taken = [len(output_processor.states[i].token_ids) for i in request_ids]
+    if min(taken) < steps + 4:
+        raise RuntimeError(f"The front end took {min(taken)} tokens of a request, not {steps + 4}.")
     core.abort_requests(request_ids)
+    output_processor.abort_requests(request_ids)
     while core.has_unfinished_requests():
         core.step()
-    return times
+    return engine_times, front_end_times
 
 
 def main() -> None:
@@ -122,11 +133,16 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     llm = host_only_engine(max(args.batch_sizes), args.vocab)
-    print("batch | ms per step (median) | us per request per step")
+    print("batch | ms per step (median) | us per request per step | front end ms per step")
     for batch_size in args.batch_sizes:
-        times = step_times(llm, batch_size, args.steps, f"b{batch_size}-", args.image_size)
+        times, front_end = step_times(
+            llm, batch_size, args.steps, f"b{batch_size}-", args.image_size
+        )
         median = statistics.median(times)
-        print(f"{batch_size:5d} | {median:8.3f} | {median * 1e3 / batch_size:8.1f}")
+        print(
+            f"{batch_size:5d} | {median:8.3f} | {median * 1e3 / batch_size:8.1f} | "
+            f"{statistics.median(front_end):8.3f}"
+        )
     if args.profile:
         profiler = cProfile.Profile()
         profiler.enable()
