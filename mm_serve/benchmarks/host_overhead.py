@@ -9,8 +9,8 @@ on the CPU with its LM forward replaced by a zero hidden state and its logits by
 ``[num_tokens, --vocab]`` block (greedy sampling then picks varying tokens). Everything else is
 the engine's own code, in ``EngineCore.step``'s async order, plus what the engine core
 process adds per step (``OutputCodec.encode``). Apart, the front end's part of each step:
-decoding the message and ``OutputProcessor.process_outputs`` (detokenizing, whole outputs of
-the finished), which ``LLM.generate`` runs in its own process while the engine steps on.
+decoding the message and ``OutputProcessor.process_outputs`` (detokenizing), which the front
+end's process runs while the engine core's steps on.
 
     python -m mm_serve.benchmarks.host_overhead --batch-sizes 1 64 256
     python -m mm_serve.benchmarks.host_overhead --image-size 56 56  # each prompt with an image
