@@ -40,6 +40,9 @@
 # exit-stacks: bench throughput of workload 1; once an engine core logs that its threads and
 #             sockets stopped, py-spy (native) dumps it 2 s later: where a core that the front
 #             end then kills after 5 s ("ignored SIGTERM") is stuck. py-spy on PATH
+# timelines:  workload 1, four batches of one engine, with the step timeline and the front end's
+#             (front_end_timeline): each batch's share, and per batch the time outside the
+#             engine's steps, the output backlog, and the steps by class (decode host ms)
 # multi-gpu:  two GPUs (NCCL, NVLink multicast off): the tensor-parallel tests on CUDA; decode at
 #             batch 1 with TP=1 and TP=2; bench throughput (Qwen2-VL-7B, 256 x 448x448 image +
 #             50 tokens -> 128) at DP=1, DP=2 and TP=2; PEER=vllm adds vLLM at TP=1 and TP=2
@@ -177,6 +180,18 @@ for _ in range(300):
           --image-size 448 448 --max-model-len 4096 --runs 3 --distributed-executor-backend \
           $backend 2>&1 | grep '^run' | cut -d' ' -f3 | tr '\n' ' ')"
       done | tee "$OUT/backends.log" ;;
+    timelines)
+      MM_SERVE_STEP_TIMELINE="$OUT/tl.jsonl" $PY -m mm_serve.benchmarks.front_end_timeline \
+        --record "$OUT/fe.jsonl" bench throughput --model-arch qwen2-vl-2b --num-prompts 256 \
+        --input-len 18 --output-len 128 --image-size 448 448 --max-model-len 4096 --no-hf \
+        --repeats 4 --output-json "$OUT/timelines.json" 2>&1 | grep "roofline"
+      $PY -c "import json; d = json.load(open('$OUT/timelines.json')); \
+        print('batches, out tok/s:', [round(x) for x in d['mm_serve']['all_runs_output_tokens_per_s']])"
+      $PY -m mm_serve.benchmarks.front_end_timeline --summary "$OUT/fe.jsonl" "$OUT/tl.jsonl" \
+        | awk 'NR % 3 == 0'  # the timed batch of each engine run (after two warm-up calls)
+      for run in 2 5 8 11; do
+        $PY -m mm_serve.benchmarks.step_timeline "$OUT/tl.jsonl" --run $run | grep "^wall\|^decode [0-9]* "
+      done 2>&1 | tee "$OUT/timelines.log" ;;
     multi-gpu)
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
       MM_SERVE_TP_TEST_DEVICE=cuda $PY -m pytest -q tests/test_tensor_parallel.py 2>&1 \
