@@ -43,9 +43,9 @@ def test_summary_against_the_engine_steps(tmp_path) -> None:
         ],
     }
     steps = [{"t0": 100.008}, {"t1": 101.59}]
-    line = summarise(call, steps)
-    assert line.startswith("generate  1600.0 ms | requests added 6.0-500.0 ms")
-    assert "engine steps 8.0-1590.0 ms (return 10.0 ms after)" in line
+    line = summarise(call, steps, 3)
+    assert line.startswith("generate  1600.0 ms | 2 requests added 6.0-500.0 ms")
+    assert "engine steps 8.0-1590.0 ms (return 10.0 ms after; step timeline run 3)" in line
     assert line.endswith("outputs: at most 2308 per step(), 31 ms to process")
     assert "engine steps" not in summarise(call, None)
 
@@ -57,4 +57,4 @@ def test_summary_against_the_engine_steps(tmp_path) -> None:
         [*MODULE, "--summary", str(fe), str(tl)], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "engine steps 8.0-1590.0 ms (return 10.0 ms after)" in proc.stdout
+    assert "engine steps 8.0-1590.0 ms (return 10.0 ms after; step timeline run 0)" in proc.stdout

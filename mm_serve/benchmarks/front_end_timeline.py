@@ -70,16 +70,18 @@ def record(path: str, cli_args: list[str]) -> int:
     return cli.main(cli_args)
 
 
-def summarise(call: dict, steps: list[dict] | None) -> str:
-    """One line of a ``generate`` call's record, with its engine run's step records (or None)."""
+def summarise(call: dict, steps: list[dict] | None, run: int | None = None) -> str:
+    """One line of a ``generate`` call's record, with its engine run's step records (or None)
+    and that run's index in the step timeline (``step_timeline --run``)."""
     ms = lambda t: (t - call["start"]) * 1e3  # noqa: E731
     line = f"generate {(call['end'] - call['start']) * 1e3:7.1f} ms"
     if call["adds"]:
-        line += f" | requests added {ms(call['adds'][0]):.1f}-{ms(call['adds'][-1]):.1f} ms"
+        first, last = ms(call["adds"][0]), ms(call["adds"][-1])
+        line += f" | {len(call['adds'])} requests added {first:.1f}-{last:.1f} ms"
     if steps:
         tail = (call["end"] - steps[-1]["t1"]) * 1e3
         line += f" | engine steps {ms(steps[0]['t0']):.1f}-{ms(steps[-1]['t1']):.1f} ms"
-        line += f" (return {tail:.1f} ms after)"
+        line += f" (return {tail:.1f} ms after; step timeline run {run})"
     most = max((s[2] for s in call["steps"]), default=0)
     processing = sum(s[3] for s in call["steps"]) * 1e3
     return line + f" | outputs: at most {most} per step(), {processing:.0f} ms to process"
@@ -97,8 +99,9 @@ def main() -> None:
         calls = [json.loads(line) for line in f]
     runs = load_runs(args.summary[1])
     for call in calls:  # the engine run whose steps began inside the call
-        steps = next((r for r in runs if call["start"] <= r[0]["t0"] <= call["end"]), None)
-        print(summarise(call, steps))
+        inside = (i for i, r in enumerate(runs) if call["start"] <= r[0]["t0"] <= call["end"])
+        run = next(inside, None)
+        print(summarise(call, None if run is None else runs[run], run))
 
 
 if __name__ == "__main__":

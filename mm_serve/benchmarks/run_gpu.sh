@@ -187,11 +187,12 @@ for _ in range(300):
         --repeats 4 --output-json "$OUT/timelines.json" 2>&1 | grep "roofline"
       $PY -c "import json; d = json.load(open('$OUT/timelines.json')); \
         print('batches, out tok/s:', [round(x) for x in d['mm_serve']['all_runs_output_tokens_per_s']])"
+      # The timed batches (256 requests; the warm-up calls have fewer), and their engine runs.
       $PY -m mm_serve.benchmarks.front_end_timeline --summary "$OUT/fe.jsonl" "$OUT/tl.jsonl" \
-        | awk 'NR % 3 == 0'  # the timed batch of each engine run (after two warm-up calls)
-      for run in 2 5 8 11; do
+        | grep "| 256 requests" | tee "$OUT/timelines.log"
+      for run in $(grep -o "step timeline run [0-9]*" "$OUT/timelines.log" | cut -d' ' -f4); do
         $PY -m mm_serve.benchmarks.step_timeline "$OUT/tl.jsonl" --run $run | grep "^wall\|^decode [0-9]* "
-      done 2>&1 | tee "$OUT/timelines.log" ;;
+      done 2>&1 | tee -a "$OUT/timelines.log" ;;
     multi-gpu)
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
       MM_SERVE_TP_TEST_DEVICE=cuda $PY -m pytest -q tests/test_tensor_parallel.py 2>&1 \
