@@ -162,16 +162,20 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     HAS_KEY_END: tl.constexpr,
     SLIDING: tl.constexpr,
+    ONE_QUERY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # The metadata comes from host copies, never from a kernel: read it before the PDL wait.
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
-    req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
+    # With ONE_QUERY (every request has one query) program i serves request i: no search.
+    req = q_block if ONE_QUERY else _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + req)
     query_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    local_block = q_block - (q_start // BLOCK_Q + req)
+    local_block = 0
+    if not ONE_QUERY:
+        local_block = q_block - (q_start // BLOCK_Q + req)
     if local_block * BLOCK_Q >= query_len:
         return
     seq_len = tl.load(seq_lens_ptr + req)
@@ -262,7 +266,9 @@ def _launch_config(
     when ``num_reqs * num_kv_heads`` programs cannot fill the GPU, split-KV: as many segments
     as keep all programs within about one wave of 4 per SM (measured on an H200, decode
     64 x 4096, 28/4 heads: 2 segments 0.146 ms, 3 segments 0.169 ms, none 0.193 ms), each
-    segment at least 4 key tiles long. Prefill batches get 64-row blocks.
+    segment at least 4 key tiles long. Prefill batches get 64-row blocks. A batch of one query
+    per request (``ONE_QUERY``: decode steps) launches one program per request and KV head,
+    which finds its request by its index rather than by a search.
     """
     rows = triton.next_power_of_2(group)
     decode_like = max_query_len * rows <= max(16, rows)
@@ -274,7 +280,12 @@ def _launch_config(
         want = target // max(1, num_reqs * num_kv_heads)
         most = max(1, max_seq_len // (4 * tile_n))  # at least 4 tiles per segment
         num_segments = int(max(1, min(want, most, MAX_SEGMENTS)))
-    return {"BLOCK_M": block_m, "TILE_N": tile_n, "NUM_SEGMENTS": num_segments}
+    return {
+        "BLOCK_M": block_m,
+        "TILE_N": tile_n,
+        "NUM_SEGMENTS": num_segments,
+        "ONE_QUERY": max_query_len == 1,
+    }
 
 
 def paged_attention_triton(
@@ -294,8 +305,9 @@ def paged_attention_triton(
     ``block_table[i]``. ``query`` and ``kv_cache`` share one dtype (fp16, bf16 or fp32; fp32
     dots in IEEE precision); ``head_dim`` <= 256 (any size: the tile is padded to a power of 2
     and masked). Rows past ``metadata.num_tokens`` are zero. ``config`` overrides the launch
-    heuristics (``BLOCK_M``, ``TILE_N``, ``NUM_SEGMENTS``, ``num_warps``, ``num_stages``);
-    for benchmarks. Returns ``out`` (allocated when None).
+    heuristics (``BLOCK_M``, ``TILE_N``, ``NUM_SEGMENTS``, ``ONE_QUERY`` (only true when every
+    request has one query row), ``num_warps``, ``num_stages``); for benchmarks. Returns
+    ``out`` (allocated when None).
 
     Raises ``ValueError`` for mismatched dtypes or head counts/sizes, or a cache whose last dim
     is strided.
@@ -342,7 +354,9 @@ def _launch(query, kv_cache, metadata, scale, out, group, cfg, sliding_window=No
     block_m, num_segments = cfg["BLOCK_M"], cfg["NUM_SEGMENTS"]
     block_q = block_m // group
     num_tokens, num_reqs = metadata.num_tokens, metadata.num_reqs
-    grid = (num_tokens // block_q + num_reqs, num_kv_heads, num_segments)
+    one_query = bool(cfg.get("ONE_QUERY", False))
+    num_programs = num_reqs if one_query else num_tokens // block_q + num_reqs
+    grid = (num_programs, num_kv_heads, num_segments)
     if num_segments > 1:
         parts = (num_tokens, num_heads, num_segments)
         seg_out = torch.empty(*parts, head_dim_pad, dtype=torch.float32, device=query.device)
@@ -387,6 +401,7 @@ def _launch(query, kv_cache, metadata, scale, out, group, cfg, sliding_window=No
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         HAS_KEY_END=key_end is not None,
         SLIDING=sliding_window is not None,
+        ONE_QUERY=one_query,
         num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 2),
         **pdl_options(query.device),

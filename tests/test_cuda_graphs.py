@@ -10,6 +10,8 @@ counted.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,7 @@ from mm_serve import LLM, SamplingParams
 from mm_serve.compilation_config import cuda_graph_batch_sizes, cuda_graph_num_tokens
 from mm_serve.config import EngineArgs
 from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from mm_serve.worker import cuda_graphs as cuda_graphs_module
 from mm_serve.worker.cuda_graphs import (
     CudaGraphRunner,
     MixedCudaGraphRunner,
@@ -274,7 +277,11 @@ def test_graphs_match_eager_and_hf(model_path, hf_reference, engine_args):
 @needs_cuda
 @pytest.mark.parametrize("engine_args", [{}, {"max_num_batched_tokens": 8, "block_size": 4}])
 @pytest.mark.parametrize("make_cases", [qwen2_vl_cases, qwen3_vl_cases], ids=["qwen2", "qwen3"])
-def test_qwen_vl_graphs_match_eager_and_hf(tmp_path, engine_args, make_cases):
+def test_qwen_vl_graphs_match_eager_and_hf(tmp_path, monkeypatch, engine_args, make_cases):
+    # The engine captures an image key once met ``CAPTURE_AFTER`` times, which these few
+    # images never are: capture each when first met, so that the tower's graphs are compared.
+    capture_first = functools.partial(cuda_graphs_module.EncoderCudaGraphs, capture_after=1)
+    monkeypatch.setattr(cuda_graphs_module, "EncoderCudaGraphs", capture_first)
     path, reference, cases, prompts = make_cases(tmp_path)  # 5: padded to 8, then fewer
     params = SamplingParams(temperature=0.0, max_tokens=12)
     llm = LLM(path, multiprocess=False, **engine_args)

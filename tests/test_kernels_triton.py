@@ -160,11 +160,25 @@ def test_paged_attention_tile_shapes(dtype) -> None:
         _check_attention(reqs, (8, 2, 64), dtype, block_size, seed=3, config=config)
 
 
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_one_query_per_request(dtype) -> None:
+    """A decode batch, each program finding its request by its index (``ONE_QUERY``, the
+    heuristic's choice here) and by the search, whole and split into KV segments."""
+    reqs = [(rng_len, 1) for rng_len in (37, 1, 130, 64, 15, 99)]
+    for one_query in (True, False):
+        for segments in (1, 3):
+            config = {"ONE_QUERY": one_query, "NUM_SEGMENTS": segments}
+            _check_attention(reqs, (6, 2, 64), dtype, 4, seed=segments, config=config)
+
+
 def test_paged_attention_split_is_selected_for_small_decode_batches() -> None:
     cfg = _attn._launch_config(7, 1, 4096, 4, 4, torch.device(DEVICE))
-    assert cfg["NUM_SEGMENTS"] > 1 and cfg["BLOCK_M"] == 16
+    assert cfg["NUM_SEGMENTS"] > 1 and cfg["BLOCK_M"] == 16 and cfg["ONE_QUERY"]
+    cfg = _attn._launch_config(7, 2, 4096, 4, 4, torch.device(DEVICE))
+    assert not cfg["ONE_QUERY"]
     cfg = _attn._launch_config(7, 300, 4096, 4, 4, torch.device(DEVICE))
-    assert cfg["NUM_SEGMENTS"] == 1 and cfg["BLOCK_M"] == 64
+    assert cfg["NUM_SEGMENTS"] == 1 and cfg["BLOCK_M"] == 64 and not cfg["ONE_QUERY"]
 
 
 # ---------------------------------------------------------------- KV-cache write

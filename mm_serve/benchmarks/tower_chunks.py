@@ -6,7 +6,8 @@ short of rows: Qwen2-VL's ``proj`` and ``fc2`` have 1,280 output features, so a 
 448x448 images (2,048 rows) is a fraction of one wave of output tiles on 132 SMs. This script
 times the same images through graphs of other chunkings, in one process:
 
-    python -m mm_serve.benchmarks.tower_chunks [--model-arch qwen2-vl-2b] [--images 26]
+    python -m mm_serve.benchmarks.tower_chunks [--model-arch qwen2-vl-2b] [--images 26] \
+        [--chunks 24+2 ...]
 
 Each row is one chunking (its chunks' image counts) with the device ms of the whole step
 (CUDA events, median of ``--iters``, the rows interleaved) and its ratio to the engine's.
@@ -61,6 +62,9 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=26)
     parser.add_argument("--side", type=int, default=448)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument(
+        "--chunks", nargs="*", default=[], help="More chunkings to time, e.g. 24+2 (image counts)."
+    )
     args = parser.parse_args()
     device = torch.device("cuda")
     tower = build_tower(args.model_arch, device).to(torch.bfloat16)
@@ -70,7 +74,8 @@ def main() -> None:
     width = tower.patch_embed.proj.weight[0].numel()
     pixels = torch.randn(args.images * patches, width, device=device, dtype=torch.bfloat16)
     runs = {
-        "+".join(map(str, s)): chunked_run(tower, s, pixels, grid) for s in chunkings(args.images)
+        "+".join(map(str, s)): chunked_run(tower, s, pixels, grid)
+        for s in chunkings(args.images) + [[int(n) for n in c.split("+")] for c in args.chunks]
     }
     times = {name: [] for name in runs}
     for _ in range(args.iters):
