@@ -55,15 +55,37 @@ def tile_offsets(
 
 
 @triton.jit
+def round_to(x, dtype: tl.constexpr, PAIRS: tl.constexpr = False):
+    """``x.to(dtype).to(tl.float32)`` for float32 ``x``. ``PAIRS`` (bfloat16 on a GPU): two
+    elements per ``cvt.rn.bf16x2.f32`` (the same rounding), unpacked by a shift and a mask.
+    A scalar ``cvt`` per element runs on the conversion unit (XU) that the epilogues'
+    exponentials and reciprocals need too; the packed one runs on the ALU. Measured by
+    ``benchmarks/epilogue_cost.py`` (its ``pairs`` row), not yet used by the engine."""
+    if PAIRS and dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 p; cvt.rn.bf16x2.f32 p, $3, $2; shl.b32 $0, p, 16; "
+            "and.b32 $1, p, 0xffff0000; }",
+            "=r,=r,r,r",
+            [x.to(tl.uint32, bitcast=True)],
+            dtype=tl.uint32,
+            is_pure=True,
+            pack=2,
+        ).to(tl.float32, bitcast=True)
+    else:
+        return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def linear_tile(
     x_desc, w_desc, bias_ptr, off_m, off_n, N, K, dtype: tl.constexpr, HAS_BIAS: tl.constexpr,
     PAIRED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROUND_PAIRS: tl.constexpr = False,
 ):  # fmt: skip
     """One output tile of ``F.linear(x, w, bias)`` at ``(off_m, off_n)``: ``[BLOCK_M,
-    BLOCK_N]``, rounded to ``dtype`` as F.linear's output, returned in float32 (TMA loads
-    along K). ``PAIRED`` (SiLU-and-mul): ``w_desc`` is ``[2, N, K]``; one load brings the gate
-    and up tiles, and the result is ``[BLOCK_M, 2 BLOCK_N]``, gate columns then up columns
-    (``bias`` ``[2 N]`` likewise)."""
+    BLOCK_N]``, rounded to ``dtype`` as F.linear's output (``round_to``, ``ROUND_PAIRS``),
+    returned in float32 (TMA loads along K). ``PAIRED`` (SiLU-and-mul): ``w_desc`` is ``[2, N,
+    K]``; one load brings the gate and up tiles, and the result is ``[BLOCK_M, 2 BLOCK_N]``,
+    gate columns then up columns (``bias`` ``[2 N]`` likewise)."""
     ACC_N: tl.constexpr = 2 * BLOCK_N if PAIRED else BLOCK_N
     acc = tl.zeros((BLOCK_M, ACC_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
@@ -76,7 +98,7 @@ def linear_tile(
         within = off_n + tl.arange(0, ACC_N) % BLOCK_N  # the feature in gate's or up's half
         cols = (tl.arange(0, ACC_N) // BLOCK_N) * N + within  # one half unless PAIRED
         acc += tl.load(bias_ptr + cols, mask=within < N, other=0.0).to(tl.float32)[None, :]
-    return acc.to(dtype).to(tl.float32)
+    return round_to(acc, dtype, ROUND_PAIRS)
 
 
 @triton.jit

@@ -22,11 +22,16 @@ import torch.nn.functional as F
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from mm_serve.kernels import dispatch, dispatch_linear  # noqa: E402
 from mm_serve.kernels import triton_gemm as _gemm  # noqa: E402
 from mm_serve.kernels.activation import quick_gelu_ref, silu_and_mul_ref  # noqa: E402
+from mm_serve.kernels.triton_gemm import round_to  # noqa: E402
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+AMPERE = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if HOPPER else "cpu"
 DTYPES = [torch.bfloat16, torch.float16] if HOPPER else [torch.float32]
@@ -92,6 +97,32 @@ def test_split_k_gemm_matches_linear(has_bias) -> None:
         assert out.shape == (m, n) and out.dtype == dtype
         assert (out.float() - ref).abs().max() <= TOLERANCE[dtype] * ref.abs().max()
         assert not call.counts.any()
+
+
+@triton.jit
+def _round_pairs_kernel(out_ptr, x_ptr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, round_to(tl.load(x_ptr + offs), tl.bfloat16, True))
+
+
+@pytest.mark.skipif(not AMPERE, reason="cvt.rn.bf16x2.f32 needs an sm80+ GPU")
+def test_round_to_bf16_in_pairs_equals_the_conversion() -> None:
+    """``round_to(..., PAIRS=True)`` (``cvt.rn.bf16x2.f32``, unpacked) against torch's
+    conversion, bit for bit: odd and even positions (a swapped pair would show), ties to even,
+    subnormals, the largest finite values, infinities, and NaN as NaN."""
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31 - 1, (1 << 16,), generator=gen, dtype=torch.int64)
+    x = bits.to(torch.int32).view(torch.float32)  # every exponent, NaNs and infinities among them
+    ties = torch.arange(1, 4097, dtype=torch.float32) * 2.0**-8 + 2.0**-16  # halfway cases
+    edge = [0.0, -0.0, 3.4e38, -3.4e38, float("inf"), -float("inf"), float("nan"), 1e-40, -1e-41]
+    x = torch.cat([x, ties, -ties, torch.tensor(edge * 4)]).cuda()
+    x = torch.nn.functional.pad(x, (0, -x.numel() % 1024))
+    out = torch.empty_like(x)
+    _round_pairs_kernel[(x.numel() // 1024,)](out, x, BLOCK=1024)
+    expected = x.to(torch.bfloat16).float()
+    assert torch.equal(out.isnan(), expected.isnan())
+    keep = ~expected.isnan()
+    assert torch.equal(out[keep].view(torch.int32), expected[keep].view(torch.int32))
 
 
 @pytest.mark.skipif(not HOPPER, reason="the fused GEMM serves sm90+ GPUs only")
