@@ -15,6 +15,8 @@
 # structured: bench throughput, Qwen2-VL-2B, 256 requests, with and without a JSON schema on each
 # serve:      mm-serve serve (Qwen2-VL-2B, random weights) driven by bench serve
 # kernels:    the Triton kernel benchmark
+# epilogue:   the fused MLP GEMM: its tests (the packed bf16 rounding among them), then
+#             epilogue_cost (each epilogue variant's time and its outputs against the engine's)
 # gemv:       the batch-1 linear layers, Triton GEMV against cuBLAS, PDL off and on
 # startup:    mm-serve serve start to healthy, compilation levels 1 and 2, first and cached start
 # peer-serve: vLLM's bench serve (random-mm, 448x448, 50 in / 128 out) at 2, 16, 32 req/s against
@@ -106,6 +108,9 @@ for _ in range(300):
       kill $server; wait $server ;;
     kernels)
       $PY -m mm_serve.benchmarks.kernels 2>&1 | tee "$OUT/kernels.log" | tail -20 ;;
+    epilogue)
+      $PY -m pytest -q tests/test_fused_mlp.py 2>&1 | tee "$OUT/fused_mlp_tests.log" | tail -3
+      $PY -m mm_serve.benchmarks.epilogue_cost 2>&1 | tee "$OUT/epilogue_cost.log" ;;
     gemv)
       $PY -m mm_serve.benchmarks.gemv --out "$OUT" 2>&1 | tee "$OUT/gemv.log" | tail -24 ;;
     startup)
