@@ -5,16 +5,17 @@ SiLU-and-mul; its epilogue (bias, roundings, an exponential and a division per e
 while the tensor cores idle. This script times, per shape, cuBLAS alone and the same persistent
 kernel (3 stages, the whole tile stored at once) with these epilogues:
 
-- ``ieee``: the engine's arithmetic, ``1 / (1 + exp(-t))`` in IEEE division;
+- ``ieee``: the engine's arithmetic, ``1 / (1 + exp(-t))`` (Triton compiles the division to
+  ``div.full.f32``, the exponential to ``ex2.approx.f32``);
 - ``none``: bias and rounding only, the floor for any epilogue;
 - ``rcp``: ``rcp.approx`` instead of the division;
 - ``tanh``: ``0.5 tanh(t / 2) + 0.5``, one ``tanh.approx`` per element;
 - ``pairs``: ``ieee``'s arithmetic with every rounding to bf16 (``F.linear``'s and the
   activation's) two elements per ``cvt.rn.bf16x2.f32`` (``triton_gemm.round_to``), off the
   conversion unit (XU) that ``ex2`` and ``rcp`` use too. Compiled for sm90 with Triton 3.9
-  (``nvdisasm``), the QuickGELU kernel's 384 ``F2F`` become packed ``F2FP`` (96 -> 384),
-  leaving 391 ``MUFU`` on that unit against 775, for 2% more instructions; SiLU-and-mul's
-  64 ``F2F`` go likewise;
+  (``benchmarks/epilogue_sass.py``), the QuickGELU kernel's 384 ``F2F`` become ``F2FP``
+  (96 -> 384), leaving 391 ``MUFU`` on that unit against 775, for 2% more instructions;
+  SiLU-and-mul's 64 ``F2F`` go likewise;
 
 and the engine's kernel as it is (``engine``: QuickGELU stored in two half tiles, with a fourth
 stage in the shared memory that frees).
