@@ -1,6 +1,7 @@
 """The fused MLP GEMM's epilogues compiled for sm90 on this machine (``benchmarks/
 epilogue_sass.py``, no GPU): the packed bf16 rounding takes the scalar conversions off the
-conversion unit and leaves the exponentials and reciprocals as they were."""
+conversion unit and leaves the exponentials and reciprocals as they were; the ``.ftz``
+exponential takes instructions off besides."""
 
 from __future__ import annotations
 
@@ -25,3 +26,6 @@ def test_pairs_moves_the_quick_gelu_roundings_off_the_conversion_unit() -> None:
     assert pairs["MUFU"] == scalar["MUFU"] > 0  # the same ex2 and rcp per element
     assert pairs["F2FP"] > scalar["F2FP"]
     assert sum(pairs.values()) < 1.1 * sum(scalar.values())
+    ftz = epilogue_sass.sass_counts(QUICK_GELU, MODES["pairs_ftz"])  # no subnormal scaling
+    assert ftz["MUFU"] == scalar["MUFU"] and ftz["F2F"] == 0
+    assert sum(ftz.values()) < sum(scalar.values())

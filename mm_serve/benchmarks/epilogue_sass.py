@@ -7,7 +7,7 @@ that Triton bundles, and counts the instructions by opcode. The conversion unit 
 ``MUFU`` (``ex2``, ``rcp``) and the scalar float conversions ``F2F``; the packed ``F2FP`` runs
 on the ALU. Static counts of the whole kernel (the epilogue dominates it), not executed ones.
 
-    python -m mm_serve.benchmarks.epilogue_sass [--modes ieee pairs]
+    python -m mm_serve.benchmarks.epilogue_sass [--modes ieee pairs pairs_ftz]
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def sass_counts(act: int, mode: int) -> collections.Counter:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", nargs="+", default=["ieee", "pairs"])
+    parser.add_argument("--modes", nargs="+", default=["ieee", "pairs", "pairs_ftz"])
     args = parser.parse_args()
     for act, name in ((QUICK_GELU, "QuickGELU"), (SILU_AND_MUL, "SiLU-and-mul")):
         for mode in args.modes:
