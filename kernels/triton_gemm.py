@@ -59,8 +59,8 @@ def round_to(x, dtype: tl.constexpr, PAIRS: tl.constexpr = False):
     """``x.to(dtype).to(tl.float32)`` for float32 ``x``. ``PAIRS`` (bfloat16 on a GPU): two
     elements per ``cvt.rn.bf16x2.f32`` (the same rounding), unpacked by a shift and a mask.
     A scalar ``cvt`` per element runs on the conversion unit (XU) that the epilogues'
-    exponentials and reciprocals need too; the packed one runs on the ALU. Measured by
-    ``benchmarks/epilogue_cost.py`` (its ``pairs`` row), not yet used by the engine."""
+    exponentials and reciprocals need too; the packed one runs on the ALU. The engine does
+    not use it yet: ``benchmarks/epilogue_cost.py`` times it (its ``pairs`` rows)."""
     if PAIRS and dtype == tl.bfloat16:
         return tl.inline_asm_elementwise(
             "{ .reg .b32 p; cvt.rn.bf16x2.f32 p, $3, $2; shl.b32 $0, p, 16; "
