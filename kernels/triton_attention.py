@@ -35,7 +35,7 @@ import triton.language as tl
 
 from mm_serve.attention import AttentionMetadata
 from mm_serve.kernels.pdl import pdl_enter, pdl_options
-from mm_serve.kernels.triton_split_kv import merge_segments_kernel
+from mm_serve.kernels.triton_split_kv import merge_segments, segment_buffers
 
 LOG2E = 1.4426950408889634
 MAX_SEGMENTS = 32
@@ -173,9 +173,7 @@ def _paged_attention_kernel(
     req = q_block if ONE_QUERY else _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + req)
     query_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    local_block = 0
-    if not ONE_QUERY:
-        local_block = q_block - (q_start // BLOCK_Q + req)
+    local_block = 0 if ONE_QUERY else q_block - (q_start // BLOCK_Q + req)
     if local_block * BLOCK_Q >= query_len:
         return
     seq_len = tl.load(seq_lens_ptr + req)
@@ -354,23 +352,17 @@ def _launch(query, kv_cache, metadata, scale, out, group, cfg, sliding_window=No
     block_m, num_segments = cfg["BLOCK_M"], cfg["NUM_SEGMENTS"]
     block_q = block_m // group
     num_tokens, num_reqs = metadata.num_tokens, metadata.num_reqs
-    one_query = bool(cfg.get("ONE_QUERY", False))
+    one_query = bool(cfg["ONE_QUERY"])
     num_programs = num_reqs if one_query else num_tokens // block_q + num_reqs
     grid = (num_programs, num_kv_heads, num_segments)
+    segments = (out,) * 3  # unused unless split
     if num_segments > 1:
-        parts = (num_tokens, num_heads, num_segments)
-        seg_out = torch.empty(*parts, head_dim_pad, dtype=torch.float32, device=query.device)
-        seg_max = torch.empty(parts, dtype=torch.float32, device=query.device)
-        seg_sum = torch.empty(parts, dtype=torch.float32, device=query.device)
-    else:
-        seg_out = seg_max = seg_sum = out  # unused
+        segments = segment_buffers(num_tokens, num_heads, num_segments, head_dim_pad, query.device)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     key_end = metadata.key_end
     _paged_attention_kernel[grid](
         out,
-        seg_out,
-        seg_max,
-        seg_sum,
+        *segments,
         query,
         key_cache,
         value_cache,
@@ -382,13 +374,9 @@ def _launch(query, kv_cache, metadata, scale, out, group, cfg, sliding_window=No
         sliding_window or 0,
         num_reqs,
         num_heads,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
+        *query.stride()[:2],  # token, head
+        *out.stride()[:2],
+        *key_cache.stride()[:3],  # block, slot, head
         metadata.block_table.stride(0),
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -407,9 +395,4 @@ def _launch(query, kv_cache, metadata, scale, out, group, cfg, sliding_window=No
         **pdl_options(query.device),
     )
     if num_segments > 1:
-        merge_segments_kernel[(num_tokens, num_heads)](
-            out, seg_out, seg_max, seg_sum, num_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SEGMENTS=num_segments,
-            SEGMENTS_PAD=max(2, triton.next_power_of_2(num_segments)),
-            **pdl_options(query.device),
-        )  # fmt: skip
+        merge_segments(out, segments, head_dim)

@@ -1,13 +1,40 @@
 """The second pass of split-KV paged attention (flash-decoding: Tri Dao et al.,
 "Flash-Decoding for long-context inference", 2023): merge the per-segment partial outputs of
-``triton_attention._paged_attention_kernel`` into one output per query row and head."""
+``triton_attention._paged_attention_kernel`` into one output per query row and head; and the
+buffers that hold those partial outputs."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from mm_serve.kernels.pdl import pdl_enter
+from mm_serve.kernels.pdl import pdl_enter, pdl_options
+
+
+def segment_buffers(
+    num_tokens: int, num_heads: int, num_segments: int, head_dim_pad: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float32 ``(out [T, H, S, head_dim_pad], max [T, H, S], sum [T, H, S])`` for the first
+    pass to write and ``merge_segments`` to read."""
+    parts = (num_tokens, num_heads, num_segments)
+    return (
+        torch.empty(*parts, head_dim_pad, dtype=torch.float32, device=device),
+        torch.empty(parts, dtype=torch.float32, device=device),
+        torch.empty(parts, dtype=torch.float32, device=device),
+    )
+
+
+def merge_segments(out: torch.Tensor, segments: tuple[torch.Tensor, ...], head_dim: int) -> None:
+    """Write into ``out`` (``[T, H, head_dim]``) the merge of ``segments`` (``segment_buffers``,
+    filled by the first pass)."""
+    seg_out, seg_max, seg_sum = segments
+    num_tokens, num_heads, num_segments, head_dim_pad = seg_out.shape
+    merge_segments_kernel[(num_tokens, num_heads)](
+        out, seg_out, seg_max, seg_sum, num_heads, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SEGMENTS=num_segments,
+        SEGMENTS_PAD=max(2, triton.next_power_of_2(num_segments)), **pdl_options(out.device),
+    )  # fmt: skip
 
 
 @triton.jit

@@ -27,8 +27,6 @@ if importlib.util.find_spec("triton") is None:
 
 from mm_serve.benchmarks.kernels import paged_metadata  # noqa: E402
 from mm_serve.kernels import (  # noqa: E402
-    apply_mrotary_ref,
-    apply_rotary_ref,
     layer_norm_ref,
     linear_ref,
     paged_attention_ref,
@@ -44,7 +42,6 @@ from mm_serve.kernels import triton_attention as _attn  # noqa: E402
 from mm_serve.kernels import triton_cache as _cache  # noqa: E402
 from mm_serve.kernels import triton_linear as _linear  # noqa: E402
 from mm_serve.kernels import triton_norm as _norm  # noqa: E402
-from mm_serve.kernels import triton_rotary as _rotary  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 RUN_KERNELS = ON_GPU or os.environ.get("TRITON_INTERPRET") == "1"
@@ -58,9 +55,11 @@ TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-5}
 
 @pytest.mark.skipif(RUN_KERNELS, reason="the kernel tests run in this process")
 def test_kernels_in_triton_interpreter() -> None:
-    """This file's kernel tests in a fresh process under ``TRITON_INTERPRET=1``."""
+    """This file's kernel tests, and ``test_kernels_triton_rotary.py``'s, in a fresh process
+    under ``TRITON_INTERPRET=1``."""
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    files = [__file__, str(Path(__file__).with_name("test_kernels_triton_rotary.py"))]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     report = proc.stdout[-8000:] + proc.stderr[-2000:]
@@ -138,16 +137,19 @@ def test_paged_attention_mixed_batch(heads, dtype) -> None:
 @kernel_test
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", HEADS_GPU[:2] + HEADS_GPU[3:] if ON_GPU else HEADS[:2])
-def test_paged_attention_split_kv(heads, dtype) -> None:
-    """Decode-only batch over long contexts, cut into KV segments (flash-decoding) + merge."""
+def test_paged_attention_decode_batch(heads, dtype) -> None:
+    """Decode-only batch over long contexts, whole and cut into KV segments (flash-decoding) +
+    merge; each program takes its request by index (``ONE_QUERY``, the heuristic's choice for
+    one query per request) or by the search."""
     if ON_GPU:
         reqs, block_size = [(4095, 1), (3000, 1), (17, 1), (1500, 1)], 16
-        configs = [None, {"NUM_SEGMENTS": 7, "TILE_N": 32}]  # the heuristic splits these too
+        configs = [{}, {"NUM_SEGMENTS": 7, "TILE_N": 32}]  # the heuristic splits these too
     else:
         reqs, block_size = [(70, 1), (33, 1), (129, 1)], 4
         configs = [{"NUM_SEGMENTS": 4, "TILE_N": 16}]
-    for i, config in enumerate(configs):
-        _check_attention(reqs, heads, dtype, block_size, seed=i, config=config)
+    for i, config in enumerate([*configs, {"NUM_SEGMENTS": 1}]):
+        for one_query in (True, False):
+            _check_attention(reqs, heads, dtype, block_size, i, {**config, "ONE_QUERY": one_query})
 
 
 @kernel_test
@@ -160,23 +162,10 @@ def test_paged_attention_tile_shapes(dtype) -> None:
         _check_attention(reqs, (8, 2, 64), dtype, block_size, seed=3, config=config)
 
 
-@kernel_test
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_attention_one_query_per_request(dtype) -> None:
-    """A decode batch, each program finding its request by its index (``ONE_QUERY``, the
-    heuristic's choice here) and by the search, whole and split into KV segments."""
-    reqs = [(rng_len, 1) for rng_len in (37, 1, 130, 64, 15, 99)]
-    for one_query in (True, False):
-        for segments in (1, 3):
-            config = {"ONE_QUERY": one_query, "NUM_SEGMENTS": segments}
-            _check_attention(reqs, (6, 2, 64), dtype, 4, seed=segments, config=config)
-
-
 def test_paged_attention_split_is_selected_for_small_decode_batches() -> None:
     cfg = _attn._launch_config(7, 1, 4096, 4, 4, torch.device(DEVICE))
     assert cfg["NUM_SEGMENTS"] > 1 and cfg["BLOCK_M"] == 16 and cfg["ONE_QUERY"]
-    cfg = _attn._launch_config(7, 2, 4096, 4, 4, torch.device(DEVICE))
-    assert not cfg["ONE_QUERY"]
+    assert not _attn._launch_config(7, 2, 4096, 4, 4, torch.device(DEVICE))["ONE_QUERY"]
     cfg = _attn._launch_config(7, 300, 4096, 4, 4, torch.device(DEVICE))
     assert cfg["NUM_SEGMENTS"] == 1 and cfg["BLOCK_M"] == 64 and not cfg["ONE_QUERY"]
 
@@ -294,120 +283,3 @@ def test_rms_norm_gemv(shape, with_residual, dtype) -> None:
     ref_out, ref_h = rms_norm_linear_ref(x, residual, norm_weight, 1e-6, weight, b)
     assert _rel_err(out, ref_out) <= TOLERANCE[dtype]
     assert torch.equal(h, ref_h)
-
-
-# ---------------------------------------------------------------- rotary, mrope
-
-
-def _rotary_inputs(head_dim: int, dtype: torch.dtype, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    num_tokens, num_heads, num_kv_heads, max_pos = (300, 28, 4, 4096) if ON_GPU else (7, 3, 2, 64)
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    freqs = torch.arange(max_pos).float()[:, None] * inv_freq[None, :]
-    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(DEVICE)
-    # Query and key as strided slices of one fused QKV output; key given as [T, H_kv, d].
-    qkv = _randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, gen=gen)
-    query, key, _ = qkv.split([num_heads * head_dim, *[num_kv_heads * head_dim] * 2], dim=-1)
-    key = key.view(num_tokens, num_kv_heads, head_dim)
-    positions = torch.randint(0, max_pos, (3, num_tokens), generator=gen).to(DEVICE)
-    return positions, query, key, cache
-
-
-def _check_rotary(outs, refs) -> None:
-    """The kernel rounds each product and sum like the reference: the results are equal."""
-    for out, ref in zip(outs, refs, strict=True):
-        assert out.shape == ref.shape
-        assert torch.equal(out, ref), _rel_err(out, ref)
-
-
-@kernel_test
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    "head_dim,section", [(64, [8, 12, 12]), (80, [8, 16, 16]), (128, [16, 24, 24])]
-)
-def test_rotary_and_mrope(head_dim, section, dtype) -> None:
-    positions, query, key, cache = _rotary_inputs(head_dim, dtype, seed=head_dim)
-    outs = (_nan_like(query), _nan_like(key))
-    _rotary.apply_rotary_triton(positions[0], query, key, cache, head_dim, out=outs)
-    _check_rotary(outs, apply_rotary_ref(positions[0], query, key, cache, head_dim))
-    outs = (_nan_like(query), _nan_like(key))
-    _rotary.apply_rotary_triton(positions, query, key, cache, head_dim, section, out=outs)
-    refs = apply_mrotary_ref(positions, query, key, cache, head_dim, section)
-    _check_rotary(outs, refs)
-
-
-@kernel_test
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim,section", [(32, [6, 5, 5]), (128, [24, 20, 20])])
-def test_interleaved_mrope(head_dim, section, dtype) -> None:
-    """Qwen3-VL's layout (t h w t h w ...), with the fused KV-cache write too."""
-    positions, query, key, cache = _rotary_inputs(head_dim, dtype, seed=head_dim + 1)
-    outs = (_nan_like(query), _nan_like(key))
-    _rotary.apply_rotary_triton(
-        positions, query, key, cache, head_dim, section, out=outs, mrope_interleaved=True
-    )
-    refs = apply_mrotary_ref(positions, query, key, cache, head_dim, section, interleaved=True)
-    _check_rotary(outs, refs)
-    chunked = apply_mrotary_ref(positions, query, key, cache, head_dim, section)
-    assert not torch.equal(refs[0], chunked[0])  # the layouts differ
-    num_tokens, num_kv_heads = key.shape[:2]
-    value = _randn(num_tokens, num_kv_heads * head_dim, dtype=dtype, gen=torch.Generator())
-    kv_cache = torch.full((2, num_tokens, 1, num_kv_heads, head_dim), float("nan"),
-                          dtype=dtype, device=DEVICE)  # fmt: skip
-    slots = torch.arange(num_tokens, device=DEVICE)
-    q, k = _rotary.apply_rotary_triton(
-        positions, query, key, cache, head_dim, section, kv_write=(value, kv_cache, slots),
-        mrope_interleaved=True,
-    )  # fmt: skip
-    _check_rotary((q, k), refs)
-    assert torch.equal(kv_cache[0].view(k.shape), k)
-
-
-@kernel_test
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("mrope", [False, True])
-def test_rotary_with_kv_cache_write(mrope, dtype) -> None:
-    """RoPE with ``reshape_and_cache`` fused in: the same q/k as without, and the cache as
-    ``reshape_and_cache_ref`` writes it (slot -1 skipped, other slots left as they were)."""
-    head_dim, section = (128, [16, 24, 24]) if ON_GPU else (16, [2, 3, 3])
-    positions, query, key, cache = _rotary_inputs(head_dim, dtype, seed=7)
-    positions = positions if mrope else positions[0]
-    section = section if mrope else None
-    num_tokens, num_kv_heads = key.shape[:2]  # key: [T, H_kv, d]
-    gen = torch.Generator().manual_seed(8)
-    value = _randn(num_tokens, num_kv_heads * head_dim, dtype=dtype, gen=gen)
-    slots = torch.randperm(2 * num_tokens, generator=gen)[:num_tokens].to(DEVICE)
-    slots[0] = -1
-    kv_cache = torch.full((2, 2 * num_tokens, 1, num_kv_heads, head_dim), float("nan"),
-                          dtype=dtype, device=DEVICE)  # fmt: skip
-    ref_cache = kv_cache.clone()
-    q, k = _rotary.apply_rotary_triton(
-        positions, query, key, cache, head_dim, section, kv_write=(value, kv_cache, slots)
-    )
-    ref_q, ref_k = _rotary.apply_rotary_triton(positions, query, key, cache, head_dim, section)
-    assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
-    heads = (num_tokens, num_kv_heads, head_dim)
-    reshape_and_cache_ref(ref_k.view(heads), value.view(heads), ref_cache, slots)
-    assert torch.equal(kv_cache.nan_to_num(), ref_cache.nan_to_num())
-    assert kv_cache.isnan().sum() == ref_cache.isnan().sum()
-
-
-@kernel_test
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_vision_rotary_in_float32(dtype) -> None:
-    """``round_products=False``: float32 arithmetic, only the result rounded (HF's vision
-    rotary, as ``kernels.rotary.apply_vision_rotary_ref`` computes it)."""
-    from mm_serve.encoders.qwen2_vl import rotary_cos_sin
-    from mm_serve.kernels.rotary import apply_vision_rotary_ref as apply_rotary
-
-    gen = torch.Generator().manual_seed(1)
-    grids, head_dim, heads = [[1, 4, 6], [2, 2, 2]], 80, 3
-    cos, sin = rotary_cos_sin(grids, 2, head_dim, 10000.0, torch.device("cpu"))
-    qkv = torch.randn(cos.shape[0], 3, heads, head_dim, generator=gen).to(dtype)
-    q, k, _ = qkv.to(DEVICE).unbind(1)  # strided views, as in the tower
-    cos, sin = cos.to(DEVICE), sin.to(DEVICE)
-    table = torch.cat([cos[:, : head_dim // 2], sin[:, : head_dim // 2]], dim=-1)
-    positions = torch.arange(q.shape[0], device=DEVICE)
-    outs = (_nan_like(q), _nan_like(k))
-    _rotary.apply_rotary_triton(positions, q, k, table, head_dim, out=outs, round_products=False)
-    _check_rotary(outs, (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)))
