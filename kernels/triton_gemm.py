@@ -9,7 +9,9 @@ the result, so those passes are gone. The weight stays as the checkpoint stores 
 - ``quick_gelu``: ``x * sigmoid(1.702 x)`` of ``F.linear``'s output (one tile of ``BLOCK_N``
   output features), stored in two halves, so that the half-size store buffer leaves shared
   memory for a fourth stage (2.8% less time than a whole-tile store with three stages over
-  26,624 patches on an H100, the same outputs: ``benchmarks/epilogue_cost.py``);
+  26,624 patches on an H100, the same outputs: ``benchmarks/epilogue_cost.py``); on a GPU its
+  roundings go two elements per conversion and its exponential flushes subnormals (``PTX``:
+  4.0% less time than the scalar conversions over 26,624 patches on an H200, the same outputs);
 - ``silu_and_mul``: for ``W = [gate; up]`` (``[2 I, K]``), ``silu(gate) * up``: each program
   loads the same ``BLOCK_N`` features of gate and of up in one TMA load (``W`` seen as ``[2, I,
   K]``) and multiplies them as one ``2 BLOCK_N``-wide tile, so an output tile needs no data
@@ -59,8 +61,8 @@ def round_to(x, dtype: tl.constexpr, PAIRS: tl.constexpr = False):
     """``x.to(dtype).to(tl.float32)`` for float32 ``x``. ``PAIRS`` (bfloat16 on a GPU): two
     elements per ``cvt.rn.bf16x2.f32`` (the same rounding), unpacked by a shift and a mask.
     A scalar ``cvt`` per element runs on the conversion unit (XU) that the epilogues'
-    exponentials and reciprocals need too; the packed one runs on the ALU. The engine does
-    not use it yet: ``benchmarks/epilogue_cost.py`` times it (its ``pairs`` rows)."""
+    exponentials and reciprocals need too; the packed one runs on the ALU. Inline PTX: not in
+    Triton's interpreter."""
     if PAIRS and dtype == tl.bfloat16:
         return tl.inline_asm_elementwise(
             "{ .reg .b32 p; cvt.rn.bf16x2.f32 p, $3, $2; shl.b32 $0, p, 16; "
@@ -73,6 +75,18 @@ def round_to(x, dtype: tl.constexpr, PAIRS: tl.constexpr = False):
         ).to(tl.float32, bitcast=True)
     else:
         return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def exp_ftz(x):
+    """``tl.exp(x)`` (``ex2.approx.f32`` of ``x log2(e)``) as ``ex2.approx.ftz.f32``: subnormal
+    arguments and results go to zero, which skips the scaling around them. Where a sigmoid's
+    ``1 + exp(-t)`` can tell the two apart, it rounds to 1 either way. Inline PTX: not in
+    Triton's interpreter."""
+    return tl.inline_asm_elementwise(
+        "ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * 1.4426950408889634], dtype=tl.float32,
+        is_pure=True, pack=1,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -105,22 +119,24 @@ def linear_tile(
 def _linear_act_kernel(
     x_desc, w_desc, out_desc, bias_ptr, M, N, K,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     """``out[M, N] = act(x[M, K] @ w.T + bias)``; for SiLU-and-mul, ``w`` is ``[2 N, K]``
-    (gate rows, then up rows) and ``bias`` ``[2 N]``."""
+    (gate rows, then up rows) and ``bias`` ``[2 N]``. ``PTX`` (a GPU, not the interpreter):
+    QuickGELU's roundings in pairs and its exponential flushing subnormals, the same values
+    (``benchmarks/epilogue_cost.py``: its ``pairs_ftz`` row)."""
     dtype = out_desc.dtype
     num_pid_m, num_pid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=True):
         off_m, off_n = tile_offsets(tile_id, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N)
         y = linear_tile(
             x_desc, w_desc, bias_ptr, off_m, off_n, N, K, dtype, HAS_BIAS, ACT == 2, BLOCK_M,
-            BLOCK_N, BLOCK_K,
+            BLOCK_N, BLOCK_K, PTX and ACT == 1,
         )  # fmt: skip
         if ACT == 1:  # stored in two halves: a half-size store buffer leaves room for a stage
             y0, y1 = tl.split(tl.permute(tl.reshape(y, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-            out_desc.store([off_m, off_n], _quick_gelu(y0, dtype).to(dtype))
-            out_desc.store([off_m, off_n + BLOCK_N // 2], _quick_gelu(y1, dtype).to(dtype))
+            out_desc.store([off_m, off_n], _quick_gelu(y0, dtype, PTX).to(dtype))
+            out_desc.store([off_m, off_n + BLOCK_N // 2], _quick_gelu(y1, dtype, PTX).to(dtype))
         else:  # silu_and_mul_triton's roundings, gate and up being the tile's two halves
             gate, up = tl.split(tl.permute(tl.reshape(y, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
             y = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
@@ -128,10 +144,11 @@ def _linear_act_kernel(
 
 
 @triton.jit
-def _quick_gelu(y, dtype: tl.constexpr):
+def _quick_gelu(y, dtype: tl.constexpr, PTX: tl.constexpr):
     """quick_gelu_triton's roundings, on ``F.linear``'s output ``y`` (float32 of bf16/fp16)."""
-    t = (y * 1.702).to(dtype).to(tl.float32)
-    return y * (1.0 / (1.0 + tl.exp(-t))).to(dtype).to(tl.float32)
+    t = round_to(y * 1.702, dtype, PTX)
+    e = exp_ftz(-t) if PTX else tl.exp(-t)
+    return y * round_to(1.0 / (1.0 + e), dtype, PTX)
 
 
 @functools.lru_cache(maxsize=8)
@@ -163,6 +180,7 @@ def linear_act_triton(
         TensorDescriptor.from_tensor(out, [block_m, store_n]),
         x if bias is None else bias,
         m, n, k, ACT=act, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, GROUP_M=8, NUM_SMS=num_sms, num_stages=stages, num_warps=warps,
+        BLOCK_K=block_k, GROUP_M=8, NUM_SMS=num_sms, PTX=x.is_cuda, num_stages=stages,
+        num_warps=warps,
     )  # fmt: skip
     return out
