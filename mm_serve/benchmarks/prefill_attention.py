@@ -207,3 +207,56 @@ def print_prefill(rows: list[dict]) -> None:
             print(f"{head} failed: {r['error'][:80]}")
         else:
             print(f"{head} {r['ms']:7.3f} {r['TFLOPs']:8.1f} {r['rel_err']:8.1e}")
+
+
+SWEEP = {
+    "BLOCK_M": (32, 64, 128),
+    "TILE_N": (32, 64, 128),
+    "num_warps": (4, 8),
+    "num_stages": (1, 2, 3),
+}
+
+
+def prefill_config_rows(case_index: int = 0, sweep: dict | None = None) -> list[dict]:
+    """The Triton paged kernel on prefill case ``case_index`` (``prefill_cases``; 0: 26 fresh
+    ~315-token prompts), with the launch heuristic's config and each of ``sweep``'s (default
+    ``SWEEP``): microseconds per call, 28 calls replayed
+    in one CUDA graph (one per layer, as a step's piecewise graphs launch it); a config that
+    does not compile or fails the reference check is left out with its error.
+
+        python -c "from mm_serve.benchmarks.prefill_attention import *; \\
+          print_prefill_configs(prefill_config_rows())"
+    """
+    from mm_serve.benchmarks.gemv import time_calls
+    from mm_serve.kernels.triton_attention import paged_attention_triton
+
+    case, reqs = prefill_cases()[case_index]
+    sweep = sweep or SWEEP
+    q, kv, md = paged_batch(reqs, PREFILL_HEADS, 16, torch.bfloat16)
+    scale = PREFILL_HEADS[2] ** -0.5
+    ref = paged_attention_ref(q, kv, md, scale)
+    flops = causal_flops(reqs, PREFILL_HEADS)
+    rows = []
+    for values in [None, *itertools.product(*sweep.values())]:
+        config = None if values is None else dict(zip(sweep, values, strict=True))
+        run = lambda _, c=config: paged_attention_triton(q, kv, md, scale, config=c)  # noqa: E731
+        try:
+            err = rel_err(run(0), ref)
+            if err > 2e-2:
+                raise AssertionError(f"relative error {err:.3g}")
+            us = time_calls(run, 28)
+        except Exception as exc:  # a tile that does not fit shared memory, say
+            rows.append({"case": case, "config": config, "error": repr(exc)[:200]})
+            continue
+        rows.append({"case": case, "config": config or "heuristic", "us": us,
+                     "TFLOPs": flops / us / 1e6})  # fmt: skip
+    return rows
+
+
+def print_prefill_configs(rows: list[dict]) -> None:
+    ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+    for r in ok:
+        print(f"{r['us']:8.1f} us {r['TFLOPs']:6.1f} TFLOP/s  {r['config']}")
+    for r in rows:
+        if "error" in r:
+            print(f"failed: {r['config']}: {r['error'][:100]}")
