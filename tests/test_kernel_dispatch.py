@@ -234,7 +234,7 @@ def test_per_step_integers_are_no_specialisation_keys() -> None:
     Triton compile new variants while serving, on the first step whose count was a multiple
     of 16."""
     kernels = {
-        _attn._paged_attention_kernel: {"num_reqs", "stride_bt"},
+        _attn._paged_attention_kernel: {"num_reqs", "num_q_blocks", "stride_bt"},
         triton_rotary._rotary_kernel: {"stride_pos_axis"},
     }
     for kernel, names in kernels.items():
