@@ -15,6 +15,7 @@ import logging
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from mm_serve.attention import AttentionMetadata
 from mm_serve.kernels import varlen_attention as varlen
@@ -265,8 +266,9 @@ def varlen_attention(
 ) -> torch.Tensor:
     """Bidirectional attention within ``segments`` (``varlen_segments``): ``q, k, v: [N,
     num_heads, head_dim]`` -> ``[N, num_heads, head_dim]``, scale ``head_dim ** -0.5``. The
-    packed rows go to cuDNN when the segments are equal (``dense_attention``), else to the
-    varlen kernel as they are, or to ``segment_attention_ref``."""
+    packed rows go to cuDNN when the segments are equal (``dense_attention``, where ``q`` and
+    ``k`` may be zero-padded wider than ``v``), else to the varlen kernel as they are, or to
+    ``segment_attention_ref``."""
     if segments.dense:
         return varlen.dense_attention(q, k, v, segments.max_len)
     if segments.groups is None:
@@ -275,14 +277,20 @@ def varlen_attention(
 
 
 def apply_vision_rotary(
-    q: torch.Tensor, k: torch.Tensor, rotary: VisionRotary
+    q: torch.Tensor, k: torch.Tensor, rotary: VisionRotary, out_head_dim: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``apply_vision_rotary_ref`` on ``q`` and ``k`` ``[N, num_heads, head_dim]``; on CUDA one
-    Triton kernel does both, with the same float32 arithmetic (the tables' halves are equal)."""
+    Triton kernel does both, with the same float32 arithmetic (the tables' halves are equal).
+    ``out_head_dim``: each head returned that wide, its channels past ``head_dim`` zero (the
+    same attention scores, through a kernel for the wider head)."""
+    head_dim = rotary.table.shape[-1]
     if not use_kernels(q, k, rotary.table):
         cos, sin = rotary.cos, rotary.sin
-        return apply_vision_rotary_ref(q, cos, sin), apply_vision_rotary_ref(k, cos, sin)
+        pad = (0, (out_head_dim or head_dim) - head_dim)
+        return tuple(F.pad(apply_vision_rotary_ref(x, cos, sin), pad) for x in (q, k))
     from mm_serve.kernels.triton_rotary import apply_rotary_triton
 
-    head_dim = rotary.table.shape[-1]
-    return apply_rotary_triton(rotary.positions, q, k, rotary.table, head_dim, round_products=False)
+    return apply_rotary_triton(
+        rotary.positions, q, k, rotary.table, head_dim, round_products=False,
+        out_head_dim=out_head_dim,
+    )  # fmt: skip
