@@ -11,7 +11,8 @@ the result, so those passes are gone. The weight stays as the checkpoint stores 
   memory for a fourth stage (2.8% less time than a whole-tile store with three stages over
   26,624 patches on an H100, the same outputs: ``benchmarks/epilogue_cost.py``); on a GPU its
   roundings go two elements per conversion and its exponential flushes subnormals (``PTX``:
-  4.0% less time than the scalar conversions over 26,624 patches on an H200, the same outputs);
+  5.5% less time than with scalar conversions over 26,624 patches on an H200, the same
+  outputs);
 - ``silu_and_mul``: for ``W = [gate; up]`` (``[2 I, K]``), ``silu(gate) * up``: each program
   loads the same ``BLOCK_N`` features of gate and of up in one TMA load (``W`` seen as ``[2, I,
   K]``) and multiplies them as one ``2 BLOCK_N``-wide tile, so an output tile needs no data
