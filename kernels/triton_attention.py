@@ -27,18 +27,16 @@ loaded (their blocks may be freed, ``cache.kv_cache_groups``).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from mm_serve.attention import AttentionMetadata
 from mm_serve.kernels.pdl import pdl_enter, pdl_options
+from mm_serve.kernels.triton_attention_launch import launch_config
 from mm_serve.kernels.triton_split_kv import merge_segments, segment_buffers
 
 LOG2E = 1.4426950408889634
-MAX_SEGMENTS = 32
 
 
 @triton.jit
@@ -256,44 +254,6 @@ def _paged_attention_kernel(
         tl.store(seg_out_ptr + seg_offs, out, mask=row_ok[:, None])
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # the CPU interpreter: any small number
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _launch_config(
-    group: int, max_query_len: int, max_seq_len: int, num_reqs: int, num_kv_heads: int, device
-) -> dict[str, int]:
-    """Tile sizes and the number of KV segments for one call (host-side heuristics).
-
-    Decode-like batches (every request's queries fit one 16-row block) get 16-row blocks and,
-    when ``num_reqs * num_kv_heads`` programs cannot fill the GPU, split-KV: as many segments
-    as keep all programs within about one wave of 4 per SM (measured on an H200, decode
-    64 x 4096, 28/4 heads: 2 segments 0.146 ms, 3 segments 0.169 ms, none 0.193 ms), each
-    segment at least 4 key tiles long. Prefill batches get 64-row blocks. A batch of one query
-    per request (``ONE_QUERY``: decode steps) launches one program per request and KV head,
-    which finds its request by its index rather than by a search.
-    """
-    rows = triton.next_power_of_2(group)
-    decode_like = max_query_len * rows <= max(16, rows)
-    block_m = max(16, rows) if decode_like else max(64, rows)
-    tile_n = 64
-    num_segments = 1
-    if decode_like:
-        target = 4 * _num_sms(device)  # programs in flight that keep HBM busy
-        want = target // max(1, num_reqs * num_kv_heads)
-        most = max(1, max_seq_len // (4 * tile_n))  # at least 4 tiles per segment
-        num_segments = int(max(1, min(want, most, MAX_SEGMENTS)))
-    return {
-        "BLOCK_M": block_m,
-        "TILE_N": tile_n,
-        "NUM_SEGMENTS": num_segments,
-        "ONE_QUERY": max_query_len == 1,
-    }
-
-
 def paged_attention_triton(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -340,7 +300,7 @@ def paged_attention_triton(
     max_keys = metadata.max_seq_len  # the most keys one row reads
     if sliding_window is not None:
         max_keys = min(max_keys, sliding_window + metadata.max_query_len)
-    cfg = _launch_config(
+    cfg = launch_config(
         group,
         metadata.max_query_len,
         max_keys,

@@ -30,12 +30,12 @@ over 2,048).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from mm_serve.kernels.triton_attention_launch import num_sms
 
 QUICK_GELU, SILU_AND_MUL = 1, 2
 # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps) per activation; SiLU-and-mul's BLOCK_N is per half.
@@ -152,11 +152,6 @@ def _quick_gelu(y, dtype: tl.constexpr, PTX: tl.constexpr):
     return y * round_to(1.0 / (1.0 + e), dtype, PTX)
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def linear_act_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: int
 ) -> torch.Tensor:
@@ -168,20 +163,20 @@ def linear_act_triton(
     m, k = x.shape
     n = weight.shape[0] // 2 if act == SILU_AND_MUL else weight.shape[0]
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    num_sms = _num_sms(x.device) if x.is_cuda else 4  # CPU: Triton's interpreter
+    sms = num_sms(x.device) if x.is_cuda else 4  # CPU: Triton's interpreter
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     store_n = block_n // 2 if act == QUICK_GELU else block_n  # QuickGELU stores half tiles
     if act == SILU_AND_MUL:  # [gate; up] as [2, I, K]: one load brings both tiles
         w_desc = TensorDescriptor.from_tensor(weight.view(2, n, k), [2, block_n, block_k])
     else:
         w_desc = TensorDescriptor.from_tensor(weight, [block_n, block_k])
-    _linear_act_kernel[(min(num_sms, tiles),)](
+    _linear_act_kernel[(min(sms, tiles),)](
         TensorDescriptor.from_tensor(x, [block_m, block_k]),
         w_desc,
         TensorDescriptor.from_tensor(out, [block_m, store_n]),
         x if bias is None else bias,
         m, n, k, ACT=act, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, GROUP_M=8, NUM_SMS=num_sms, PTX=x.is_cuda, num_stages=stages,
+        BLOCK_K=block_k, GROUP_M=8, NUM_SMS=sms, PTX=x.is_cuda, num_stages=stages,
         num_warps=warps,
     )  # fmt: skip
     return out

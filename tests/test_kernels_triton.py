@@ -42,6 +42,7 @@ from mm_serve.kernels import triton_attention as _attn  # noqa: E402
 from mm_serve.kernels import triton_cache as _cache  # noqa: E402
 from mm_serve.kernels import triton_linear as _linear  # noqa: E402
 from mm_serve.kernels import triton_norm as _norm  # noqa: E402
+from mm_serve.kernels.triton_attention_launch import launch_config  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 RUN_KERNELS = ON_GPU or os.environ.get("TRITON_INTERPRET") == "1"
@@ -167,10 +168,10 @@ def test_paged_attention_tile_shapes(dtype) -> None:
 
 
 def test_paged_attention_split_is_selected_for_small_decode_batches() -> None:
-    cfg = _attn._launch_config(7, 1, 4096, 4, 4, torch.device(DEVICE))
+    cfg = launch_config(7, 1, 4096, 4, 4, torch.device(DEVICE))
     assert cfg["NUM_SEGMENTS"] > 1 and cfg["BLOCK_M"] == 16 and cfg["ONE_QUERY"]
-    assert not _attn._launch_config(7, 2, 4096, 4, 4, torch.device(DEVICE))["ONE_QUERY"]
-    cfg = _attn._launch_config(7, 300, 4096, 4, 4, torch.device(DEVICE))
+    assert not launch_config(7, 2, 4096, 4, 4, torch.device(DEVICE))["ONE_QUERY"]
+    cfg = launch_config(7, 300, 4096, 4, 4, torch.device(DEVICE))
     assert cfg["NUM_SEGMENTS"] == 1 and cfg["BLOCK_M"] == 64 and not cfg["ONE_QUERY"]
 
 

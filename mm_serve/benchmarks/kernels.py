@@ -104,7 +104,8 @@ def causal_flops(reqs, heads) -> float:
 
 def attention_case(name, reqs, heads, block_size, configs, copy_bw) -> list[dict]:
     """Check once against the reference, then time each launch config (None: the heuristic)."""
-    from mm_serve.kernels.triton_attention import _launch_config, paged_attention_triton
+    from mm_serve.kernels.triton_attention import paged_attention_triton
+    from mm_serve.kernels.triton_attention_launch import launch_config
 
     q, kv, md = paged_batch(reqs, heads, block_size, torch.bfloat16)
     scale = heads[2] ** -0.5
@@ -113,7 +114,7 @@ def attention_case(name, reqs, heads, block_size, configs, copy_bw) -> list[dict
     kv_bytes = 2 * sum(md.seq_lens_cpu) * heads[1] * heads[2] * kv.element_size()
     flops = causal_flops(reqs, heads)
     group = heads[0] // heads[1]
-    default = _launch_config(
+    default = launch_config(
         group, md.max_query_len, md.max_seq_len, md.num_reqs, heads[1], q.device
     )
     rows = []
