@@ -285,9 +285,10 @@ def apply_vision_rotary(
     same attention scores, through a kernel for the wider head)."""
     head_dim = rotary.table.shape[-1]
     if not use_kernels(q, k, rotary.table):
-        cos, sin = rotary.cos, rotary.sin
-        pad = (0, (out_head_dim or head_dim) - head_dim)
-        return tuple(F.pad(apply_vision_rotary_ref(x, cos, sin), pad) for x in (q, k))
+        q, k = (apply_vision_rotary_ref(x, rotary.cos, rotary.sin) for x in (q, k))
+        if out_head_dim is None:
+            return q, k
+        return F.pad(q, (0, out_head_dim - head_dim)), F.pad(k, (0, out_head_dim - head_dim))
     from mm_serve.kernels.triton_rotary import apply_rotary_triton
 
     return apply_rotary_triton(

@@ -71,6 +71,8 @@ def _case_rows(name: str, images: int, length: int, heads: int, head_dim: int) -
         try:
             error = rel_err(fn(), reference)
         except RuntimeError as exc:  # a shape another library's kernel does not take
+            if method.startswith("engine"):
+                raise
             rows.append(dict(case=name, method=method, error=repr(exc)[:200]))
             continue
         ms = bench(fn)
