@@ -131,15 +131,11 @@ class VisionAttention(nn.Module):
         self.num_heads = num_heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
-        # Where set (and the segments are equal): q and k this wide per head, zero-padded by
-        # the rotary pass, for cuDNN's kernel of the wider head (not the default until timed:
-        # ``benchmarks/tower_chunks.py --qk-head-dim``).
-        self.qk_head_dim: int | None = None
 
     def forward(self, x: torch.Tensor, segments: Segments, rotary: VisionRotary) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)  # [N, heads, head_dim]
-        q, k = apply_vision_rotary(q, k, rotary, self.qk_head_dim if segments.dense else None)
+        q, k = apply_vision_rotary(q, k, rotary)
         return self.proj(varlen_attention(q, k, v, segments).reshape(n, -1))
 
 

@@ -15,7 +15,6 @@ import logging
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from mm_serve.attention import AttentionMetadata
 from mm_serve.kernels import varlen_attention as varlen
@@ -266,9 +265,8 @@ def varlen_attention(
 ) -> torch.Tensor:
     """Bidirectional attention within ``segments`` (``varlen_segments``): ``q, k, v: [N,
     num_heads, head_dim]`` -> ``[N, num_heads, head_dim]``, scale ``head_dim ** -0.5``. The
-    packed rows go to cuDNN when the segments are equal (``dense_attention``, where ``q`` and
-    ``k`` may be zero-padded wider than ``v``), else to the varlen kernel as they are, or to
-    ``segment_attention_ref``."""
+    packed rows go to cuDNN when the segments are equal (``dense_attention``), else to the
+    varlen kernel as they are, or to ``segment_attention_ref``."""
     if segments.dense:
         return varlen.dense_attention(q, k, v, segments.max_len)
     if segments.groups is None:
@@ -277,21 +275,14 @@ def varlen_attention(
 
 
 def apply_vision_rotary(
-    q: torch.Tensor, k: torch.Tensor, rotary: VisionRotary, out_head_dim: int | None = None
+    q: torch.Tensor, k: torch.Tensor, rotary: VisionRotary
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``apply_vision_rotary_ref`` on ``q`` and ``k`` ``[N, num_heads, head_dim]``; on CUDA one
-    Triton kernel does both, with the same float32 arithmetic (the tables' halves are equal).
-    ``out_head_dim``: each head returned that wide, its channels past ``head_dim`` zero (the
-    same attention scores, through a kernel for the wider head)."""
-    head_dim = rotary.table.shape[-1]
+    Triton kernel does both, with the same float32 arithmetic (the tables' halves are equal)."""
     if not use_kernels(q, k, rotary.table):
-        q, k = (apply_vision_rotary_ref(x, rotary.cos, rotary.sin) for x in (q, k))
-        if out_head_dim is None:
-            return q, k
-        return F.pad(q, (0, out_head_dim - head_dim)), F.pad(k, (0, out_head_dim - head_dim))
+        cos, sin = rotary.cos, rotary.sin
+        return apply_vision_rotary_ref(q, cos, sin), apply_vision_rotary_ref(k, cos, sin)
     from mm_serve.kernels.triton_rotary import apply_rotary_triton
 
-    return apply_rotary_triton(
-        rotary.positions, q, k, rotary.table, head_dim, round_products=False,
-        out_head_dim=out_head_dim,
-    )  # fmt: skip
+    head_dim = rotary.table.shape[-1]
+    return apply_rotary_triton(rotary.positions, q, k, rotary.table, head_dim, round_products=False)

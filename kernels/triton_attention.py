@@ -14,7 +14,7 @@ Work split, in the manner of vLLM's Triton "unified attention" kernel:
   into ``BLOCK_M = BLOCK_Q * GROUP`` rows, so each K/V tile is loaded once for the whole group;
 - programs find their request by a binary search over ``query_start_loc`` (no host work);
 - split-KV (flash-decoding, Tri Dao et al., "Flash-Decoding for long-context inference", 2023):
-  when the batch is mostly decode tokens and too small to fill the GPU, a second grid axis cuts
+  when the batch is mostly decode tokens and too small to fill the GPU, a third grid axis cuts
   each request's keys into ``num_segments`` ranges; each writes a partial output with its own
   ``(m, l)`` and a second kernel merges them.
 
@@ -124,8 +124,7 @@ def _attend_tiles(
     return acc, m_i, l_i
 
 
-# Per-step values are not specialized on: no compiles mid-serving.
-@triton.jit(do_not_specialize=["num_reqs", "num_q_blocks", "stride_bt"])
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt"])  # per-step values: no compiles mid-serving
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]            (NUM_SEGMENTS == 1)
     seg_out_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS, HEAD_DIM_PAD] fp32 (split)
@@ -141,7 +140,6 @@ def _paged_attention_kernel(
     scale_log2,
     window,
     num_reqs,
-    num_q_blocks,
     num_heads,
     stride_q_tok,
     stride_q_head,
@@ -163,18 +161,12 @@ def _paged_attention_kernel(
     HAS_KEY_END: tl.constexpr,
     SLIDING: tl.constexpr,
     ONE_QUERY: tl.constexpr,
-    HEADS_ADJACENT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # The metadata comes from host copies, never from a kernel: read it before the PDL wait.
-    # HEADS_ADJACENT: a request's KV heads are adjacent programs, which read the parts of the
-    # same cache rows (``[block, slot, kv_head, d]``) at about the same time; else all query
-    # blocks of KV head 0 come first.
-    num_kv_heads = num_heads // GROUP
-    pid = tl.program_id(0)
-    q_block = pid // num_kv_heads if HEADS_ADJACENT else pid % num_q_blocks
-    kv_head = pid % num_kv_heads if HEADS_ADJACENT else pid // num_q_blocks
-    segment = tl.program_id(1)
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
     # With ONE_QUERY (every request has one query) program i serves request i: no search.
     req = q_block if ONE_QUERY else _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + req)
@@ -272,8 +264,7 @@ def paged_attention_triton(
     dots in IEEE precision); ``head_dim`` <= 256 (any size: the tile is padded to a power of 2
     and masked). Rows past ``metadata.num_tokens`` are zero. ``config`` overrides the launch
     heuristics (``BLOCK_M``, ``TILE_N``, ``NUM_SEGMENTS``, ``ONE_QUERY`` (only true when every
-    request has one query row), ``HEADS_ADJACENT`` (program order: a request's KV heads side
-    by side; not timed yet), ``num_warps``, ``num_stages``); for benchmarks. Returns
+    request has one query row), ``num_warps``, ``num_stages``); for benchmarks. Returns
     ``out`` (allocated when None).
 
     Raises ``ValueError`` for mismatched dtypes or head counts/sizes, or a cache whose last dim
@@ -323,7 +314,7 @@ def _launch(query, kv_cache, metadata, scale, out, group, cfg, sliding_window=No
     num_tokens, num_reqs = metadata.num_tokens, metadata.num_reqs
     one_query = bool(cfg["ONE_QUERY"])
     num_programs = num_reqs if one_query else num_tokens // block_q + num_reqs
-    grid = (num_programs * num_kv_heads, num_segments)
+    grid = (num_programs, num_kv_heads, num_segments)
     segments = (out,) * 3  # unused unless split
     if num_segments > 1:
         segments = segment_buffers(num_tokens, num_heads, num_segments, head_dim_pad, query.device)
@@ -342,7 +333,6 @@ def _launch(query, kv_cache, metadata, scale, out, group, cfg, sliding_window=No
         scale * LOG2E,
         sliding_window or 0,
         num_reqs,
-        num_programs,
         num_heads,
         *query.stride()[:2],  # token, head
         *out.stride()[:2],
@@ -360,7 +350,6 @@ def _launch(query, kv_cache, metadata, scale, out, group, cfg, sliding_window=No
         HAS_KEY_END=key_end is not None,
         SLIDING=sliding_window is not None,
         ONE_QUERY=one_query,
-        HEADS_ADJACENT=bool(cfg.get("HEADS_ADJACENT", False)),
         num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 2),
         **pdl_options(query.device),

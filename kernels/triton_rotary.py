@@ -22,11 +22,10 @@ def _rotate_heads(
     out_ptr, x_ptr, token, stride_x_tok, stride_x_head, stride_o_tok, num_heads, cos, sin,
     cache_ptr, slot, stride_c_slot,
     HALF: tl.constexpr, HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr, ROUND: tl.constexpr,
-    WRITE_CACHE: tl.constexpr, OUT_DIM: tl.constexpr, ZEROS_PAD: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,
 ):  # fmt: skip
-    """``out = x * cos + rotate_half(x) * sin`` for all heads of one token, each head
-    ``OUT_DIM`` wide in ``out`` (channels past ``2 HALF`` zeroed); with ``WRITE_CACHE`` also
-    into the cache slot ``slot`` (none when it is negative)."""
+    """``out = x * cos + rotate_half(x) * sin`` for all heads of one token; with
+    ``WRITE_CACHE`` also into the cache slot ``slot`` (none when it is negative)."""
     offs_h = tl.arange(0, HEADS_PAD)[:, None]
     offs_i = tl.arange(0, HALF_PAD)[None, :]
     mask = (offs_h < num_heads) & (offs_i < HALF)
@@ -39,16 +38,10 @@ def _rotate_heads(
         dtype = out_ptr.dtype.element_ty
         a1, b1 = a1.to(dtype).to(tl.float32), b1.to(dtype).to(tl.float32)
         a2, b2 = a2.to(dtype).to(tl.float32), b2.to(dtype).to(tl.float32)
-    row = out_ptr + token * stride_o_tok + offs_h * OUT_DIM  # [HEADS_PAD, 1]: each head
-    dst = row + offs_i
+    dst = out_ptr + token * stride_o_tok + offs_h * (2 * HALF) + offs_i
     y1, y2 = (a1 - b1).to(out_ptr.dtype.element_ty), (a2 + b2).to(out_ptr.dtype.element_ty)
     tl.store(dst, y1, mask=mask)
     tl.store(dst + HALF, y2, mask=mask)
-    if OUT_DIM > 2 * HALF:  # the padding channels
-        offs_z = tl.arange(0, ZEROS_PAD)[None, :]
-        zero_mask = (offs_h < num_heads) & (offs_z < OUT_DIM - 2 * HALF)
-        zeros = tl.zeros([HEADS_PAD, ZEROS_PAD], dtype=out_ptr.dtype.element_ty)
-        tl.store(row + 2 * HALF + offs_z, zeros, mask=zero_mask)
     if WRITE_CACHE:
         _store_slot(cache_ptr, slot, stride_c_slot, y1, y2, offs_h, offs_i, mask, HALF)
 
@@ -71,8 +64,7 @@ def _rotary_kernel(
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
     K_HEADS_PAD: tl.constexpr, MROPE: tl.constexpr, INTERLEAVED: tl.constexpr,
     SECTION_0: tl.constexpr, SECTION_1: tl.constexpr, SECTION_2: tl.constexpr,
-    ROUND: tl.constexpr, WRITE_CACHE: tl.constexpr, OUT_DIM: tl.constexpr,
-    ZEROS_PAD: tl.constexpr, USE_PDL: tl.constexpr,
+    ROUND: tl.constexpr, WRITE_CACHE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     offs_i = tl.arange(0, HALF_PAD)
@@ -100,12 +92,11 @@ def _rotary_kernel(
     pdl_enter(USE_PDL)  # positions and slots come from host copies; q, k, v from a kernel
     _rotate_heads(
         q_out_ptr, q_ptr, token, stride_q_tok, stride_q_head, stride_qo_tok, num_heads, cos, sin,
-        q_out_ptr, slot, 0, HALF, Q_HEADS_PAD, HALF_PAD, ROUND, False, OUT_DIM, ZEROS_PAD,
+        q_out_ptr, slot, 0, HALF, Q_HEADS_PAD, HALF_PAD, ROUND, False,
     )  # fmt: skip
     _rotate_heads(
         k_out_ptr, k_ptr, token, stride_k_tok, stride_k_head, stride_ko_tok, num_kv_heads, cos,
         sin, k_cache_ptr, slot, stride_c_slot, HALF, K_HEADS_PAD, HALF_PAD, ROUND, WRITE_CACHE,
-        OUT_DIM, ZEROS_PAD,
     )  # fmt: skip
     if WRITE_CACHE:  # V unrotated
         offs_h = tl.arange(0, K_HEADS_PAD)[:, None]
@@ -144,7 +135,6 @@ def apply_rotary_triton(
     round_products: bool | None = None,
     kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     mrope_interleaved: bool = False,
-    out_head_dim: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``query`` and ``key`` by their positions; returns new tensors of their shapes.
 
@@ -159,20 +149,15 @@ def apply_rotary_triton(
     (``[T, num_kv_heads(*head_dim)]``) into the contiguous ``kv_cache`` ``[2, num_blocks,
     block_size, num_kv_heads, head_dim]`` at ``slot_mapping`` (``[T]`` int64; negative slots
     skipped): ``reshape_and_cache`` fused in, one kernel for RoPE and the KV write.
-    ``out_head_dim`` (> ``head_dim``): the results are ``[T, heads, out_head_dim]``, each
-    head's channels past ``head_dim`` zero (``out`` likewise shaped and contiguous).
     Raises ``ValueError`` for an mrope_section that does not sum to ``head_dim // 2`` or a
     strided ``kv_cache``.
     """
     num_tokens = query.shape[0]
     q, k = _heads(query, head_dim), _heads(key, head_dim)
-    out_dim = out_head_dim or head_dim
     positions = positions if positions.stride(-1) == 1 else positions.contiguous()
-    if out is None and out_dim != head_dim:
-        out = tuple(x.new_empty(num_tokens, x.shape[1], out_dim) for x in (q, k))
-    elif out is None:
+    if out is None:
         out = (torch.empty_like(query), torch.empty_like(key))
-    q_out, k_out = out[0].view(num_tokens, -1, out_dim), out[1].view(num_tokens, -1, out_dim)
+    q_out, k_out = out[0].view(num_tokens, -1, head_dim), out[1].view(num_tokens, -1, head_dim)
     mrope, sections = mrope_section is not None, _sections(mrope_section, head_dim)
     if num_tokens == 0:
         return out
@@ -195,8 +180,6 @@ def apply_rotary_triton(
         SECTION_0=sections[0], SECTION_1=sections[1], SECTION_2=sections[2],
         ROUND=query.dtype != torch.float32 if round_products is None else round_products,
         WRITE_CACHE=kv_write is not None,
-        OUT_DIM=out_dim,
-        ZEROS_PAD=triton.next_power_of_2(max(1, out_dim - head_dim)),
         num_warps=4 if q.shape[1] * half >= 1024 else 1,
         enable_fp_fusion=False,  # an FMA would skip the reference's rounding of each product
         **pdl_options(query.device),

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -205,9 +204,7 @@ def dense_attention(
     """Bidirectional attention within consecutive segments of ``segment_len`` rows each,
     through cuDNN's fused attention on ``[segments, heads, segment_len, head_dim]`` views of
     each part (``dense_parts``): ``q, k, v: [N, heads, head_dim]`` (last dim contiguous) ->
-    ``[N, heads, head_dim]``, scale ``head_dim ** -0.5``. ``q`` and ``k`` may be wider than
-    ``v``, zero past ``v``'s ``head_dim`` (the same scores; ``apply_vision_rotary``'s
-    ``out_head_dim``).
+    ``[N, heads, head_dim]``, scale ``head_dim ** -0.5``.
 
     Same-size images make such segments. Measured on an H100 (``mm-serve bench kernels``,
     21 segments of 1,024 rows, 16 heads of 80): 0.28 ms against 0.47 ms for the varlen kernel,
@@ -216,7 +213,7 @@ def dense_attention(
     parts = dense_parts(q.shape[0] // segment_len)
     if len(parts) == 1:
         return cudnn_segments(q, k, v, segment_len)
-    out = v.new_empty(v.shape)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
     start = 0
     for count in parts:
         rows = slice(start, start + count * segment_len)
@@ -229,12 +226,11 @@ def cudnn_segments(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_len: int
 ) -> torch.Tensor:
     """``dense_attention`` in one cuDNN call over all segments (whatever their number)."""
-    n, heads, head_dim = v.shape
+    n, heads, head_dim = q.shape
     q, k, v = (
-        t.view(n // segment_len, segment_len, heads, t.shape[-1]).transpose(1, 2) for t in (q, k, v)
+        t.view(n // segment_len, segment_len, heads, head_dim).transpose(1, 2) for t in (q, k, v)
     )
-    attention = torch.ops.aten._scaled_dot_product_cudnn_attention
-    out = attention(q, k, v, None, False, scale=1.0 / math.sqrt(head_dim))[0]  # SDPA's default
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False)[0]
     return out.transpose(1, 2).reshape(n, heads, head_dim)
 
 

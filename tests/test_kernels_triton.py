@@ -131,11 +131,8 @@ HEADS_GPU = [(28, 4, 128), (12, 2, 128), (16, 16, 64), (32, 8, 80), (14, 2, 64)]
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", HEADS_GPU if ON_GPU else HEADS)
 def test_paged_attention_mixed_batch(heads, dtype) -> None:
-    """Both program orders: query blocks of one KV head first, or a request's heads adjacent."""
     reqs, block_size = (MIXED_GPU, 16) if ON_GPU else (MIXED, 4)
-    for adjacent in (False, True):
-        config = {"HEADS_ADJACENT": adjacent}
-        _check_attention(reqs, heads, dtype, block_size, len(heads) + heads[2], config)
+    _check_attention(reqs, heads, dtype, block_size, seed=len(heads) + heads[2])
 
 
 @kernel_test
@@ -144,7 +141,7 @@ def test_paged_attention_mixed_batch(heads, dtype) -> None:
 def test_paged_attention_decode_batch(heads, dtype) -> None:
     """Decode-only batch over long contexts, whole and cut into KV segments (flash-decoding) +
     merge; each program takes its request by index (``ONE_QUERY``, the heuristic's choice for
-    one query per request) or by the search; with the heads adjacent in program order or not."""
+    one query per request) or by the search."""
     if ON_GPU:
         reqs, block_size = [(4095, 1), (3000, 1), (17, 1), (1500, 1)], 16
         configs = [{}, {"NUM_SEGMENTS": 7, "TILE_N": 32}]  # the heuristic splits these too
@@ -153,8 +150,7 @@ def test_paged_attention_decode_batch(heads, dtype) -> None:
         configs = [{"NUM_SEGMENTS": 4, "TILE_N": 16}]
     for i, config in enumerate([*configs, {"NUM_SEGMENTS": 1}]):
         for one_query in (True, False):
-            order = {"ONE_QUERY": one_query, "HEADS_ADJACENT": one_query}
-            _check_attention(reqs, heads, dtype, block_size, i, {**config, **order})
+            _check_attention(reqs, heads, dtype, block_size, i, {**config, "ONE_QUERY": one_query})
 
 
 @kernel_test

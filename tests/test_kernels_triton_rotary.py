@@ -141,29 +141,3 @@ def test_vision_rotary_in_float32(dtype) -> None:
     outs = (_nan_like(q), _nan_like(k))
     _rotary.apply_rotary_triton(positions, q, k, table, head_dim, out=outs, round_products=False)
     _check_rotary(outs, (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)))
-
-
-@kernel_test
-def test_vision_rotary_into_wider_heads() -> None:
-    """``out_head_dim``: each head written ``out_head_dim`` wide, its first ``head_dim``
-    channels the rotary's (bit for bit) and the rest zero, into NaN-filled outputs."""
-    from mm_serve.encoders.qwen2_vl import rotary_cos_sin
-    from mm_serve.kernels.rotary import apply_vision_rotary_ref as apply_rotary
-
-    gen = torch.Generator().manual_seed(2)
-    grids, head_dim, heads, wide = [[1, 4, 6], [1, 2, 4]], 80, 3, 96
-    cos, sin = rotary_cos_sin(grids, 2, head_dim, 10000.0, torch.device("cpu"))
-    qkv = torch.randn(cos.shape[0], 3, heads, head_dim, generator=gen).to(DTYPES[0])
-    q, k, _ = qkv.to(DEVICE).unbind(1)
-    cos, sin = cos.to(DEVICE), sin.to(DEVICE)
-    table = torch.cat([cos[:, : head_dim // 2], sin[:, : head_dim // 2]], dim=-1)
-    positions = torch.arange(q.shape[0], device=DEVICE)
-    outs = tuple(torch.full((q.shape[0], heads, wide), float("nan"), device=DEVICE).to(q.dtype)
-                 for _ in range(2))  # fmt: skip
-    _rotary.apply_rotary_triton(
-        positions, q, k, table, head_dim, out=outs, round_products=False, out_head_dim=wide
-    )
-    _check_rotary(
-        [o[..., :head_dim] for o in outs], (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin))
-    )
-    assert all(torch.equal(o[..., head_dim:], torch.zeros_like(o[..., head_dim:])) for o in outs)

@@ -249,9 +249,8 @@ def workload_decode_rows(copy_bw: float, sweep: bool = False) -> list[dict]:
     """Workload 1's decode attention under a CUDA graph (``time_calls``): the Qwen2-VL-2B LM's 12
     query / 2 KV heads of 128, 256 requests of 306-434 keys (its prompts and 128 outputs), the
     launch heuristic's config, the same with each program searching for its request (not
-    ``ONE_QUERY``), with a request's KV heads adjacent in program order (``HEADS_ADJACENT``),
-    then 1-4 KV segments; ``sweep``: a grid of tile sizes, KV segments, warps and stages
-    instead."""
+    ``ONE_QUERY``), then 1-4 KV segments; ``sweep``: a grid of tile sizes, KV segments, warps
+    and stages instead."""
     from mm_serve.kernels.triton_attention import paged_attention_triton
 
     heads, rng = (12, 2, 128), random.Random(0)
@@ -262,8 +261,7 @@ def workload_decode_rows(copy_bw: float, sweep: bool = False) -> list[dict]:
     assert err < 1e-2, f"workload decode: relative error {err}"
     kv_bytes = 2 * sum(md.seq_lens_cpu) * heads[1] * heads[2] * kv.element_size()
     rows = []
-    configs = [{"ONE_QUERY": False}, {"HEADS_ADJACENT": True}]
-    configs += [{"NUM_SEGMENTS": n} for n in (1, 2, 3, 4)]
+    configs = [{"ONE_QUERY": False}] + [{"NUM_SEGMENTS": n} for n in (1, 2, 3, 4)]
     if sweep:
         grid = itertools.product([32, 64, 128], [1, 2], [2, 4, 8], [2, 3, 4])
         configs = [

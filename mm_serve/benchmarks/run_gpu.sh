@@ -17,10 +17,6 @@
 # kernels:    the Triton kernel benchmark
 # epilogue:   the fused MLP GEMM: its tests (the packed bf16 rounding among them), then
 #             epilogue_cost (each epilogue variant's time and its outputs against the engine's)
-# layouts:    two layout options before they become defaults: the tower attention's q and k
-#             zero-padded to 96 channels (vision_attention rows, tower_chunks --qk-head-dim 96)
-#             and paged attention with a request's KV heads adjacent (bench kernels' workload
-#             decode table), with their tests
 # gemv:       the batch-1 linear layers, Triton GEMV against cuBLAS, PDL off and on
 # startup:    mm-serve serve start to healthy, compilation levels 1 and 2, first and cached start
 # peer-serve: vLLM's bench serve (random-mm, 448x448, 50 in / 128 out) at 2, 16, 32 req/s against
@@ -115,15 +111,6 @@ for _ in range(300):
     epilogue)
       $PY -m pytest -q tests/test_fused_mlp.py 2>&1 | tee "$OUT/fused_mlp_tests.log" | tail -3
       $PY -m mm_serve.benchmarks.epilogue_cost 2>&1 | tee "$OUT/epilogue_cost.log" ;;
-    layouts)
-      $PY -m pytest -q tests/test_kernel_dispatch.py tests/test_kernels_triton_rotary.py \
-        tests/test_kernels_triton.py -k "vision or rotary or paged_attention" 2>&1 | tail -2
-      $PY -c "from mm_serve.benchmarks.vision_attention import *
-print_vision_attention(vision_attention_rows())" 2>&1 | tee "$OUT/vision_attention.log"
-      $PY -m mm_serve.benchmarks.tower_chunks --qk-head-dim 96 2>&1 | tee "$OUT/tower_chunks.log"
-      $PY -c "from mm_serve.benchmarks.kernels import *
-from mm_serve.benchmarks.roofline import copy_rate
-print_workload_decode(workload_decode_rows(copy_rate('cuda')))" 2>&1 | tee "$OUT/decode.log" ;;
     gemv)
       $PY -m mm_serve.benchmarks.gemv --out "$OUT" 2>&1 | tee "$OUT/gemv.log" | tail -24 ;;
     startup)

@@ -7,13 +7,10 @@ short of rows: Qwen2-VL's ``proj`` and ``fc2`` have 1,280 output features, so a 
 times the same images through graphs of other chunkings, in one process:
 
     python -m mm_serve.benchmarks.tower_chunks [--model-arch qwen2-vl-2b] [--images 26] \
-        [--chunks 24+2 ...] [--qk-head-dim 96]
+        [--chunks 24+2 ...]
 
 Each row is one chunking (its chunks' image counts) with the device ms of the whole step
 (CUDA events, median of ``--iters``, the rows interleaved) and its ratio to the engine's.
-``--qk-head-dim``: the engine's chunking again, its graphs captured with the attention's q and
-k zero-padded to that head width by the rotary pass (``VisionAttention.qk_head_dim``), and
-the largest output difference from the first row's.
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ import statistics
 import torch
 
 from mm_serve.benchmarks.tower_step import build_tower, time_ms
-from mm_serve.encoders.qwen2_vl import VisionAttention
 from mm_serve.worker import tower_graphs
 from mm_serve.worker.tower_graphs import EncoderCudaGraphs
 
@@ -57,26 +53,7 @@ def chunked_run(tower, sizes: list[int], pixels: torch.Tensor, grid: tuple[int, 
 
     run()  # captures
     assert graphs.num_eager == 0 and len(graphs.graphs) == len(set(sizes))
-    run.graphs = graphs
     return run
-
-
-def padded_run(tower, sizes: list[int], pixels, grid, qk_head_dim: int, base) -> tuple:
-    """``chunked_run`` with q and k ``qk_head_dim`` wide in every block's attention, and the
-    largest absolute difference of its last chunk's output from ``base``'s."""
-    blocks = [m for m in tower.modules() if isinstance(m, VisionAttention)]
-    for block in blocks:
-        block.qk_head_dim = qk_head_dim
-    try:
-        run = chunked_run(tower, sizes, pixels, grid)
-    finally:
-        for block in blocks:
-            block.qk_head_dim = None
-    base()  # the last chunk's graph replays last: its output is still there
-    expected = list(base.graphs.graphs.values())[-1].output.clone()
-    run()
-    got = list(run.graphs.graphs.values())[-1].output
-    return run, (got.float() - expected.float()).abs().max().item()
 
 
 def main() -> None:
@@ -88,7 +65,6 @@ def main() -> None:
     parser.add_argument(
         "--chunks", nargs="*", default=[], help="More chunkings to time, e.g. 24+2 (image counts)."
     )
-    parser.add_argument("--qk-head-dim", type=int, help="Also: q and k padded to this width.")
     args = parser.parse_args()
     device = torch.device("cuda")
     tower = build_tower(args.model_arch, device).to(torch.bfloat16)
@@ -101,12 +77,6 @@ def main() -> None:
         "+".join(map(str, s)): chunked_run(tower, s, pixels, grid)
         for s in chunkings(args.images) + [[int(n) for n in c.split("+")] for c in args.chunks]
     }
-    if args.qk_head_dim:
-        engine = chunkings(args.images)[0]
-        name = "+".join(map(str, engine))
-        run, diff = padded_run(tower, engine, pixels, grid, args.qk_head_dim, runs[name])
-        runs[f"{name} qk{args.qk_head_dim}"] = run
-        print(f"q and k padded to {args.qk_head_dim}: largest output difference {diff:.3g}")
     times = {name: [] for name in runs}
     for _ in range(args.iters):
         for name, run in runs.items():

@@ -1,8 +1,8 @@
 """The vision towers' attention on same-size images, for ``mm-serve bench kernels``: what the
 tower runs (``dispatch.varlen_attention``: cuDNN on equal segments where it is used) against
 FlashAttention-2's varlen kernel and batched SDPA (torch's choice of backend), and cuDNN on
-the same heads zero-padded to 96 and 128 channels, or only q's and k's to 96 (the padding done
-before timing). A method that raises (a shape the library does not take) gets an error row.
+the same heads zero-padded to 96 and 128 channels (the padding done before timing). A method
+that raises (a shape the library does not take) gets an error row.
 
 Qwen2-VL's tower (16 heads of 80, bf16) over 21 images of 448x448 (1,024 patches each, about
 one encode step of the image workload), and SigLIP-so400m's (16 heads of 72) over 16 images
@@ -20,6 +20,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mm_serve.benchmarks.kernels import bench, rel_err
 from mm_serve.kernels import varlen_attention as varlen
@@ -57,12 +58,14 @@ def _case_rows(name: str, images: int, length: int, heads: int, head_dim: int) -
         methods["cuDNN dense"] = lambda: varlen.dense_attention(q, k, v, length)
         for padded in (96, 128):
             methods[f"cuDNN, head_dim {padded}"] = _padded_cudnn(q, k, v, length, padded)
-        methods["cuDNN, q and k 96, v 80"] = _padded_cudnn(q, k, v, length, 96, pad_v=False)
+        methods["cuDNN, one call"] = lambda: varlen.cudnn_segments(q, k, v, length)
     # Last: on the twelfth session's GPU image, cuDNN's attention after a bf16 SDPA call on
     # these shapes ended in an illegal memory access (BENCHMARKS.md).
     methods["SDPA batched"] = lambda: (
         F.scaled_dot_product_attention(*batched).transpose(1, 2).reshape(q.shape)
     )
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        methods[f"SDPA batched, {backend.name.lower()}"] = _sdpa_with(backend, batched, q.shape)
     groups = varlen.make_segments(bounds, device, flash=False)  # float32 SDPA: not cuDNN's
     reference = varlen.segment_attention_ref(q.float(), k.float(), v.float(), groups)
     flops = 4 * images * length**2 * heads * head_dim
@@ -80,25 +83,32 @@ def _case_rows(name: str, images: int, length: int, heads: int, head_dim: int) -
     return rows
 
 
-def _padded_cudnn(q, k, v, length: int, padded: int, pad_v: bool = True):
-    """cuDNN's attention on ``q, k`` and (``pad_v``) ``v`` zero-padded to ``padded`` channels
-    per head (padded once, outside the timed call), scale ``head_dim ** -0.5``: the same scores
-    and, in the first ``head_dim`` channels, the same output, through cuDNN's kernel for the
-    wider head. Without ``pad_v`` the output has ``v``'s ``head_dim`` channels: what a rotary
-    pass writing padded ``q`` and ``k`` would leave the attention to do (``v`` is not rotated)."""
+def _sdpa_with(backend: SDPBackend, batched: list[torch.Tensor], shape: torch.Size):
+    """SDPA over ``batched`` ``[images, heads, length, head_dim]`` views through ``backend``
+    alone, its output packed back to ``shape``."""
+
+    def run():
+        with sdpa_kernel(backend):
+            out = F.scaled_dot_product_attention(*batched)
+        return out.transpose(1, 2).reshape(shape)
+
+    return run
+
+
+def _padded_cudnn(q, k, v, length: int, padded: int):
+    """cuDNN's attention on ``q, k, v`` zero-padded to ``padded`` channels per head (padded
+    once, outside the timed call), scale ``head_dim ** -0.5``: the same scores and, in the
+    first ``head_dim`` channels, the same output, through cuDNN's kernel for the wider head."""
     n, heads, head_dim = q.shape
     views = []
-    for t in (q, k, v) if pad_v else (q, k):
+    for t in (q, k, v):
         wide = F.pad(t, (0, padded - head_dim)).view(n // length, length, heads, padded)
         views.append(wide.transpose(1, 2))
-    if not pad_v:
-        views.append(v.view(n // length, length, heads, head_dim).transpose(1, 2))
     scale = head_dim**-0.5
-    width = padded if pad_v else head_dim
 
     def run():
         out = torch.ops.aten._scaled_dot_product_cudnn_attention(*views, None, False, scale=scale)
-        return out[0].transpose(1, 2).reshape(n, heads, width)[..., :head_dim]
+        return out[0].transpose(1, 2).reshape(n, heads, padded)[..., :head_dim]
 
     return run
 
@@ -134,6 +144,9 @@ def print_plan_cost(rows: list[dict]) -> None:
     print("\ncuDNN attention on a new image count, 1,024 patches each (ms, host wall time)")
     print(f"{'images':>6} {'one call, first':>16} {'one call, again':>16} {'in parts':>9}")
     for r in rows:
+        if "error" in r:
+            print(f"{r['case']:28} {r['method']:28} failed: {r['error'][:60]}")
+            continue
         print(
             f"{r['images']:6d} {r['one call, first']:16.1f} {r['one call, again']:16.2f} "
             f"{r['in parts']:9.2f}"
