@@ -17,6 +17,10 @@
 # kernels:    the Triton kernel benchmark
 # epilogue:   the fused MLP GEMM: its tests (the packed bf16 rounding among them), then
 #             epilogue_cost (each epilogue variant's time and its outputs against the engine's)
+# tower-attention: the tower's attention on same-size images (vision_attention rows: cuDNN in
+#             parts and in one call, torch's flash and efficient kernels), then one encode step
+#             of workload 1 through the tower's graphs by chunking and attention kernel
+#             (tower_chunks)
 # gemv:       the batch-1 linear layers, Triton GEMV against cuBLAS, PDL off and on
 # startup:    mm-serve serve start to healthy, compilation levels 1 and 2, first and cached start
 # peer-serve: vLLM's bench serve (random-mm, 448x448, 50 in / 128 out) at 2, 16, 32 req/s against
@@ -111,6 +115,11 @@ for _ in range(300):
     epilogue)
       $PY -m pytest -q tests/test_fused_mlp.py 2>&1 | tee "$OUT/fused_mlp_tests.log" | tail -3
       $PY -m mm_serve.benchmarks.epilogue_cost 2>&1 | tee "$OUT/epilogue_cost.log" ;;
+    tower-attention)
+      $PY -c "from mm_serve.benchmarks.vision_attention import *
+print_vision_attention(vision_attention_rows())" 2>&1 | tee "$OUT/vision_attention.log"
+      $PY -m mm_serve.benchmarks.tower_chunks --chunks 24+2 --attention cudnn-one-call flash \
+        2>&1 | tee "$OUT/tower_chunks.log" ;;
     gemv)
       $PY -m mm_serve.benchmarks.gemv --out "$OUT" 2>&1 | tee "$OUT/gemv.log" | tail -24 ;;
     startup)
