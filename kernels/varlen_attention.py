@@ -234,20 +234,6 @@ def cudnn_segments(
     return out.transpose(1, 2).reshape(n, heads, head_dim)
 
 
-def flash_segments(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_len: int
-) -> torch.Tensor:
-    """``cudnn_segments`` through torch's bundled FlashAttention-2 on the batched views (no
-    per-shape plan; sm80+, fp16/bf16, head_dim a multiple of 8 up to 256)."""
-    n, heads, head_dim = v.shape
-    q, k, v = (
-        t.view(n // segment_len, segment_len, heads, head_dim).transpose(1, 2) for t in (q, k, v)
-    )
-    attention = torch.ops.aten._scaled_dot_product_flash_attention
-    out = attention(q, k, v)[0]  # no dropout, not causal, scale head_dim ** -0.5
-    return out.transpose(1, 2).reshape(n, heads, head_dim)
-
-
 def segment_attention_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments
 ) -> torch.Tensor:

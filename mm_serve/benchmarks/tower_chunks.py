@@ -7,27 +7,27 @@ short of rows: Qwen2-VL's ``proj`` and ``fc2`` have 1,280 output features, so a 
 times the same images through graphs of other chunkings, in one process:
 
     python -m mm_serve.benchmarks.tower_chunks [--model-arch qwen2-vl-2b] [--images 26] \
-        [--chunks 24+2 ...] [--attention cudnn-one-call flash]
+        [--chunks 24+2 ...] [--eager]
 
 Each row is one chunking (its chunks' image counts) with the device ms of the whole step
 (CUDA events, median of ``--iters``, the rows interleaved) and its ratio to the engine's.
-``--attention``: every chunking again with the same-size images' attention captured another
-way: ``cudnn-one-call`` (one cuDNN call per chunk, not ``dense_parts``' powers of two) or
-``flash`` (torch's FlashAttention-2 on the batched views, ``varlen_attention.flash_segments``).
+``--eager``: one eager forward over all the images (cuDNN's attention in ``dense_parts``),
+timed from an idle device, and again behind a sleeping kernel, so that the host launches ahead
+of the device as in a busy engine.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 
 import torch
 
 from mm_serve.benchmarks.tower_step import build_tower, time_ms
-from mm_serve.kernels import varlen_attention as varlen
 from mm_serve.worker import tower_graphs
 from mm_serve.worker.tower_graphs import EncoderCudaGraphs
+
+HOST_AHEAD_CYCLES = 80_000_000  # about 40 ms at 1.98 GHz: longer than launching one forward
 
 
 def chunkings(images: int) -> list[list[int]]:
@@ -61,20 +61,6 @@ def chunked_run(tower, sizes: list[int], pixels: torch.Tensor, grid: tuple[int, 
     return run
 
 
-@contextlib.contextmanager
-def attention_captured(attention: str | None):
-    """The same-size images' attention replaced while graphs are captured (module doc)."""
-    saved = varlen.MAX_DENSE_BATCH, varlen.dense_attention
-    if attention == "cudnn-one-call":
-        varlen.MAX_DENSE_BATCH = 1 << 20
-    elif attention == "flash":
-        varlen.dense_attention = varlen.flash_segments
-    try:
-        yield
-    finally:
-        varlen.MAX_DENSE_BATCH, varlen.dense_attention = saved
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-arch", default="qwen2-vl-2b")
@@ -84,7 +70,7 @@ def main() -> None:
     parser.add_argument(
         "--chunks", nargs="*", default=[], help="More chunkings to time, e.g. 24+2 (image counts)."
     )
-    parser.add_argument("--attention", nargs="*", default=[], choices=["cudnn-one-call", "flash"])
+    parser.add_argument("--eager", action="store_true", help="Also: one eager forward.")
     args = parser.parse_args()
     device = torch.device("cuda")
     tower = build_tower(args.model_arch, device).to(torch.bfloat16)
@@ -94,15 +80,21 @@ def main() -> None:
     width = tower.patch_embed.proj.weight[0].numel()
     pixels = torch.randn(args.images * patches, width, device=device, dtype=torch.bfloat16)
     sizes = chunkings(args.images) + [[int(n) for n in c.split("+")] for c in args.chunks]
-    runs = {}
-    for attention in [None, *args.attention]:
-        with attention_captured(attention):  # a graph keeps the kernels it captured
-            for s in sizes:
-                name = "+".join(map(str, s)) + (f" {attention}" if attention else "")
-                runs[name] = chunked_run(tower, s, pixels, grid)
+    runs = {"+".join(map(str, s)): chunked_run(tower, s, pixels, grid) for s in sizes}
+    if args.eager:
+        grids = [list(grid)] * args.images
+
+        @torch.inference_mode()
+        def eager():
+            return tower.run(pixels, tower.plan(grids, device))
+
+        eager()  # plans its attention's parts (the graphs above built these shapes' too)
+        runs["eager"] = runs["eager, host ahead"] = eager
     times = {name: [] for name in runs}
     for _ in range(args.iters):
         for name, run in runs.items():
+            if name.endswith("host ahead"):  # the device busy while the host launches
+                torch.cuda._sleep(HOST_AHEAD_CYCLES)
             times[name] += time_ms(run, 1)
     base = None
     print(f"{args.images} images of {args.side}x{args.side}, {torch.cuda.get_device_name()}")

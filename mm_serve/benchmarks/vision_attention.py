@@ -59,7 +59,6 @@ def _case_rows(name: str, images: int, length: int, heads: int, head_dim: int) -
         for padded in (96, 128):
             methods[f"cuDNN, head_dim {padded}"] = _padded_cudnn(q, k, v, length, padded)
         methods["cuDNN, one call"] = lambda: varlen.cudnn_segments(q, k, v, length)
-    methods["flash, one call"] = lambda: varlen.flash_segments(q, k, v, length)
     # Last: on the twelfth session's GPU image, cuDNN's attention after a bf16 SDPA call on
     # these shapes ended in an illegal memory access (BENCHMARKS.md).
     methods["SDPA batched"] = lambda: (
