@@ -13,7 +13,8 @@ Each row is one chunking (its chunks' image counts) with the device ms of the wh
 (CUDA events, median of ``--iters``, the rows interleaved) and its ratio to the engine's.
 ``--eager``: one eager forward over all the images (cuDNN's attention in ``dense_parts``),
 timed from an idle device, and again behind a sleeping kernel, so that the host launches ahead
-of the device as in a busy engine.
+of the device as in a busy engine. ``--kernels NAME ...``: those rows' kernels (the torch
+profiler, one call each): name, device ms, calls.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import statistics
 
 import torch
 
-from mm_serve.benchmarks.tower_step import build_tower, time_ms
+from mm_serve.benchmarks.tower_step import build_tower, kernel_table, time_ms
 from mm_serve.worker import tower_graphs
 from mm_serve.worker.tower_graphs import EncoderCudaGraphs
 
@@ -71,6 +72,9 @@ def main() -> None:
         "--chunks", nargs="*", default=[], help="More chunkings to time, e.g. 24+2 (image counts)."
     )
     parser.add_argument("--eager", action="store_true", help="Also: one eager forward.")
+    parser.add_argument(
+        "--kernels", nargs="*", default=[], help="Rows whose kernels to list (profiler)."
+    )
     args = parser.parse_args()
     device = torch.device("cuda")
     tower = build_tower(args.model_arch, device).to(torch.bfloat16)
@@ -102,6 +106,10 @@ def main() -> None:
         ms = statistics.median(samples)
         base = base or ms
         print(f"  chunks {name:>27}: {ms:7.2f} ms  ({ms / base:.3f} of the engine's)")
+    for name in args.kernels:
+        print(f"kernels of {name}:")
+        for kernel, ms, calls in kernel_table(runs[name], top=16):
+            print(f"  {ms:8.2f} ms {calls:5d}  {kernel[:90]}")
 
 
 if __name__ == "__main__":
