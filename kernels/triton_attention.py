@@ -69,15 +69,13 @@ def _attend_tiles(
     tile_lo,
     tile_hi,
     bt_row,  # this request's block table row
-    k_base,  # K cache at this program's first KV head
+    k_base,  # K cache at this KV head
     v_base,
     stride_c_block,
     stride_c_slot,
-    stride_c_head,
     scale_log2,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
-    KV_SPLIT: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
@@ -88,29 +86,29 @@ def _attend_tiles(
     keys ``k < q_end[r]`` and, when ``SLIDING``, ``k > q_abs[r] - window``; keys outside
     ``[win_lo, kv_len)`` are not loaded.
 
-    Each K/V tile holds ``KV_SPLIT`` KV heads side by side (``_channels``). Returns the
-    unnormalised output ``acc [BLOCK_M, KV_SPLIT * HEAD_DIM_PAD]``, the running row max ``m``
+    Returns the unnormalised output ``acc [BLOCK_M, HEAD_DIM_PAD]``, the running row max ``m``
     (log2 domain, -inf for rows that saw no key) and the row sum ``l``.
     """
-    chan, _, d_ok = _channels(stride_c_head, HEAD_DIM, HEAD_DIM_PAD, KV_SPLIT)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, KV_SPLIT * HEAD_DIM_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     for tile in range(tile_lo, tile_hi):
         offs_n = tile * TILE_N + tl.arange(0, TILE_N)
         n_ok = (offs_n < kv_len) & (offs_n >= win_lo)
         block = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         kv_offs = block * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_slot
         k = tl.load(
-            k_base + kv_offs[None, :] + chan[:, None],
+            k_base + kv_offs[None, :] + offs_d[:, None],
             mask=d_ok[:, None] & n_ok[None, :],
             other=0.0,
-        )  # [KV_SPLIT * HEAD_DIM_PAD, TILE_N]
+        )  # [HEAD_DIM_PAD, TILE_N]
         v = tl.load(
-            v_base + kv_offs[:, None] + chan[None, :],
+            v_base + kv_offs[:, None] + offs_d[None, :],
             mask=n_ok[:, None] & d_ok[None, :],
             other=0.0,
-        )  # [TILE_N, KV_SPLIT * HEAD_DIM_PAD]
+        )  # [TILE_N, HEAD_DIM_PAD]
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
         visible = (offs_n[None, :] < q_end[:, None]) & n_ok[None, :]
         if SLIDING:
@@ -124,19 +122,6 @@ def _attend_tiles(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
-
-
-@triton.jit
-def _channels(
-    stride_c_head, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_SPLIT: tl.constexpr
-):
-    """The ``KV_SPLIT * HEAD_DIM_PAD`` channels of a program's tiles: ``KV_SPLIT`` KV heads of
-    ``HEAD_DIM_PAD`` side by side. Returns each channel's cache offset from the program's first
-    KV head, its KV head within the program, and whether it is a real channel (< ``HEAD_DIM``)."""
-    offs_c = tl.arange(0, KV_SPLIT * HEAD_DIM_PAD)
-    c_head = offs_c // HEAD_DIM_PAD
-    c_d = offs_c % HEAD_DIM_PAD
-    return c_head * stride_c_head + c_d, c_head, c_d < HEAD_DIM
 
 
 @triton.jit(do_not_specialize=["num_reqs", "stride_bt"])  # per-step values: no compiles mid-serving
@@ -167,7 +152,6 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
-    KV_SPLIT: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -181,7 +165,7 @@ def _paged_attention_kernel(
 ):
     # The metadata comes from host copies, never from a kernel: read it before the PDL wait.
     q_block = tl.program_id(0)
-    kv_head = tl.program_id(1) * KV_SPLIT  # the program's first KV head
+    kv_head = tl.program_id(1)
     segment = tl.program_id(2)
     # With ONE_QUERY (every request has one query) program i serves request i: no search.
     req = q_block if ONE_QUERY else _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
@@ -193,20 +177,15 @@ def _paged_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + req)
     pdl_enter(USE_PDL)
 
-    # Rows: BLOCK_Q positions x the ROWS query heads of the program's KV_SPLIT KV heads. A
-    # row holds its head in its KV head's channels of the tile and zeros elsewhere, so its
-    # scores are its own KV head's; it keeps only those channels of the output.
-    ROWS: tl.constexpr = GROUP * KV_SPLIT
     offs_m = tl.arange(0, BLOCK_M)
-    q_pos = local_block * BLOCK_Q + offs_m // ROWS  # position inside this step's chunk
-    head = kv_head * GROUP + offs_m % ROWS
-    row_ok = (offs_m // ROWS < BLOCK_Q) & (q_pos < query_len)
-    _, c_head, d_ok = _channels(0, HEAD_DIM, HEAD_DIM_PAD, KV_SPLIT)
-    c_d = tl.arange(0, KV_SPLIT * HEAD_DIM_PAD) % HEAD_DIM_PAD
-    own = row_ok[:, None] & (c_head[None, :] == (offs_m % ROWS // GROUP)[:, None])
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    q_pos = local_block * BLOCK_Q + offs_m // GROUP  # position inside this step's chunk
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = (offs_m // GROUP < BLOCK_Q) & (q_pos < query_len)
+    d_ok = offs_d < HEAD_DIM
     q_rows = (q_start + q_pos).to(tl.int64)
-    q_offs = q_rows[:, None] * stride_q_tok + head[:, None] * stride_q_head + c_d[None, :]
-    q = tl.load(q_ptr + q_offs, mask=own & d_ok[None, :], other=0.0)
+    q_offs = q_rows[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     context_len = seq_len - query_len  # tokens cached before this step's chunk
     q_abs = context_len + q_pos  # absolute position of each row: sees keys 0..q_abs (causal)
@@ -240,11 +219,9 @@ def _paged_attention_kernel(
         v_cache_ptr + kv_head * stride_c_head,
         stride_c_block,
         stride_c_slot,
-        stride_c_head,
         scale_log2,
         HEAD_DIM,
         HEAD_DIM_PAD,
-        KV_SPLIT,
         BLOCK_SIZE,
         BLOCK_M,
         TILE_N,
@@ -254,15 +231,19 @@ def _paged_attention_kernel(
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if NUM_SEGMENTS == 1:
-        o_offs = q_rows[:, None] * stride_o_tok + head[:, None] * stride_o_head + c_d[None, :]
-        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=own & d_ok[None, :])
+        o_offs = q_rows[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
+        tl.store(
+            out_ptr + o_offs,
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
     else:
         # Every segment writes its (m, l, out), also an empty one (m = -inf, l = 0, out = 0).
         part = (q_rows * num_heads + head) * NUM_SEGMENTS + segment  # [BLOCK_M]
         tl.store(seg_max_ptr + part, m_i, mask=row_ok)
         tl.store(seg_sum_ptr + part, l_i, mask=row_ok)
-        seg_offs = part[:, None] * HEAD_DIM_PAD + c_d[None, :]
-        tl.store(seg_out_ptr + seg_offs, out, mask=own)
+        seg_offs = part[:, None] * HEAD_DIM_PAD + offs_d[None, :]
+        tl.store(seg_out_ptr + seg_offs, out, mask=row_ok[:, None])
 
 
 def paged_attention_triton(
@@ -283,10 +264,7 @@ def paged_attention_triton(
     dots in IEEE precision); ``head_dim`` <= 256 (any size: the tile is padded to a power of 2
     and masked). Rows past ``metadata.num_tokens`` are zero. ``config`` overrides the launch
     heuristics (``BLOCK_M``, ``TILE_N``, ``NUM_SEGMENTS``, ``ONE_QUERY`` (only true when every
-    request has one query row), ``KV_SPLIT`` (KV heads per program, a divisor of
-    ``num_kv_heads``: each program's tiles hold that many heads' keys side by side, and
-    ``BLOCK_M`` must hold ``KV_SPLIT * group`` rows per query position), ``num_warps``,
-    ``num_stages``); for benchmarks. Returns
+    request has one query row), ``num_warps``, ``num_stages``); for benchmarks. Returns
     ``out`` (allocated when None).
 
     Raises ``ValueError`` for mismatched dtypes or head counts/sizes, or a cache whose last dim
@@ -332,14 +310,11 @@ def _launch(query, kv_cache, metadata, scale, out, group, cfg, sliding_window=No
     num_kv_heads = kv_cache.shape[3]
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     block_m, num_segments = cfg["BLOCK_M"], cfg["NUM_SEGMENTS"]
-    block_q = block_m // (group * cfg.get("KV_SPLIT", 1))
-    if block_q == 0:
-        raise ValueError(f"BLOCK_M {block_m} holds no query position: {cfg}.")
+    block_q = block_m // group
     num_tokens, num_reqs = metadata.num_tokens, metadata.num_reqs
     one_query = bool(cfg["ONE_QUERY"])
     num_programs = num_reqs if one_query else num_tokens // block_q + num_reqs
-    kv_split = cfg.get("KV_SPLIT", 1)
-    grid = (num_programs, num_kv_heads // kv_split, num_segments)
+    grid = (num_programs, num_kv_heads, num_segments)
     segments = (out,) * 3  # unused unless split
     if num_segments > 1:
         segments = segment_buffers(num_tokens, num_heads, num_segments, head_dim_pad, query.device)
@@ -366,7 +341,6 @@ def _launch(query, kv_cache, metadata, scale, out, group, cfg, sliding_window=No
         GROUP=group,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
-        KV_SPLIT=kv_split,
         BLOCK_SIZE=kv_cache.shape[2],
         BLOCK_M=block_m,
         BLOCK_Q=block_q,

@@ -153,30 +153,6 @@ def test_paged_attention_decode_batch(heads, dtype) -> None:
             _check_attention(reqs, heads, dtype, block_size, i, {**config, "ONE_QUERY": one_query})
 
 
-# (heads, KV heads per program): every split whose tile stays within 256 channels.
-KV_SPLITS = [((8, 2, 64), 2), ((4, 4, 128), 2)]
-KV_SPLITS_GPU = [((12, 2, 128), 2), ((28, 4, 128), 2), ((16, 16, 64), 4), ((32, 8, 80), 2)]
-
-
-@kernel_test
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("heads", "split"), KV_SPLITS_GPU if ON_GPU else KV_SPLITS)
-def test_paged_attention_kv_heads_per_program(heads, split, dtype) -> None:
-    """``KV_SPLIT``: each program takes ``split`` KV heads, side by side in its tiles, each
-    query row zero outside its own head's channels; a mixed batch, and a decode batch whole
-    and in KV segments."""
-    rows = 1 << (heads[0] // heads[1] * split - 1).bit_length()  # the group's rows, a power of 2
-    if ON_GPU:
-        mixed, decode, block_size = MIXED_GPU, [(4095, 1), (17, 1), (1500, 1)], 16
-    else:
-        mixed, decode, block_size = MIXED, [(70, 1), (33, 1)], 4
-    config = {"KV_SPLIT": split, "BLOCK_M": max(64, rows)}
-    _check_attention(mixed, heads, dtype, block_size, split, config)
-    for segments in (1, 3):
-        config = {"KV_SPLIT": split, "BLOCK_M": max(16, rows), "NUM_SEGMENTS": segments}
-        _check_attention(decode, heads, dtype, block_size, split, {**config, "ONE_QUERY": True})
-
-
 @kernel_test
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_paged_attention_tile_shapes(dtype) -> None:

@@ -249,9 +249,8 @@ def workload_decode_rows(copy_bw: float, sweep: bool = False) -> list[dict]:
     """Workload 1's decode attention under a CUDA graph (``time_calls``): the Qwen2-VL-2B LM's 12
     query / 2 KV heads of 128, 256 requests of 306-434 keys (its prompts and 128 outputs), the
     launch heuristic's config, the same with each program searching for its request (not
-    ``ONE_QUERY``), 1-4 KV segments, then both KV heads in each program (``KV_SPLIT``) with
-    some tiles, stages and warps; ``sweep``: a grid of KV heads per program, tile sizes, KV
-    segments, warps and stages instead."""
+    ``ONE_QUERY``), then 1-4 KV segments; ``sweep``: a grid of tile sizes, KV segments, warps
+    and stages instead."""
     from mm_serve.kernels.triton_attention import paged_attention_triton
 
     heads, rng = (12, 2, 128), random.Random(0)
@@ -263,13 +262,11 @@ def workload_decode_rows(copy_bw: float, sweep: bool = False) -> list[dict]:
     kv_bytes = 2 * sum(md.seq_lens_cpu) * heads[1] * heads[2] * kv.element_size()
     rows = []
     configs = [{"ONE_QUERY": False}] + [{"NUM_SEGMENTS": n} for n in (1, 2, 3, 4)]
-    for tile, stages, warps in [(16, 3, 4), (32, 2, 4), (32, 3, 4), (32, 2, 8), (64, 2, 4)]:
-        configs.append({"KV_SPLIT": 2, "TILE_N": tile, "num_stages": stages, "num_warps": warps})
     if sweep:
-        grid = itertools.product([1, 2], [32, 64, 128], [1, 2], [2, 4, 8], [2, 3, 4])
+        grid = itertools.product([32, 64, 128], [1, 2], [2, 4, 8], [2, 3, 4])
         configs = [
-            {"KV_SPLIT": kv, "TILE_N": t, "NUM_SEGMENTS": s, "num_warps": w, "num_stages": st}
-            for kv, t, s, w, st in grid
+            {"TILE_N": t, "NUM_SEGMENTS": s, "num_warps": w, "num_stages": st}
+            for t, s, w, st in grid
         ]
     for config in (None, *configs):
         us = time_calls(lambda _, c=config: paged_attention_triton(q, kv, md, scale, config=c), 28)

@@ -23,7 +23,6 @@ each replay's output is copied out before the next can overwrite it.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
@@ -49,13 +48,9 @@ CAPTURE_AFTER = 4
 MAX_SEEN_KEYS = 4096
 # Start-up captures chunks of images of this side in pixels (start-up's warm-up sends them).
 PHOTO_SIDE = 448
-# A run of at least this many same-grid images goes through one eager forward (0: never).
-EAGER_MIN_IMAGES = int(os.environ.get("MM_SERVE_TOWER_EAGER_MIN", "0"))
 
 
-def split_batch(
-    grids: list[tuple[int, int, int]], max_patches: int, eager_min: int = 0
-) -> list[tuple[int, int, bool]]:
+def split_batch(grids: list[tuple[int, int, int]], max_patches: int) -> list[tuple[int, int, bool]]:
     """The chunks a batch of images of ``grids`` (``(t, h, w)`` each, in patches) runs in, in
     order: ``(first image, number of images, graphed)``. Consecutive images of one grid are
     taken ``CHUNK_COUNTS`` at a time, within ``max_patches``; an image over ``max_patches``
@@ -66,7 +61,7 @@ def split_batch(
         while end < len(grids) and grids[end] == grids[start]:
             end += 1
         t, h, w = grids[start]
-        if t * h * w > max_patches or 0 < eager_min <= end - start:
+        if t * h * w > max_patches:
             chunks.append((start, end - start, False))
             start = end
         while start < end:
@@ -128,7 +123,7 @@ class EncoderCudaGraphs:
             patch_starts.append(patch_starts[-1] + t * h * w)
             row_starts.append(row_starts[-1] + t * h * w // merge**2)
         replayed, eager = [], []  # (first image, last image + 1[, graph])
-        for first, count, fits in split_batch(grids, self.max_patches, EAGER_MIN_IMAGES):
+        for first, count, fits in split_batch(grids, self.max_patches):
             last = first + count
             graph = self._graph(tuple(grids[first:last])) if fits else None
             if graph is None:
@@ -136,7 +131,7 @@ class EncoderCudaGraphs:
             else:
                 replayed.append((first, last, graph))
         if not replayed:  # one eager forward over the whole batch
-            return self._eager(pixel_values, grids, dense=EAGER_MIN_IMAGES > 0)
+            return self._eager(pixel_values, grids)
         out = None
 
         def place(first: int, last: int, rows: torch.Tensor) -> None:  # images first..last-1
@@ -173,13 +168,11 @@ class EncoderCudaGraphs:
                 self.seen[key] = seen
         return graph
 
-    def _eager(
-        self, pixels: torch.Tensor, grids: list[tuple[int, int, int]], dense: bool = False
-    ) -> torch.Tensor:
+    def _eager(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """One eager tower forward over images of ``grids``, its attention through
         FlashAttention-2 (images that run once would each build a cuDNN plan, 60-100 ms)."""
         self.num_eager += 1
-        plan = self.tower.plan([list(g) for g in grids], pixels.device, dense=dense)
+        plan = self.tower.plan([list(g) for g in grids], pixels.device, dense=False)
         return self.tower.run(pixels, plan)
 
     @torch.inference_mode()
