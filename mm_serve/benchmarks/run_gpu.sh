@@ -20,7 +20,7 @@
 # tower-attention: the tower's attention on same-size images (vision_attention rows: cuDNN in
 #             parts and in one call, torch's flash and efficient kernels); one encode step of
 #             workload 1 through the tower's graphs by chunking and in one eager forward
-#             (tower_chunks --eager); bench kernels' workload decode table (KV_SPLIT rows)
+#             (tower_chunks --eager); bench kernels' workload decode table
 # gemv:       the batch-1 linear layers, Triton GEMV against cuBLAS, PDL off and on
 # startup:    mm-serve serve start to healthy, compilation levels 1 and 2, first and cached start
 # peer-serve: vLLM's bench serve (random-mm, 448x448, 50 in / 128 out) at 2, 16, 32 req/s against
