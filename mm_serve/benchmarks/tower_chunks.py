@@ -7,14 +7,15 @@ short of rows: Qwen2-VL's ``proj`` and ``fc2`` have 1,280 output features, so a 
 times the same images through graphs of other chunkings, in one process:
 
     python -m mm_serve.benchmarks.tower_chunks [--model-arch qwen2-vl-2b] [--images 26] \
-        [--chunks 24+2 ...] [--eager]
+        [--chunks 24+2 ...] [--eager] [--host-ahead]
 
 Each row is one chunking (its chunks' image counts) with the device ms of the whole step
 (CUDA events, median of ``--iters``, the rows interleaved) and its ratio to the engine's.
 ``--eager``: one eager forward over all the images (cuDNN's attention in ``dense_parts``),
 timed from an idle device, and again behind a sleeping kernel, so that the host launches ahead
-of the device as in a busy engine. ``--kernels NAME ...``: those rows' kernels (the torch
-profiler, one call each): name, device ms, calls.
+of the device as in a busy engine; ``--host-ahead`` times the graph rows behind the sleeping
+kernel too (a graph's launch then overlaps the device's work). ``--kernels NAME ...``: those
+rows' kernels (the torch profiler, one call each): name, device ms, calls.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def main() -> None:
         "--chunks", nargs="*", default=[], help="More chunkings to time, e.g. 24+2 (image counts)."
     )
     parser.add_argument("--eager", action="store_true", help="Also: one eager forward.")
+    parser.add_argument("--host-ahead", action="store_true", help="Graph rows too: see above.")
     parser.add_argument(
         "--kernels", nargs="*", default=[], help="Rows whose kernels to list (profiler)."
     )
@@ -97,8 +99,8 @@ def main() -> None:
     times = {name: [] for name in runs}
     for _ in range(args.iters):
         for name, run in runs.items():
-            if name.endswith("host ahead"):  # the device busy while the host launches
-                torch.cuda._sleep(HOST_AHEAD_CYCLES)
+            if name.endswith("host ahead") or (args.host_ahead and name != "eager"):
+                torch.cuda._sleep(HOST_AHEAD_CYCLES)  # the device busy while the host launches
             times[name] += time_ms(run, 1)
     base = None
     print(f"{args.images} images of {args.side}x{args.side}, {torch.cuda.get_device_name()}")
