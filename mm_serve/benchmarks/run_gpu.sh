@@ -20,7 +20,7 @@
 # tower-attention: the tower's attention on same-size images (vision_attention rows: cuDNN in
 #             parts and in one call, torch's flash and efficient kernels); one encode step of
 #             workload 1 through the tower's graphs by chunking and in one eager forward
-#             (tower_chunks --eager); bench kernels' workload decode table
+#             (tower_chunks --eager --host-ahead); bench kernels' workload decode table
 # gemv:       the batch-1 linear layers, Triton GEMV against cuBLAS, PDL off and on
 # startup:    mm-serve serve start to healthy, compilation levels 1 and 2, first and cached start
 # peer-serve: vLLM's bench serve (random-mm, 448x448, 50 in / 128 out) at 2, 16, 32 req/s against
@@ -118,7 +118,8 @@ for _ in range(300):
     tower-attention)
       $PY -c "from mm_serve.benchmarks.vision_attention import *
 print_vision_attention(vision_attention_rows())" 2>&1 | tee "$OUT/vision_attention.log"
-      $PY -m mm_serve.benchmarks.tower_chunks --eager 2>&1 | tee "$OUT/tower_chunks.log"
+      $PY -m mm_serve.benchmarks.tower_chunks --eager --host-ahead 2>&1 \
+        | tee "$OUT/tower_chunks.log"
       $PY -c "from mm_serve.benchmarks.kernels import *
 from mm_serve.benchmarks.roofline import copy_rate
 print_workload_decode(workload_decode_rows(copy_rate('cuda')))" 2>&1 | tee "$OUT/decode.log" ;;
