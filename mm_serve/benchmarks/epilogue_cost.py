@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from mm_serve.kernels.triton_attention_launch import num_sms
 from mm_serve.kernels.triton_gemm import (
     CONFIGS,
     QUICK_GELU,
@@ -113,7 +114,7 @@ def fused(x, w, bias, act: int, mode: int) -> torch.Tensor:
     m, k = x.shape
     n = w.shape[0] // 2 if act == SILU_AND_MUL else w.shape[0]
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    sms = num_sms(x.device)
     w_desc = (
         TensorDescriptor.from_tensor(w.view(2, n, k), [2, bn, bk])
         if act == SILU_AND_MUL

@@ -220,9 +220,9 @@ SWEEP = {
 def prefill_config_rows(case_index: int = 0, sweep: dict | None = None) -> list[dict]:
     """The Triton paged kernel on prefill case ``case_index`` (``prefill_cases``; 0: 26 fresh
     ~315-token prompts), with the launch heuristic's config and each of ``sweep``'s (default
-    ``SWEEP``): microseconds per call, 28 calls replayed
-    in one CUDA graph (one per layer, as a step's piecewise graphs launch it); a config that
-    does not compile or fails the reference check is left out with its error.
+    ``SWEEP``): microseconds per call, 28 calls replayed in one CUDA graph (one per layer, as a
+    step's piecewise graphs launch it); a config that does not compile or fails the reference
+    check gets a row with its error instead.
 
         python -c "from mm_serve.benchmarks.prefill_attention import *; \\
           print_prefill_configs(prefill_config_rows())"
