@@ -94,7 +94,10 @@ class RequestState:
         self.parent = parent
         self.index = index
         self.tokenizer = tokenizer
-        self.detokenizer = IncrementalDetokenizer(tokenizer, parent.prompt_token_ids, params)
+        # A whole output's text is read once it is finished: decoded then, in one call.
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, parent.prompt_token_ids, params, defer=not parent.stream
+        )
         self.token_ids: list[int] = []
         self.logprobs = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0 if params.logprobs is not None else None
