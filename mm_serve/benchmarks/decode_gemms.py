@@ -1,5 +1,6 @@
-"""The decode step's GEMMs at batch ``M``: cuBLAS against cuBLASLt and the kernels Inductor's
-max-autotune picks.
+"""The decode step's GEMMs at batch ``M``: cuBLAS against cuBLASLt, cuBLAS on the weight stored
+transposed (``[K, N]``, another layout to its heuristics) and the kernels Inductor's max-autotune
+picks.
 
 For each GEMM of the LM (``gemm_kernels.model_gemms``: the model on ``meta``), one CUDA graph of
 ``--layers`` calls, each on its own weight (as the decode graph runs them: no weight reused from
@@ -56,9 +57,14 @@ def cublaslt_us(args_per_layer: list[tuple]) -> float:
         torch.backends.cuda.preferred_blas_library(default)
 
 
+def transposed_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None):
+    """``F.linear(x, weight_t.T, bias)`` for a weight stored ``[K, N]``."""
+    return x @ weight_t if bias is None else torch.addmm(bias, x, weight_t)
+
+
 def rows(arch: str, batch_sizes: list[int], layers: int, inductor: bool = True) -> list[tuple]:
-    """``(gemm, M, cuBLAS us, cuBLASLt us, Inductor us or nan, matmul floor us, copy floor
-    us)`` per shape and M."""
+    """``(gemm, M, cuBLAS us, cuBLASLt us, cuBLAS on [K, N] us, Inductor us or nan, matmul
+    floor us, copy floor us)`` per shape and M."""
     rates = measure_rates("cuda")
     # One compiled F.linear per shape and M: past Dynamo's default limit of 8 it runs eagerly.
     torch._dynamo.config.recompile_limit = 64
@@ -73,9 +79,10 @@ def rows(arch: str, batch_sizes: list[int], layers: int, inductor: bool = True) 
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             args = [(x, w, bias) for w in weights]
             cublas, lt = graph_us(F.linear, args), cublaslt_us(args)
+            flipped = graph_us(transposed_linear, [(x, w.t().contiguous(), bias) for w in weights])
             chosen = graph_us(compiled, args) if inductor else float("nan")
             floor_mm, floor_copy = 2 * m * n * k / flops * 1e6, 2 * n * k / bps * 1e6
-            out.append((label, m, cublas, lt, chosen, floor_mm, floor_copy))
+            out.append((label, m, cublas, lt, flipped, chosen, floor_mm, floor_copy))
             print(*(f"{v:.2f}" if isinstance(v, float) else v for v in out[-1]), flush=True)
     return out
 
@@ -95,9 +102,12 @@ def main() -> None:
     parser.add_argument("--no-inductor", action="store_true", help="skip the autotuned column")
     args = parser.parse_args()
     table = rows(args.model_arch, args.batch_sizes, args.layers, not args.no_inductor)
-    columns = "cuBLAS us | cuBLASLt us | Inductor max-autotune us | matmul floor | copy floor"
+    columns = (
+        "cuBLAS us | cuBLASLt us | cuBLAS on [K, N] us | Inductor max-autotune us | matmul floor"
+        " | copy floor"
+    )
     print(f"| GEMM | M | {columns} |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for label, m, *times in table:
         cells = (f"{v:.2f}" for v in times)
         print(f"| {label} | {m} | " + " | ".join(cells) + " |")
