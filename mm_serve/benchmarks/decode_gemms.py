@@ -74,12 +74,13 @@ def rows(arch: str, batch_sizes: list[int], layers: int, inductor: bool = True) 
     for label, (k, n, has_bias) in model_gemms(arch).items():
         count = 2 if label == "lm_head" else layers  # one LM head; two copies leave L2 cold
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
+        weights_t = [w.t().contiguous() for w in weights]  # the same weights stored [K, N]
         bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if has_bias else None
         for m in batch_sizes:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             args = [(x, w, bias) for w in weights]
             cublas, lt = graph_us(F.linear, args), cublaslt_us(args)
-            flipped = graph_us(transposed_linear, [(x, w.t().contiguous(), bias) for w in weights])
+            flipped = graph_us(transposed_linear, [(x, w, bias) for w in weights_t])
             chosen = graph_us(compiled, args) if inductor else float("nan")
             floor_mm, floor_copy = 2 * m * n * k / flops * 1e6, 2 * n * k / bps * 1e6
             out.append((label, m, cublas, lt, flipped, chosen, floor_mm, floor_copy))
