@@ -8,12 +8,16 @@ With async scheduling a step costs about max(host, device); without, their sum.
 
     python -m mm_serve.benchmarks.step_profile --model-arch qwen2-vl-2b --batch-size 1
     python -m mm_serve.benchmarks.step_profile --batch-size 63 --mixed 512  # + a mixed step
+    python -m mm_serve.benchmarks.step_profile --batch-size 256 --cprofile 40  # host functions
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import itertools
+import pstats
 import statistics
 import tempfile
 import time
@@ -49,6 +53,16 @@ def host_phases(core, steps: int) -> dict[str, float]:
             samples[name].append(value * 1e3)
     core.scheduler.update_from_output(previous[0], previous[1].get())
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def host_profile(core, steps: int, rows: int) -> str:
+    """The cProfile table (``rows`` functions by own time) of ``steps`` more async-ordered
+    steps, as ``host_phases`` runs them: where the host's ms per step go, CUDA calls included."""
+    profiler = cProfile.Profile()
+    profiler.runcall(host_phases, core, steps)
+    stream = io.StringIO()
+    pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(rows)
+    return stream.getvalue()
 
 
 def device_time(core, batch_size: int, repeats: int = 50) -> float:
@@ -203,6 +217,9 @@ def main() -> None:
     parser.add_argument(
         "--throughput", type=int, default=0, help="Also break down N image requests' run."
     )
+    parser.add_argument(
+        "--cprofile", type=int, default=0, help="Also print the top N host functions."
+    )
     parser.add_argument("--compilation-level", type=int, default=2, choices=(1, 2))
     args = parser.parse_args()
     folder = write_architecture(args.model_arch, tempfile.mkdtemp())
@@ -214,7 +231,8 @@ def main() -> None:
         compilation_level=args.compilation_level,
     )
     core = llm.engine_core
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 64, ignore_eos=True)
+    timed_steps = args.steps * (2 if args.cprofile else 1)
+    params = SamplingParams(temperature=0.0, max_tokens=timed_steps + 64, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
     for i in range(args.batch_size):
         ids = torch.randint(0, 150000, (args.prompt_len,), generator=gen).tolist()
@@ -229,6 +247,8 @@ def main() -> None:
     )
     print("host ms per step: " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
     print(f"device ms per decode step (graph replay + logits + argmax): {gpu_ms:.3f}")
+    if args.cprofile:
+        print(host_profile(core, args.steps, args.cprofile))
     if args.kernels:
         print(kernel_table(core, args.batch_size))
     if args.mixed:
