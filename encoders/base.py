@@ -84,6 +84,13 @@ class ImageProcessor:
         """The most placeholder tokens one image can expand to (sizes the encoder cache)."""
         raise NotImplementedError
 
+    def copies_only(self, image: Image.Image) -> bool:
+        """Whether ``preprocess(image, defer_normalization=True)`` only copies the decoded
+        ``image``'s pixels (no resize, no colour conversion): then the calling thread does it
+        for less than the preprocessing pool's round trip, which pickles and pipes the pixels
+        both ways. False unless the family says so."""
+        return False
+
     def with_kwargs(self, kwargs: Mapping[str, Any]) -> ImageProcessor:
         """This processor with vLLM's ``mm_processor_kwargs`` applied (the family's keys, e.g.
         Qwen2-VL's ``min_pixels``/``max_pixels``); ``self`` for an empty mapping.

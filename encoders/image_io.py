@@ -148,7 +148,9 @@ def pil_to_tensor(image: Image.Image, do_convert_rgb: bool = True) -> torch.Tens
         image = to_rgb(image)
     elif image.mode != "RGB":
         raise ValueError(f"Expected an RGB image (do_convert_rgb is off), got mode {image.mode!r}.")
-    return torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous()
+    # Pillow's channel planes, stacked: no strided copy, and no parallel region of torch's
+    # thread pool (the front end runs this with every core's thread, see copies_only).
+    return torch.from_numpy(np.stack([np.asarray(band) for band in image.split()]))
 
 
 # Pillow resampling filter ids (as stored in preprocessor_config.json's "resample") →

@@ -235,6 +235,15 @@ class Qwen2VLImageProcessor(Qwen2VLPatching, ImageProcessor):
             return height, width
         return smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
 
+    def copies_only(self, image: Image.Image) -> bool:
+        """An RGB image already at its target size, normalised later on the device."""
+        if image.mode != "RGB" or self.normalization.folded() is None:
+            return False
+        try:
+            return self.target_size(image.height, image.width) == (image.height, image.width)
+        except ValueError:  # no size it takes: the pool reports it, as for any image
+            return False
+
     def num_tokens(self, height: int, width: int) -> int:
         """Image tokens for an input of this size, computed without touching pixels."""
         resized_height, resized_width = self.target_size(height, width)

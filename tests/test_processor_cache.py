@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -113,6 +115,38 @@ def test_same_image_in_one_batch_goes_to_the_pool_once(llm, monkeypatch):
     outputs = llm.generate([image_prompt(image)] * 3, GREEDY, use_tqdm=False)
     assert submitted == [image]
     assert len({tuple(o.outputs[0].token_ids) for o in outputs}) == 1
+    assert_no_kv_leak(llm)
+
+
+def test_decoded_image_at_its_size_skips_the_pool(llm, monkeypatch):
+    """A PIL image whose preprocessing only copies its pixels (RGB, at the size the processor
+    gives it) is preprocessed in the calling thread, with the pool's result and tokens; a
+    resized one, a grey one and encoded bytes still go to the pool."""
+    mm_processor = llm.input_processor.mm_processor
+    submitted = []
+    real_submit = mm_processor.pool.submit
+    monkeypatch.setattr(
+        mm_processor.pool,
+        "submit",
+        lambda source, processor=None: submitted.append(source) or real_submit(source, processor),
+    )
+    factor = mm_processor.processor.factor
+    at_size = photo("astronaut.png").convert("RGB").resize((8 * factor, 6 * factor))
+    assert mm_processor.processor.copies_only(at_size)
+    pooled = [at_size.resize((8 * factor + 5, 6 * factor)), at_size.convert("L"), jpeg(at_size)]
+    assert not any(mm_processor.processor.copies_only(image) for image in pooled[:2])
+    here = llm.generate(image_prompt(at_size), GREEDY, use_tqdm=False)
+    assert submitted == []
+    inline = mm_processor._start_image(at_size, None).result()
+    pool = real_submit(at_size).result()
+    assert inline.pid == os.getpid() != pool.pid
+    assert np.array_equal(inline.pixel_values, pool.pixel_values)
+    assert (inline.num_tokens, inline.image_grid_thw) == (pool.num_tokens, pool.image_grid_thw)
+    assert (inline.pixel_mean, inline.pixel_std) == (pool.pixel_mean, pool.pixel_std)
+    llm.generate([image_prompt(image) for image in pooled], GREEDY, use_tqdm=False)
+    assert len(submitted) == 3
+    again = llm.generate(image_prompt(at_size.copy()), GREEDY, use_tqdm=False)  # a cache hit
+    assert again[0].outputs[0].token_ids == here[0].outputs[0].token_ids
     assert_no_kv_leak(llm)
 
 

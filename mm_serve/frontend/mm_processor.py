@@ -13,7 +13,11 @@ file's bytes as sent (or its frames' pixels, given decoded) and the video proces
 settings (frame sampling, pixel bounds): the same file sampled otherwise is another video.
 Work is split into ``submit`` (hash, cache lookup, queue the misses: fast) and
 ``PendingImages.result()`` (wait, expand), so that the caller can tokenize and schedule other
-prompts while the pool works.
+prompts while the pool works. A decoded (PIL) image whose preprocessing only copies its pixels
+(``ImageProcessor.copies_only``: Qwen2-VL's processors, an RGB image at its target size) is
+preprocessed in the calling thread instead: the pool's round trip pickles its pixels and
+sends them through one pipe each way (1.2 MB for a 448x448 photo), and that set how fast the
+offline ``LLM`` fed the first encode steps of a batch.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from PIL import Image
+
 from mm_serve.cache.mm_hash import MultiModalHasher
 from mm_serve.cache.processor_cache import ProcessorCache
 from mm_serve.config import ModelConfig, MultiModalConfig
@@ -34,7 +40,7 @@ from mm_serve.encoders.processors import get_image_processor, image_kwargs
 from mm_serve.encoders.video_io import as_video_source
 from mm_serve.encoders.video_processors import VideoProcessor, get_video_processor, video_kwargs
 from mm_serve.frontend.exceptions import InvalidParamError
-from mm_serve.preprocess.pool import PreprocessPool, PreprocessResult
+from mm_serve.preprocess.pool import PreprocessPool, PreprocessResult, preprocess_image
 from mm_serve.request import MultiModalFeature, PlaceholderRange
 
 logger = logging.getLogger(__name__)
@@ -144,6 +150,7 @@ class MultiModalProcessor:
                 logger.warning("%s Videos will be refused.", e)
         self.cache = ProcessorCache(int(mm_config.mm_processor_cache_gb * (1 << 30)))
         self.pool = PreprocessPool(model_config, mm_config)
+        self.max_pixels = mm_config.max_pixels  # the pool's bound, for images done here
         self._in_flight: dict[str, Future[PreprocessResult]] = {}
         self._lock = threading.Lock()
 
@@ -206,10 +213,24 @@ class MultiModalProcessor:
         return [
             (
                 variants[detail][1].hash_image(image, uuid),
-                functools.partial(self.pool.submit, image, variants[detail][0]),
+                functools.partial(self._start_image, image, variants[detail][0]),
             )
             for image, uuid, detail in zip(images, uuids, details, strict=True)
         ]
+
+    def _start_image(self, image: Any, processor: ImageProcessor | None) -> Future:
+        """The pool's future of ``image`` preprocessed by ``processor`` (None: the server's);
+        a decoded image whose preprocessing only copies its pixels
+        (``ImageProcessor.copies_only``) is preprocessed here instead, its future done."""
+        own = processor or self.processor
+        if not (isinstance(image, Image.Image) and own.copies_only(image)):
+            return self.pool.submit(image, processor)
+        future: Future[PreprocessResult] = Future()
+        try:
+            future.set_result(preprocess_image(image, own, self.max_pixels))
+        except Exception as e:  # as the pool's future would hold it
+            future.set_exception(e)
+        return future
 
     def _video_jobs(
         self,

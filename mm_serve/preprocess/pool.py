@@ -164,15 +164,23 @@ def _worker_ready() -> int:
     return os.getpid()
 
 
-def _run_job(source: Any, processor: ImageProcessor | None = None) -> PreprocessResult:
+def preprocess_image(
+    source: Any, processor: ImageProcessor, max_pixels: int | None
+) -> PreprocessResult:
     """Decode ``source`` (see ``load_image``; EXIF-rotated), check ``max_pixels``, convert and
-    resize by ``processor`` (else the worker's); patchifying and normalising are left to the
-    device where the family allows it (uint8 pixels, see ``ProcessedImage``). Raises
-    ``ValueError``: undecodable data, a missing file, too many pixels, a rejected image."""
+    resize by ``processor``; patchifying and normalising are left to the device where the
+    family allows it (uint8 pixels, see ``ProcessedImage``). What a worker does with an image
+    (``_run_job``), and the front end with one whose preprocessing only copies its pixels
+    (``ImageProcessor.copies_only``). Raises ``ValueError``: undecodable data, a missing
+    file, too many pixels, a rejected image."""
+    image = load_image(source, max_pixels)
+    return PreprocessResult.of(processor.preprocess(image, defer_normalization=True))
+
+
+def _run_job(source: Any, processor: ImageProcessor | None = None) -> PreprocessResult:
+    """``preprocess_image`` by ``processor``, else the worker's, with the server's bound."""
     assert _processor is not None, "worker not initialised"
-    image = load_image(source, _max_pixels)
-    item = (processor or _processor).preprocess(image, defer_normalization=True)
-    return PreprocessResult.of(item)
+    return preprocess_image(source, processor or _processor, _max_pixels)
 
 
 def _run_video_job(source: Any, processor: VideoProcessor) -> PreprocessResult:
