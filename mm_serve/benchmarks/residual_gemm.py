@@ -4,46 +4,27 @@ against the engine's form (``F.linear`` with its bias, then the add fused into t
     python -m mm_serve.benchmarks.residual_gemm [--rows 16384 26624] [--iters 30]
 
 Per row count and GEMM (Qwen2-VL-2B's tower: ``proj`` 1280 -> 1280, ``fc2`` 5120 -> 1280, bf16),
-three CUDA graphs of 8 back-to-back calls each, timed in turn (median device us per call):
+one CUDA graph of 8 back-to-back calls per form (``decode_gemms.graph_us``: median device us
+per call):
 - ``engine``: ``y = F.linear(a, W, b)``, then ``layer_norm_triton(y, residual=r)`` (reads two
   tensors, writes two);
 - ``addmm``: ``r.addmm_(a, W.T)`` in place, then ``layer_norm_triton(r)`` (reads one, writes
   one; the GEMM's bias would then ride in the norm as a vector, not timed apart);
-- ``gemms``: the two GEMMs alone (``F.linear`` with bias, ``addmm_``), to see what beta = 1
-  costs cuBLAS.
+- ``linear alone`` and ``addmm_ alone``: the two GEMMs without their norms, to see what beta = 1
+  costs cuBLAS; and ``addmm_``'s relative error against float32.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
+from mm_serve.benchmarks.decode_gemms import graph_us
 from mm_serve.kernels.triton_norm import layer_norm_triton
 
 DIM, GEMMS = 1280, {"proj": 1280, "fc2": 5120}
 CALLS = 8
-
-
-def graph_ms(fn, iters: int) -> float:
-    """Median device ms of one replay of a CUDA graph of ``CALLS`` calls of ``fn``."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def rows_for(num_rows: int, k: int, iters: int) -> dict[str, float]:
@@ -76,7 +57,7 @@ def rows_for(num_rows: int, k: int, iters: int) -> dict[str, float]:
         check = residual.float() + a.float() @ weight.float().t()
         got = residual.clone().addmm_(a, weight.t()).float()
         err = ((got - check).norm() / check.norm()).item()
-        result = {name: graph_ms(fn, iters) * 1e3 / CALLS for name, fn in forms.items()}
+        result = {name: graph_us(fn, [()] * CALLS, iters) for name, fn in forms.items()}
     result["addmm_ rel err"] = err
     return result
 
