@@ -35,7 +35,8 @@ def rows_for(num_rows: int, k: int, iters: int) -> dict[str, float]:
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.05
 
     a, weight, bias = randn(num_rows, k), randn(DIM, k), randn(DIM)
-    residual, y = randn(num_rows, DIM), torch.empty(num_rows, DIM, device="cuda").bfloat16()
+    residual = randn(num_rows, DIM)
+    y = torch.empty_like(residual)  # F.linear's output (written by ``addmm.out``)
     norm_w, norm_b = randn(DIM) + 1, randn(DIM)
     normed, res_out = torch.empty_like(y), torch.empty_like(y)
 
