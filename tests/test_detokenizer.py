@@ -61,9 +61,9 @@ def test_tokens_without_text_leave_the_text_intact():
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_deferred_text_is_the_streamed_text(family, skip_special_tokens):
-    """A whole output decoded once (``defer``) reads as its tokens streamed one by one: random
-    ids (special ones, ids past the vocabulary, halves of multi-byte characters among them),
-    also ending inside a character, whose bytes the stream holds back."""
+    """A whole output decoded once (from ``output_token_ids``) reads as its tokens streamed one
+    by one: random ids (special ones, ids past the vocabulary, halves of multi-byte characters
+    among them), also ending inside a character, whose bytes the stream holds back."""
     tokenizer = build_tokenizer(family)
     params = SamplingParams(skip_special_tokens=skip_special_tokens)
     prompt_ids = tokenizer("Say it:").input_ids
@@ -73,26 +73,29 @@ def test_deferred_text_is_the_streamed_text(family, skip_special_tokens):
     cases += [[rng.randrange(len(tokenizer) + 50) for _ in range(40)] for _ in range(300)]
     for output_ids in cases:
         streamed = IncrementalDetokenizer(tokenizer, prompt_ids, params)
-        deferred = IncrementalDetokenizer(tokenizer, prompt_ids, params, defer=True)
+        collected: list[int] = []
+        deferred = IncrementalDetokenizer(tokenizer, prompt_ids, params, collected)
         for token_id in output_ids:
             streamed.update([token_id])
+            collected.append(token_id)
             assert deferred.update([token_id]) is None
         assert deferred.text == streamed.text
-    assert IncrementalDetokenizer(tokenizer, prompt_ids, params, defer=True).text == ""
+    assert IncrementalDetokenizer(tokenizer, prompt_ids, params, []).text == ""
 
 
 def test_deferred_text_follows_later_tokens():
     tokenizer = build_tokenizer("qwen2")
-    detokenizer = IncrementalDetokenizer(tokenizer, [], SamplingParams(), defer=True)
-    detokenizer.update(tokenizer(" hello").input_ids)
+    collected: list[int] = []
+    detokenizer = IncrementalDetokenizer(tokenizer, [], SamplingParams(), collected)
+    collected += tokenizer(" hello").input_ids
     assert detokenizer.text == " hello"
-    detokenizer.update(tokenizer(" world").input_ids)
+    collected += tokenizer(" world").input_ids
     assert detokenizer.text == " hello world"
 
 
 def test_stop_strings_are_never_deferred():
     tokenizer = build_tokenizer("qwen2")
     params = SamplingParams(stop=["world"])
-    detokenizer = IncrementalDetokenizer(tokenizer, [], params, defer=True)
+    detokenizer = IncrementalDetokenizer(tokenizer, [], params, [])
     assert detokenizer.update(tokenizer(" hello world again").input_ids) == "world"
     assert detokenizer.text == " hello "

@@ -17,21 +17,25 @@ class IncrementalDetokenizer:
     """Turns output tokens into text as they arrive and stops at the first stop string.
 
     Uses the ``tokenizers`` library's ``DecodeStream``, which holds back tokens until they form
-    whole UTF-8 characters. With ``defer`` and no stop strings (a whole output, read once it
-    is finished) the tokens are only collected, and the text is decoded when read
-    (``decode_whole``): the same text, one decode call per request instead of a stream step
-    per token.
+    whole UTF-8 characters. Given ``output_token_ids`` (the caller's list of the output's
+    tokens, for a whole output read once it is finished) and no stop strings, nothing is
+    decoded per token: the text is decoded from that list when read (``decode_whole``), the
+    same text in one decode call per request instead of a stream step per token.
     """
 
     def __init__(
-        self, tokenizer, prompt_token_ids: list[int], params: SamplingParams, defer: bool = False
+        self,
+        tokenizer,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_token_ids: list[int] | None = None,
     ) -> None:
         self._backend = tokenizer.backend_tokenizer
         self._context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._skip_special_tokens = skip = params.skip_special_tokens
         self._stop = params.stop
         self._include_stop = params.include_stop_str_in_output
-        self._deferred: list[int] | None = [] if defer and not params.stop else None
+        self._deferred = None if params.stop else output_token_ids  # read, never written
         if self._deferred is None:
             self._stream = DecodeStream(ids=self._context, skip_special_tokens=skip)
         self._text, self._num_decoded = "", 0  # deferred: the text of the first tokens
@@ -46,8 +50,7 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Append tokens' text; return the stop string that ended the text, if one did."""
-        if self._deferred is not None:
-            self._deferred.extend(new_token_ids)
+        if self._deferred is not None:  # the caller's list holds them already
             return None
         for token_id in new_token_ids:
             piece = self._stream.step(self._backend, token_id)

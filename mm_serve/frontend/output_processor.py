@@ -94,11 +94,11 @@ class RequestState:
         self.parent = parent
         self.index = index
         self.tokenizer = tokenizer
-        # A whole output's text is read once it is finished: decoded then, in one call.
-        self.detokenizer = IncrementalDetokenizer(
-            tokenizer, parent.prompt_token_ids, params, defer=not parent.stream
-        )
         self.token_ids: list[int] = []
+        # A whole output's text is read once it is finished: decoded then from token_ids.
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, parent.prompt_token_ids, params, None if parent.stream else self.token_ids
+        )
         self.logprobs = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0 if params.logprobs is not None else None
         self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
