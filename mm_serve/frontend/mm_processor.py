@@ -150,7 +150,6 @@ class MultiModalProcessor:
                 logger.warning("%s Videos will be refused.", e)
         self.cache = ProcessorCache(int(mm_config.mm_processor_cache_gb * (1 << 30)))
         self.pool = PreprocessPool(model_config, mm_config)
-        self.max_pixels = mm_config.max_pixels  # the pool's bound, for images done here
         self._in_flight: dict[str, Future[PreprocessResult]] = {}
         self._lock = threading.Lock()
 
@@ -227,7 +226,7 @@ class MultiModalProcessor:
             return self.pool.submit(image, processor)
         future: Future[PreprocessResult] = Future()
         try:
-            future.set_result(preprocess_image(image, own, self.max_pixels))
+            future.set_result(preprocess_image(image, own, self.pool.max_pixels))
         except Exception as e:  # as the pool's future would hold it
             future.set_exception(e)
         return future

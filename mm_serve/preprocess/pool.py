@@ -205,13 +205,14 @@ class PreprocessPool:
 
     def __init__(self, model_config: ModelConfig, mm_config: MultiModalConfig) -> None:
         self.num_workers = mm_config.mm_preprocess_workers
+        self.max_pixels = mm_config.max_pixels  # a larger input image is rejected
         # Plain values only: the HF config as a dict, so workers need not import transformers.
         self._init_args = (
             model_config.path,
             model_config.hf_config.to_dict(),
             mm_config.processor_max_pixels,
             mm_config.mm_processor_kwargs,
-            mm_config.max_pixels,
+            self.max_pixels,
             VideoLimits(
                 mm_config.max_video_frames, mm_config.max_video_tokens, mm_config.max_pixels
             ),
