@@ -62,7 +62,7 @@ def window_index(
 
 # The MLP's hidden width is padded to a multiple of this (in elements): with HF's 3,420
 # (Qwen2.5-VL-7B) the activations' rows are not 16-byte aligned, and cuBLAS then runs all three
-# GEMMs with SM80 ``align2`` kernels at a fraction of the H100's rate.
+# GEMMs with SM80 ``align2`` kernels at a fraction of a Hopper GPU's matmul rate.
 HIDDEN_ALIGN = 64
 
 

@@ -25,8 +25,8 @@ def linear(
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:
-    """``x @ weight.T + bias``: the Triton GEMV for one fp16/bf16 token on CUDA (faster than
-    cuBLAS there, see ``mm_serve.benchmarks.gemv``), else ``linear_ref`` (cuBLAS on CUDA)."""
+    """``x @ weight.T + bias``: the Triton GEMV for one fp16/bf16 token on CUDA (it streams the
+    weight faster than cuBLAS at one row), else ``linear_ref`` (cuBLAS on CUDA)."""
     if _gemv_fits(x, weight, bias):
         from mm_serve.kernels.triton_linear import gemv_triton
 
@@ -34,9 +34,8 @@ def linear(
     return linear_ref(x, weight, bias)
 
 
-# The fewest rows for which the fused GEMM (``triton_gemm``) beat cuBLAS plus the activation
-# kernel on an H100 (``benchmarks/fused_gemm.py``): QuickGELU 1.48x slower at 1,024 rows and
-# 0.96x at 4,096; SiLU-and-mul 1.16x slower at 512 rows and 0.94x at 1,024.
+# The fewest rows for which the fused GEMM (``triton_gemm``) beats cuBLAS plus the activation
+# kernel (timed per row count on Hopper; BENCHMARKS.md). Below them the unfused pair is faster.
 FUSED_MLP_MIN_ROWS = {"quick_gelu": 4096, "silu_and_mul": 1024}
 
 

@@ -27,11 +27,11 @@ def launch_config(
 
     Decode-like batches (every request's queries fit one 16-row block) get 16-row blocks and,
     when ``num_reqs * num_kv_heads`` programs cannot fill the GPU, split-KV: as many segments
-    as keep all programs within about one wave of 4 per SM (measured on an H200, decode
-    64 x 4096, 28/4 heads: 2 segments 0.146 ms, 3 segments 0.169 ms, none 0.193 ms), each
-    segment at least 4 key tiles long. Prefill batches get 64-row blocks. A batch of one query
-    per request (``ONE_QUERY``: decode steps) launches one program per request and KV head,
-    which finds its request by its index rather than by a search.
+    as keep all programs within about one wave of 4 per SM (beyond it, more segments add a
+    tail wave and merge work), each segment at least 4 key tiles long. Prefill batches get
+    64-row blocks. A batch of one query per request (``ONE_QUERY``: decode steps) launches one
+    program per request and KV head, which finds its request by its index rather than by a
+    search.
     """
     rows = triton.next_power_of_2(group)
     decode_like = max_query_len * rows <= max(16, rows)

@@ -8,11 +8,9 @@ the result, so those passes are gone. The weight stays as the checkpoint stores 
 
 - ``quick_gelu``: ``x * sigmoid(1.702 x)`` of ``F.linear``'s output (one tile of ``BLOCK_N``
   output features), stored in two halves, so that the half-size store buffer leaves shared
-  memory for a fourth stage (2.8% less time than a whole-tile store with three stages over
-  26,624 patches on an H100, the same outputs: ``benchmarks/epilogue_cost.py``); on a GPU its
-  roundings go two elements per conversion and its exponential flushes subnormals (``PTX``:
-  5.5% less time than with scalar conversions over 26,624 patches on an H200, the same
-  outputs);
+  memory for a fourth stage; on a GPU its roundings go two elements per conversion
+  (``cvt.rn.bf16x2.f32``, off the unit that also runs ``ex2``) and its exponential flushes
+  subnormals (``PTX``), which give the same outputs;
 - ``silu_and_mul``: for ``W = [gate; up]`` (``[2 I, K]``), ``silu(gate) * up``: each program
   loads the same ``BLOCK_N`` features of gate and of up in one TMA load (``W`` seen as ``[2, I,
   K]``) and multiplies them as one ``2 BLOCK_N``-wide tile, so an output tile needs no data
@@ -21,11 +19,8 @@ the result, so those passes are gone. The weight stays as the checkpoint stores 
 The epilogue rounds as the unfused path does (``F.linear``'s bf16/fp16 output, then each op of
 ``kernels/triton_activation.py``), so only the GEMM's summation order can differ from cuBLAS.
 Tiles are loaded by TMA (``TensorDescriptor``), so this runs on sm90+ only; ``dispatch_linear``
-takes it for steps of at least ``FUSED_MLP_MIN_ROWS`` rows, where it was measured faster.
-Measured on an H100 (``python -m mm_serve.benchmarks.fused_gemm``), against cuBLAS and the
-activation kernel: Qwen2-VL-2B's tower ``fc1`` + QuickGELU 0.93x the time over 16,384 patches
-(0.91x over 26,624); its LM's ``gate_up_proj`` + SiLU-and-mul 0.84x over 8,192 tokens (0.85x
-over 2,048).
+takes it for steps of at least ``FUSED_MLP_MIN_ROWS`` rows, below which cuBLAS plus the
+activation kernel is faster (BENCHMARKS.md has the figures).
 """
 
 from __future__ import annotations
@@ -125,7 +120,7 @@ def _linear_act_kernel(
     """``out[M, N] = act(x[M, K] @ w.T + bias)``; for SiLU-and-mul, ``w`` is ``[2 N, K]``
     (gate rows, then up rows) and ``bias`` ``[2 N]``. ``PTX`` (a GPU, not the interpreter):
     QuickGELU's roundings in pairs and its exponential flushing subnormals, the same values
-    (``benchmarks/epilogue_cost.py``: its ``pairs_ftz`` row)."""
+    (``round_to``, ``exp_ftz``)."""
     dtype = out_desc.dtype
     num_pid_m, num_pid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=True):

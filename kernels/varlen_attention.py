@@ -8,11 +8,10 @@ computes it without reading the paged cache. Every other request (decode tokens,
 chunks, prefix-cache hits) needs the cache: its rows are gathered into a sub-batch for the
 paged kernel and scattered back.
 
-Measured on an H100 (``mm-serve bench kernels --prefill-only``, Qwen2-VL-2B's 12/2 heads), the
-varlen kernel wins only on long prompts: a 4,096-token prompt took 0.242 ms against the
-Triton kernel's 0.296, but a chunk of 26 prompts of ~315 tokens 0.096 against 0.078, and the
-same chunk with 64 decode rows split 0.343 against 0.089 for Triton alone. So the engine splits
-only steps of fresh prompts alone averaging ``MIN_VARLEN_PROMPT_LEN`` tokens or more
+The varlen kernel beats the paged Triton kernel only on long prompts; on chunks of short
+prompts, and on steps whose decode rows would have to be split off, the paged kernel alone is
+faster (``mm-serve bench kernels --prefill-only``; BENCHMARKS.md). So the engine splits only
+steps of fresh prompts alone averaging ``MIN_VARLEN_PROMPT_LEN`` tokens or more
 (:func:`worth_splitting`); the split itself stays general and tested.
 
 The model runner plans the split on the host (:func:`plan_prefill_split`, from the arrays
@@ -56,7 +55,7 @@ MIN_VARLEN_PROMPT_LEN = 2048
 
 def worth_splitting(query_start_loc: np.ndarray, seq_lens: np.ndarray) -> bool:
     """Whether the engine splits this step: every request a fresh prompt (``varlen_requests``)
-    and their mean length at least ``MIN_VARLEN_PROMPT_LEN`` (the module doc's measurements)."""
+    and their mean length at least ``MIN_VARLEN_PROMPT_LEN`` (see the module doc)."""
     query_lens = np.diff(query_start_loc)
     fresh = varlen_requests(query_lens, seq_lens)
     return bool(fresh.all()) and query_lens.mean() >= MIN_VARLEN_PROMPT_LEN
@@ -157,9 +156,9 @@ def make_segments(
 ) -> Segments:
     """The segments ``[bounds[i], bounds[i + 1])`` (empty ones dropped) on ``device``, grouped
     by length unless ``flash``; with ``flash`` and ``dense``, segments of one length are
-    ``dense`` where cuDNN's attention is measured faster (``dense_attention``). A forward
-    that runs once per shape passes ``dense=False``: cuDNN builds a plan per new shape
-    (60-100 ms), FlashAttention-2 none."""
+    ``dense`` where cuDNN's attention is the faster kernel (``has_dense_cudnn``). A forward
+    that runs once per shape passes ``dense=False``: cuDNN builds a plan per new shape (tens
+    of ms of host time), FlashAttention-2 none."""
     bounds = [b for i, b in enumerate(bounds) if i == 0 or b != bounds[i - 1]]
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
     cu_seqlens = host_to_device(torch.tensor(bounds, dtype=torch.int32), device)
@@ -179,14 +178,15 @@ def make_segments(
 
 def has_dense_cudnn(device: torch.device) -> bool:
     """Whether equal segments go to cuDNN's attention (``dense_attention``): on sm90+ GPUs
-    with cuDNN, where it was measured faster than FlashAttention-2's varlen kernel."""
+    with cuDNN, where it beats FlashAttention-2's varlen kernel (which pads head dim 80 or 72
+    to 96)."""
     return torch.backends.cudnn.is_available() and _capability(device)[0] >= 9
 
 
-# cuDNN builds an execution plan for each new input shape (60-100 ms on an H100, against 0.2-0.6
-# ms per call once built; BENCHMARKS.md, "The first batch after start-up"), so a batch goes in
-# power-of-two parts of at most this many segments: one image size needs at most five plans,
-# which start-up builds for photo-sized images (``tower_graphs.EncoderCudaGraphs.capture_photos``).
+# cuDNN builds an execution plan for each new input shape (tens of ms of host time, the first
+# call only), so a batch goes in power-of-two parts of at most this many segments: one image
+# size needs at most five plans, which start-up builds for photo-sized images
+# (``tower_graphs.EncoderCudaGraphs.capture_photos``).
 MAX_DENSE_BATCH = 16
 
 
@@ -206,9 +206,8 @@ def dense_attention(
     each part (``dense_parts``): ``q, k, v: [N, heads, head_dim]`` (last dim contiguous) ->
     ``[N, heads, head_dim]``, scale ``head_dim ** -0.5``.
 
-    Same-size images make such segments. Measured on an H100 (``mm-serve bench kernels``,
-    21 segments of 1,024 rows, 16 heads of 80): 0.28 ms against 0.47 ms for the varlen kernel,
-    which pads head_dim 80 to 96.
+    Same-size images make such segments; for them cuDNN's kernel beats the varlen kernel,
+    which pads head_dim 80 to 96 (``mm-serve bench kernels``).
     """
     parts = dense_parts(q.shape[0] // segment_len)
     if len(parts) == 1:

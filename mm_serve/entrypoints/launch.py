@@ -41,10 +41,10 @@ def _ray_replicas(argv: list[str]) -> bool:
 def cache_bytecode(argv: list[str]) -> None:
     """Where Python writes no bytecode (``PYTHONDONTWRITEBYTECODE``, as container images often
     set) for packages installed without it, each of the server's processes compiles torch's
-    and transformers' sources again at every start: seconds apiece (~5 s for ``import torch``
-    on an H100 host). Then re-run the command (``os.execve``, same pid) with bytecode kept
-    under ``cache_root()/pycache`` (``PYTHONPYCACHEPREFIX``: no file is written beside a
-    source), so that the next start reads it. ``MM_SERVE_PYCACHE=0`` leaves Python as it is.
+    and transformers' sources again at every start, seconds apiece. Then re-run the command
+    (``os.execve``, same pid) with bytecode kept under ``cache_root()/pycache``
+    (``PYTHONPYCACHEPREFIX``: no file is written beside a source), so that the next start
+    reads it. ``MM_SERVE_PYCACHE=0`` leaves Python as it is.
     """
     if not sys.flags.dont_write_bytecode or os.environ.get("MM_SERVE_PYCACHE") == "0":
         return

@@ -259,10 +259,9 @@ class LLM(FrontEnd):
         engine (tokenize, hash and queue their images), add them in order as each one's
         images are ready, and step the engine whenever it has work; wait for the next prompt
         only when it has none. Ready prompts are added between submissions, so the first
-        step starts once the first prompt is ready, not after the window was submitted (on an
-        H200 host, 47-58 ms into workload 1 before), and the pool stays busy meanwhile. (A
-        remote engine core's ``step()`` returns the outputs that arrived, its steps run on
-        their own.)
+        step starts once the first prompt is ready, not after the whole window was submitted,
+        and the pool stays busy meanwhile. (A remote engine core's ``step()`` returns the
+        outputs that arrived, its steps run on their own.)
 
         Returns the prompts' request ids and the finished outputs (in finishing order).
         """

@@ -41,8 +41,8 @@ def warm_up_batch_size(config: EngineConfig, prompt_len: int) -> int:
     a decode batch behind, within ``max_num_seqs``. The largest step then runs before the first
     user's: the vision tower on the most images a step encodes, the LM on the most tokens, every
     kernel variant those sizes select compiled, the caching allocators and the pinned host
-    buffers grown to their size (on the H100 a fresh engine's first 256-image batch took 1.7 s
-    longer than the next without this). Elsewhere one prompt: there is nothing to compile.
+    buffers grown to their size, so that the first user's large batch runs as fast as the
+    next. Elsewhere one prompt: there is nothing to compile.
     """
     if config.device.type != "cuda":
         return 1

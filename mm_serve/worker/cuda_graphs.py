@@ -380,7 +380,8 @@ def capture_tower_graphs(model: torch.nn.Module, config: EngineConfig) -> None:
     (``tower_runner``, ``worker.tower_graphs``), capturing photo-sized chunks now. The tower
     reads no KV cache, so this runs before the cache is sized: the graphs' pool and the
     activations of their warm-up forwards then count as memory in use, and the KV cache gets
-    what is left (captured after it, a 7B tower's chunks ran out of memory on an H100)."""
+    what is left (captured after it, they would have only the headroom that
+    ``gpu_memory_utilization`` leaves, too little for a 7B tower's chunks)."""
     if hasattr(model, "tower_runner") and graphs_enabled(config):
         model.tower_runner = EncoderCudaGraphs(model.visual)
         model.tower_runner.capture_photos()

@@ -1,13 +1,10 @@
 """Launch, at start-up, the cuBLAS kernels that the eager steps' GEMMs will pick.
 
 cuBLAS picks its kernel by the GEMM's shape, and for the LM's layers it picks tens of different
-kernels as the token count ``M`` varies (``mm_serve.benchmarks.gemm_kernels``: 74-144 per
-layer shape of Qwen2-VL-2B's LM over ``M = 1..8192``, 33 for its LM head over ``1..256``). The
-first launch of each one in a process waits until the device has run everything queued
-(measured: a new ``M`` of the LM head behind 130 ms of queued work blocks the host for those 130
-ms, the same ``M`` again for 0.02 ms; likely the kernel's attributes being set at its first
-use, a synchronising driver call, as CUDA's lazy loading is not the cause). In a
-serving step the host is then stuck until the device runs dry, and the next step starts late.
+kernels as the token count ``M`` varies. The first launch of each one in a process waits until
+the device has run everything queued (likely the kernel's attributes being set at its first
+use, a synchronising driver call; CUDA's lazy module loading is not the cause). In a serving
+step the host is then stuck until the device runs dry, and the next step starts late.
 CUDA graphs load their kernels at capture; the steps that run eagerly are what this warms:
 
 - the logits, ``compute_logits`` over every row count up to ``max_num_seqs`` (the sampled
@@ -32,7 +29,7 @@ from mm_serve.models.layers.linear import LinearBase, RowParallelLinear
 logger = logging.getLogger(__name__)
 
 STRIDE = 8  # token counts between two warmed LM GEMMs
-MAX_COUNTS = 1024  # at most this many token counts (1.5 s for Qwen2-VL-2B's 8,192 on an H200)
+MAX_COUNTS = 1024  # at most this many token counts (bounds the warm-up's share of start-up)
 
 
 def lm_gemm_shapes(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None]]:

@@ -1,17 +1,16 @@
 """CUDA graphs for the vision tower, one per chunk of images of one grid.
 
-A tower forward launches some 400 kernels (Qwen2-VL's 32 blocks): over one 448x448 image that
-took 18 ms of host time for 18 ms of device work on an H100, and over an encode step of 26
-images the host still launched barely ahead of the device, which idled between kernels
-(BENCHMARKS.md). Everything a tower forward does on the host depends only on the images' grids
-(``[t, h, w]`` in patches): the rotary tables, the attention segments, the window order. So a
-batch goes through the graphs in chunks: each run of consecutive images of one grid is split
-into chunks of ``CHUNK_COUNTS`` images, largest first (27 photos: 16, 8, 3), of at most
-``max_patches`` patches each. The tower attends within an image, so chunks give the batch's
-result. A key (its grids) is captured the ``capture_after``-th time it is met: its plan
-(``tower.plan``, kept for the graph's lifetime) and ``tower.run`` over the shared static pixel
-buffer; later chunks of the key copy their pixels in and replay. A capture while serving
-costs one more tower forward and stalls nothing (``capture_graph``).
+A tower forward launches some 400 kernels (Qwen2-VL's 32 blocks), so run eagerly it is bound
+by the host's launches: the device idles between kernels. Everything a tower forward does on
+the host depends only on the images' grids (``[t, h, w]`` in patches): the rotary tables, the
+attention segments, the window order. So a batch goes through the graphs in chunks: each run
+of consecutive images of one grid is split into chunks of ``CHUNK_COUNTS`` images, largest
+first (27 photos: 16, 8, 3), of at most ``max_patches`` patches each. The tower attends within
+an image, so chunks give the batch's result. A key (its grids) is captured the
+``capture_after``-th time it is met: its plan (``tower.plan``, kept for the graph's lifetime)
+and ``tower.run`` over the shared static pixel buffer; later chunks of the key copy their
+pixels in and replay. A capture while serving costs one more tower forward and stalls nothing
+(``capture_graph``).
 
 Every chunk without a graph (a key met fewer times, a key beyond ``max_graphs``, an image
 over ``max_patches`` patches) runs in one eager forward over all such images of the batch: photos
@@ -41,7 +40,7 @@ CHUNK_COUNTS = (16, 8, 4, 3, 2, 1)
 DEFAULT_MAX_PATCHES = 16384
 DEFAULT_MAX_GRAPHS = 32
 # A key is captured when met this many times: a capture while serving (an eager forward, the
-# capture, a cuDNN plan: 100-150 ms of host time on an H100) pays off only for a key that
+# capture, a cuDNN plan: far more host time than a replay) pays off only for a key that
 # recurs; photos of varied sizes rarely do, a pipeline's pages or frames at once.
 CAPTURE_AFTER = 4
 # At most this many keys without a graph are counted.
@@ -170,7 +169,7 @@ class EncoderCudaGraphs:
 
     def _eager(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """One eager tower forward over images of ``grids``, its attention through
-        FlashAttention-2 (images that run once would each build a cuDNN plan, 60-100 ms)."""
+        FlashAttention-2 (images that run once would each build a cuDNN plan)."""
         self.num_eager += 1
         plan = self.tower.plan([list(g) for g in grids], pixels.device, dense=False)
         return self.tower.run(pixels, plan)

@@ -51,9 +51,8 @@ def limit_cpu_threads() -> None:
     ``OMP_NUM_THREADS`` says otherwise (as vLLM's GPU workers do).
 
     Its CPU work is small (gathering pixels, input tables); with a thread per core, each
-    parallel region waits for threads that the preprocessing workers have descheduled: on an
-    H100 machine of 16 cores, encode+prefill steps took ~250 ms to launch while images were
-    arriving, ~140 ms with one thread (``benchmarks/step_timeline.py``).
+    parallel region waits for threads that the preprocessing workers have descheduled, which
+    slows the launch of every encode step while images are arriving.
     """
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
