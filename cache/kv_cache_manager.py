@@ -207,14 +207,18 @@ class KVCacheManager:
             ValueError: on a negative token count, or ``num_new_computed_tokens`` that does not
                 match ``new_computed_blocks``.
         """
-        self._check_counts(num_new_tokens, num_new_computed_tokens, new_computed_blocks)
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be non-negative, got {num_new_tokens}.")
+        if num_new_computed_tokens or new_computed_blocks:
+            self._check_hit(num_new_computed_tokens, new_computed_blocks)
         groups = self.req_to_blocks.get(request.request_id)
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
         if groups is not None:
             if self._skipping:
+                num_computed = request.num_computed_tokens + num_new_computed_tokens
                 self._free_skipped_blocks(groups, num_computed)
             if not new_computed_blocks and self._fits(request, groups, num_new_tokens):
                 return []  # most decode steps: nothing to allocate, no block becomes full
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
         hits = new_computed_blocks or [[] for _ in self.policies]
         held = len(groups[0]) if groups is not None else 0
         required = -(-(num_computed + num_new_tokens) // self.block_size)
@@ -230,12 +234,8 @@ class KVCacheManager:
             self._cache_full_blocks(request, num_computed + num_new_tokens)
         return [new[g][i] for i in range(num_new_blocks) for g in range(self.num_groups)]
 
-    def _check_counts(
-        self, num_new_tokens: int, num_new_computed_tokens: int, hits: GroupBlocks | None
-    ) -> None:
-        """Raise ``ValueError`` for ``allocate_slots``'s arguments that cannot be right."""
-        if num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be non-negative, got {num_new_tokens}.")
+    def _check_hit(self, num_new_computed_tokens: int, hits: GroupBlocks | None) -> None:
+        """Raise ``ValueError`` if a prefix hit's token count does not match its blocks."""
         num_hit_blocks = len(hits[0]) if hits else 0
         if num_new_computed_tokens != num_hit_blocks * self.block_size:
             raise ValueError(
