@@ -124,7 +124,7 @@ class BlockPool:
 
     ``null_block`` (block 0 when ``reserve_null_block``, else None) is never allocated, freed
     or hashed: it stands in the block tables of sliding-window groups for blocks that fell out
-    of the window (``hybrid_kv_cache_manager``), and is never read.
+    of the window (``kv_cache_manager``), and is never read.
     """
 
     def __init__(

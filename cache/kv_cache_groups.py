@@ -8,7 +8,7 @@ cache manager does, the layers are cut into groups of one attention type and of 
 every block of the one pool has the memory of ``layers_per_group`` layers, and layer ``j`` of
 every group uses the ``j``-th KV tensor. A block holds one group's tokens at a time, so
 groups never overwrite each other; the sliding groups' blocks that fall out of every window
-go back to the pool (``hybrid_kv_cache_manager``).
+go back to the pool (``kv_cache_manager``, ``kv_cache_policies``).
 
 Group size (vLLM's rule for ``n:1`` patterns): the smaller type's layer count, unless the
 larger type has less than 1.25 times as many layers (then the larger count, one group per

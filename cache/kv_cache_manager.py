@@ -1,19 +1,39 @@
-"""Per-request KV-cache block tables on top of the block pool, with prefix caching.
+"""Per-request KV-cache block tables on top of the block pool, with prefix caching, for every
+KV-cache group of a model (``cache.kv_cache_groups``).
 
-Semantics of vLLM V1's KVCacheManager (vllm/v1/core/kv_cache_manager.py) for one attention
-type; paged blocks as in the PagedAttention paper (Kwon et al., SOSP 2023).
+Semantics of vLLM V1's ``KVCacheManager`` and ``KVCacheCoordinator``
+(vllm/v1/core/kv_cache_manager.py, kv_cache_coordinator.py) for groups of one block size; paged
+blocks as in the PagedAttention paper (Kwon et al., SOSP 2023). Each group's attention type is
+a policy (``cache.kv_cache_policies``); a model of one attention type has one group.
+
+- Every group's table of a request has one entry per ``block_size`` tokens, so a step gives
+  each group the same number of new blocks. The block ids travel to the model runner
+  *interleaved*: for each block position, one id per group (``[b0g0, b0g1, ..., b1g0, ...]``),
+  so that appending a step's ids keeps the layout (one group: exactly the block ids).
+- A group whose policy skips blocks (sliding window) frees, each time the request is scheduled,
+  the blocks no query from the first token to compute on reads, and puts the pool's
+  ``null_block`` in their place; the model runner keeps the stale ids, which the attention
+  kernels never read. The pool reserves the null block (block 0) only for such layouts.
+- Prefix caching: each group keys its cached blocks by the block hash and its group index
+  (``group_key``). A hit of ``n`` blocks needs each group's policy to find ``n`` usable
+  blocks; the longest such ``n`` is found by lowering ``n`` until every group agrees.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mm_serve.cache.block_hash import update_block_hashes
+from mm_serve.cache.block_hash import BlockHash, update_block_hashes
 from mm_serve.cache.block_pool import BlockPool, KVCacheBlock
+from mm_serve.cache.kv_cache_groups import KVCacheGroup, KVCacheLayout
+from mm_serve.cache.kv_cache_policies import AttentionPolicy, policy_for
 
 if TYPE_CHECKING:
     from mm_serve.request import Request
+
+GroupBlocks = list[list[KVCacheBlock]]  # [group][block position]
 
 
 @dataclass
@@ -36,22 +56,77 @@ class PrefixCacheStats:
         self.hits += num_hit_tokens
 
 
-class KVCacheManagerBase:
-    """What every KV-cache manager has: ``block_size``, ``enable_caching``, the prefix-cache
-    counters, and the free-block figures of the ``block_pool`` the subclass makes.
+def group_key(block_hash: BlockHash, group: int) -> BlockHash:
+    """The prefix-cache key of ``block_hash`` in group ``group`` (group 0: the hash itself)."""
+    return block_hash if group == 0 else BlockHash(block_hash + group.to_bytes(2, "little"))
+
+
+class _GroupHashes(Sequence):
+    """``block_hashes`` as group ``group``'s keys, computed when read (integer indices)."""
+
+    def __init__(self, block_hashes: Sequence[BlockHash], group: int) -> None:
+        self.block_hashes, self.group = block_hashes, group
+
+    def __len__(self) -> int:
+        return len(self.block_hashes)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return group_key(self.block_hashes[i], self.group)
+
+
+def group_hashes(block_hashes: Sequence[BlockHash], group: int) -> Sequence[BlockHash]:
+    """Group ``group``'s prefix-cache keys of ``block_hashes`` (group 0: the list itself)."""
+    return block_hashes if group == 0 else _GroupHashes(block_hashes, group)
+
+
+class KVCacheManager:
+    """Gives each request the blocks it needs in every KV-cache group and shares full blocks
+    through their hashes.
+
+    The scheduler calls ``get_computed_blocks`` once when a request is first scheduled (or
+    resumed), ``allocate_slots`` every time it schedules tokens of the request, and ``free``
+    when the request finishes or is preempted. The manager keeps ``request.block_hashes`` up to
+    date (see ``update_block_hashes``). ``req_to_blocks[request_id][g]`` is group ``g``'s
+    block table of a request, valid until its next ``allocate_slots`` or ``free``.
+
+    Args:
+        num_blocks: blocks of the pool (``num_blocks`` below: those requests can hold, one
+            less when the layout needs the null block).
+        block_size: tokens per block.
+        layout: the KV-cache groups; None: one full-attention group.
+        enable_caching: prefix caching on.
 
     Raises:
-        ValueError: if ``block_size`` is not positive.
+        ValueError: if ``block_size`` or the usable ``num_blocks`` is not positive.
     """
 
-    block_pool: BlockPool
-
-    def __init__(self, block_size: int, enable_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        layout: KVCacheLayout | None = None,
+        enable_caching: bool = True,
+    ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}.")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.stats = PrefixCacheStats()
+        groups = layout.groups if layout is not None else (KVCacheGroup(()),)
+        self.policies: list[AttentionPolicy] = [policy_for(g, block_size) for g in groups]
+        # (group, policy) of the groups that free blocks behind their queries.
+        self._skipping = [(g, p) for g, p in enumerate(self.policies) if p.skips_blocks]
+        self.block_pool = BlockPool(num_blocks, enable_caching, bool(self._skipping))
+        self.null_block = self.block_pool.null_block
+        self.num_blocks = self.block_pool.num_usable_blocks
+        self.req_to_blocks: dict[str, GroupBlocks] = {}
+        # Number of leading blocks of each request whose hashes were already registered.
+        self.num_cached_blocks: dict[str, int] = {}
+
+    @property
+    def num_groups(self) -> int:
+        """KV-cache groups: block tables per request."""
+        return len(self.policies)
 
     @property
     def num_free_blocks(self) -> int:
@@ -63,152 +138,186 @@ class KVCacheManagerBase:
         """Fraction of blocks in use by requests, in [0, 1]."""
         return self.block_pool.usage
 
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks ``num_tokens`` tokens of one request occupy at most (every group's)."""
+        return self.num_groups * -(-num_tokens // self.block_size)
+
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """Return the counters gathered since the last call and start new ones."""
         stats, self.stats = self.stats, PrefixCacheStats()
         return stats
 
+    # ---- prefix cache ----------------------------------------------------------------------
 
-class KVCacheManager(KVCacheManagerBase):
-    """Gives each request the blocks it needs and shares full blocks through their hashes.
-
-    The scheduler calls ``get_computed_blocks`` once when a request is first scheduled (or
-    resumed), ``allocate_slots`` every time it schedules tokens of the request, and ``free``
-    when the request finishes or is preempted. The manager keeps ``request.block_hashes`` up to
-    date (see ``update_block_hashes``).
-    """
-
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
-        super().__init__(block_size, enable_caching)
-        self.num_blocks = num_blocks
-        self.block_pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # Number of leading blocks of each request whose hashes were already registered.
-        self.num_cached_blocks: dict[str, int] = {}
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        """Blocks ``num_tokens`` tokens of one request occupy."""
-        return -(-num_tokens // self.block_size)
-
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """The longest cached prefix of ``request``: its blocks (not touched) and its tokens.
+    def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:
+        """The longest cached prefix of ``request`` that every group can use: per group its
+        blocks (not touched; ``null_block`` where a group reads nothing of a block) and the
+        prefix's tokens.
 
         The token count is a multiple of ``block_size``. At least one token is always left to
         compute (the model must produce logits), so at most ``(num_tokens - 1) // block_size``
-        blocks hit. Nothing is looked up when caching is off or the request wants prompt
-        logprobs (those need every prompt token recomputed).
+        blocks hit. Nothing is looked up (every group's list empty) when caching is off or the
+        request wants prompt logprobs (those need every prompt token recomputed).
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0
+            return [[] for _ in self.policies], 0
         update_block_hashes(request, self.block_size)
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        blocks: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
+        hashes = request.block_hashes[: (request.num_tokens - 1) // self.block_size]
+        num_hit = len(hashes)
+        while True:  # each group's hit within the others': lengths only fall, so it ends
+            hits = [
+                policy.find_cache_hit(self.block_pool, group_hashes(hashes, g), num_hit)
+                for g, policy in enumerate(self.policies)
+            ]
+            num_hit = min(len(blocks) for blocks in hits)
+            if all(len(blocks) == num_hit for blocks in hits):
                 break
-            blocks.append(block)
-        num_computed_tokens = len(blocks) * self.block_size
-        self.stats.record_lookup(request.num_tokens, num_computed_tokens)
-        return blocks, num_computed_tokens
+        self.stats.record_lookup(request.num_tokens, num_hit * self.block_size)
+        return hits, num_hit * self.block_size
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only when no request holds blocks. Returns whether it did."""
+        return self.block_pool.reset_prefix_cache()
+
+    # ---- allocation ----------------------------------------------------------------------
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
+        new_computed_blocks: GroupBlocks | None = None,
     ) -> list[KVCacheBlock] | None:
-        """Give ``request`` blocks for its computed tokens plus ``num_new_tokens`` more tokens.
+        """Give ``request`` blocks for its computed tokens plus ``num_new_tokens`` more tokens,
+        in every group.
 
+        First the groups that skip blocks free those behind the first token to compute.
         ``new_computed_blocks`` / ``num_new_computed_tokens`` are a prefix hit from
         ``get_computed_blocks``; they are touched and appended to the request's blocks. Then
-        the hashes of blocks that become full up to ``min(num_computed + num_new_tokens,
-        num_tokens)`` tokens are registered: their KV is written in this step's forward pass, so
-        a request scheduled later in the same step may already hit them (as in vLLM).
+        each group gets the same number of new blocks, and the hashes of blocks that become
+        full up to ``min(num_computed + num_new_tokens, num_tokens)`` tokens are registered:
+        their KV is written in this step's forward pass, so a request scheduled later in the
+        same step may already hit them (as in vLLM).
 
-        Returns the newly allocated blocks (without the touched ones), or None — with nothing
-        changed — when too few blocks are free.
+        Returns the newly allocated blocks (without the touched ones) interleaved by group, or
+        None — having changed nothing but the freeing of skipped blocks — when too few blocks
+        are free.
 
         Raises:
             ValueError: on a negative token count, or ``num_new_computed_tokens`` that does not
                 match ``new_computed_blocks``.
         """
-        if not new_computed_blocks and self._fits(request, num_new_tokens):
-            return []  # most decode steps: nothing to allocate, no block becomes full
-        new_computed_blocks = new_computed_blocks or []
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be non-negative, got {num_new_tokens}.")
-        if num_new_computed_tokens != len(new_computed_blocks) * self.block_size:
+        if num_new_computed_tokens or new_computed_blocks:
+            self._check_hit(num_new_computed_tokens, new_computed_blocks)
+        groups = self.req_to_blocks.get(request.request_id)
+        if groups is not None:
+            if self._skipping:
+                num_computed = request.num_computed_tokens + num_new_computed_tokens
+                self._free_skipped_blocks(groups, num_computed)
+            if not new_computed_blocks and self._fits(request, groups, num_new_tokens):
+                return []  # most decode steps: nothing to allocate, no block becomes full
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        hits = new_computed_blocks or [[] for _ in self.policies]
+        held = len(groups[0]) if groups is not None else 0
+        required = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_new_blocks = max(required - held - len(hits[0]), 0)
+        real_hits = [b for blocks in hits for b in blocks if b is not self.null_block]
+        # Hit blocks sitting free in the queue leave it when touched: they can't be allocated.
+        num_evictable = sum(1 for block in real_hits if block.ref_cnt == 0)
+        if num_new_blocks * self.num_groups > self.num_free_blocks - num_evictable:
+            return None
+        self.block_pool.touch(real_hits)
+        new = self._append_blocks(request.request_id, groups, hits, num_new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, num_computed + num_new_tokens)
+        return [new[g][i] for i in range(num_new_blocks) for g in range(self.num_groups)]
+
+    def _check_hit(self, num_new_computed_tokens: int, hits: GroupBlocks | None) -> None:
+        """Raise ``ValueError`` if a prefix hit's token count does not match its blocks."""
+        num_hit_blocks = len(hits[0]) if hits else 0
+        if num_new_computed_tokens != num_hit_blocks * self.block_size:
             raise ValueError(
                 f"num_new_computed_tokens={num_new_computed_tokens} does not match "
-                f"{len(new_computed_blocks)} computed blocks of {self.block_size} tokens."
+                f"{num_hit_blocks} computed blocks of {self.block_size} tokens."
             )
-        req_blocks = self.req_to_blocks.get(request.request_id, [])
-        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        num_required_blocks = -(-(num_computed_tokens + num_new_tokens) // self.block_size)
-        num_new_blocks = max(num_required_blocks - len(req_blocks) - len(new_computed_blocks), 0)
-        # Hit blocks sitting free in the queue leave it when touched: they can't be allocated.
-        num_evictable_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-        if num_new_blocks > self.block_pool.num_free_blocks - num_evictable_hits:
-            return None
 
-        new_blocks: list[KVCacheBlock] = []
-        # Most decode steps need no block: the request's list is then left as it is.
-        if new_computed_blocks or num_new_blocks or request.request_id not in self.req_to_blocks:
-            self.block_pool.touch(new_computed_blocks)
-            new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-            req_blocks = req_blocks + new_computed_blocks + new_blocks
-            self.req_to_blocks[request.request_id] = req_blocks
-
-        if self.enable_caching:
-            update_block_hashes(request, self.block_size)
-            num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)
-            num_full_blocks = num_tokens_to_cache // self.block_size
-            num_cached = self.num_cached_blocks.get(request.request_id, 0)
-            if num_full_blocks > num_cached:
-                self.block_pool.cache_full_blocks(
-                    req_blocks, request.block_hashes, num_cached, num_full_blocks
-                )
-                self.num_cached_blocks[request.request_id] = num_full_blocks
-        return new_blocks
-
-    def _fits(self, request: Request, num_new_tokens: int) -> bool:
+    def _fits(self, request: Request, groups: GroupBlocks, num_new_tokens: int) -> bool:
         """Whether ``num_new_tokens`` more tokens fit in the request's blocks and fill none of
         them that is not registered yet (``allocate_slots`` then changes nothing)."""
-        req_blocks = self.req_to_blocks.get(request.request_id)
         end = request.num_computed_tokens + num_new_tokens
-        if req_blocks is None or num_new_tokens < 0 or len(req_blocks) * self.block_size < end:
+        if len(groups[0]) * self.block_size < end:
             return False
         num_tokens = len(request.all_token_ids)
         num_full_blocks = (end if end < num_tokens else num_tokens) // self.block_size
-        return not self.enable_caching or num_full_blocks <= self.num_cached_blocks.get(
-            request.request_id, 0
+        return (
+            not self.enable_caching or num_full_blocks <= self.num_cached_blocks[request.request_id]
         )
+
+    def _append_blocks(
+        self, request_id: str, groups: GroupBlocks | None, hits: GroupBlocks, num_new: int
+    ) -> GroupBlocks:
+        """Append to each group's table of the request its hit blocks and ``num_new`` new
+        blocks (taken for group 0 first); returns the new blocks per group."""
+        fresh = self.block_pool.get_new_blocks(num_new * self.num_groups)
+        new = [fresh[g * num_new : (g + 1) * num_new] for g in range(self.num_groups)]
+        if groups is None:
+            groups = self.req_to_blocks[request_id] = [[] for _ in self.policies]
+            self.num_cached_blocks[request_id] = len(hits[0])  # hits are cached already
+        for g, blocks in enumerate(groups):
+            blocks += hits[g] + new[g]
+        return new
+
+    def _free_skipped_blocks(self, groups: GroupBlocks, num_computed: int) -> None:
+        """Swap the null block in for the blocks each skipping group no longer reads from
+        position ``num_computed`` on, and free them (last first)."""
+        for g, policy in self._skipping:
+            blocks = groups[g]
+            removed = []
+            for i in range(min(policy.num_skipped_blocks(num_computed), len(blocks)) - 1, -1, -1):
+                if blocks[i] is self.null_block:
+                    break  # everything before it is already freed
+                removed.append(blocks[i])
+                blocks[i] = self.null_block
+            if removed:
+                self.block_pool.free_blocks(removed)
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the hashes of each group's blocks that are full within ``num_tokens``
+        (skipped blocks lie below the registered ones: they were full)."""
+        update_block_hashes(request, self.block_size)
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        num_cached = self.num_cached_blocks[request.request_id]
+        if num_full <= num_cached:
+            return
+        for g, blocks in enumerate(self.req_to_blocks[request.request_id]):
+            hashes = group_hashes(request.block_hashes, g)
+            self.block_pool.cache_full_blocks(blocks, hashes, num_cached, num_full)
+        self.num_cached_blocks[request.request_id] = num_full
+
+    # ---- release and read-out ------------------------------------------------------------
 
     def free(self, request: Request) -> None:
         """Release the request's blocks (on finish or preemption); no-op if it has none.
 
-        Blocks are freed tail first, so a request's last blocks are evicted before its first
-        ones (which other requests are likelier to share). Cached blocks keep their hashes in
-        the free queue until evicted.
+        Each group's blocks are freed tail first, so a request's last blocks are evicted before
+        its first ones (which other requests are likelier to share). Cached blocks keep their
+        hashes in the free queue until evicted.
         """
-        blocks = self.req_to_blocks.pop(request.request_id, None)
+        groups = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
-        if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+        for blocks in groups or ():
+            self.block_pool.free_blocks(b for b in reversed(blocks) if b is not self.null_block)
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """The block table of a request: its block ids in token order.
+        """The request's block ids in token order, interleaved by group (module doc; the null
+        block as 0). Valid until the request's next ``allocate_slots`` or ``free``.
 
         Raises:
             KeyError: if the request holds no blocks.
         """
-        blocks = self.req_to_blocks.get(request_id)
-        if blocks is None:
+        groups = self.req_to_blocks.get(request_id)
+        if groups is None:
             raise KeyError(f"Request {request_id!r} holds no KV-cache blocks.")
-        return [block.block_id for block in blocks]
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; only when no request holds blocks. Returns whether it did."""
-        return self.block_pool.reset_prefix_cache()
+        return [block.block_id for position in zip(*groups, strict=True) for block in position]

@@ -1,4 +1,4 @@
-"""KV-cache groups and the hybrid KV-cache manager, on hand-built requests.
+"""KV-cache groups and the KV-cache manager over several groups, on hand-built requests.
 
 Layout rule (vLLM's) on real configs' layer patterns; then a full-attention group and a
 sliding-window group (window 6, block size 4: a query needs the last 2 blocks) over one pool
@@ -12,13 +12,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from mm_serve.cache.hybrid_kv_cache_manager import (
-    HybridKVCacheManager,
-    group_key,
-    make_kv_cache_manager,
-)
+from mm_serve.cache.block_pool import BlockPool
 from mm_serve.cache.kv_cache_groups import KVCacheGroup, KVCacheLayout, kv_cache_layout
-from mm_serve.cache.kv_cache_manager import KVCacheManager
+from mm_serve.cache.kv_cache_manager import KVCacheManager, group_key
+from mm_serve.cache.kv_cache_policies import FullAttentionPolicy, SlidingWindowPolicy
 from mm_serve.request import Request
 from mm_serve.sampling_params import SamplingParams
 
@@ -48,12 +45,12 @@ def test_layout_groups_layers_as_vllm() -> None:
     assert kv_cache_layout(gemma3_config(["sliding_attention"] * 2, None)).num_groups == 1
     llama = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 3, "sliding_window": 9}
     assert kv_cache_layout(llama) == KVCacheLayout((KVCacheGroup((0, 1, 2)),))
-    assert isinstance(make_kv_cache_manager(8, 4, True, kv_cache_layout(llama)), KVCacheManager)
+    assert KVCacheManager(8, 4, kv_cache_layout(llama)).policies == [FullAttentionPolicy()]
 
 
 @pytest.fixture
-def manager() -> Iterator[HybridKVCacheManager]:
-    mgr = HybridKVCacheManager(NUM_BLOCKS, BLOCK_SIZE, LAYOUT)
+def manager() -> Iterator[KVCacheManager]:
+    mgr = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, LAYOUT)
     assert mgr.num_blocks == NUM_BLOCKS - 1 == mgr.num_free_blocks  # block 0: the null block
     yield mgr
     assert mgr.num_free_blocks == mgr.num_blocks, "a test leaked blocks"
@@ -65,7 +62,7 @@ def make_request(request_id: str, tokens: list[int]) -> Request:
     return Request(request_id, tokens, SamplingParams())
 
 
-def run_chunk(manager: HybridKVCacheManager, req: Request, num_new: int) -> list[int] | None:
+def run_chunk(manager: KVCacheManager, req: Request, num_new: int) -> list[int] | None:
     """One scheduled chunk: allocate, then count the tokens as computed."""
     blocks = manager.allocate_slots(req, num_new)
     if blocks is not None:
@@ -73,7 +70,7 @@ def run_chunk(manager: HybridKVCacheManager, req: Request, num_new: int) -> list
     return None if blocks is None else [b.block_id for b in blocks]
 
 
-def group_ids(manager: HybridKVCacheManager, request_id: str) -> list[list[int]]:
+def group_ids(manager: KVCacheManager, request_id: str) -> list[list[int]]:
     return [[b.block_id for b in blocks] for blocks in manager.req_to_blocks[request_id]]
 
 
@@ -105,7 +102,7 @@ def test_allocation_fails_without_room(manager) -> None:
     manager.free(req)
 
 
-def prefill(manager: HybridKVCacheManager, req: Request, chunk: int = 8) -> None:
+def prefill(manager: KVCacheManager, req: Request, chunk: int = 8) -> None:
     hits, num_hit = manager.get_computed_blocks(req)
     assert manager.allocate_slots(req, 0, num_hit, hits) is not None
     req.num_computed_tokens = num_hit
@@ -149,4 +146,122 @@ def test_prefix_hit_shortened_to_a_cached_window(manager) -> None:
     assert [len(blocks) for blocks in hits] == [4, 4]
     assert hits[1][:2] == [manager.null_block] * 2 and manager.null_block not in hits[1][2:]
     assert manager.allocate_slots(second, 10, num_hit, hits) is not None
+    manager.free(second)
+
+
+def free_ids(manager: KVCacheManager) -> list[int]:
+    return [b.block_id for b in manager.block_pool.free_block_queue.get_all_free_blocks()]
+
+
+def ref_counts(manager: KVCacheManager, block_ids: range) -> list[int]:
+    return [manager.block_pool.blocks[i].ref_cnt for i in block_ids]
+
+
+def pool_refs_ok(manager: KVCacheManager) -> bool:
+    """Every block's ref count is the number of tables that hold it."""
+    held: dict[int, int] = {}
+    for groups in manager.req_to_blocks.values():
+        for blocks in groups:
+            for blk in blocks:
+                if blk is not manager.null_block:
+                    held[blk.block_id] = held.get(blk.block_id, 0) + 1
+    return all(blk.ref_cnt == held.get(blk.block_id, 0) for blk in manager.block_pool.blocks)
+
+
+def test_policies_and_the_null_block() -> None:
+    sliding = SlidingWindowPolicy(WINDOW, BLOCK_SIZE)  # a query at q reads keys q-5..q
+    assert [sliding.num_skipped_blocks(n) for n in (0, 5, 8, 9, 12, 13)] == [0, 0, 0, 1, 1, 2]
+    assert FullAttentionPolicy().num_skipped_blocks(100) == 0
+    pool = BlockPool(4, reserve_null_block=True)
+    assert SlidingWindowPolicy(1, BLOCK_SIZE).find_cache_hit(pool, [], 3) == [pool.null_block] * 3
+    # The null block only for a layout with a group that skips blocks: one sliding group too.
+    plain = KVCacheManager(10, BLOCK_SIZE)
+    assert plain.null_block is None and plain.num_blocks == 10 and plain.num_groups == 1
+    one_window = KVCacheManager(10, BLOCK_SIZE, KVCacheLayout((KVCacheGroup((0, 1), WINDOW),)))
+    assert one_window.policies == [sliding] and one_window.num_blocks == 9
+    assert one_window.null_block is one_window.block_pool.blocks[0]
+
+
+def test_shared_prefix_ref_counts_and_free_order(manager) -> None:
+    a = make_request("a", list(range(10)))
+    assert run_chunk(manager, a, 10) == [1, 4, 2, 5, 3, 6]  # group 0: 1-3, group 1: 4-6
+    pool = manager.block_pool
+    assert pool.get_cached_block(a.block_hashes[0]) is pool.blocks[1]
+    assert pool.get_cached_block(group_key(a.block_hashes[0], 1)) is pool.blocks[4]
+    assert len(pool.cached_block_hash_to_block) == 4  # 2 full blocks in each group
+    b = make_request("b", list(range(8)) + [100, 101, 102])
+    hits, num_hit = manager.get_computed_blocks(b)
+    assert [[blk.block_id for blk in blocks] for blocks in hits] == [[1, 2], [4, 5]]
+    assert num_hit == 8 and ref_counts(manager, range(1, 7)) == [1] * 6  # not touched
+    assert [blk.block_id for blk in manager.allocate_slots(b, 3, 8, hits) or []] == [7, 8]
+    b.num_computed_tokens = 11
+    assert manager.get_block_ids("b") == [1, 4, 2, 5, 7, 8]
+    assert ref_counts(manager, range(1, 9)) == [2, 2, 1, 2, 2, 1, 1, 1]
+    assert manager.num_free_blocks == 12
+    # b's next token (11) reads keys 6..11: its sliding block 0 (shared with a) is dropped
+    # from b's table, but a still holds it.
+    b.append_output_token(103)
+    assert run_chunk(manager, b, 1) == []
+    assert group_ids(manager, "b") == [[1, 2, 7], [0, 5, 8]]
+    assert pool.blocks[4].ref_cnt == 1 and manager.num_free_blocks == 12
+    assert pool.get_cached_block(b.block_hashes[2]) is pool.blocks[7]  # full in this step
+    # Freed tail first, group by group; the null block never enters the free queue.
+    manager.free(a)
+    assert free_ids(manager) == [*range(9, 21), 3, 6, 4]
+    manager.free(b)
+    assert free_ids(manager) == [*range(9, 21), 3, 6, 4, 7, 2, 1, 8, 5]
+
+
+def test_decode_frees_out_of_window_blocks_every_step(manager) -> None:
+    req = make_request("d", list(range(8)))
+    assert run_chunk(manager, req, 8) == [1, 3, 2, 4]
+    # Per decode step of the token at position 8, 9, ...: (new block ids, group 1's table,
+    # free blocks). Most steps take the path that allocates nothing, and still drop blocks.
+    expected = [
+        ([5, 6], [3, 4, 6], 14),  # 8 reads keys 3..8: nothing to drop, a new block
+        ([], [0, 4, 6], 15),  # 9 reads 4..9: block 0 dropped, no new block
+        ([], [0, 4, 6], 15),
+        ([], [0, 4, 6], 15),  # 11 fills block 2: registered, no new block
+        ([7, 8], [0, 4, 6, 8], 13),
+        ([], [0, 0, 6, 8], 14),  # 13 reads 8..13: block 1 dropped
+    ]
+    for new_ids, sliding_ids, num_free in expected:
+        req.append_output_token(7)
+        assert run_chunk(manager, req, 1) == new_ids
+        assert group_ids(manager, "d")[1] == sliding_ids
+        assert manager.num_free_blocks == num_free
+    assert group_ids(manager, "d")[0] == [1, 2, 5, 7]
+    assert manager.block_pool.blocks[5].block_hash is not None  # registered at 12 tokens
+    manager.free(req)
+
+
+def test_failed_allocation_only_frees_skipped_blocks(manager) -> None:
+    req = make_request("r", list(range(40)))
+    assert run_chunk(manager, req, 16) == [1, 5, 2, 6, 3, 7, 4, 8]
+    hog = make_request("hog", list(range(100, 120)))
+    assert run_chunk(manager, hog, 20) is not None and manager.num_free_blocks == 2
+    # The chunk from 16 reads keys from 11: blocks 0-1 of group 1 go, even though the
+    # 2 x 4 new blocks do not fit.
+    assert run_chunk(manager, req, 16) is None
+    assert req.num_computed_tokens == 16
+    assert group_ids(manager, "r") == [[1, 2, 3, 4], [0, 0, 7, 8]]
+    assert free_ids(manager) == [19, 20, 6, 5] and pool_refs_ok(manager)
+    manager.free(hog)
+    assert run_chunk(manager, req, 16) is not None
+    manager.free(req)
+
+
+def test_hit_on_freed_blocks_takes_them_from_the_free_queue(manager) -> None:
+    first = make_request("first", list(range(16)))
+    assert run_chunk(manager, first, 16) == [1, 5, 2, 6, 3, 7, 4, 8]
+    manager.free(first)
+    assert free_ids(manager) == [*range(9, 21), 4, 3, 2, 1, 8, 7, 6, 5]
+    second = make_request("second", list(range(16)) + [50])
+    hits, num_hit = manager.get_computed_blocks(second)
+    assert num_hit == 16
+    assert [[blk.block_id for blk in blocks] for blocks in hits] == [[1, 2, 3, 4], [0, 0, 7, 8]]
+    assert [blk.block_id for blk in manager.allocate_slots(second, 1, 16, hits) or []] == [9, 10]
+    assert manager.get_block_ids("second") == [1, 0, 2, 0, 3, 7, 4, 8, 9, 10]
+    assert ref_counts(manager, range(1, 11)) == [1, 1, 1, 1, 0, 0, 1, 1, 1, 1]
+    assert free_ids(manager) == [*range(11, 21), 6, 5] and pool_refs_ok(manager)
     manager.free(second)

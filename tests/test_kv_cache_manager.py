@@ -1,4 +1,5 @@
-"""KVCacheManager with prefix caching, on hand-built requests (block_size 4, 10 blocks).
+"""KVCacheManager with prefix caching for one full-attention KV-cache group, on hand-built
+requests (block_size 4, 10 blocks).
 
 In the style of vLLM's tests/v1/core/test_prefix_caching.py: exact block ids, ref counts,
 free-queue order and hit counts. Every test must leave all blocks free (checked on teardown).
@@ -42,11 +43,17 @@ def make_request(
     return Request(request_id, tokens, params, mm_features=features, cache_salt=cache_salt)
 
 
+def lookup(manager: KVCacheManager, req: Request) -> tuple[list[KVCacheBlock], int]:
+    """``get_computed_blocks`` of the one KV-cache group: its hit blocks and tokens."""
+    (hit_blocks,), num_hit_tokens = manager.get_computed_blocks(req)
+    return hit_blocks, num_hit_tokens
+
+
 def schedule_prefill(manager: KVCacheManager, req: Request) -> list[KVCacheBlock]:
     """What the scheduler does for a waiting request: look up, allocate, run the whole prompt."""
-    hit_blocks, num_hit_tokens = manager.get_computed_blocks(req)
+    hit_blocks, num_hit_tokens = lookup(manager, req)
     num_new = req.num_tokens - num_hit_tokens
-    new_blocks = manager.allocate_slots(req, num_new, num_hit_tokens, hit_blocks)
+    new_blocks = manager.allocate_slots(req, num_new, num_hit_tokens, [hit_blocks])
     assert new_blocks is not None
     req.num_computed_tokens = req.num_tokens
     return new_blocks
@@ -62,7 +69,7 @@ def free_ids(manager: KVCacheManager) -> list[int]:
 
 def test_prefill_allocates_exact_blocks(manager: KVCacheManager) -> None:
     req = make_request("0", list(range(10)))  # 2 full blocks + 2 tokens
-    assert manager.get_computed_blocks(req) == ([], 0)
+    assert lookup(manager, req) == ([], 0)
     new_blocks = manager.allocate_slots(req, 10)
     assert new_blocks is not None and ids(new_blocks) == [0, 1, 2]
     assert manager.get_block_ids("0") == [0, 1, 2]
@@ -84,10 +91,10 @@ def test_two_live_requests_share_common_prefix(manager: KVCacheManager) -> None:
     assert ids(schedule_prefill(manager, req0)) == [0, 1, 2]
 
     req1 = make_request("1", list(range(8)) + [100, 101, 102])
-    hit_blocks, num_hit_tokens = manager.get_computed_blocks(req1)
+    hit_blocks, num_hit_tokens = lookup(manager, req1)
     assert ids(hit_blocks) == [0, 1] and num_hit_tokens == 8
     assert [b.ref_cnt for b in hit_blocks] == [1, 1]  # not touched by the lookup
-    new_blocks = manager.allocate_slots(req1, 3, num_hit_tokens, hit_blocks)
+    new_blocks = manager.allocate_slots(req1, 3, num_hit_tokens, [hit_blocks])
     assert new_blocks is not None and ids(new_blocks) == [3]
     assert manager.get_block_ids("1") == [0, 1, 3]
     assert [b.ref_cnt for b in manager.block_pool.blocks[:4]] == [2, 2, 1, 1]
@@ -107,9 +114,9 @@ def test_hit_on_freed_cached_blocks_removes_them_from_middle(manager: KVCacheMan
     assert free_ids(manager) == [3, 4, 5, 6, 7, 8, 9, 2, 1, 0]
 
     req1 = make_request("1", list(range(8)) + [50, 51])
-    hit_blocks, num_hit_tokens = manager.get_computed_blocks(req1)
+    hit_blocks, num_hit_tokens = lookup(manager, req1)
     assert ids(hit_blocks) == [0, 1] and num_hit_tokens == 8
-    new_blocks = manager.allocate_slots(req1, 2, num_hit_tokens, hit_blocks)
+    new_blocks = manager.allocate_slots(req1, 2, num_hit_tokens, [hit_blocks])
     assert new_blocks is not None and ids(new_blocks) == [3]
     assert manager.get_block_ids("1") == [0, 1, 3]
     assert free_ids(manager) == [4, 5, 6, 7, 8, 9, 2]
@@ -139,7 +146,7 @@ def test_eviction_is_lru_and_tail_first(manager: KVCacheManager) -> None:
 
     # a's first block still hits; the chain stops at the evicted second block.
     req_d = make_request("d", list(range(12)) + [0])
-    hit_blocks, num_hit_tokens = manager.get_computed_blocks(req_d)
+    hit_blocks, num_hit_tokens = lookup(manager, req_d)
     assert ids(hit_blocks) == [0] and num_hit_tokens == 4
     manager.free(req_c)
 
@@ -151,10 +158,10 @@ def test_hit_is_capped_when_whole_prompt_is_cached(manager: KVCacheManager) -> N
     assert free_ids(manager) == [2, 3, 4, 5, 6, 7, 8, 9, 1, 0]
 
     req1 = make_request("1", list(range(8)))
-    hit_blocks, num_hit_tokens = manager.get_computed_blocks(req1)
+    hit_blocks, num_hit_tokens = lookup(manager, req1)
     # At most (8 - 1) // 4 = 1 block: the last token must be computed for its logits.
     assert ids(hit_blocks) == [0] and num_hit_tokens == 4
-    new_blocks = manager.allocate_slots(req1, 4, num_hit_tokens, hit_blocks)
+    new_blocks = manager.allocate_slots(req1, 4, num_hit_tokens, [hit_blocks])
     assert new_blocks is not None and ids(new_blocks) == [2]
     # Block 2 holds the same content as cached block 1: the existing mapping is kept.
     pool = manager.block_pool
@@ -168,8 +175,8 @@ def test_duplicate_hash_from_same_step(manager: KVCacheManager) -> None:
     req_a = make_request("a", list(range(9)))
     req_b = make_request("b", list(range(9)))
     # Both looked up before either is allocated: both miss.
-    assert manager.get_computed_blocks(req_a) == ([], 0)
-    assert manager.get_computed_blocks(req_b) == ([], 0)
+    assert lookup(manager, req_a) == ([], 0)
+    assert lookup(manager, req_b) == ([], 0)
     assert ids(manager.allocate_slots(req_a, 9) or []) == [0, 1, 2]
     assert ids(manager.allocate_slots(req_b, 9) or []) == [3, 4, 5]
     pool = manager.block_pool
@@ -179,7 +186,7 @@ def test_duplicate_hash_from_same_step(manager: KVCacheManager) -> None:
     manager.free(req_a)
 
     req_c = make_request("c", list(range(9)))
-    hit_blocks, _ = manager.get_computed_blocks(req_c)
+    hit_blocks, _ = lookup(manager, req_c)
     assert ids(hit_blocks) == [0, 1]
 
 
@@ -188,9 +195,9 @@ def test_hit_within_the_same_step(manager: KVCacheManager) -> None:
     req_a = make_request("a", list(range(9)))
     schedule_prefill(manager, req_a)
     req_b = make_request("b", list(range(9)))
-    hit_blocks, num_hit_tokens = manager.get_computed_blocks(req_b)
+    hit_blocks, num_hit_tokens = lookup(manager, req_b)
     assert ids(hit_blocks) == [0, 1] and num_hit_tokens == 8
-    assert ids(manager.allocate_slots(req_b, 1, 8, hit_blocks) or []) == [3]
+    assert ids(manager.allocate_slots(req_b, 1, 8, [hit_blocks]) or []) == [3]
     manager.free(req_a)
     manager.free(req_b)
 
@@ -203,7 +210,7 @@ def test_no_lookup_when_caching_off() -> None:
     assert all(b.block_hash is None for b in manager.block_pool.blocks)
     manager.free(req0)
     req1 = make_request("1", list(range(9)))
-    assert manager.get_computed_blocks(req1) == ([], 0)
+    assert lookup(manager, req1) == ([], 0)
     assert manager.make_prefix_cache_stats().requests == 0
     assert manager.num_free_blocks == NUM_BLOCKS
 
@@ -213,11 +220,11 @@ def test_no_hit_with_prompt_logprobs(manager: KVCacheManager) -> None:
     schedule_prefill(manager, req0)
     manager.free(req0)
     req1 = make_request("1", list(range(9)), prompt_logprobs=1)
-    assert manager.get_computed_blocks(req1) == ([], 0)
+    assert lookup(manager, req1) == ([], 0)
     # Its own full blocks are still cached for others.
     assert ids(schedule_prefill(manager, req1)) == [3, 4, 5]
     req2 = make_request("2", list(range(9)))
-    hit_blocks, _ = manager.get_computed_blocks(req2)
+    hit_blocks, _ = lookup(manager, req2)
     assert ids(hit_blocks) == [0, 1]  # the existing mapping wins over req1's duplicates
     manager.free(req1)
 
@@ -227,11 +234,9 @@ def test_cache_salt_isolation(manager: KVCacheManager) -> None:
     req0 = make_request("0", tokens, cache_salt="alice")
     schedule_prefill(manager, req0)
     manager.free(req0)
-    assert manager.get_computed_blocks(make_request("1", tokens, cache_salt="bob")) == ([], 0)
-    assert manager.get_computed_blocks(make_request("2", tokens)) == ([], 0)
-    hit_blocks, num_hit_tokens = manager.get_computed_blocks(
-        make_request("3", tokens, cache_salt="alice")
-    )
+    assert lookup(manager, make_request("1", tokens, cache_salt="bob")) == ([], 0)
+    assert lookup(manager, make_request("2", tokens)) == ([], 0)
+    hit_blocks, num_hit_tokens = lookup(manager, make_request("3", tokens, cache_salt="alice"))
     assert ids(hit_blocks) == [0, 1, 2] and num_hit_tokens == 12
 
 
@@ -243,15 +248,15 @@ def test_mm_hash_isolation(manager: KVCacheManager) -> None:
     manager.free(req0)
 
     other_image = make_request("1", tokens, mm=[("dog", 4, 8)])
-    hit_blocks, num_hit_tokens = manager.get_computed_blocks(other_image)
+    hit_blocks, num_hit_tokens = lookup(manager, other_image)
     assert ids(hit_blocks) == [0] and num_hit_tokens == 4  # only the text before the image
 
     same_image = make_request("2", tokens, mm=[("cat", 4, 8)])
-    hit_blocks, num_hit_tokens = manager.get_computed_blocks(same_image)
+    hit_blocks, num_hit_tokens = lookup(manager, same_image)
     assert ids(hit_blocks) == [0, 1, 2, 3] and num_hit_tokens == 16
 
     shifted = make_request("3", tokens, mm=[("cat", 5, 7)])  # same image, other range
-    hit_blocks, _ = manager.get_computed_blocks(shifted)
+    hit_blocks, _ = lookup(manager, shifted)
     assert ids(hit_blocks) == [0]
 
 
@@ -278,7 +283,7 @@ def test_decode_caches_output_blocks(manager: KVCacheManager) -> None:
     assert manager.get_block_ids("0") == [0, 1, 2]
 
     follow_up = make_request("1", [0, 1, 2, 3, 4, 5, 60, 70, 99])
-    hit_blocks, num_hit_tokens = manager.get_computed_blocks(follow_up)
+    hit_blocks, num_hit_tokens = lookup(manager, follow_up)
     assert ids(hit_blocks) == [0, 1] and num_hit_tokens == 8
     manager.free(req)
 
@@ -306,9 +311,9 @@ def test_out_of_blocks_returns_none_and_changes_nothing() -> None:
 
     # Hits blocks 0 and 1 (free, cached) and needs 3 new blocks: only 2 are left besides them.
     req1 = make_request("1", list(range(8)) + list(range(100, 109)))
-    hit_blocks, num_hit_tokens = manager.get_computed_blocks(req1)
+    hit_blocks, num_hit_tokens = lookup(manager, req1)
     assert ids(hit_blocks) == [0, 1]
-    assert manager.allocate_slots(req1, 9, num_hit_tokens, hit_blocks) is None
+    assert manager.allocate_slots(req1, 9, num_hit_tokens, [hit_blocks]) is None
     assert free_ids(manager) == order
     assert [b.ref_cnt for b in pool.blocks] == [0, 0, 0, 0]
     assert pool.get_cached_block(req0.block_hashes[0]) is pool.blocks[0]
@@ -332,11 +337,11 @@ def test_preempted_request_hits_its_own_blocks(manager: KVCacheManager) -> None:
         req.append_output_token(token_id)
     manager.free(req)  # preempted
     req.num_computed_tokens = 0
-    hit_blocks, num_hit_tokens = manager.get_computed_blocks(req)
+    hit_blocks, num_hit_tokens = lookup(manager, req)
     assert ids(hit_blocks) == [0, 1] and num_hit_tokens == 8
     # Block 2 held a partial block (never hashed): it is not reused, a fresh block comes from
     # the queue head.
-    assert ids(manager.allocate_slots(req, 4, 8, hit_blocks) or []) == [3]
+    assert ids(manager.allocate_slots(req, 4, 8, [hit_blocks]) or []) == [3]
     assert manager.get_block_ids("0") == [0, 1, 3]
     manager.free(req)
 
@@ -362,7 +367,7 @@ def test_reset_prefix_cache_and_errors(manager: KVCacheManager) -> None:
     manager.free(req)
     manager.free(req)  # freeing a request without blocks is a no-op
     assert manager.reset_prefix_cache() is True
-    assert manager.get_computed_blocks(make_request("1", list(range(9)))) == ([], 0)
+    assert lookup(manager, make_request("1", list(range(9)))) == ([], 0)
     with pytest.raises(ValueError, match="does not match"):
         manager.allocate_slots(make_request("2", [1, 2]), 1, num_new_computed_tokens=4)
     with pytest.raises(ValueError, match="non-negative"):

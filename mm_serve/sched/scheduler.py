@@ -31,8 +31,8 @@ import time
 from collections import deque
 
 from mm_serve.cache.encoder_cache_manager import EncoderCacheManager
-from mm_serve.cache.hybrid_kv_cache_manager import make_kv_cache_manager
 from mm_serve.cache.kv_cache_groups import KVCacheLayout
+from mm_serve.cache.kv_cache_manager import KVCacheManager
 from mm_serve.config import CacheConfig, SchedulerConfig
 from mm_serve.outputs import EngineCoreOutput
 from mm_serve.request import FINISH_REASONS, Request, RequestStatus
@@ -74,11 +74,11 @@ class Scheduler:
     ) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
-        self.kv_cache_manager = make_kv_cache_manager(
+        self.kv_cache_manager = KVCacheManager(
             num_kv_blocks,
             cache_config.block_size,
-            cache_config.enable_prefix_caching,
             kv_cache_layout,
+            enable_caching=cache_config.enable_prefix_caching,
         )
         self.encoder_cache_manager = EncoderCacheManager(scheduler_config.encoder_cache_size)
         self.requests: dict[str, Request] = {}

@@ -58,7 +58,7 @@ class InputBatch:
     Shapes: ``token_ids`` ``[max_num_reqs, max_model_len]`` int32, ``block_tables``
     ``[num_kv_cache_groups, max_num_reqs, max_blocks_per_req]`` int32 (``block_table`` is
     group 0's), per-row scalars ``[max_num_reqs]``. With several KV-cache groups, a request's
-    block ids arrive interleaved by group (``cache.hybrid_kv_cache_manager``).
+    block ids arrive interleaved by group (``cache.kv_cache_manager``).
     """
 
     def __init__(
