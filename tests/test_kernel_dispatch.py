@@ -25,8 +25,7 @@ from test_kernels_triton import (
     _shuffled_tables,
 )
 
-from mm_serve.attention import AttentionMetadata
-from mm_serve.benchmarks.kernels import paged_metadata
+from mm_serve.attention import AttentionMetadata, paged_metadata
 from mm_serve.config import KernelConfig
 from mm_serve.kernels import dispatch, paged_attention_ref, silu_and_mul_ref, triton_rotary
 
