@@ -27,7 +27,7 @@ from PIL import Image
 
 from mm_serve.benchmarks import peer_serve, peer_serve_report
 from mm_serve.benchmarks.architectures import write_architecture
-from mm_serve.testing.server import free_port, group_members
+from tests.fixtures.server import free_port, group_members
 
 # ---------------------------------------------------------------- report
 

@@ -29,8 +29,8 @@ from mm_serve.benchmarks.serve_metrics import (
     plot_latencies,
     summarize,
 )
-from mm_serve.testing.server import RemoteServer, free_port, metric
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from tests.fixtures.server import RemoteServer, free_port, metric
+from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 OUTPUT_LEN = 5
 SMALL = ["--image-size", "56", "56", "--input-len", "8", "--output-len", str(OUTPUT_LEN)]

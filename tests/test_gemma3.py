@@ -18,10 +18,10 @@ import torch
 
 from mm_serve import LLM, SamplingParams
 from mm_serve.request import Request
-from mm_serve.testing import family_checks as checks
-from mm_serve.testing.hf_reference import hf_greedy_generate
-from mm_serve.testing.images import Case, generated, mixed_batch, photo, processor_images
-from mm_serve.testing.leaks import assert_llm_idle
+from tests.fixtures import family_checks as checks
+from tests.fixtures.hf_reference import hf_greedy_generate
+from tests.fixtures.images import Case, generated, mixed_batch, photo, processor_images
+from tests.fixtures.leaks import assert_llm_idle
 
 MAX_NEW_TOKENS = checks.MAX_NEW_TOKENS
 LONG_TEXT = (

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 # Package -> folder, as in pyproject.toml's [tool.setuptools.package-dir].

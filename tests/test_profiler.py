@@ -14,7 +14,7 @@ import torch
 
 from mm_serve import LLM, SamplingParams
 from mm_serve.profiler import ACTIVITIES_ENV, DIR_ENV, TorchProfiler
-from mm_serve.testing.server import http_client
+from tests.fixtures.server import http_client
 
 PARAMS = SamplingParams(max_tokens=3, ignore_eos=True)
 
