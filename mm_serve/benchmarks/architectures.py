@@ -1,8 +1,8 @@
 """Checkpoint folders of real architectures without weights, for ``load_format="dummy"``.
 
-``write_architecture(name, folder)`` writes what the engine and HF transformers need to build a
-model and preprocess its inputs, every file through transformers' own ``save_pretrained``: the
-model's config (built from its published ``config.json`` values: sizes, vocab, RoPE), its image
+``write_architecture(name, folder)`` (``mm-serve bench architecture NAME FOLDER``) writes what
+the engine and HF transformers need to build a model and preprocess its inputs, every file
+through transformers' own ``save_pretrained``: the model's config (built from its published ``config.json`` values: sizes, vocab, RoPE), its image
 processor (the published ``preprocessor_config.json`` values), a ``GenerationConfig`` (token
 ids only: the benchmarks pass their own sampling parameters) and a tokenizer. No
 ``*.safetensors``: load it with ``load_format="dummy"`` (random weights), or build the HF model
@@ -22,6 +22,7 @@ the tokenizer does not know (they decode to nothing).
 
 from __future__ import annotations
 
+import argparse
 import os
 from typing import Any
 
@@ -285,3 +286,16 @@ def write_architecture(name: str, folder: str | os.PathLike) -> str:
     save_generation_config(folder, pad=ids["bos_token_id"], eos=ids["eos_token_id"])
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``mm-serve bench architecture``."""
+    parser.add_argument("name", choices=architecture_names(), help="The architecture.")
+    parser.add_argument("folder", help="Where to write it (created if needed).")
+
+
+def main(args: argparse.Namespace) -> str:
+    """Write the folder; prints and returns its path."""
+    folder = write_architecture(args.name, args.folder)
+    print(folder)
+    return folder
