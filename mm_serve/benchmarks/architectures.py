@@ -2,9 +2,10 @@
 
 ``write_architecture(name, folder)`` (``mm-serve bench architecture NAME FOLDER``) writes what
 the engine and HF transformers need to build a model and preprocess its inputs, every file
-through transformers' own ``save_pretrained``: the model's config (built from its published ``config.json`` values: sizes, vocab, RoPE), its image
-processor (the published ``preprocessor_config.json`` values), a ``GenerationConfig`` (token
-ids only: the benchmarks pass their own sampling parameters) and a tokenizer. No
+through transformers' own ``save_pretrained``: the model's config (built from its published
+``config.json`` values: sizes, vocab, RoPE), its image processor (the published
+``preprocessor_config.json`` values), a ``GenerationConfig`` (token ids only: the benchmarks
+pass their own sampling parameters) and a tokenizer. No
 ``*.safetensors``: load it with ``load_format="dummy"`` (random weights), or build the HF model
 from its config.
 
