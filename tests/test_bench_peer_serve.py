@@ -1,4 +1,4 @@
-"""``python -m mm_serve.benchmarks.peer_serve``: the serving side by side with vLLM.
+"""``mm-serve bench peer-serve``: the serving side by side with vLLM.
 
 The report (table rows, verdicts, cold start) from result JSONs written in the format of vLLM
 0.33's ``bench serve --save-result --save-detailed``, through the real CLI. Then the server
@@ -26,7 +26,7 @@ import pytest
 from PIL import Image
 
 from mm_serve.benchmarks import peer_serve, peer_serve_report
-from mm_serve.benchmarks.architectures import write_architecture
+from tests.fixtures.checkpoints import write_architecture
 from tests.fixtures.server import free_port, group_members
 
 # ---------------------------------------------------------------- report
@@ -66,7 +66,8 @@ def write_results(folder, results: dict[str, dict]) -> None:
 
 
 def report_cli(folder) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "mm_serve.benchmarks.peer_serve", "--report-only"]
+    command = [sys.executable, "-m", "mm_serve.entrypoints.cli", "bench", "peer-serve"]
+    command += ["--report-only"]
     return subprocess.run(
         [*command, "--out", str(folder)], capture_output=True, text=True, timeout=120
     )

@@ -199,8 +199,9 @@ def assert_no_running_requests(server: RemoteServer, timeout_s: float = 5.0) -> 
 
 
 def run_bench(server: RemoteServer, json_path, *flags: str) -> dict:
-    """``python -m mm_serve.benchmarks.serve`` as a user runs it; returns its JSON."""
-    command = [sys.executable, "-m", "mm_serve.benchmarks.serve", "--base-url", server.url]
+    """``mm-serve bench serve`` as a user runs it; returns its JSON."""
+    command = [sys.executable, "-m", "mm_serve.entrypoints.cli", "bench", "serve"]
+    command += ["--base-url", server.url]
     command += [*SMALL, "--output-json", str(json_path), *flags]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -199,9 +199,9 @@ def test_gemma_3_4b_architecture(tmp_path):
     layers of 1,024 tokens, 5 full), whole images in prefill chunks."""
     from transformers import AutoConfig
 
-    from mm_serve.benchmarks.architectures import write_architecture
     from mm_serve.cache.kv_cache_groups import kv_cache_layout
     from mm_serve.config import EngineArgs
+    from tests.fixtures.checkpoints import write_architecture
 
     folder = write_architecture("gemma-3-4b", tmp_path)
     config = AutoConfig.from_pretrained(folder)

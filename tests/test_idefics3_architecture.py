@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mm_serve.benchmarks.architectures import write_architecture
 from mm_serve.encoders.processors import get_image_processor
 from tests.fixtures import family_checks as checks
+from tests.fixtures.checkpoints import write_architecture
 from tests.fixtures.images import photo
 
 

@@ -112,8 +112,8 @@ def test_benchmark_architecture(tmp_path, name, billions):
     from transformers import AutoConfig, AutoProcessor
     from transformers import InternVLForConditionalGeneration as HFModel
 
-    from mm_serve.benchmarks.architectures import write_architecture
     from mm_serve.models.internvl import InternVLForConditionalGeneration
+    from tests.fixtures.checkpoints import write_architecture
 
     folder = write_architecture(name, tmp_path)
     config = AutoConfig.from_pretrained(folder)

@@ -251,8 +251,8 @@ def test_benchmark_architecture_has_the_published_config(tmp_path, name, text, t
     config, and HF's processor and ours agree on the pixels and tokens of a 1280 x 720 photo."""
     from transformers import AutoProcessor
 
-    from mm_serve.benchmarks.architectures import write_architecture
     from mm_serve.config import EngineArgs
+    from tests.fixtures.checkpoints import write_architecture
 
     folder = write_architecture(name, tmp_path)
     config = checks.hf_config(folder)

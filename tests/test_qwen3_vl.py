@@ -176,8 +176,8 @@ def test_architecture_has_the_published_config(tmp_path, name):
     and both resize a 1280 x 720 image into 40 x 22 tokens of 32 x 32 pixels."""
     from transformers import AutoProcessor
 
-    from mm_serve.benchmarks.architectures import write_architecture
     from mm_serve.config import EngineArgs
+    from tests.fixtures.checkpoints import write_architecture
 
     text, vision = PUBLISHED[name]
     folder = write_architecture(name, tmp_path)
