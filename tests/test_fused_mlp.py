@@ -50,7 +50,7 @@ def test_kernel_in_triton_interpreter() -> None:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "matches"]
     result = subprocess.run([*cmd, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "6 passed" in result.stdout, result.stdout[-3000:]
+    assert "4 passed" in result.stdout, result.stdout[-3000:]
 
 
 @pytest.mark.skipif(not (HOPPER or INTERPRET), reason="needs an sm90+ GPU or the interpreter")
