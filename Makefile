@@ -2,7 +2,7 @@
 #   make serve  set up, then serve the bundled demo VLM and its web page on 127.0.0.1:8000
 #               (make serve MODEL=/path/to/checkpoint ARGS="--port 8001 --max-model-len 4096")
 #   make test   set up, then run the test suite
-#   make demo   set up, then generate offline with a tiny checkpoint built on the spot
+#   make demo   set up, then generate offline with the bundled demo VLM
 PYTHON ?= python3
 MODEL ?=
 ARGS ?=

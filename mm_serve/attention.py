@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -56,3 +57,30 @@ class AttentionMetadata:
     def for_group(self, group: int) -> AttentionMetadata:
         """The metadata of KV-cache group ``group`` (0: this one)."""
         return self if group == 0 else self.group_metadata[group - 1]
+
+
+def paged_metadata(
+    reqs: list[tuple[int, int]], tables: list[list[int]], block_size: int, device
+) -> AttentionMetadata:
+    """The metadata of one step of ``reqs`` = ``[(cached tokens, new tokens)]``, one block table
+    each in ``tables`` (padded with block 0 to the longest): token ``p`` of a request goes to
+    slot ``table[p // block_size] * block_size + p % block_size``. For kernel tests and
+    benchmarks, where a hand-made batch stands in for the model runner's."""
+    starts = [0, *itertools.accumulate(n for _, n in reqs)]
+    seq_lens = [c + n for c, n in reqs]
+    slots = [t[p // block_size] * block_size + p % block_size
+             for (c, n), t in zip(reqs, tables, strict=True) for p in range(c, c + n)]  # fmt: skip
+    width = max(map(len, tables))
+    as_tensor = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
+    return AttentionMetadata(
+        num_reqs=len(reqs),
+        num_tokens=starts[-1],
+        slot_mapping=as_tensor(slots, torch.int64),
+        query_start_loc=as_tensor(starts, torch.int32),
+        seq_lens=as_tensor(seq_lens, torch.int32),
+        block_table=as_tensor([t + [0] * (width - len(t)) for t in tables], torch.int32),
+        max_query_len=max(n for _, n in reqs),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=seq_lens,
+    )

@@ -11,12 +11,19 @@ The processes of ``no_main_context(method)`` leave ``__main__`` alone: the prepa
 that describes the parent to the child (``multiprocessing.spawn.get_preparation_data``) omits
 the main module for them, and only for them. Everything else the child is told (``sys.path``,
 ``sys.argv``, the working directory, the authkey) stays as the standard library sends it.
+
+``group_members(pgid)``: the live processes of a process group, for whoever stops one (a server
+started in its own session and the engine core and workers it started); ``free_port()``: a
+port to start such a server on.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 from multiprocessing import context, spawn
+from pathlib import Path
 from typing import Any
 
 # How often a child process (engine core, TP worker) checks that its parent is still there.
@@ -89,3 +96,23 @@ def no_main_context(method: str) -> context.BaseContext:
     if method not in _CONTEXTS:
         raise ValueError(f"No main-free context for {method!r}; use one of {sorted(_CONTEXTS)}.")
     return _CONTEXTS[method]
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of a process group (read from /proc)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(stat[2]) == pgid and stat[0] not in ("Z", "X"):
+            members.append(int(entry))
+    return members
+
+
+def free_port() -> int:
+    """A TCP port free now on the loopback."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

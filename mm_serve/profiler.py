@@ -2,8 +2,7 @@
 ``stop_profile``: set ``MM_SERVE_TORCH_PROFILER_DIR`` to a folder, call ``LLM.start_profile()``,
 run requests, call ``LLM.stop_profile()``. The engine core process (where the model runs at one
 rank by default) and each tensor-parallel worker process write one Chrome trace each
-(``.pt.trace.json.gz``) into the folder; ``chrome://tracing`` or Perfetto opens it, and
-``python -m mm_serve.benchmarks.trace_gaps`` prints where its device idled.
+(``.pt.trace.json.gz``) into the folder; ``chrome://tracing`` or Perfetto opens it.
 
 ``MM_SERVE_TORCH_PROFILER_ACTIVITIES``: "cpu,cuda" (the default; CUDA only where the process
 has a GPU) or "cuda" alone, which records the device's kernels and copies but no host

@@ -1,9 +1,9 @@
 """Offline generation with the LLM API.
 
-Without arguments it builds a tiny random-weight Qwen2 checkpoint in a temporary folder (no
-download needed; removed at the end) and generates from it, so the output is gibberish but the
-whole engine runs: loading, paged KV cache, chunked prefill, prefix caching, sampling,
-detokenization. Run it with the project's environment (``make`` creates ``.venv``):
+Without arguments it generates from the bundled demo VLM (``samples/demo_vlm/model``: small,
+trained on generated scenes, no download needed), so the whole engine runs on any CPU:
+loading, paged KV cache, chunked prefill, prefix caching, sampling, detokenization. Run it
+with the project's environment (``make`` creates ``.venv``):
 
     .venv/bin/python samples/offline_generate.py                 # or: make demo
     .venv/bin/python samples/offline_generate.py /path/to/model  # any supported HF checkpoint
@@ -12,21 +12,16 @@ detokenization. Run it with the project's environment (``make`` creates ``.venv`
 from __future__ import annotations
 
 import sys
-import tempfile
 import time
+from pathlib import Path
 
 from mm_serve import LLM, SamplingParams
-from mm_serve.testing.checkpoints import build_tiny_checkpoint
+
+DEMO_MODEL = Path(__file__).resolve().parent / "demo_vlm" / "model"
 
 
 def main() -> None:
-    if len(sys.argv) > 1:
-        generate(sys.argv[1])
-        return
-    with tempfile.TemporaryDirectory(prefix="mm_serve_tiny_") as folder:
-        model = build_tiny_checkpoint(folder, family="qwen2")
-        print(f"Built a tiny random-weight checkpoint in {model}")
-        generate(model)
+    generate(sys.argv[1] if len(sys.argv) > 1 else str(DEMO_MODEL))
 
 
 def generate(model: str) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mm_serve.testing.checkpoints import build_tiny_checkpoint
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from tests.fixtures.checkpoints import build_tiny_checkpoint
+from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 
 @pytest.fixture(scope="session")

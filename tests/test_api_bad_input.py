@@ -24,8 +24,8 @@ import httpx
 import pytest
 from PIL import Image
 
-from mm_serve.testing.server import RemoteServer
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from tests.fixtures.server import RemoteServer
+from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 MAX_MODEL_LEN = 256
 LIMIT_IMAGES = 2

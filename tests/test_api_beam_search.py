@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from mm_serve import LLM, BeamSearchParams
-from mm_serve.testing.server import image_question, noise_png_url, openai_client
+from tests.fixtures.server import image_question, noise_png_url, openai_client
 
 MODEL = "tiny-vlm"
 MAX_MODEL_LEN = 512

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mm_serve.testing.server import http_client
-from mm_serve.testing.vlm_checkpoints import (
+from tests.fixtures.server import http_client
+from tests.fixtures.vlm_checkpoints import (
     QWEN_MIN_PIXELS,
     QWEN_VL_CHAT_TEMPLATE,
     build_tiny_vlm_checkpoint,

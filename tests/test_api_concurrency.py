@@ -18,8 +18,8 @@ import httpx
 import pytest
 from test_api_server import data_url, photo_path, user
 
-from mm_serve.testing.server import RemoteServer, assert_group_gone, metric
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from tests.fixtures.server import RemoteServer, assert_group_gone, metric
+from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 NUM_REQUESTS = 200
 # A model length that lets the given-up requests run for seconds; KV blocks for all of them.

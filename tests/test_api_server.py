@@ -20,8 +20,8 @@ import pytest
 from PIL import Image
 
 from mm_serve import LLM, SamplingParams
-from mm_serve.testing.server import free_port, metric, serve_checked
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from tests.fixtures.server import free_port, metric, serve_checked
+from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 API_KEY = "test-key"
 MODEL = "tiny-vlm"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from mm_serve.testing.checkpoints import build_tiny_checkpoint
-from mm_serve.testing.server import http_client
+from tests.fixtures.checkpoints import build_tiny_checkpoint
+from tests.fixtures.server import http_client
 
 MODEL = "tiny-llama"
 MESSAGES = [{"role": "user", "content": "Hello there"}]

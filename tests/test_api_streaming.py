@@ -23,8 +23,8 @@ from pydantic import ValidationError
 
 from mm_serve.entrypoints.openai.errors import validation_error
 from mm_serve.entrypoints.openai.protocol import ChatCompletionRequest
-from mm_serve.testing.server import serve_checked
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint, tokenizer_size
+from tests.fixtures.server import serve_checked
+from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint, tokenizer_size
 
 EXTRA_ROWS = 300  # embedding rows beyond the tokenizer: about 40% of the ids decode to nothing
 MAX_TOKENS = 24

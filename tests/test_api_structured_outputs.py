@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from mm_serve import SamplingParams
-from mm_serve.testing.server import openai_client
+from tests.fixtures.server import openai_client
 
 MODEL = "tiny-vlm"
 MAX_MODEL_LEN = 512

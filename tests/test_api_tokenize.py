@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mm_serve.testing.server import serve_checked
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from tests.fixtures.server import serve_checked
+from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 MODEL = "tiny-vlm"
 MAX_MODEL_LEN = 512

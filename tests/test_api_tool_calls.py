@@ -13,7 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from mm_serve.entrypoints.openai.tool_calls import HermesToolParser, ToolCallStream, ToolMode
-from mm_serve.testing.server import openai_client
+from tests.fixtures.server import openai_client
 
 MODEL = "tiny-vlm"
 WEATHER = {

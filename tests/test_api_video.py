@@ -16,10 +16,10 @@ import pytest
 import torch
 from test_api_bad_input import CHAT, assert_error, held
 
-from mm_serve.testing.hf_reference import hf_greedy_generate
-from mm_serve.testing.server import RemoteServer
-from mm_serve.testing.video_clips import encode_clip, hf_decode, moving_shapes
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from tests.fixtures.hf_reference import hf_greedy_generate
+from tests.fixtures.server import RemoteServer
+from tests.fixtures.video_clips import encode_clip, hf_decode, moving_shapes
+from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 warnings.filterwarnings("ignore", message=".*per-frame pixel cap.*")
 

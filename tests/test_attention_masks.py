@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mm_serve.benchmarks.kernels import paged_metadata
+from mm_serve.attention import paged_metadata
 from mm_serve.kernels import paged_attention_ref
 
 ON_GPU = torch.cuda.is_available()

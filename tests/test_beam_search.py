@@ -26,8 +26,8 @@ from mm_serve import LLM, BeamSearchParams
 from mm_serve.beam_search import BeamSearch
 from mm_serve.frontend.processor import ProcessedPrompt
 from mm_serve.outputs import Logprob
-from mm_serve.testing.leaks import assert_llm_idle
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from tests.fixtures.leaks import assert_llm_idle
+from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 PROMPT_LENGTHS = [3, 17, 40, 9]
 # (beam_width, length_penalty, max_tokens)

@@ -16,11 +16,10 @@ import torch
 from PIL import Image
 from transformers import AutoConfig, AutoProcessor
 
-from mm_serve.benchmarks.architectures import write_architecture
-from mm_serve.benchmarks.datasets import random_image
-from mm_serve.benchmarks.latency import weight_bytes
 from mm_serve.config import EngineArgs
 from mm_serve.models.loader import load_model
+from tests.fixtures.checkpoints import write_architecture
+from tests.fixtures.images import generated
 
 # The web stack and the engine core's socket: an engine in this process needs neither (msgspec,
 # a core dependency, it does need: ``EngineCoreOutput`` is a msgspec Struct).
@@ -84,7 +83,7 @@ def test_architecture_has_the_published_config(tmp_path, name) -> None:
     ours = get_image_processor(folder, config)
     hf = AutoProcessor.from_pretrained(folder).image_processor
     for (width, height), tokens in {(448, 448): 256, (1280, 720): 46 * 26}.items():
-        image = random_image(_rng(), width, height)
+        image = generated(width, height, seed=0)
         assert ours.preprocess(image).num_tokens == tokens
         grid = hf(images=[image], return_tensors="pt")["image_grid_thw"]
         assert int(grid.prod()) // 4 == tokens
@@ -103,15 +102,10 @@ def test_architecture_files_are_transformers_own(tmp_path) -> None:
         assert (again / file).read_text() == (folder / file).read_text(), file
 
 
-def _rng():
-    import numpy as np
-
-    return np.random.default_rng(0)
-
-
-def test_unknown_architecture_and_load_format(tmp_path, tiny_arch) -> None:
-    with pytest.raises(ValueError, match="Unknown architecture"):
+def test_unknown_architecture_and_load_format(tmp_path, tiny_arch, capsys) -> None:
+    with pytest.raises(SystemExit):
         write_architecture("qwen2-vl-3b", tmp_path)
+    assert "invalid choice: 'qwen2-vl-3b'" in capsys.readouterr().err
     config = dataclasses.replace(_model_config(tiny_arch), load_format="npcache")
     with pytest.raises(ValueError, match="Unknown load_format 'npcache'"):
         load_model(config, "cpu")
@@ -134,9 +128,6 @@ def test_dummy_weights_are_seeded_random_and_tied(tiny_arch) -> None:
             assert not torch.equal(param, other_seed.get_parameter(name)), name
     rotary = model.model.layers[0].self_attn.attn.rotary_emb.cos_sin_cache
     assert torch.isfinite(rotary).all() and rotary[:, 0].abs().sum() > 0
-    # Tied: the whole model counts the matrix once, the LM-only bytes count it as the head.
-    vision = sum(p.numel() * 4 for n, p in model.named_parameters() if n.startswith("visual."))
-    assert weight_bytes(model) - weight_bytes(model, lm_only=True) == vision
 
 
 def test_dummy_model_generates_with_images(tiny_arch) -> None:
@@ -232,7 +223,7 @@ def test_bench_throughput_cli_with_varied_image_sizes(tmp_path) -> None:
     assert proc.returncode != 0 and "--peer-bench sends vLLM's random-mm" in proc.stderr
 
 
-def test_bench_latency_cli(tmp_path) -> None:
+def test_bench_latency_cli(tmp_path, tiny_arch) -> None:
     args = ["latency", "--batch-size", "2", "--input-len", "8", "--output-len", "6"]
     args += ["--image-size", "56", "56", "--num-iters", "2", "--num-iters-warmup", "1"]
     result, stdout = _run_bench(args, tmp_path)
@@ -243,14 +234,18 @@ def test_bench_latency_cli(tmp_path) -> None:
         assert 0 < min(stats["latencies_s"]) <= stats["median_s"] <= stats["p99_s"]
     assert result["decode_step_ms"] is not None
     assert result["all_weight_bytes"] > result["lm_weight_bytes"] > 0
+    # Tied: the whole model counts the matrix once, the LM-only bytes count it as the head.
+    model = load_model(_model_config(tiny_arch), "cpu")
+    vision = sum(p.numel() * 4 for n, p in model.named_parameters() if n.startswith("visual."))
+    assert result["all_weight_bytes"] - result["lm_weight_bytes"] == vision
     assert result["floor_lm_weights_ms"] is None  # no copy bandwidth on CPU
 
 
 @pytest.mark.parametrize("images", [[], ["--image-size", "56", "56"]], ids=["text", "images"])
-def test_host_overhead_script(images) -> None:
+def test_bench_host_overhead_cli(images) -> None:
     """The engine core's host work per decode step, and the front end's: a row per batch size,
     every timed step gave each request a token (the script checks it)."""
-    command = [sys.executable, "-m", "mm_serve.benchmarks.host_overhead"]
+    command = [sys.executable, "-m", "mm_serve.entrypoints.cli", "bench", "host-overhead"]
     args = ["--batch-sizes", "1", "4", "--steps", "5", *images]
     proc = subprocess.run([*command, *args], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -260,25 +255,3 @@ def test_host_overhead_script(images) -> None:
     for batch, step_ms, per_request_us, front_end_ms in rows:
         assert float(step_ms) > 0 and float(front_end_ms) > 0
         assert abs(float(per_request_us) - float(step_ms) * 1e3 / int(batch)) < 1.0  # rounding
-
-
-def test_varied_image_sizes_in_the_profiling_flags() -> None:
-    """``--max-image-size`` draws each image's width and height between ``--image-size``'s and
-    its own, reproducibly by seed; a range that ends below its start is an error."""
-    from mm_serve.benchmarks import common
-    from mm_serve.benchmarks.datasets import random_image_dataset
-
-    parser = common.profile_parser("profile", output_len=4)
-    args = parser.parse_args(
-        ["--image-size", "56", "84", "--max-image-size", "112", "90", "--num-prompts", "3"]
-    )
-    prompts = common.profile_prompts(args, "qwen2_vl", seed=5, count=40)
-    sizes = [p["multi_modal_data"]["image"][0].size for p in prompts]
-    assert all(56 <= w <= 112 and 84 <= h <= 90 for w, h in sizes)
-    assert len(set(sizes)) > 10
-    again = common.profile_prompts(args, "qwen2_vl", seed=5, count=40)
-    assert [p["multi_modal_data"]["image"][0].size for p in again] == sizes
-    fixed = common.profile_prompts(parser.parse_args([]), "qwen2_vl", seed=5, count=3)
-    assert {p["multi_modal_data"]["image"][0].size for p in fixed} == {(448, 448)}
-    with pytest.raises(ValueError, match="below image_size"):
-        random_image_dataset(1, image_size=(64, 64), max_image_size=(32, 128))

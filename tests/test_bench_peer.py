@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from mm_serve.benchmarks import common, peer_vllm, roofline, throughput
-from mm_serve.benchmarks.architectures import write_architecture
 from mm_serve.benchmarks.datasets import random_image, random_image_dataset
 from mm_serve.benchmarks.peer_vllm import PeerRunner, PeerWorkload
+from tests.fixtures.checkpoints import write_architecture
 
 FAKE_PEER = """#!{python}
 import json, os, sys

@@ -1,4 +1,4 @@
-"""``python -m mm_serve.benchmarks.peer_serve``: the serving side by side with vLLM.
+"""``mm-serve bench peer-serve``: the serving side by side with vLLM.
 
 The report (table rows, verdicts, cold start) from result JSONs written in the format of vLLM
 0.33's ``bench serve --save-result --save-detailed``, through the real CLI. Then the server
@@ -26,8 +26,9 @@ import pytest
 from PIL import Image
 
 from mm_serve.benchmarks import peer_serve, peer_serve_report
-from mm_serve.benchmarks.architectures import write_architecture
-from mm_serve.testing.server import free_port, group_members
+from mm_serve.entrypoints import cli
+from tests.fixtures.checkpoints import write_architecture
+from tests.fixtures.server import free_port, group_members
 
 # ---------------------------------------------------------------- report
 
@@ -66,7 +67,8 @@ def write_results(folder, results: dict[str, dict]) -> None:
 
 
 def report_cli(folder) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "mm_serve.benchmarks.peer_serve", "--report-only"]
+    command = [sys.executable, "-m", "mm_serve.entrypoints.cli", "bench", "peer-serve"]
+    command += ["--report-only"]
     return subprocess.run(
         [*command, "--out", str(folder)], capture_output=True, text=True, timeout=120
     )
@@ -295,8 +297,11 @@ def test_an_engine_whose_load_generator_fails_is_recorded_and_stopped(tmp_path):
     """Without vLLM the load generator exits at once: the run records the error with the
     log's tail, stops our server (port free) and still writes the report."""
     cpu = "--device cpu --max-model-len 512 --num-kv-blocks 64 --mm-preprocess-workers 1"
-    argv = ["--model-arch", "tiny-qwen2-vl", "--out", str(tmp_path), "--engines", "mm_serve"]
-    report = peer_serve.main([*argv, "--mm-serve-args", cpu, "--vllm-pythonpath", ""])
+    argv = ["bench", "peer-serve", "--model-arch", "tiny-qwen2-vl", "--out", str(tmp_path)]
+    argv += ["--engines", "mm_serve", "--mm-serve-args", cpu, "--vllm-pythonpath", ""]
+    args = cli.build_parser(argv).parse_args(argv)
+    assert args.func(args) == 0
+    report = json.loads((tmp_path / "peer_serve.json").read_text())
     info = json.loads((tmp_path / "mm_serve_server.json").read_text())
     assert "vllm bench serve exited with 1" in info["error"] and "vllm" in info["error"]
     assert report["engines"] == {"mm_serve": {**info, "runs": {}}}

@@ -10,8 +10,8 @@ import torch
 from transformers import AutoConfig
 
 from mm_serve.benchmarks import roofline
-from mm_serve.benchmarks.architectures import write_architecture
 from mm_serve.benchmarks.roofline import Rates, Workload
+from tests.fixtures.checkpoints import write_architecture
 
 ISSUE_RATES = Rates(matmul_flops_per_s=800e12, copy_bytes_per_s=3.0e12)
 

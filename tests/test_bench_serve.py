@@ -29,8 +29,8 @@ from mm_serve.benchmarks.serve_metrics import (
     plot_latencies,
     summarize,
 )
-from mm_serve.testing.server import RemoteServer, free_port, metric
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from tests.fixtures.server import RemoteServer, free_port, metric
+from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 OUTPUT_LEN = 5
 SMALL = ["--image-size", "56", "56", "--input-len", "8", "--output-len", str(OUTPUT_LEN)]
@@ -199,8 +199,9 @@ def assert_no_running_requests(server: RemoteServer, timeout_s: float = 5.0) -> 
 
 
 def run_bench(server: RemoteServer, json_path, *flags: str) -> dict:
-    """``python -m mm_serve.benchmarks.serve`` as a user runs it; returns its JSON."""
-    command = [sys.executable, "-m", "mm_serve.benchmarks.serve", "--base-url", server.url]
+    """``mm-serve bench serve`` as a user runs it; returns its JSON."""
+    command = [sys.executable, "-m", "mm_serve.entrypoints.cli", "bench", "serve"]
+    command += ["--base-url", server.url]
     command += [*SMALL, "--output-json", str(json_path), *flags]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -31,8 +31,8 @@ from mm_serve.entrypoints.cli_flags import (
     format_byte_size,
     parse_byte_size,
 )
-from mm_serve.testing.server import assert_group_gone, free_port
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from tests.fixtures.server import assert_group_gone, free_port
+from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 EXAMPLE_IMAGE = Path(__file__).resolve().parents[1] / "samples" / "demo_vlm" / "example.png"
 PREFIX = "Answer in one word."  # what the --chat-template file adds to the checkpoint's

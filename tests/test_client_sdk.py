@@ -29,8 +29,8 @@ from mm_serve.client import (
     NotFoundError,
     image_to_url,
 )
-from mm_serve.testing.server import RemoteServer, free_port
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from tests.fixtures.server import RemoteServer, free_port
+from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 API_KEY = "sdk-test-key"
 MAX_TOKENS = 6

@@ -35,8 +35,8 @@ from mm_serve.messages import (
 from mm_serve.outputs import EngineCoreOutput
 from mm_serve.request import MultiModalFeature, PlaceholderRange, Request
 from mm_serve.stats import EngineStats
-from mm_serve.testing.leaks import shut_down_and_check
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from tests.fixtures.leaks import shut_down_and_check
+from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 ENGINE_ARGS = {"num_kv_blocks": 128, "max_model_len": 512}
 TAG = "<|vision_start|><|image_pad|><|vision_end|>"

@@ -23,7 +23,7 @@ from mm_serve.frontend.async_llm import AsyncLLM
 from mm_serve.frontend.core_client import EngineCoreClient
 from mm_serve.frontend.exceptions import EngineStartupError
 from mm_serve.parallel_config import ParallelConfig
-from mm_serve.testing.leaks import process_gone, shut_down_and_check
+from tests.fixtures.leaks import process_gone, shut_down_and_check
 
 
 @contextlib.contextmanager

@@ -21,7 +21,6 @@ from test_vlm_vs_hf import HFVisionReference, prompt_cases, qwen2_vl_cases
 from mm_serve import LLM, SamplingParams
 from mm_serve.compilation_config import cuda_graph_batch_sizes, cuda_graph_num_tokens
 from mm_serve.config import EngineArgs
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
 from mm_serve.worker import cuda_graphs as cuda_graphs_module
 from mm_serve.worker.cuda_graphs import (
     CudaGraphRunner,
@@ -29,6 +28,7 @@ from mm_serve.worker.cuda_graphs import (
     is_decode_only,
     padded_batch_size,
 )
+from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (CPU is always eager)"

@@ -1,6 +1,5 @@
 """The GEMM with the MLP's activation in its epilogue (``kernels/triton_gemm.py``) against
-cuBLAS and the activation kernels, and the dispatch that picks it; the split-K GEMM that
-``benchmarks/decode_splitk.py`` times against ``F.linear``.
+cuBLAS and the activation kernels, and the dispatch that picks it.
 
 On an sm90+ GPU the kernel runs compiled at Qwen2-VL-2B's shapes in bf16 and fp16. On a CPU
 host it runs in Triton's interpreter in fp32 at small shapes and tiles, in a child pytest of
@@ -51,7 +50,7 @@ def test_kernel_in_triton_interpreter() -> None:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "matches"]
     result = subprocess.run([*cmd, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "6 passed" in result.stdout, result.stdout[-3000:]
+    assert "4 passed" in result.stdout, result.stdout[-3000:]
 
 
 @pytest.mark.skipif(not (HOPPER or INTERPRET), reason="needs an sm90+ GPU or the interpreter")
@@ -74,29 +73,6 @@ def test_fused_kernel_matches_linear_then_activation(act, has_bias, dtype, monke
     assert out.shape == (rows, n) and out.dtype == dtype
     err = (out.float() - ref).abs().max() / ref.abs().max()
     assert err <= TOLERANCE[dtype], err
-
-
-@pytest.mark.skipif(not (HOPPER or INTERPRET), reason="needs an sm90+ GPU or the interpreter")
-@pytest.mark.parametrize("has_bias", [False, True])
-def test_split_k_gemm_matches_linear(has_bias) -> None:
-    """Ragged rows and columns, ``K`` cut into 3 slices (the last one past ``K``), called twice
-    through one workspace: the per-tile counts are back at zero after each call."""
-    from mm_serve.benchmarks.decode_splitk import SplitKLinear
-
-    (m, n, k), config = ((200, 1000, 1600), (128, 128, 64, 3, 4, 4)) if HOPPER else (
-        (40, 72, 80), (32, 32, 16, 3, 2, 4))  # fmt: skip
-    dtype = torch.bfloat16 if HOPPER else torch.float32
-    gen = torch.Generator().manual_seed(int(has_bias))
-    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(DEVICE, dtype)
-    bias = torch.randn(n, generator=gen).to(DEVICE, dtype) if has_bias else None
-    call = SplitKLinear(m, n, k, config, DEVICE)
-    for _ in range(2):
-        x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
-        ref = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-        out = call(x, weight, bias)
-        assert out.shape == (m, n) and out.dtype == dtype
-        assert (out.float() - ref).abs().max() <= TOLERANCE[dtype] * ref.abs().max()
-        assert not call.counts.any()
 
 
 @triton.jit

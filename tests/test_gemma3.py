@@ -18,10 +18,10 @@ import torch
 
 from mm_serve import LLM, SamplingParams
 from mm_serve.request import Request
-from mm_serve.testing import family_checks as checks
-from mm_serve.testing.hf_reference import hf_greedy_generate
-from mm_serve.testing.images import Case, generated, mixed_batch, photo, processor_images
-from mm_serve.testing.leaks import assert_llm_idle
+from tests.fixtures import family_checks as checks
+from tests.fixtures.hf_reference import hf_greedy_generate
+from tests.fixtures.images import Case, generated, mixed_batch, photo, processor_images
+from tests.fixtures.leaks import assert_llm_idle
 
 MAX_NEW_TOKENS = checks.MAX_NEW_TOKENS
 LONG_TEXT = (
@@ -200,9 +200,9 @@ def test_gemma_3_4b_architecture(tmp_path):
     layers of 1,024 tokens, 5 full), whole images in prefill chunks."""
     from transformers import AutoConfig
 
-    from mm_serve.benchmarks.architectures import write_architecture
     from mm_serve.cache.kv_cache_groups import kv_cache_layout
     from mm_serve.config import EngineArgs
+    from tests.fixtures.checkpoints import write_architecture
 
     folder = write_architecture("gemma-3-4b", tmp_path)
     config = AutoConfig.from_pretrained(folder)

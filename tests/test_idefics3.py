@@ -15,8 +15,8 @@ import torch
 
 from mm_serve import SamplingParams
 from mm_serve.models.vlm import tiles_on_device
-from mm_serve.testing import family_checks as checks
-from mm_serve.testing.images import Case, generated, mixed_batch, photo, processor_images
+from tests.fixtures import family_checks as checks
+from tests.fixtures.images import Case, generated, mixed_batch, photo, processor_images
 
 
 def cases() -> list[Case]:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mm_serve.benchmarks.architectures import write_architecture
 from mm_serve.encoders.processors import get_image_processor
-from mm_serve.testing import family_checks as checks
-from mm_serve.testing.images import photo
+from tests.fixtures import family_checks as checks
+from tests.fixtures.checkpoints import write_architecture
+from tests.fixtures.images import photo
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,7 @@ from mm_serve.encoders.clip_processor import CLIPImageProcessor  # noqa: E402
 from mm_serve.encoders.image_io import load_image, to_rgb  # noqa: E402
 from mm_serve.encoders.processors import get_image_processor  # noqa: E402
 from mm_serve.encoders.qwen2_vl_processor import Qwen2VLImageProcessor, smart_resize  # noqa: E402
-from mm_serve.testing.vlm_checkpoints import (  # noqa: E402
+from tests.fixtures.vlm_checkpoints import (  # noqa: E402
     LAYOUTS,
     QWEN_MAX_PIXELS,
     build_tiny_vlm_checkpoint,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 # Package -> folder, as in pyproject.toml's [tool.setuptools.package-dir].
@@ -142,8 +142,8 @@ def test_no_module_loads_both_the_scheduler_and_the_web_server() -> None:
 
 
 # Folders whose function-level imports still form cycles (kernels: dispatch <-> activation and
-# linear; benchmarks: kernels <-> prefill_attention); their module-level imports form none.
-LAZY_CYCLES_LEFT = ("mm_serve.kernels", "mm_serve.benchmarks")
+# linear); their module-level imports form none.
+LAZY_CYCLES_LEFT = ("mm_serve.kernels",)
 
 
 @pytest.mark.parametrize("lazy", [False, True], ids=["module-level", "with-lazy"])
@@ -172,3 +172,45 @@ def test_the_engine_core_process_starts_before_torch_is_imported() -> None:
     modules = loaded_modules("mm_serve.entrypoints.launch, mm_serve.frontend.engine_process")
     assert "mm_serve.frontend.engine_process" in modules
     assert [m for m in modules if m == "torch" or m.startswith("torch.")] == []
+
+
+def test_benchmarks_hold_only_what_a_bench_command_reaches() -> None:
+    """Every module of ``mm_serve.benchmarks`` is one a ``mm-serve bench`` subcommand imports,
+    directly or through others (function-level imports included)."""
+    from mm_serve.entrypoints.cli import BENCH_COMMANDS
+
+    graph = import_graph(lazy=True)
+    reached = set()
+    for module, _ in BENCH_COMMANDS.values():
+        reached |= _loads(graph, f"mm_serve.benchmarks.{module}")
+    package = {name for name in graph if _in(name, ("mm_serve.benchmarks",))}
+    assert sorted(package - reached) == []
+
+
+# Test files that still unit-test a benchmark's internals (its arrival times, metrics, roofline
+# model, report) by importing it; every other test reaches the benchmarks through the CLI.
+BENCH_INTERNALS_TESTED = (
+    "test_bench_peer.py",
+    "test_bench_peer_serve.py",
+    "test_bench_roofline.py",
+    "test_bench_serve.py",
+)
+
+
+def test_tests_reach_the_benchmarks_through_the_cli() -> None:
+    """No test file imports ``mm_serve.benchmarks`` (they run ``mm-serve bench ...``), except
+    those listed in ``BENCH_INTERNALS_TESTED``."""
+    importing = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                names = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            if any(_in(name, ("mm_serve.benchmarks",)) for name in names):
+                importing.append(path.name)
+                break
+    assert sorted(set(importing) - set(BENCH_INTERNALS_TESTED)) == []

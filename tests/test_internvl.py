@@ -17,9 +17,9 @@ import torch
 
 from mm_serve.encoders.processors import get_image_processor
 from mm_serve.models.vlm import tiles_on_device
-from mm_serve.testing import family_checks as checks
-from mm_serve.testing.family_checkpoint import TINY_VISION
-from mm_serve.testing.images import Case, generated, mixed_batch, photo
+from tests.fixtures import family_checks as checks
+from tests.fixtures.family_checkpoint import TINY_VISION
+from tests.fixtures.images import Case, generated, mixed_batch, photo
 
 IMAGE = "<IMG_CONTEXT>"
 
@@ -112,8 +112,8 @@ def test_benchmark_architecture(tmp_path, name, billions):
     from transformers import AutoConfig, AutoProcessor
     from transformers import InternVLForConditionalGeneration as HFModel
 
-    from mm_serve.benchmarks.architectures import write_architecture
     from mm_serve.models.internvl import InternVLForConditionalGeneration
+    from tests.fixtures.checkpoints import write_architecture
 
     folder = write_architecture(name, tmp_path)
     config = AutoConfig.from_pretrained(folder)

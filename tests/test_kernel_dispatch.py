@@ -25,8 +25,7 @@ from test_kernels_triton import (
     _shuffled_tables,
 )
 
-from mm_serve.attention import AttentionMetadata
-from mm_serve.benchmarks.kernels import paged_metadata
+from mm_serve.attention import AttentionMetadata, paged_metadata
 from mm_serve.config import KernelConfig
 from mm_serve.kernels import dispatch, paged_attention_ref, silu_and_mul_ref, triton_rotary
 
@@ -149,7 +148,7 @@ def test_tiny_model_on_cuda_matches_cpu(tmp_path, dtype, monkeypatch) -> None:
     from mm_serve.config import EngineArgs
     from mm_serve.kernels import varlen_attention
     from mm_serve.models.loader import load_model
-    from mm_serve.testing.checkpoints import build_tiny_checkpoint
+    from tests.fixtures.checkpoints import build_tiny_checkpoint
 
     split_calls = []
     split = varlen_attention.paged_attention_split

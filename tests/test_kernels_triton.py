@@ -25,7 +25,7 @@ import torch
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
-from mm_serve.benchmarks.kernels import paged_metadata  # noqa: E402
+from mm_serve.attention import paged_metadata  # noqa: E402
 from mm_serve.kernels import (  # noqa: E402
     layer_norm_ref,
     linear_ref,

@@ -19,12 +19,13 @@ import pytest
 import torch
 
 from mm_serve import SamplingParams
+from mm_serve.dummy_processors import onevision_tokenizer
 from mm_serve.encoders.anyres import anyres_layout, select_best_resolution
 from mm_serve.encoders.llava_onevision_processor import LlavaOnevisionImageProcessor
 from mm_serve.encoders.processors import get_image_processor
-from mm_serve.testing import family_checks as checks
-from mm_serve.testing.images import Case, generated, mixed_batch, photo
-from mm_serve.testing.llava_onevision_checkpoint import ONEVISION_PINPOINTS, onevision_tokenizer
+from tests.fixtures import family_checks as checks
+from tests.fixtures.images import Case, generated, mixed_batch, photo
+from tests.fixtures.llava_onevision_checkpoint import ONEVISION_PINPOINTS
 
 PROMPT = "<|im_start|>user\n<image>\nDescribe the image.<|im_end|>\n<|im_start|>assistant\n"
 # Sizes (width, height) whose best resolutions differ: 1x1, 1x2, 2x1, 2x2, 1x3 and 3x1 tiles.
@@ -250,8 +251,8 @@ def test_benchmark_architecture_has_the_published_config(tmp_path, name, text, t
     config, and HF's processor and ours agree on the pixels and tokens of a 1280 x 720 photo."""
     from transformers import AutoProcessor
 
-    from mm_serve.benchmarks.architectures import write_architecture
     from mm_serve.config import EngineArgs
+    from tests.fixtures.checkpoints import write_architecture
 
     folder = write_architecture(name, tmp_path)
     config = checks.hf_config(folder)

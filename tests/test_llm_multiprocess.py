@@ -11,7 +11,7 @@ from PIL import Image
 from mm_serve import LLM, SamplingParams
 from mm_serve.frontend.exceptions import EngineDeadError
 from mm_serve.frontend.remote_core import RemoteEngineCore
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from mm_serve import LLM, SamplingParams
-from mm_serve.testing.leaks import assert_llm_idle
+from tests.fixtures.leaks import assert_llm_idle
 
 MAX_NEW_TOKENS = 20
 PROMPT_LENGTHS = [3, 70, 5, 8, 47, 12, 15, 16, 17, 20, 24, 31, 33, 40, 55, 64]

@@ -30,8 +30,8 @@ from mm_serve.stats import (
     RequestStats,
     RequestTimes,
 )
-from mm_serve.testing.server import serve_checked
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from tests.fixtures.server import serve_checked
+from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 MODEL = "tiny-vlm"
 ROOT = Path(__file__).resolve().parents[1]

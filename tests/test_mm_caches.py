@@ -7,8 +7,8 @@ import pytest
 from test_vlm_vs_hf import PLACEHOLDER, HFVisionReference, generated, photo
 
 from mm_serve import LLM, SamplingParams
-from mm_serve.testing.leaks import assert_llm_idle
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from tests.fixtures.leaks import assert_llm_idle
+from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 MAX_NEW_TOKENS = 8
 CACHES_OFF = {"enable_prefix_caching": False, "mm_processor_cache_gb": 0}

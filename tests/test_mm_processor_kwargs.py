@@ -14,7 +14,7 @@ from mm_serve.encoders.qwen2_vl_processor import (
     LOW_DETAIL_MAX_PIXELS,
     Qwen2VLImageProcessor,
 )
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 
 def test_qwen_with_kwargs_replaces_the_pixel_bounds() -> None:

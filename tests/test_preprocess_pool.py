@@ -24,8 +24,8 @@ from mm_serve.config import EngineArgs
 from mm_serve.encoders.image_io import load_image
 from mm_serve.encoders.processors import get_image_processor
 from mm_serve.preprocess.pool import PreprocessPool
-from mm_serve.testing.leaks import assert_llm_idle
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from tests.fixtures.leaks import assert_llm_idle
+from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 TAG = "<|vision_start|><|image_pad|><|vision_end|>"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)

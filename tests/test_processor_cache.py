@@ -14,7 +14,7 @@ from PIL import Image
 
 from mm_serve import LLM, SamplingParams
 from mm_serve.cache import ProcessorCache
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 TAG = "<|vision_start|><|image_pad|><|vision_end|>"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)

@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from mm_serve import LLM, SamplingParams
-from mm_serve.benchmarks.trace_gaps import device_gaps
 from mm_serve.profiler import ACTIVITIES_ENV, DIR_ENV, TorchProfiler
-from mm_serve.testing.server import http_client
+from tests.fixtures.server import http_client
 
 PARAMS = SamplingParams(max_tokens=3, ignore_eos=True)
 
@@ -113,12 +112,3 @@ def test_activities(tmp_path, monkeypatch):
         monkeypatch.setenv(ACTIVITIES_ENV, "cuda")
         profiler.start()
         assert profiler.stop() is None and not list(tmp_path.iterdir())
-
-
-def test_device_gaps():
-    """The union of overlapping intervals is busy time; what lies between is a gap, named by
-    the activity that ended last before it and the one after it."""
-    spans = [(0, 10, "a"), (5, 20, "b"), (30, 40, "c"), (2000, 2100, "d"), (2010, 2050, "e")]
-    busy_us, gaps = device_gaps(spans)
-    assert busy_us == 20 + 10 + 100
-    assert gaps == [(1960, "c", "d"), (10, "b", "c")]

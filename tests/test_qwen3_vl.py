@@ -19,8 +19,8 @@ from PIL import Image
 
 from mm_serve.encoders.processors import get_image_processor
 from mm_serve.models.qwen2_vl import pixels_on_device
-from mm_serve.testing import family_checks as checks
-from mm_serve.testing.images import Case, generated, mixed_batch, photo
+from tests.fixtures import family_checks as checks
+from tests.fixtures.images import Case, generated, mixed_batch, photo
 
 TAG = "<|vision_start|><|image_pad|><|vision_end|>"
 SMALL_BUDGET = 5  # tokens per step: below every test image's 6 or more image tokens
@@ -176,8 +176,8 @@ def test_architecture_has_the_published_config(tmp_path, name):
     and both resize a 1280 x 720 image into 40 x 22 tokens of 32 x 32 pixels."""
     from transformers import AutoProcessor
 
-    from mm_serve.benchmarks.architectures import write_architecture
     from mm_serve.config import EngineArgs
+    from tests.fixtures.checkpoints import write_architecture
 
     text, vision = PUBLISHED[name]
     folder = write_architecture(name, tmp_path)

@@ -29,9 +29,9 @@ from mm_serve.encoders.video_io import as_video_source
 from mm_serve.encoders.video_processors import VideoLimits, get_video_processor
 from mm_serve.models.mrope import get_mrope_input_positions
 from mm_serve.models.qwen2_vl import pixels_on_device
-from mm_serve.testing import family_checks as checks
-from mm_serve.testing.images import generated
-from mm_serve.testing.qwen_video_cases import (
+from tests.fixtures import family_checks as checks
+from tests.fixtures.images import generated
+from tests.fixtures.qwen_video_cases import (
     IMAGE,
     VIDEO,
     clip_fixture,
@@ -41,7 +41,7 @@ from mm_serve.testing.qwen_video_cases import (
     turn,
     video_prompt,
 )
-from mm_serve.testing.video_clips import moving_shapes
+from tests.fixtures.video_clips import moving_shapes
 
 warnings.filterwarnings("ignore", message=".*per-frame pixel cap.*")
 
@@ -159,7 +159,7 @@ def test_mrope_positions_match_hf(reference, ours, clip):
 
 
 def hf_greedy(reference: checks.HFReference, case: dict[str, Any]) -> checks.HFGreedy:
-    from mm_serve.testing.hf_reference import hf_greedy_generate
+    from tests.fixtures.hf_reference import hf_greedy_generate
 
     return hf_greedy_generate(reference.model, hf_inputs(reference, case), MAX_NEW_TOKENS)
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from mm_serve import SamplingParams
-from mm_serve.testing.server import RemoteServer, assert_group_gone, image_question, noise_png_url
+from tests.fixtures.server import RemoteServer, assert_group_gone, image_question, noise_png_url
 
 pytest.importorskip("ray")
 

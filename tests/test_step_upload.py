@@ -64,20 +64,21 @@ def test_a_full_engine_step_fits_the_runners_upload(vlm_path):
     token budget, with images, chunked prompts, decode and every sampling setting, never grow
     it."""
     from mm_serve import LLM, SamplingParams
-    from mm_serve.benchmarks.datasets import random_image_dataset
+    from tests.fixtures.images import generated
 
     llm = LLM(
         vlm_path, max_model_len=512, max_num_batched_tokens=256, max_num_seqs=8, multiprocess=False
     )
     runner = llm.engine_core.model_runner
     capacity = runner.upload.capacity
-    requests = random_image_dataset(12, 30, 6, (112, 112), seed=3)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog"]
     prompts = [
         {
-            "prompt": r.prompt + "<|vision_start|><|image_pad|><|vision_end|>",
-            "multi_modal_data": {"image": list(r.images)},
+            "prompt": " ".join(words[(i + j) % len(words)] for j in range(30))
+            + "<|vision_start|><|image_pad|><|vision_end|>",
+            "multi_modal_data": {"image": [generated(112, 112, seed=i)]},
         }
-        for r in requests
+        for i in range(12)
     ]
     params = SamplingParams(
         temperature=0.8,

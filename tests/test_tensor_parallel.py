@@ -24,9 +24,9 @@ from mm_serve.config import EngineArgs
 from mm_serve.engine.executor import WorkerDiedError
 from mm_serve.models.loader import load_model, safetensors_files
 from mm_serve.parallel_config import ParallelConfig, check_tensor_parallel
-from mm_serve.testing.leaks import assert_llm_idle
-from mm_serve.testing.server import RemoteServer, assert_group_gone, image_question, noise_png_url
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from tests.fixtures.leaks import assert_llm_idle
+from tests.fixtures.server import RemoteServer, assert_group_gone, image_question, noise_png_url
+from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 DEVICE = os.environ.get("MM_SERVE_TP_TEST_DEVICE", "cpu")
 two_ranks = pytest.mark.skipif(

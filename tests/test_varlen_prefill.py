@@ -18,7 +18,7 @@ import torch
 from test_kernels_triton import ON_GPU, _rel_err, _shuffled_tables
 
 from mm_serve import kernels
-from mm_serve.benchmarks.kernels import paged_metadata
+from mm_serve.attention import paged_metadata
 from mm_serve.config import KernelConfig
 from mm_serve.kernels import dispatch, paged_attention_ref, reshape_and_cache_ref
 from mm_serve.kernels import varlen_attention as varlen

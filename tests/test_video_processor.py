@@ -23,9 +23,9 @@ from mm_serve.encoders.qwen2_vl_video_processor import Qwen2VLVideoProcessor
 from mm_serve.encoders.video_io import VideoFrames, as_video_source, open_video
 from mm_serve.encoders.video_processors import VideoLimits, get_video_processor
 from mm_serve.models.mrope import get_mrope_input_positions
-from mm_serve.testing.qwen_video_cases import real_clip, shapes_clip
-from mm_serve.testing.video_clips import encode_clip, hf_decode, moving_shapes
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from tests.fixtures.qwen_video_cases import real_clip, shapes_clip
+from tests.fixtures.video_clips import encode_clip, hf_decode, moving_shapes
+from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 warnings.filterwarnings("ignore", message=".*per-frame pixel cap.*")
 

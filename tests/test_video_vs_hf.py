@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 
 from mm_serve import LLM, SamplingParams
-from mm_serve.testing import family_checks as checks
-from mm_serve.testing.leaks import assert_llm_idle
-from mm_serve.testing.qwen_video_cases import (
+from tests.fixtures import family_checks as checks
+from tests.fixtures.leaks import assert_llm_idle
+from tests.fixtures.qwen_video_cases import (
     VIDEO,
     clip_fixture,
     hf_videos,
@@ -28,7 +28,7 @@ from mm_serve.testing.qwen_video_cases import (
     turn,
     video_prompt,
 )
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 warnings.filterwarnings("ignore", message=".*per-frame pixel cap.*")
 

@@ -25,8 +25,8 @@ from PIL import Image
 from mm_serve import LLM, SamplingParams
 from mm_serve.encoders.processors import read_chat_template
 from mm_serve.frontend.processor import load_tokenizer
-from mm_serve.testing.server import RemoteServer
-from mm_serve.testing.vlm_checkpoints import (
+from tests.fixtures.server import RemoteServer
+from tests.fixtures.vlm_checkpoints import (
     QWEN_VL_CHAT_TEMPLATE,
     build_tiny_vlm_checkpoint,
     tokenizer_size,

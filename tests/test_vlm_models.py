@@ -27,7 +27,7 @@ from mm_serve.models.interface import VisionLanguageModel
 from mm_serve.models.layers.rotary import MRotaryEmbedding
 from mm_serve.models.loader import load_model
 from mm_serve.models.mrope import get_mrope_input_positions
-from mm_serve.testing.vlm_checkpoints import FAMILIES, build_tiny_vlm_checkpoint
+from tests.fixtures.vlm_checkpoints import FAMILIES, build_tiny_vlm_checkpoint
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 64
 ATOL = 1e-4

@@ -18,9 +18,9 @@ import torch
 from PIL import Image
 
 from mm_serve import LLM, SamplingParams
-from mm_serve.testing.hf_reference import hf_greedy_generate
-from mm_serve.testing.leaks import assert_llm_idle
-from mm_serve.testing.vlm_checkpoints import build_tiny_vlm_checkpoint
+from tests.fixtures.hf_reference import hf_greedy_generate
+from tests.fixtures.leaks import assert_llm_idle
+from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 MAX_NEW_TOKENS = 12
 LOGPROB_TOL = 1e-4

@@ -23,9 +23,9 @@ import pytest
 from PIL import Image
 from test_vlm_vs_hf import photo
 
-import mm_serve.testing.server as server_module
+import tests.fixtures.server as server_module
 from mm_serve.entrypoints.cli import DEMO_MODEL
-from mm_serve.testing.server import RemoteServer
+from tests.fixtures.server import RemoteServer
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 MAX_PIXELS = 1_000_000

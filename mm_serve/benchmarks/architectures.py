@@ -1,10 +1,11 @@
 """Checkpoint folders of real architectures without weights, for ``load_format="dummy"``.
 
-``write_architecture(name, folder)`` writes what the engine and HF transformers need to build a
-model and preprocess its inputs, every file through transformers' own ``save_pretrained``: the
-model's config (built from its published ``config.json`` values: sizes, vocab, RoPE), its image
-processor (the published ``preprocessor_config.json`` values), a ``GenerationConfig`` (token
-ids only: the benchmarks pass their own sampling parameters) and a tokenizer. No
+``write_architecture(name, folder)`` (``mm-serve bench architecture NAME FOLDER``) writes what
+the engine and HF transformers need to build a model and preprocess its inputs, every file
+through transformers' own ``save_pretrained``: the model's config (built from its published
+``config.json`` values: sizes, vocab, RoPE), its image processor (the published
+``preprocessor_config.json`` values), a ``GenerationConfig`` (token ids only: the benchmarks
+pass their own sampling parameters) and a tokenizer. No
 ``*.safetensors``: load it with ``load_format="dummy"`` (random weights), or build the HF model
 from its config.
 
@@ -12,16 +13,17 @@ Here: Qwen2-VL's and Qwen2.5-VL's published configs, and the writer of their fol
 Qwen3-VL's); InternVL3's, LLaVA-OneVision's and Qwen3-VL's configs, and the writers of the
 first two, are in ``family_architectures``.
 
-The tokenizer is the small byte-level BPE of ``mm_serve.testing`` with Qwen2-VL's special
-tokens and chat template (InternVL3's and LLaVA-OneVision's: with their image tokens, their
-checkpoint modules): a real vocabulary cannot be shipped offline. So the special token
-ids of the config are the small tokenizer's (they must agree with what it encodes), while
-``vocab_size`` stays the published one: the embedding and LM head have their real sizes, and a
-random model samples ids the tokenizer does not know (they decode to nothing).
+The tokenizer is the small byte-level BPE of ``mm_serve.dummy_processors`` with Qwen2-VL's
+special tokens and chat template (InternVL3's and LLaVA-OneVision's: with their image tokens):
+a real vocabulary cannot be shipped offline. So the special token ids of the config are the
+small tokenizer's (they must agree with what it encodes), while ``vocab_size`` stays the
+published one: the embedding and LM head have their real sizes, and a random model samples ids
+the tokenizer does not know (they decode to nothing).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 from typing import Any
 
@@ -35,6 +37,7 @@ from mm_serve.benchmarks.family_architectures import (
 from mm_serve.benchmarks.gemma3_architecture import write_gemma3_architecture
 from mm_serve.benchmarks.idefics3_architecture import ARCHITECTURES as IDEFICS3_ARCHITECTURES
 from mm_serve.benchmarks.idefics3_architecture import write_idefics3_architecture
+from mm_serve.dummy_processors import qwen_vl_image_token_ids
 
 # Qwen2-VL-2B-Instruct / -7B-Instruct config.json (Hugging Face Hub), minus the token ids.
 _QWEN2_VL_COMMON: dict[str, Any] = {
@@ -226,10 +229,7 @@ def _token_ids(tokenizer: Any) -> dict[str, Any]:
     return {
         "bos_token_id": ids("<|endoftext|>"),
         "eos_token_id": ids("<|im_end|>"),
-        "vision_start_token_id": ids("<|vision_start|>"),
-        "vision_end_token_id": ids("<|vision_end|>"),
-        "image_token_id": ids("<|image_pad|>"),
-        "video_token_id": ids("<|video_pad|>"),
+        **qwen_vl_image_token_ids(tokenizer),
     }
 
 
@@ -271,13 +271,13 @@ def write_architecture(name: str, folder: str | os.PathLike) -> str:
 
     Raises ``ValueError`` for an unknown name.
     """
-    from mm_serve.testing.vlm_checkpoints import vlm_tokenizer
+    from mm_serve.dummy_processors import vlm_tokenizer
 
     family_writer = _FAMILY_WRITERS.get(ARCHITECTURES.get(name, {}).get("model_type"))
     if family_writer is not None:
         return family_writer(ARCHITECTURES[name], folder)
 
-    # The tests' byte-level BPE with Qwen2's and Qwen2-VL's special tokens and chat template.
+    # The small byte-level BPE with Qwen2's and Qwen2-VL's special tokens and chat template.
     tokenizer = vlm_tokenizer("qwen2_vl")
     ids = _token_ids(tokenizer)
     config = _build_config(name, ids)
@@ -287,3 +287,16 @@ def write_architecture(name: str, folder: str | os.PathLike) -> str:
     save_generation_config(folder, pad=ids["bos_token_id"], eos=ids["eos_token_id"])
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``mm-serve bench architecture``."""
+    parser.add_argument("name", choices=architecture_names(), help="The architecture.")
+    parser.add_argument("folder", help="Where to write it (created if needed).")
+
+
+def main(args: argparse.Namespace) -> str:
+    """Write the folder; prints and returns its path."""
+    folder = write_architecture(args.name, args.folder)
+    print(folder)
+    return folder

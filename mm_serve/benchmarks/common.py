@@ -146,47 +146,6 @@ def args_dataset(args: argparse.Namespace, count: int, seed: int) -> list[BenchR
     )
 
 
-def profile_prompts(args: argparse.Namespace, model_type: str, seed: int, count: int) -> list:
-    """``count`` image prompts of a profiling script's flags (``profile_parser``): random words
-    and noise images of ``seed``, as ``LLM.generate`` takes them."""
-    return image_prompts(args_dataset(args, count, seed), model_type)
-
-
-def warm_preprocessed_batch(llm: Any, args: argparse.Namespace, params: Any) -> list:
-    """For a profiling script: run ``llm`` once on ``--num-prompts`` prompts of other images
-    (seed 2), then return ``--num-prompts`` prompts of seed 1 already through the front end's
-    preprocessing (``LLM.generate`` takes them as they are), so that a timed or profiled
-    ``generate`` of them holds the engine's work alone, warm."""
-    model_type = llm.config.model.hf_config.model_type
-    llm.generate(profile_prompts(args, model_type, 2, args.num_prompts), params, use_tqdm=False)
-    batch = profile_prompts(args, model_type, 1, args.num_prompts)
-    return [llm.input_processor.process(prompt).result() for prompt in batch]
-
-
-def profile_parser(doc: str, output_len: int) -> argparse.ArgumentParser:
-    """The flags of a profiling script (described by the first line of ``doc``): the model
-    and image flags, ``--max-image-size`` (``profile_prompts``: photos of varied sizes),
-    ``--num-prompts`` (256), ``--input-len`` (18 random words, as ``bench throughput``'s image
-    workload) and ``--output-len`` (``output_len`` tokens)."""
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    add_model_args(parser)
-    add_image_args(parser)
-    add_varied_size_arg(parser)
-    parser.add_argument("--num-prompts", type=int, default=256)
-    parser.add_argument("--input-len", type=int, default=18)
-    parser.add_argument("--output-len", type=int, default=output_len)
-    return parser
-
-
-def in_process_llm(args: argparse.Namespace, workdir: str) -> Any:
-    """An ``LLM`` of the model and engine flags (``model_folder`` in ``workdir``) with its
-    engine core in this process, so that profilers and patched methods see its steps."""
-    from mm_serve import LLM
-
-    folder, load_format = model_folder(args, workdir)
-    return LLM(folder, **engine_kwargs(args, load_format, multiprocess=False))
-
-
 def result_header(
     args: argparse.Namespace, load_format: str, config: Any, workload: dict[str, Any]
 ) -> dict[str, Any]:

@@ -4,8 +4,8 @@ and the writers of the families whose folders differ from Qwen2-VL's.
 ``FAMILY_ARCHITECTURES`` (name -> config.json values, token ids left out) joins
 ``mm_serve.benchmarks.architectures.ARCHITECTURES``; ``write_architecture`` there writes every
 folder. InternVL3's and LLaVA-OneVision's have their own image tokens, tokenizer and processor:
-``write_internvl_architecture`` and ``write_llava_onevision_architecture`` (the tests' small
-byte-level BPE with the family's image tokens, from their tiny-checkpoint modules). Qwen3-VL's
+``write_internvl_architecture`` and ``write_llava_onevision_architecture`` (the small
+byte-level BPE of ``mm_serve.dummy_processors`` with the family's image tokens). Qwen3-VL's
 folder is Qwen2-VL's with Qwen3-VL's image processor settings (``QWEN3_VL_PREPROCESSOR``).
 """
 
@@ -244,13 +244,13 @@ def save_generation_config(folder: str | os.PathLike, pad: int, eos: int) -> Non
 
 def write_internvl_architecture(values: dict[str, Any], folder: str | os.PathLike) -> str:
     """Write the weightless InternVL3 folder of config.json ``values`` (an entry of
-    ``FAMILY_ARCHITECTURES``) into ``folder``; returns its path. The tokenizer: the tests'
+    ``FAMILY_ARCHITECTURES``) into ``folder``; returns its path. The tokenizer: the small
     byte-level BPE with Qwen2's special tokens and InternVL's image tokens; the processor:
     ``InternVLProcessor`` with the published image settings (448 x 448 tiles, 1 to 12 of them
     and the thumbnail, ImageNet statistics, 256 image tokens per tile)."""
     from transformers import AutoConfig
 
-    from mm_serve.testing.internvl_checkpoint import internvl_processor, internvl_tokenizer
+    from mm_serve.dummy_processors import internvl_processor, internvl_tokenizer
 
     tokenizer = internvl_tokenizer()
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
@@ -277,10 +277,7 @@ def write_llava_onevision_architecture(values: dict[str, Any], folder: str | os.
     the small tokenizer with ``<image>`` and ``<video>``."""
     from transformers import AutoConfig
 
-    from mm_serve.testing.llava_onevision_checkpoint import (
-        onevision_processor,
-        onevision_tokenizer,
-    )
+    from mm_serve.dummy_processors import onevision_processor, onevision_tokenizer
 
     tokenizer = onevision_tokenizer()
     ids = tokenizer.convert_tokens_to_ids

@@ -12,8 +12,8 @@ process adds per step (``OutputCodec.encode``). Apart, the front end's part of e
 decoding the message and ``OutputProcessor.process_outputs`` (detokenizing), which the front
 end's process runs while the engine core's steps on.
 
-    python -m mm_serve.benchmarks.host_overhead --batch-sizes 1 64 256
-    python -m mm_serve.benchmarks.host_overhead --image-size 56 56  # each prompt with an image
+    mm-serve bench host-overhead --batch-sizes 1 64 256
+    mm-serve bench host-overhead --image-size 56 56  # each prompt with an image
 
 With ``--image-size`` every request is 18 random words and one noise image, as workload 1's
 (its tower runs before the timed steps); without, 50 random token ids.
@@ -123,17 +123,21 @@ def step_times(
     return engine_times, front_end_times
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``mm-serve bench host-overhead``."""
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--vocab", type=int, default=1024, help="Width of the fixed logits.")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--image-size", type=int, nargs=2, metavar=("WIDTH", "HEIGHT"))
-    args = parser.parse_args()
+
+
+def main(args: argparse.Namespace) -> list[dict[str, float]]:
+    """Time the steps at each batch size and print the table; returns its rows."""
     torch.set_num_threads(1)
     llm = host_only_engine(max(args.batch_sizes), args.vocab)
     print("batch | ms per step (median) | us per request per step | front end ms per step")
+    rows = []
     for batch_size in args.batch_sizes:
         times, front_end = step_times(
             llm, batch_size, args.steps, f"b{batch_size}-", args.image_size
@@ -143,6 +147,13 @@ def main() -> None:
             f"{batch_size:5d} | {median:8.3f} | {median * 1e3 / batch_size:8.1f} | "
             f"{statistics.median(front_end):8.3f}"
         )
+        rows.append(
+            {
+                "batch_size": batch_size,
+                "step_ms": median,
+                "front_end_ms": statistics.median(front_end),
+            }
+        )
     if args.profile:
         profiler = cProfile.Profile()
         profiler.enable()
@@ -150,7 +161,4 @@ def main() -> None:
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     llm.shutdown()
-
-
-if __name__ == "__main__":
-    main()
+    return rows

@@ -2,9 +2,9 @@
 (``ARCHITECTURES``, merged into ``architectures.ARCHITECTURES``) and the weightless checkpoint
 folder (``write_idefics3_architecture``).
 
-As ``architectures.write_architecture`` does for Qwen2-VL, with what Idefics3 needs: the tests'
+As ``architectures.write_architecture`` does for Qwen2-VL, with what Idefics3 needs: the
 small tokenizer with Idefics3's image, tile-tag and end-of-utterance tokens
-(``testing.idefics3_checkpoint``; the config's token ids are its ids, ``vocab_size`` the
+(``mm_serve.dummy_processors``; the config's token ids are its ids, ``vocab_size`` the
 published one) and ``Idefics3Processor`` with the published tiling: tiles of the tower's
 ``image_size``, images resized to at most four tiles per side, ``image_seq_len`` tokens per
 tile (``(image_size / patch_size)**2 / scale_factor**2``).
@@ -81,8 +81,7 @@ def write_idefics3_architecture(values: dict[str, Any], folder: str | os.PathLik
     tokenizer of the Idefics3 architecture ``values`` into ``folder``; returns its path."""
     from transformers import GenerationConfig, Idefics3Config
 
-    from mm_serve._compat import ensure_torchvision_importable
-    from mm_serve.testing.idefics3_checkpoint import IDEFICS3_CHAT_TEMPLATE, idefics3_tokenizer
+    from mm_serve.dummy_processors import idefics3_processor, idefics3_tokenizer
 
     tokenizer = idefics3_tokenizer()
     eos = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<end_of_utterance>")]
@@ -95,21 +94,10 @@ def write_idefics3_architecture(values: dict[str, Any], folder: str | os.PathLik
     )
     os.makedirs(folder, exist_ok=True)
     config.save_pretrained(folder)
-    ensure_torchvision_importable()
-    from transformers import Idefics3ImageProcessor, Idefics3Processor
-
     vision = config.vision_config
     tile = vision.image_size
     image_seq_len = (tile // vision.patch_size) ** 2 // config.scale_factor**2
-    image_processor = Idefics3ImageProcessor(
-        size={"longest_edge": 4 * tile}, max_image_size={"longest_edge": tile}
-    )
-    Idefics3Processor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        image_seq_len=image_seq_len,
-        chat_template=IDEFICS3_CHAT_TEMPLATE,
-    ).save_pretrained(folder)
+    idefics3_processor(tokenizer, tile, 4 * tile, image_seq_len).save_pretrained(folder)
     GenerationConfig(eos_token_id=eos, **token_ids).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)

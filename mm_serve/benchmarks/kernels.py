@@ -33,9 +33,11 @@ import random
 
 import torch
 
-from mm_serve.attention import AttentionMetadata
+from mm_serve.benchmarks import vision_attention as vision
 from mm_serve.benchmarks.common import write_json
 from mm_serve.benchmarks.gemv import time_calls
+from mm_serve.benchmarks.kernel_timing import bench, causal_flops, paged_batch, rel_err
+from mm_serve.benchmarks.prefill_attention import prefill_rows, print_prefill
 from mm_serve.benchmarks.roofline import copy_rate
 from mm_serve.kernels import (
     apply_rotary_ref,
@@ -45,61 +47,6 @@ from mm_serve.kernels import (
     silu_and_mul_ref,
 )
 from mm_serve.kernels.varlen_attention import has_dense_cudnn
-
-
-def bench(fn, rep_ms: int = 100) -> float:
-    """Median milliseconds of ``fn()`` (do_bench: warm-up, L2 flushed, CUDA events)."""
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
-
-
-def paged_metadata(reqs, tables, block_size: int, device) -> AttentionMetadata:
-    """Metadata of one step: ``reqs`` = [(cached tokens, new tokens)], one block table each
-    (padded with block 0 to the longest); token ``p`` of a request goes to slot
-    ``table[p // block_size] * block_size + p % block_size``."""
-    starts = [0, *itertools.accumulate(n for _, n in reqs)]
-    seq_lens = [c + n for c, n in reqs]
-    slots = [t[p // block_size] * block_size + p % block_size
-             for (c, n), t in zip(reqs, tables, strict=True) for p in range(c, c + n)]  # fmt: skip
-    width = max(map(len, tables))
-    as_tensor = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
-    return AttentionMetadata(
-        num_reqs=len(reqs),
-        num_tokens=starts[-1],
-        slot_mapping=as_tensor(slots, torch.int64),
-        query_start_loc=as_tensor(starts, torch.int32),
-        seq_lens=as_tensor(seq_lens, torch.int32),
-        block_table=as_tensor([t + [0] * (width - len(t)) for t in tables], torch.int32),
-        max_query_len=max(n for _, n in reqs),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=seq_lens,
-    )
-
-
-def paged_batch(reqs, heads, block_size: int, dtype: torch.dtype, seed: int = 0):
-    """Random query and paged cache (shuffled blocks) for ``reqs`` = [(cached, new)]."""
-    num_heads, num_kv_heads, head_dim = heads
-    need = [-(-(c + n) // block_size) for c, n in reqs]
-    blocks = list(range(sum(need)))
-    random.Random(seed).shuffle(blocks)
-    tables = [[blocks.pop() for _ in range(n)] for n in need]
-    kv_cache = torch.randn(2, sum(need), block_size, num_kv_heads, head_dim, device="cuda")
-    metadata = paged_metadata(reqs, tables, block_size, "cuda")
-    query = torch.randn(metadata.num_tokens, num_heads, head_dim, device="cuda")
-    return query.to(dtype), kv_cache.to(dtype), metadata
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-def causal_flops(reqs, heads) -> float:
-    """FLOPs of causal attention for ``reqs`` = [(cached, new)]: two matmuls of ``2 * head_dim``
-    FLOPs per visible (query, key) pair and query head; new token ``j`` sees ``cached + j + 1``
-    keys."""
-    return sum(4 * n * (c + (n + 1) / 2) * heads[2] * heads[0] for c, n in reqs)
 
 
 def attention_case(name, reqs, heads, block_size, configs, copy_bw) -> list[dict]:
@@ -287,10 +234,6 @@ def print_workload_decode(rows: list[dict]) -> None:
 
 def main(args: argparse.Namespace) -> dict:
     """Run the tables, print them, write ``kernels.json``; returns what it wrote."""
-    # Imported here: the prefill comparison builds on this module's helpers.
-    from mm_serve.benchmarks import vision_attention as vision
-    from mm_serve.benchmarks.prefill_attention import prefill_rows, print_prefill
-
     copy_bw = copy_rate("cuda")
     result = {"device": torch.cuda.get_device_name(), "copy_GBps": copy_bw / 1e9}
     if not args.prefill_only:

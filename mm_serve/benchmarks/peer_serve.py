@@ -1,6 +1,6 @@
 """Serving side by side: vLLM's own load generator against mm_serve and vLLM, each fresh.
 
-    python -m mm_serve.benchmarks.peer_serve --model-arch qwen2-vl-2b --out DIR \\
+    mm-serve bench peer-serve --model-arch qwen2-vl-2b --out DIR \\
         [--engines mm_serve vllm] [--rates 2 16 32] [--num-prompts 64 384 384]
 
 writes the architecture folder once (random weights: ``--load-format dummy``); per engine, it
@@ -48,7 +48,7 @@ from mm_serve.benchmarks.peer_serve_report import (
     log_tail,
     result_filename,
 )
-from mm_serve.testing.server import free_port, group_members
+from mm_serve.mp_context import free_port, group_members
 
 logger = logging.getLogger(__name__)
 
@@ -242,8 +242,8 @@ def run_bench(command: list[str], log_path: str, env: dict[str, str]) -> None:
 # ---------------------------------------------------------------- report
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``mm-serve bench peer-serve``."""
     add = parser.add_argument
     add("--model-arch", default="qwen2-vl-2b", choices=architecture_names())
     add("--out", required=True, help="Folder for the results and logs.")
@@ -254,17 +254,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--vllm-args", default="", help="Extra flags for vLLM's serve.")
     add("--vllm-pythonpath", default="/tmp/vsite", help="Where vLLM is installed.")
     add("--report-only", action="store_true", help="Only report the JSONs in --out.")
-    args = parser.parse_args(argv)
-    if len(args.rates) != len(args.num_prompts):
-        parser.error("--rates and --num-prompts need the same number of values")
-    return args
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(args: argparse.Namespace) -> dict[str, Any]:
     """Run the engines (unless ``--report-only``), print the report, write
     ``DIR/peer_serve.json``; returns the report. An engine that fails is recorded (its
-    ``error``) and the next one still runs."""
-    args = parse_args(argv)
+    ``error``) and the next one still runs.
+
+    Raises:
+        SystemExit: ``--rates`` and ``--num-prompts`` of different lengths, or a result file
+            without a field the report needs (``ResultFormatError``), with the message.
+    """
+    if len(args.rates) != len(args.num_prompts):
+        raise SystemExit("error: --rates and --num-prompts need the same number of values")
     os.makedirs(args.out, exist_ok=True)
     args.out = os.path.abspath(args.out)
     if not args.report_only:
@@ -276,18 +278,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             info = run_engine(engine, folder, args)
             with open(os.path.join(args.out, f"{engine}_server.json"), "w") as f:
                 json.dump(info, f, indent=1)
-    report = build_report(args.out, list(ENGINES), args.rates)
+    try:
+        report = build_report(args.out, list(ENGINES), args.rates)
+    except ResultFormatError as error:
+        raise SystemExit(f"error: {error}") from error
     report.update(model_arch=args.model_arch, rates=args.rates, num_prompts=args.num_prompts)
     with open(os.path.join(args.out, "peer_serve.json"), "w") as f:
         json.dump(report, f, indent=1)
     print(format_report(report))
     return report
-
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    try:
-        main()
-    except ResultFormatError as error:
-        sys.exit(f"error: {error}")

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mm_serve.benchmarks.kernels import bench, causal_flops, paged_batch, rel_err
+from mm_serve.benchmarks.kernel_timing import bench, causal_flops, paged_batch, rel_err
 from mm_serve.kernels import paged_attention_ref
 
 PREFILL_HEADS = (12, 2, 128)  # Qwen2-VL-2B's LM: query heads, KV heads, head dim

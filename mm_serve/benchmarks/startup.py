@@ -6,7 +6,7 @@ the first start left (``MM_SERVE_CACHE_DIR`` and ``TRITON_CACHE_DIR``, fresh fol
 and run of this script). Also
 prints the seconds the server's log gives for loading the weights, compiling and capturing.
 
-    python -m mm_serve.benchmarks.startup --model-arch qwen2-vl-2b --levels 1 2
+    mm-serve bench startup --model-arch qwen2-vl-2b --levels 1 2
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from mm_serve.benchmarks.architectures import write_architecture
+from mm_serve.benchmarks.architectures import architecture_names, write_architecture
 from mm_serve.benchmarks.peer_serve import server_command, start_server, stop_server
 
 # Log lines whose seconds are reported: (name, pattern with one group of seconds).
@@ -66,14 +66,17 @@ def time_start(folder: str, level: int, port: int, log_path: str, cache: str) ->
     }
 
 
-def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-arch", default="qwen2-vl-2b")
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``mm-serve bench startup``."""
+    parser.add_argument("--model-arch", default="qwen2-vl-2b", choices=architecture_names())
     parser.add_argument("--levels", type=int, nargs="+", default=[2])
     parser.add_argument("--port", type=int, default=8131)
     parser.add_argument("--output-json")
     parser.add_argument("--log-dir", help="Keep the servers' logs here (default: not kept).")
-    args = parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Time each level's first and cached start; prints and returns one result per start."""
     results = []
     with tempfile.TemporaryDirectory() as workdir:
         if args.log_dir:
@@ -92,7 +95,3 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=1)
     return results
-
-
-if __name__ == "__main__":
-    main()

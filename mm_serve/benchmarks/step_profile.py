@@ -6,9 +6,9 @@ reach the decode phase, then times ``--steps`` engine steps phase by phase on th
 order, and the device time of one decode CUDA graph replay plus logits and sampling alone.
 With async scheduling a step costs about max(host, device); without, their sum.
 
-    python -m mm_serve.benchmarks.step_profile --model-arch qwen2-vl-2b --batch-size 1
-    python -m mm_serve.benchmarks.step_profile --batch-size 63 --mixed 512  # + a mixed step
-    python -m mm_serve.benchmarks.step_profile --batch-size 256 --cprofile 40  # host functions
+    mm-serve bench step --model-arch qwen2-vl-2b --batch-size 1
+    mm-serve bench step --batch-size 63 --mixed 512  # + a mixed step
+    mm-serve bench step --batch-size 256 --cprofile 40  # host functions
 """
 
 from __future__ import annotations
@@ -203,8 +203,8 @@ def encode_step_table(llm, num_images: int = 32, rows: int = 30) -> str:
     return by_device + "\n" + by_host
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``mm-serve bench step``."""
     parser.add_argument("--model-arch", choices=sorted(ARCHITECTURES), default="qwen2-vl-2b")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--steps", type=int, default=200)
@@ -221,7 +221,11 @@ def main() -> None:
         "--cprofile", type=int, default=0, help="Also print the top N host functions."
     )
     parser.add_argument("--compilation-level", type=int, default=2, choices=(1, 2))
-    args = parser.parse_args()
+
+
+def main(args: argparse.Namespace) -> dict[str, float]:
+    """Build the engine, start the requests, print the tables; returns the host ms per step of
+    each phase and the device ms per decode step (``device_ms``)."""
     folder = write_architecture(args.model_arch, tempfile.mkdtemp())
     llm = LLM(
         folder,
@@ -263,7 +267,4 @@ def main() -> None:
     if args.throughput:
         print(throughput_breakdown(llm, 16))  # warm-up
         print(throughput_breakdown(llm, args.throughput))
-
-
-if __name__ == "__main__":
-    main()
+    return {**phases, "device_ms": gpu_ms}

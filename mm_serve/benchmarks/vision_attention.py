@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from mm_serve.benchmarks.kernels import bench, rel_err
+from mm_serve.benchmarks.kernel_timing import bench, rel_err
 from mm_serve.kernels import varlen_attention as varlen
 from mm_serve.kernels.dispatch import varlen_attention, varlen_segments
 

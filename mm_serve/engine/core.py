@@ -8,7 +8,6 @@ import logging
 
 from mm_serve.cache.kv_cache_groups import kv_cache_layout
 from mm_serve.config import EngineConfig
-from mm_serve.engine.step_timeline import install_from_env
 from mm_serve.outputs import EngineCoreOutput
 from mm_serve.parallel_config import check_tensor_parallel
 from mm_serve.profiler import TorchProfiler
@@ -75,7 +74,6 @@ class EngineCore:
         )
         # For the metrics: the tokens scheduled per step.
         self.iteration_tokens = IterationTokens()
-        install_from_env(self)  # MM_SERVE_STEP_TIMELINE: a step timeline for benchmarks
         self.profiler = TorchProfiler("engine-core")
 
     def add_request(self, request: Request) -> None:

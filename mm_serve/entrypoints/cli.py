@@ -4,7 +4,7 @@
 from the fields of ``EngineArgs`` (``cli_flags.py``) and its server flags from ``ServerConfig``,
 defaults included, so that ``--help`` shows the real ones.
 ``mm-serve chat [IMAGE] QUESTION`` asks a running server a question, about an image or not.
-``mm-serve bench {latency,throughput,serve}`` runs a benchmark (``mm_serve/benchmarks/``).
+``mm-serve bench COMMAND`` runs a benchmark (``BENCH_COMMANDS``, ``mm_serve/benchmarks/``).
 """
 
 from __future__ import annotations
@@ -187,14 +187,34 @@ def chat(args: argparse.Namespace) -> int:
     return 0
 
 
-# bench subcommand (a module of mm_serve.benchmarks) -> help. Each module has
-# add_cli_args(parser) and main(args) -> dict; only the chosen one is imported, so that the
-# offline benchmarks never import the web stack (`bench serve` needs httpx only).
+# bench subcommand -> (its module in mm_serve.benchmarks, help). Each module has
+# add_cli_args(parser) and main(args) -> its result; only the chosen one is imported, so that
+# the offline benchmarks never import the web stack (`bench serve` needs httpx only).
 BENCH_COMMANDS = {
-    "latency": "Latency of one batch through the offline engine, and the decode step.",
-    "throughput": "Offline throughput of many requests, against HF transformers (or vLLM).",
-    "serve": "Load-test a running OpenAI-compatible server (TTFT, TPOT, ITL).",
-    "kernels": "Attention (ours vs cuDNN SDPA and FlashAttention) and the other kernels (GPU).",
+    "latency": ("latency", "Latency of one batch through the offline engine, and the decode step."),
+    "throughput": (
+        "throughput",
+        "Offline throughput of many requests, against HF transformers (or vLLM).",
+    ),
+    "serve": ("serve", "Load-test a running OpenAI-compatible server (TTFT, TPOT, ITL)."),
+    "peer-serve": (
+        "peer_serve",
+        "vLLM's `vllm bench serve` against mm-serve and vLLM, each started fresh (GPU).",
+    ),
+    "kernels": (
+        "kernels",
+        "Attention (ours vs cuDNN SDPA and FlashAttention) and the other kernels (GPU).",
+    ),
+    "step": ("step_profile", "A decode step's host phases against its device time (GPU)."),
+    "host-overhead": (
+        "host_overhead",
+        "The engine core's host work per decode step, the model's device work taken out.",
+    ),
+    "startup": ("startup", "Seconds from `mm-serve serve` to a healthy server, first and cached."),
+    "architecture": (
+        "architectures",
+        "Write a published architecture's weightless folder (serve it with --load-format dummy).",
+    ),
 }
 
 
@@ -208,10 +228,10 @@ def add_bench_parser(commands, argv: list[str]) -> None:
     bench = commands.add_parser("bench", help="Run a benchmark.")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     chosen = argv[1] if len(argv) > 1 and argv[0] == "bench" else None
-    for name, help_text in BENCH_COMMANDS.items():
+    for name, (module_name, help_text) in BENCH_COMMANDS.items():
         sub = kinds.add_parser(name, help=help_text, description=help_text)
         if name == chosen:
-            module = importlib.import_module(f"mm_serve.benchmarks.{name}")
+            module = importlib.import_module(f"mm_serve.benchmarks.{module_name}")
             module.add_cli_args(sub)
             sub.set_defaults(func=functools.partial(_bench, module))
 

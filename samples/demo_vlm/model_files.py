@@ -5,7 +5,7 @@ text hidden 256, 4 layers, 4 heads (2 KV heads), intermediate 640, tied embeddin
 tower width 192, 4 layers, 3 heads, patch 14, 2 x 2 merge. A 224 x 224 image is 16 x 16
 patches, i.e. 64 image tokens. The tokenizer is a byte-level BPE with Qwen2's pre-tokenizer,
 trained on the task's questions and answers, plus Qwen2-VL's special tokens and chat template
-(from ``mm_serve.testing.vlm_checkpoints``), so any text tokenizes and chat messages with
+(from ``mm_serve.dummy_processors``), so any text tokenizes and chat messages with
 ``image_url`` parts work.
 """
 
@@ -17,8 +17,12 @@ from typing import Any
 
 import torch
 
-from mm_serve.testing.checkpoints import CORPUS
-from mm_serve.testing.vlm_checkpoints import QWEN_VL_CHAT_TEMPLATE, QWEN_VL_SPECIALS, _token_ids
+from mm_serve.dummy_processors import (
+    CORPUS,
+    QWEN_VL_CHAT_TEMPLATE,
+    QWEN_VL_SPECIALS,
+    qwen_vl_image_token_ids,
+)
 
 PATCH, MERGE, TEMPORAL = 14, 2, 2
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 224 * 224  # every input image: 4 to 64 image tokens
@@ -84,15 +88,16 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 640) -> Any:
 def build_config(tokenizer: Any) -> Any:
     from transformers import Qwen2VLConfig
 
-    ids = _token_ids(tokenizer)
-    text = {**TEXT, **ids.pop("text")}
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    ids = {"bos_token_id": pad, "eos_token_id": [eos, pad], "pad_token_id": pad}
+    text = {**TEXT, **ids, "vocab_size": len(tokenizer)}
     vision = {**VISION, "hidden_size": TEXT["hidden_size"]}
     return Qwen2VLConfig(
         text_config=text,
         vision_config=vision,
         tie_word_embeddings=True,
         architectures=["Qwen2VLForConditionalGeneration"],
-        **ids,
+        **qwen_vl_image_token_ids(tokenizer),
     )
 
 
