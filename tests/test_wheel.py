@@ -171,6 +171,7 @@ def test_installed_wheel_serves_the_page_and_the_demo_model(served) -> None:
         assert page.headers["content-type"].startswith("text/html")
         assert page.text == (REPO / "web" / "index.html").read_text()
         assert client.get("/app.js").text == (REPO / "web" / "app.js").read_text()
+        assert client.get("/__init__.py").status_code == 404  # the package marker
         assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["mm-serve-demo-vlm"]
 
         image = base64.b64encode(EXAMPLE_IMAGE.read_bytes()).decode()

@@ -196,10 +196,12 @@ def add_operational_routes(app: FastAPI, llm: AsyncLLM, metrics: ServerMetrics) 
 
 class _WebMount(Mount):
     """The web page at ``/``, under every path but the API's: a wrong method on an API path
-    stays a 405 and an unknown ``/v1/`` path a JSON 404."""
+    stays a 405 and an unknown ``/v1/`` path a JSON 404. Paths with a ``/__`` segment (the
+    folder's package marker ``__init__.py`` and its ``__pycache__/``) are no page files: 404."""
 
     def matches(self, scope: Scope) -> tuple[Match, Scope]:
-        if scope["type"] == "http" and scope["path"].startswith(API_PATHS):
+        path = scope["path"]
+        if scope["type"] == "http" and (path.startswith(API_PATHS) or "/__" in path):
             return Match.NONE, {}
         return super().matches(scope)
 
