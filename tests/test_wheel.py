@@ -12,10 +12,8 @@ from __future__ import annotations
 import base64
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mm_serve.testing.server import assert_group_gone, free_port
+from mm_serve.testing.server import RemoteServer, assert_group_gone, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE_IMAGE = REPO / "samples" / "demo_vlm" / "example.png"
@@ -123,45 +121,41 @@ def test_fresh_environment_imports_the_wheel_and_has_its_dependencies(venv, tmp_
     assert found["unmet"] == []
 
 
+class InstalledServer(RemoteServer):
+    """``mm-serve serve`` (no model: the demo) from the environment ``venv``, run in the folder
+    ``cwd`` on a free port, its log in ``cwd/server.log``; ``RemoteServer`` waits for
+    ``/health`` and stops its process group."""
+
+    def __init__(self, venv: Path, cwd: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = cwd / "server.log"
+        command = [venv / "bin" / "mm-serve", "serve", "--host", "127.0.0.1"]
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(
+                [*command, "--port", str(self.port)],
+                cwd=cwd,
+                env=clean_env(),
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
+        try:
+            self._wait_healthy(STARTUP_TIMEOUT_S)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}\n{self.log.read_text()[-3000:]}") from None
+
+
 @pytest.fixture
 def served(venv, tmp_path) -> Iterator[str]:
-    """``mm-serve serve`` (no model: the demo) from the fresh environment, run in an empty
-    folder on a free port; yields its URL, then stops it and checks nothing is left."""
-    port = free_port()
-    log = (tmp_path / "server.log").open("w")
-    command = [venv / "bin" / "mm-serve", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen(
-        command, cwd=tmp_path, env=clean_env(), stdout=log, stderr=log, start_new_session=True
-    )
-    url = f"http://127.0.0.1:{port}"
+    """An ``InstalledServer``'s URL; on teardown, checks it exited with 0 and left no process."""
+    server = InstalledServer(venv, tmp_path)
     try:
-        wait_healthy(proc, url, tmp_path / "server.log")
-        yield url
+        yield server.url
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            returncode = proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            returncode = proc.wait()
-        log.close()
-        assert_group_gone(proc.pid)
-    assert returncode == 0, (tmp_path / "server.log").read_text()[-3000:]
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
-    """Returns once ``GET /health`` answers 200; fails with the server's log if it exits or
-    is not healthy within ``STARTUP_TIMEOUT_S``."""
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"mm-serve serve never became healthy:\n{log.read_text()[-3000:]}")
+        returncode = server.stop()
+        assert_group_gone(server.proc.pid)
+    assert returncode == 0, server.log.read_text()[-3000:]
 
 
 def test_installed_wheel_serves_the_page_and_the_demo_model(served) -> None:
