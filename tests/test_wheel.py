@@ -89,7 +89,7 @@ def venv(wheel, tmp_path_factory) -> Path:
     ours = [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
     Path(site_packages, "test_environment.pth").write_text("\n".join(ours) + "\n")
     install = [python, "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", wheel]
-    proc = subprocess.run(install, capture_output=True, text=True, env=clean_env())
+    proc = subprocess.run(install, cwd=root, capture_output=True, text=True, env=clean_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return root
 
