@@ -29,7 +29,8 @@ from tests.fixtures.server import RemoteServer
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 MAX_PIXELS = 1_000_000
-sys.path.insert(0, str(DEMO_MODEL.parent))  # the demo's scene generator (samples/ is no package)
+DEMO_DIR = Path(__file__).resolve().parents[1] / "samples" / "demo_vlm"
+sys.path.insert(0, str(DEMO_DIR))  # the demo's scene generator (samples/ is no package)
 scenes = importlib.import_module("scenes")
 
 playwright_api = pytest.importorskip("playwright.sync_api")

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import functools
 import importlib
+import importlib.resources
 import json
 import logging
 import os
@@ -145,7 +146,8 @@ def server_config_from(args: argparse.Namespace):
 
 
 # A small Qwen2-VL trained on generated scenes (samples/demo_vlm/): runs on any CPU, offline.
-DEMO_MODEL = Path(__file__).resolve().parents[2] / "samples" / "demo_vlm" / "model"
+# Its checkpoint folder is the package data mm_serve.demo_model (samples/demo_vlm/model).
+DEMO_MODEL = Path(str(importlib.resources.files("mm_serve.demo_model")))
 DEMO_MODEL_NAME = "mm-serve-demo-vlm"
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+import importlib.resources
 import logging
 import os
 import signal
@@ -64,7 +65,7 @@ ENGINE_DEAD_GRACE_S = 1.0  # /health says 503 this long after the engine died, t
 ENGINE_WATCH_INTERVAL_S = 0.1
 GRACEFUL_SHUTDOWN_S = 5.0  # in-flight responses get this long after SIGTERM
 STATS_TIMEOUT_S = 5.0
-WEB_DIR = Path(__file__).resolve().parents[3] / "web"
+WEB_DIR = Path(str(importlib.resources.files("mm_serve.web")))  # the repository's web/
 API_PATHS = ("/v1/", "/health", "/metrics", "/tokenize", "/detokenize", "/version")
 
 
@@ -195,10 +196,12 @@ def add_operational_routes(app: FastAPI, llm: AsyncLLM, metrics: ServerMetrics) 
 
 class _WebMount(Mount):
     """The web page at ``/``, under every path but the API's: a wrong method on an API path
-    stays a 405 and an unknown ``/v1/`` path a JSON 404."""
+    stays a 405 and an unknown ``/v1/`` path a JSON 404. Paths with a ``/__`` segment (the
+    folder's package marker ``__init__.py`` and its ``__pycache__/``) are no page files: 404."""
 
     def matches(self, scope: Scope) -> tuple[Match, Scope]:
-        if scope["type"] == "http" and scope["path"].startswith(API_PATHS):
+        path = scope["path"]
+        if scope["type"] == "http" and (path.startswith(API_PATHS) or "/__" in path):
             return Match.NONE, {}
         return super().matches(scope)
 
