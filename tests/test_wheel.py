@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mm_serve.testing.server import RemoteServer, assert_group_gone, free_port
+from tests.fixtures.server import RemoteServer, assert_group_gone, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE_IMAGE = REPO / "samples" / "demo_vlm" / "example.png"
