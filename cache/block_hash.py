@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NewType
 import xxhash
 
 if TYPE_CHECKING:
-    from mm_serve.request import Request
+    from mm_serve.messages.request import Request
 
 # 16 bytes of xxh3-128 digest.
 BlockHash = NewType("BlockHash", bytes)

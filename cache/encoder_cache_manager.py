@@ -21,7 +21,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from mm_serve.request import Request
+    from mm_serve.messages.request import Request
 
 
 class EncoderCacheManager:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mm_serve.families import config_get, find_family
+from mm_serve.checkpoint.families import config_get, find_family
 
 SLIDING = "sliding_attention"
 

@@ -31,7 +31,7 @@ from mm_serve.cache.kv_cache_groups import KVCacheGroup, KVCacheLayout
 from mm_serve.cache.kv_cache_policies import AttentionPolicy, policy_for
 
 if TYPE_CHECKING:
-    from mm_serve.request import Request
+    from mm_serve.messages.request import Request
 
 GroupBlocks = list[list[KVCacheBlock]]  # [group][block position]
 

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from PIL import Image
 
+from mm_serve.checkpoint.families import config_get
 from mm_serve.encoders.base import ImageProcessor, ProcessedImage
 from mm_serve.encoders.image_io import Normalization, pil_to_tensor, resize
-from mm_serve.families import config_get
 
 MAX_IMAGE_SIZE = 4096  # transformers' cap on the resized longest edge
 IMAGENET_STANDARD = (0.5, 0.5, 0.5)

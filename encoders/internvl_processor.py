@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from PIL import Image
 
+from mm_serve.checkpoint.families import config_get
 from mm_serve.encoders.base import ImageProcessor, ProcessedImage
 from mm_serve.encoders.image_io import Normalization, pil_to_tensor, resize
-from mm_serve.families import config_get
 
 # The tokenizer's named image tokens (tokenizer_config.json), with InternVL3's values.
 TOKEN_NAMES = {

@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mm_serve.checkpoint.families import VLM_MODEL_TYPES, config_get, find_family, resolve
 from mm_serve.encoders.anyres import max_tiles
 from mm_serve.encoders.base import ImageProcessor
 from mm_serve.encoders.clip_processor import CLIPImageProcessor
@@ -34,7 +35,6 @@ from mm_serve.encoders.internvl_processor import InternVLImageProcessor, InternV
 from mm_serve.encoders.internvl_processor import image_seq_len as internvl_image_seq_len
 from mm_serve.encoders.llava_onevision_processor import LlavaOnevisionImageProcessor
 from mm_serve.encoders.qwen2_vl_processor import Qwen2VLImageProcessor
-from mm_serve.families import VLM_MODEL_TYPES, config_get, find_family, resolve
 
 PROCESSOR_CONFIG = "processor_config.json"
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
@@ -235,9 +235,9 @@ def get_image_processor(
     mm_processor_kwargs: dict[str, Any] | None = None,
 ) -> ImageProcessor:
     """The image processor of the checkpoint at ``model_path`` (a local folder), as its family
-    (``mm_serve.families``) builds it from ``read_image_processor_config``'s settings, then
-    ``mm_processor_kwargs`` applied (``ImageProcessor.with_kwargs``: the server's defaults;
-    ``image_kwargs``).
+    (``mm_serve.checkpoint.families``) builds it from ``read_image_processor_config``'s
+    settings, then ``mm_processor_kwargs`` applied (``ImageProcessor.with_kwargs``: the
+    server's defaults; ``image_kwargs``).
 
     Raises:
         ValueError: a family without images, bad image processor settings, or

@@ -29,7 +29,7 @@ from mm_serve.kernels.dispatch_linear import linear_quick_gelu
 from mm_serve.kernels.rotary import VisionRotary, vision_rotary
 from mm_serve.kernels.varlen_attention import Segments
 from mm_serve.models.layers.layernorm import LayerNorm, RMSNorm
-from mm_serve.transfer import host_to_device
+from mm_serve.utils.transfer import host_to_device
 
 
 def rope_theta(vision_config) -> float:

@@ -20,7 +20,7 @@ from PIL import Image
 
 from mm_serve.encoders.base import ImageProcessor, ProcessedImage
 from mm_serve.encoders.image_io import Normalization, pil_to_tensor, resize
-from mm_serve.transfer import host_to_device
+from mm_serve.utils.transfer import host_to_device
 
 DEFAULT_MIN_PIXELS = 56 * 56
 DEFAULT_MAX_PIXELS = 28 * 28 * 1280

@@ -47,7 +47,7 @@ from mm_serve.encoders.qwen2_vl import (
 from mm_serve.kernels.activation import get_activation
 from mm_serve.kernels.dispatch import varlen_segments
 from mm_serve.kernels.rotary import vision_rotary
-from mm_serve.transfer import host_to_device
+from mm_serve.utils.transfer import host_to_device
 
 
 def _axis_taps(size: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -265,7 +265,7 @@ def qwen3_vl_video_processor(
         FileNotFoundError: the checkpoint has no ``tokenizer.json``.
         ValueError: the tokenizer lacks ``<|vision_start|>`` or ``<|vision_end|>``.
     """
-    from mm_serve.families import config_get
+    from mm_serve.checkpoint.families import config_get
 
     tokenizer_file = Path(model_path) / "tokenizer.json"
     if not tokenizer_file.is_file():

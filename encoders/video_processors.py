@@ -5,7 +5,7 @@ A video goes through the same two steps as an image (``encoders/base.py``): the 
 ``VideoProcessor.preprocess`` (in the preprocessing pool: decode, pick frames, resize) makes a
 ``ProcessedImage`` with ``modality == "video"``, and the model's ``embed_images`` embeds it
 next to the images of the same step. A family that takes videos names its factory in
-``mm_serve.families`` (``video_processor``).
+``mm_serve.checkpoint.families`` (``video_processor``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mm_serve.checkpoint.families import find_family, resolve
 from mm_serve.encoders.base import ProcessedImage
 from mm_serve.encoders.processors import (
     PREPROCESSOR_CONFIG,
@@ -23,7 +24,6 @@ from mm_serve.encoders.processors import (
     _read_json_object,
 )
 from mm_serve.encoders.video_io import VideoSource
-from mm_serve.families import find_family, resolve
 
 __all__ = ["VIDEO_SAMPLING_KWARGS", "VideoLimits", "VideoProcessor", "get_video_processor"]
 

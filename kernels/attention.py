@@ -1,7 +1,7 @@
 """Pure-torch references for the paged KV cache: the cache write and paged attention.
 
 These run on the CPU path and define what the Triton kernels must compute. The layout is the
-one of :class:`mm_serve.attention.AttentionMetadata`: one layer's cache is
+one of :class:`mm_serve.kernels.attention_metadata.AttentionMetadata`: one layer's cache is
 ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from mm_serve.attention import AttentionMetadata
+from mm_serve.kernels.attention_metadata import AttentionMetadata
 
 
 def reshape_and_cache_ref(

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mm_serve.attention import AttentionMetadata
 from mm_serve.kernels import varlen_attention as varlen
 from mm_serve.kernels.activation import quick_gelu_ref, silu_and_mul_ref
 from mm_serve.kernels.attention import paged_attention_ref, reshape_and_cache_ref
+from mm_serve.kernels.attention_metadata import AttentionMetadata
 from mm_serve.kernels.norm import layer_norm_ref, rms_norm_ref
 from mm_serve.kernels.rotary import (
     VisionRotary,

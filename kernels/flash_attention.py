@@ -15,7 +15,7 @@ import importlib
 import torch
 import torch.nn.functional as F
 
-from mm_serve.attention import AttentionMetadata
+from mm_serve.kernels.attention_metadata import AttentionMetadata
 
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash_attn's check: "Paged KV cache block size must be ..."
 

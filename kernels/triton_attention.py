@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mm_serve.attention import AttentionMetadata
+from mm_serve.kernels.attention_metadata import AttentionMetadata
 from mm_serve.kernels.pdl import pdl_enter, pdl_options
 from mm_serve.kernels.triton_attention_launch import launch_config
 from mm_serve.kernels.triton_split_kv import merge_segments, segment_buffers

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mm_serve.attention import AttentionMetadata
-from mm_serve.transfer import host_to_device
+from mm_serve.kernels.attention_metadata import AttentionMetadata
+from mm_serve.utils.transfer import host_to_device
 
 PagedKernel = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
 

@@ -1,11 +1,11 @@
 """mm_serve: a serving engine for vision-language models."""
 
-from mm_serve._compat import ensure_torchvision_importable_on_import
+from mm_serve.utils._compat import ensure_torchvision_importable_on_import
 
 # Before anything imports torchvision (transformers' image processors do): see _compat.
 ensure_torchvision_importable_on_import()
 
-from mm_serve.sampling_params import BeamSearchParams, SamplingParams  # noqa: E402
+from mm_serve.messages.sampling_params import BeamSearchParams, SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
 
@@ -17,7 +17,7 @@ def __getattr__(name: str):
 
         return LLM
     if name in ("RequestOutput", "CompletionOutput"):
-        from mm_serve import outputs
+        from mm_serve.messages import outputs
 
         return getattr(outputs, name)
     raise AttributeError(name)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from test_scheduler import assert_all_blocks_free, make_request, make_scheduler
 
-from mm_serve.request import RequestStatus
+from mm_serve.messages.request import RequestStatus
 from mm_serve.sched.output import ModelRunnerOutput
 
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mm_serve.attention import paged_metadata
 from mm_serve.kernels import paged_attention_ref
+from mm_serve.kernels.attention_metadata import paged_metadata
 
 ON_GPU = torch.cuda.is_available()
 HAS_TRITON = importlib.util.find_spec("triton") is not None

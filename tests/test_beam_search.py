@@ -1,4 +1,4 @@
-"""Beam search (``mm_serve.beam_search``, ``LLM.beam_search``) against HF transformers'
+"""Beam search (``mm_serve.frontend.beam_search``, ``LLM.beam_search``) against HF transformers'
 ``generate(num_beams=...)`` on the tiny random-weight checkpoints (float32), as vLLM's
 tests/samplers/test_beam_search.py checks it: the same sequences in the same order, with
 the same scores; and the beams sharing their prefix's KV blocks through the prefix cache.
@@ -23,9 +23,9 @@ import torch
 from PIL import Image
 
 from mm_serve import LLM, BeamSearchParams
-from mm_serve.beam_search import BeamSearch
+from mm_serve.frontend.beam_search import BeamSearch
 from mm_serve.frontend.processor import ProcessedPrompt
-from mm_serve.outputs import Logprob
+from mm_serve.messages.outputs import Logprob
 from tests.fixtures.leaks import assert_llm_idle
 from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 

@@ -153,7 +153,7 @@ def test_detokenizer_skips_ids_the_small_tokenizer_lacks(tiny_arch) -> None:
     """A random model samples ids up to the published vocab; the stand-in tokenizer has ~400."""
     from mm_serve.frontend.detokenizer import IncrementalDetokenizer
     from mm_serve.frontend.processor import load_tokenizer
-    from mm_serve.sampling_params import SamplingParams
+    from mm_serve.messages.sampling_params import SamplingParams
 
     tokenizer = load_tokenizer(tiny_arch)
     detokenizer = IncrementalDetokenizer(tokenizer, [1, 2, 3], SamplingParams())

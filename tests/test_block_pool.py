@@ -10,8 +10,8 @@ from mm_serve.cache.block_hash import (
     update_block_hashes,
 )
 from mm_serve.cache.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from mm_serve.request import MultiModalFeature, PlaceholderRange, Request
-from mm_serve.sampling_params import SamplingParams
+from mm_serve.messages.request import MultiModalFeature, PlaceholderRange, Request
+from mm_serve.messages.sampling_params import SamplingParams
 
 
 def free_ids(queue: FreeKVCacheBlockQueue) -> list[int]:

@@ -11,7 +11,7 @@ from test_encoder_scheduling import drain, image_prompt, make_scheduler
 from test_scheduler import make_request, run_step
 
 from mm_serve.frontend.output_processor import ParentRequest
-from mm_serve.outputs import EngineCoreOutput
+from mm_serve.messages.outputs import EngineCoreOutput
 
 LAYOUT = [2, ("cat", 10), 4]  # 16 tokens, 4 full blocks; the image ends on a block edge
 

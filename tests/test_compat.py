@@ -1,10 +1,11 @@
-"""torchvision on a CPU-only host: ``ensure_torchvision_importable`` (see ``mm_serve._compat``)."""
+"""torchvision on a CPU-only host: ``ensure_torchvision_importable``
+(see ``mm_serve.utils._compat``)."""
 
 from __future__ import annotations
 
 import torch
 
-from mm_serve._compat import ensure_torchvision_importable
+from mm_serve.utils._compat import ensure_torchvision_importable
 
 
 def test_ensure_torchvision_importable_is_idempotent():

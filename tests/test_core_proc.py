@@ -25,16 +25,16 @@ from mm_serve.config import EngineArgs
 from mm_serve.encoders.base import ProcessedImage
 from mm_serve.frontend.core_client import AsyncEngineCoreClient
 from mm_serve.frontend.exceptions import EngineDeadError, EngineRequestError
-from mm_serve.messages import (
+from mm_serve.messages.outputs import EngineCoreOutput
+from mm_serve.messages.request import MultiModalFeature, PlaceholderRange, Request
+from mm_serve.messages.stats import EngineStats
+from mm_serve.messages.wire import (
     EngineCoreOutputs,
     InputCodec,
     KVCacheInfo,
     OutputCodec,
     RequestDecodeError,
 )
-from mm_serve.outputs import EngineCoreOutput
-from mm_serve.request import MultiModalFeature, PlaceholderRange, Request
-from mm_serve.stats import EngineStats
 from tests.fixtures.leaks import shut_down_and_check
 from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 

@@ -19,10 +19,10 @@ import time
 import pytest
 
 from mm_serve.config import EngineArgs
+from mm_serve.config.parallel import ParallelConfig
 from mm_serve.frontend.async_llm import AsyncLLM
 from mm_serve.frontend.core_client import EngineCoreClient
 from mm_serve.frontend.exceptions import EngineStartupError
-from mm_serve.parallel_config import ParallelConfig
 from tests.fixtures.leaks import process_gone, shut_down_and_check
 
 

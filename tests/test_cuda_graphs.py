@@ -19,8 +19,8 @@ from test_llm_vs_hf import check_against_hf, random_prompts
 from test_vlm_vs_hf import HFVisionReference, prompt_cases, qwen2_vl_cases
 
 from mm_serve import LLM, SamplingParams
-from mm_serve.compilation_config import cuda_graph_batch_sizes, cuda_graph_num_tokens
 from mm_serve.config import EngineArgs
+from mm_serve.config.compilation import cuda_graph_batch_sizes, cuda_graph_num_tokens
 from mm_serve.worker import cuda_graphs as cuda_graphs_module
 from mm_serve.worker.cuda_graphs import (
     CudaGraphRunner,

@@ -18,8 +18,8 @@ from mm_serve.entrypoints.openai.metrics import ServerMetrics
 from mm_serve.frontend.dp_client import DataParallelClientBase
 from mm_serve.frontend.dp_router import ReplicaRouter
 from mm_serve.frontend.exceptions import EngineDeadError
-from mm_serve.request import MultiModalFeature, PlaceholderRange, Request
-from mm_serve.stats import EngineStats, combine_stats
+from mm_serve.messages.request import MultiModalFeature, PlaceholderRange, Request
+from mm_serve.messages.stats import EngineStats, combine_stats
 from tests.fixtures.server import RemoteServer, assert_group_gone, image_question, noise_png_url
 
 BLOCK = 4

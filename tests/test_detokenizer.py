@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from mm_serve.dummy_processors import build_tokenizer
+from mm_serve.checkpoint.dummy_processors import build_tokenizer
 from mm_serve.frontend.detokenizer import IncrementalDetokenizer
-from mm_serve.sampling_params import SamplingParams
+from mm_serve.messages.sampling_params import SamplingParams
 
 TEXT = "Grüße aus Zürich 🚀 — 東京 café 👩‍🔬 done"
 

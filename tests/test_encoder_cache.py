@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from mm_serve.cache.encoder_cache_manager import EncoderCacheManager
-from mm_serve.request import MultiModalFeature, PlaceholderRange, Request
-from mm_serve.sampling_params import SamplingParams
+from mm_serve.messages.request import MultiModalFeature, PlaceholderRange, Request
+from mm_serve.messages.sampling_params import SamplingParams
 
 
 def image_request(req_id: str, *images: tuple[str, int]) -> Request:

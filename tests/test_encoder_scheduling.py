@@ -9,8 +9,8 @@ import pytest
 from test_scheduler import BLOCK, assert_all_blocks_free, make_request, run_step
 
 from mm_serve.config import CacheConfig, SchedulerConfig
-from mm_serve.request import MultiModalFeature, PlaceholderRange, Request
-from mm_serve.sampling_params import SamplingParams
+from mm_serve.messages.request import MultiModalFeature, PlaceholderRange, Request
+from mm_serve.messages.sampling_params import SamplingParams
 from mm_serve.sched.scheduler import Scheduler
 
 IMAGE_TOKEN = 999

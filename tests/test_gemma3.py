@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mm_serve import LLM, SamplingParams
-from mm_serve.request import Request
+from mm_serve.messages.request import Request
 from tests.fixtures import family_checks as checks
 from tests.fixtures.hf_reference import hf_greedy_generate
 from tests.fixtures.images import Case, generated, mixed_batch, photo, processor_images

@@ -16,8 +16,8 @@ from mm_serve.cache.block_pool import BlockPool
 from mm_serve.cache.kv_cache_groups import KVCacheGroup, KVCacheLayout, kv_cache_layout
 from mm_serve.cache.kv_cache_manager import KVCacheManager, group_key
 from mm_serve.cache.kv_cache_policies import FullAttentionPolicy, SlidingWindowPolicy
-from mm_serve.request import Request
-from mm_serve.sampling_params import SamplingParams
+from mm_serve.messages.request import Request
+from mm_serve.messages.sampling_params import SamplingParams
 
 BLOCK_SIZE, WINDOW, NUM_BLOCKS = 4, 6, 21
 LAYOUT = KVCacheLayout((KVCacheGroup((1,)), KVCacheGroup((0,), WINDOW)))

@@ -78,8 +78,8 @@ def test_chat_with_image_part(path, reference):
 
 def test_token_ids_cross_the_wire(path):
     """An image's own prompt tokens travel to the engine core with its pixels."""
-    from mm_serve.messages import InputCodec
-    from mm_serve.request import MultiModalFeature, PlaceholderRange, Request
+    from mm_serve.messages.request import MultiModalFeature, PlaceholderRange, Request
+    from mm_serve.messages.wire import InputCodec
 
     item = checks.image_processor(path).preprocess(generated(100, 60, 0))
     prompt = [1, 2, *item.token_ids, 3]

@@ -22,7 +22,7 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from mm_serve._compat import ensure_torchvision_importable
+from mm_serve.utils._compat import ensure_torchvision_importable
 
 ensure_torchvision_importable()  # before anything imports transformers' image processors
 

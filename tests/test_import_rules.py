@@ -58,7 +58,7 @@ def test_resolving_the_config_loads_no_engine_core_module(tmp_path) -> None:
         f"from mm_serve.config import EngineArgs; EngineArgs(model={path!r}).create_engine_config()"
     )
     modules = loaded_modules("mm_serve.entrypoints.openai.api_server, mm_serve.config", resolve)
-    assert "mm_serve.hub" in modules
+    assert "mm_serve.checkpoint.hub" in modules
     assert [m for m in modules if _in(m, ENGINE_CORE_PACKAGES)] == []
 
 

@@ -25,9 +25,9 @@ from test_kernels_triton import (
     _shuffled_tables,
 )
 
-from mm_serve.attention import AttentionMetadata, paged_metadata
 from mm_serve.config import KernelConfig
 from mm_serve.kernels import dispatch, paged_attention_ref, silu_and_mul_ref, triton_rotary
+from mm_serve.kernels.attention_metadata import AttentionMetadata, paged_metadata
 
 
 def _fake_flash_attn_varlen(

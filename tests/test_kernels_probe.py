@@ -12,12 +12,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-# 1. torchvision made importable on a CPU host (mm_serve._compat), then every mm_serve module
+# 1. torchvision made importable on a CPU host (mm_serve.utils._compat), then every mm_serve module
 #    forgotten and made unimportable, as in a checkout that is not installed.
 # 2. The import that ran the probe on the GPU machine, then the probe's verdict.
 PROBE = """
 import importlib.abc, sys
-from mm_serve._compat import ensure_torchvision_importable
+from mm_serve.utils._compat import ensure_torchvision_importable
 ensure_torchvision_importable()
 assert "transformers" not in sys.modules
 

@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from mm_serve.attention import AttentionMetadata
 from mm_serve.kernels import (
     apply_rotary_ref,
     paged_attention_ref,
@@ -17,6 +16,7 @@ from mm_serve.kernels import (
     rms_norm_ref,
     silu_and_mul_ref,
 )
+from mm_serve.kernels.attention_metadata import AttentionMetadata
 
 
 def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

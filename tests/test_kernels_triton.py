@@ -25,7 +25,6 @@ import torch
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
-from mm_serve.attention import paged_metadata  # noqa: E402
 from mm_serve.kernels import (  # noqa: E402
     layer_norm_ref,
     linear_ref,
@@ -42,6 +41,7 @@ from mm_serve.kernels import triton_attention as _attn  # noqa: E402
 from mm_serve.kernels import triton_cache as _cache  # noqa: E402
 from mm_serve.kernels import triton_linear as _linear  # noqa: E402
 from mm_serve.kernels import triton_norm as _norm  # noqa: E402
+from mm_serve.kernels.attention_metadata import paged_metadata  # noqa: E402
 from mm_serve.kernels.triton_attention_launch import launch_config  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()

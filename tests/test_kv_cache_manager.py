@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 
 from mm_serve.cache import KVCacheBlock, KVCacheManager
-from mm_serve.request import MultiModalFeature, PlaceholderRange, Request
-from mm_serve.sampling_params import SamplingParams
+from mm_serve.messages.request import MultiModalFeature, PlaceholderRange, Request
+from mm_serve.messages.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 10

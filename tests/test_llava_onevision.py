@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from mm_serve import SamplingParams
-from mm_serve.dummy_processors import onevision_tokenizer
+from mm_serve.checkpoint.dummy_processors import onevision_tokenizer
 from mm_serve.encoders.anyres import anyres_layout, select_best_resolution
 from mm_serve.encoders.llava_onevision_processor import LlavaOnevisionImageProcessor
 from mm_serve.encoders.processors import get_image_processor
@@ -104,7 +104,7 @@ def test_token_counts_match_hf_for_published_settings():
     """The published processor (384-pixel tiles of 27 x 27 features, 36 pinpoints up to 6 x 6
     tiles, ``anyres_max_9``): our count equals HF's for random and extreme sizes, and
     ``max_num_tokens`` bounds them all."""
-    from mm_serve._compat import ensure_torchvision_importable
+    from mm_serve.utils._compat import ensure_torchvision_importable
 
     ensure_torchvision_importable()
     from transformers import LlavaOnevisionImageProcessor as HFImageProcessor
@@ -224,8 +224,8 @@ def test_checkpoint_names_load_the_same_weights(path, tmp_path, rename):
 
 def test_image_size_crosses_the_wire(path):
     """An image's original size travels to the engine core with its pixels."""
-    from mm_serve.messages import InputCodec
-    from mm_serve.request import MultiModalFeature, PlaceholderRange, Request
+    from mm_serve.messages.request import MultiModalFeature, PlaceholderRange, Request
+    from mm_serve.messages.wire import InputCodec
 
     item = checks.image_processor(path).preprocess(generated(100, 60, 0), True)
     prompt = [1, 2, *[checks.hf_config(path).image_token_id] * item.num_tokens, 3]

@@ -22,8 +22,8 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from mm_serve.entrypoints.openai.metrics import ServerMetrics
-from mm_serve.outputs import EngineCoreOutput
-from mm_serve.stats import (
+from mm_serve.messages.outputs import EngineCoreOutput
+from mm_serve.messages.stats import (
     ITERATION_TOKENS_BUCKETS,
     EngineStats,
     IterationTokens,

@@ -72,6 +72,6 @@ def test_engine_mm_processor_kwargs_size_the_largest_image(tmp_path) -> None:
 
 
 def _hf_config(path: str):
-    from mm_serve.config import load_hf_config
+    from mm_serve.checkpoint.hub import load_hf_config
 
     return load_hf_config(path)

@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mm_serve.attention import AttentionMetadata
+from mm_serve.checkpoint.hub import ModelLoadError, resolve_model_path
 from mm_serve.config import EngineArgs
-from mm_serve.hub import ModelLoadError, resolve_model_path
+from mm_serve.kernels.attention_metadata import AttentionMetadata
 from mm_serve.models.interface import LanguageModel, VisionLanguageModel
 from mm_serve.models.layers.rotary import get_rope, rope_params_from_config
 from mm_serve.models.loader import load_model
@@ -298,7 +298,7 @@ def test_bfloat16_load(llama_ckpt: str) -> None:
 
 def test_tensor_parallel_weight_loaders_take_this_ranks_shard(monkeypatch) -> None:
     """Rank 1 of 2, built without a process group: each loader must pick rank 1's slice."""
-    from mm_serve import distributed
+    from mm_serve.distributed import parallel_state as distributed
     from mm_serve.models.layers.embedding import VocabParallelEmbedding
     from mm_serve.models.layers.linear import (
         MergedColumnParallelLinear,

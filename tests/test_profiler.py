@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mm_serve import LLM, SamplingParams
-from mm_serve.profiler import ACTIVITIES_ENV, DIR_ENV, TorchProfiler
+from mm_serve.utils.profiler import ACTIVITIES_ENV, DIR_ENV, TorchProfiler
 from tests.fixtures.server import http_client
 
 PARAMS = SamplingParams(max_tokens=3, ignore_eos=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from mm_serve.config import CacheConfig, SchedulerConfig
-from mm_serve.request import Request, RequestStatus
-from mm_serve.sampling_params import SamplingParams
+from mm_serve.messages.request import Request, RequestStatus
+from mm_serve.messages.sampling_params import SamplingParams
 from mm_serve.sched.output import ModelRunnerOutput, SchedulerOutput
 from mm_serve.sched.scheduler import Scheduler
 

@@ -17,8 +17,8 @@ import torch
 from mm_serve import LLM, SamplingParams
 from mm_serve.config import EngineArgs
 from mm_serve.frontend.async_llm import AsyncLLM
+from mm_serve.messages.stats import EngineStats
 from mm_serve.preprocess.pool import warm_up_image
-from mm_serve.stats import EngineStats
 from mm_serve.worker import kv_cache
 from tests.fixtures.server import RemoteServer, assert_group_gone, metric
 from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint

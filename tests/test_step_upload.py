@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from mm_serve.transfer import StepUpload
+from mm_serve.utils.transfer import StepUpload
 
 
 def test_staged_arrays_arrive_with_their_dtype_and_shape_after_flush():

@@ -13,8 +13,8 @@ import torch
 import xgrammar
 
 from mm_serve import LLM, SamplingParams
+from mm_serve.messages.structured_outputs import StructuredOutputsParams
 from mm_serve.sched.structured_output import StructuredOutputManager
-from mm_serve.structured_outputs import StructuredOutputsParams
 from mm_serve.worker.sampler import apply_logit_bias, apply_token_bitmask
 
 SCHEMA = {

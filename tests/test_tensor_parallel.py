@@ -21,9 +21,9 @@ from safetensors import safe_open
 
 from mm_serve import LLM, SamplingParams, distributed
 from mm_serve.config import EngineArgs
+from mm_serve.config.parallel import ParallelConfig, check_tensor_parallel
 from mm_serve.engine.executor import WorkerDiedError
 from mm_serve.models.loader import load_model, safetensors_files
-from mm_serve.parallel_config import ParallelConfig, check_tensor_parallel
 from tests.fixtures.leaks import assert_llm_idle
 from tests.fixtures.server import RemoteServer, assert_group_gone, image_question, noise_png_url
 from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint

@@ -18,11 +18,11 @@ import torch
 from test_kernels_triton import ON_GPU, _rel_err, _shuffled_tables
 
 from mm_serve import kernels
-from mm_serve.attention import paged_metadata
 from mm_serve.config import KernelConfig
 from mm_serve.kernels import dispatch, paged_attention_ref, reshape_and_cache_ref
 from mm_serve.kernels import varlen_attention as varlen
 from mm_serve.kernels.attention import causal_attention_ref
+from mm_serve.kernels.attention_metadata import paged_metadata
 
 # (cached, new) in the engine's batch order: decode rows of running requests first, then a
 # fresh prefill, a later chunk of a prompt, a one-token prompt, a prefix-cache hit, a fresh one.

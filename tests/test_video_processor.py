@@ -234,8 +234,8 @@ def test_video_crosses_the_wire(ours):
     """A video's modality and seconds per temporal patch travel with its frames to the
     engine core (M-RoPE needs both)."""
     from mm_serve import SamplingParams
-    from mm_serve.messages import InputCodec
-    from mm_serve.request import MultiModalFeature, PlaceholderRange, Request
+    from mm_serve.messages.request import MultiModalFeature, PlaceholderRange, Request
+    from mm_serve.messages.wire import InputCodec
 
     source = VideoFrames(moving_shapes(5, 30, 40), fps=10.0)
     item = ours.preprocess(source, VideoLimits(), defer_normalization=True)

@@ -13,7 +13,7 @@ def _ensure_torchvision_importable() -> None:
     """Some transformers vision modules import torchvision, whose compiled ops fail to load on
     this CPU host; registering the two op schemas it checks for lets the import succeed."""
     try:
-        from mm_serve._compat import ensure_torchvision_importable
+        from mm_serve.utils._compat import ensure_torchvision_importable
     except ImportError:
         pass
     else:

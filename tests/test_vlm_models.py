@@ -20,9 +20,9 @@ import pytest
 import torch
 from PIL import Image
 
-from mm_serve.attention import AttentionMetadata
 from mm_serve.config import EngineArgs
 from mm_serve.encoders.base import ProcessedImage
+from mm_serve.kernels.attention_metadata import AttentionMetadata
 from mm_serve.models.interface import VisionLanguageModel
 from mm_serve.models.layers.rotary import MRotaryEmbedding
 from mm_serve.models.loader import load_model

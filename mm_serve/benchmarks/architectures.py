@@ -13,8 +13,8 @@ Here: Qwen2-VL's and Qwen2.5-VL's published configs, and the writer of their fol
 Qwen3-VL's); InternVL3's, LLaVA-OneVision's and Qwen3-VL's configs, and the writers of the
 first two, are in ``family_architectures``.
 
-The tokenizer is the small byte-level BPE of ``mm_serve.dummy_processors`` with Qwen2-VL's
-special tokens and chat template (InternVL3's and LLaVA-OneVision's: with their image tokens):
+The tokenizer is the small byte-level BPE of ``mm_serve.checkpoint.dummy_processors``
+with Qwen2-VL's special tokens and chat template (InternVL3's and LLaVA-OneVision's: with their image tokens):
 a real vocabulary cannot be shipped offline. So the special token ids of the config are the
 small tokenizer's (they must agree with what it encodes), while ``vocab_size`` stays the
 published one: the embedding and LM head have their real sizes, and a random model samples ids
@@ -37,7 +37,7 @@ from mm_serve.benchmarks.family_architectures import (
 from mm_serve.benchmarks.gemma3_architecture import write_gemma3_architecture
 from mm_serve.benchmarks.idefics3_architecture import ARCHITECTURES as IDEFICS3_ARCHITECTURES
 from mm_serve.benchmarks.idefics3_architecture import write_idefics3_architecture
-from mm_serve.dummy_processors import qwen_vl_image_token_ids
+from mm_serve.checkpoint.dummy_processors import qwen_vl_image_token_ids
 
 # Qwen2-VL-2B-Instruct / -7B-Instruct config.json (Hugging Face Hub), minus the token ids.
 _QWEN2_VL_COMMON: dict[str, Any] = {
@@ -253,7 +253,7 @@ def _build_config(name: str, token_ids: dict[str, int]) -> Any:
 def _build_image_processor(name: str) -> Any:
     """transformers' ``Qwen2VLImageProcessor`` with the published settings of architecture
     ``name`` (Qwen2-VL's and Qwen2.5-VL's, or Qwen3-VL's, which loads the same class)."""
-    from mm_serve._compat import ensure_torchvision_importable
+    from mm_serve.utils._compat import ensure_torchvision_importable
 
     ensure_torchvision_importable()
     from transformers import Qwen2VLImageProcessor
@@ -271,7 +271,7 @@ def write_architecture(name: str, folder: str | os.PathLike) -> str:
 
     Raises ``ValueError`` for an unknown name.
     """
-    from mm_serve.dummy_processors import vlm_tokenizer
+    from mm_serve.checkpoint.dummy_processors import vlm_tokenizer
 
     family_writer = _FAMILY_WRITERS.get(ARCHITECTURES.get(name, {}).get("model_type"))
     if family_writer is not None:

@@ -5,8 +5,8 @@ and the writers of the families whose folders differ from Qwen2-VL's.
 ``mm_serve.benchmarks.architectures.ARCHITECTURES``; ``write_architecture`` there writes every
 folder. InternVL3's and LLaVA-OneVision's have their own image tokens, tokenizer and processor:
 ``write_internvl_architecture`` and ``write_llava_onevision_architecture`` (the small
-byte-level BPE of ``mm_serve.dummy_processors`` with the family's image tokens). Qwen3-VL's
-folder is Qwen2-VL's with Qwen3-VL's image processor settings (``QWEN3_VL_PREPROCESSOR``).
+byte-level BPE of ``mm_serve.checkpoint.dummy_processors`` with the family's image tokens).
+Qwen3-VL's folder is Qwen2-VL's with Qwen3-VL's image processor settings (``QWEN3_VL_PREPROCESSOR``).
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ def write_internvl_architecture(values: dict[str, Any], folder: str | os.PathLik
     and the thumbnail, ImageNet statistics, 256 image tokens per tile)."""
     from transformers import AutoConfig
 
-    from mm_serve.dummy_processors import internvl_processor, internvl_tokenizer
+    from mm_serve.checkpoint.dummy_processors import internvl_processor, internvl_tokenizer
 
     tokenizer = internvl_tokenizer()
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
@@ -277,7 +277,7 @@ def write_llava_onevision_architecture(values: dict[str, Any], folder: str | os.
     the small tokenizer with ``<image>`` and ``<video>``."""
     from transformers import AutoConfig
 
-    from mm_serve.dummy_processors import onevision_processor, onevision_tokenizer
+    from mm_serve.checkpoint.dummy_processors import onevision_processor, onevision_tokenizer
 
     tokenizer = onevision_tokenizer()
     ids = tokenizer.convert_tokens_to_ids

@@ -2,7 +2,7 @@
 entries of ``model_type`` "gemma3"), for ``load_format="dummy"``.
 
 As ``architectures.write_architecture`` does for Qwen2-VL, but with what Gemma 3 needs: the
-small tokenizer with Gemma's special and image tokens (``mm_serve.dummy_processors``;
+small tokenizer with Gemma's special and image tokens (``mm_serve.checkpoint.dummy_processors``;
 the config's token ids are its ids, ``vocab_size`` the published one) and google/gemma-3-4b-it's
 processor settings: ``Gemma3ImageProcessor`` at the tower's size (896 x 896, bilinear,
 mean and std 0.5, no pan-and-scan) and 256 image tokens per image.
@@ -19,7 +19,7 @@ def write_gemma3_architecture(values: dict[str, Any], folder: str | os.PathLike)
     tokenizer of the Gemma 3 architecture ``values`` into ``folder``; returns its path."""
     from transformers import Gemma3Config, GenerationConfig
 
-    from mm_serve.dummy_processors import gemma3_processor, gemma3_tokenizer
+    from mm_serve.checkpoint.dummy_processors import gemma3_processor, gemma3_tokenizer
 
     tokenizer = gemma3_tokenizer()
     ids = tokenizer.convert_tokens_to_ids

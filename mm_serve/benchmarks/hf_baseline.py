@@ -52,7 +52,7 @@ def build_hf_model(folder: str, dtype: torch.dtype, device: torch.device, seed: 
 
 
 def load_hf_processor(folder: str) -> Any:
-    from mm_serve._compat import ensure_torchvision_importable
+    from mm_serve.utils._compat import ensure_torchvision_importable
 
     ensure_torchvision_importable()
     from transformers import AutoProcessor

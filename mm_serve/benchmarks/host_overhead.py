@@ -39,8 +39,8 @@ from mm_serve import LLM
 from mm_serve.benchmarks import common
 from mm_serve.benchmarks.architectures import write_architecture
 from mm_serve.benchmarks.datasets import random_image_dataset
-from mm_serve.messages import EngineCoreOutputs, OutputCodec
-from mm_serve.sampling_params import SamplingParams
+from mm_serve.messages.sampling_params import SamplingParams
+from mm_serve.messages.wire import EngineCoreOutputs, OutputCodec
 
 
 def host_only_engine(max_num_seqs: int, vocab: int):

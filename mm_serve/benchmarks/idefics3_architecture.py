@@ -4,7 +4,7 @@ folder (``write_idefics3_architecture``).
 
 As ``architectures.write_architecture`` does for Qwen2-VL, with what Idefics3 needs: the
 small tokenizer with Idefics3's image, tile-tag and end-of-utterance tokens
-(``mm_serve.dummy_processors``; the config's token ids are its ids, ``vocab_size`` the
+(``mm_serve.checkpoint.dummy_processors``; the config's token ids are its ids, ``vocab_size`` the
 published one) and ``Idefics3Processor`` with the published tiling: tiles of the tower's
 ``image_size``, images resized to at most four tiles per side, ``image_seq_len`` tokens per
 tile (``(image_size / patch_size)**2 / scale_factor**2``).
@@ -81,7 +81,7 @@ def write_idefics3_architecture(values: dict[str, Any], folder: str | os.PathLik
     tokenizer of the Idefics3 architecture ``values`` into ``folder``; returns its path."""
     from transformers import GenerationConfig, Idefics3Config
 
-    from mm_serve.dummy_processors import idefics3_processor, idefics3_tokenizer
+    from mm_serve.checkpoint.dummy_processors import idefics3_processor, idefics3_tokenizer
 
     tokenizer = idefics3_tokenizer()
     eos = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<end_of_utterance>")]

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from mm_serve.attention import paged_metadata
+from mm_serve.kernels.attention_metadata import paged_metadata
 
 
 def bench(fn, rep_ms: int = 100) -> float:

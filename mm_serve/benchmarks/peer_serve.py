@@ -48,7 +48,7 @@ from mm_serve.benchmarks.peer_serve_report import (
     log_tail,
     result_filename,
 )
-from mm_serve.mp_context import free_port, group_members
+from mm_serve.distributed.mp_context import free_port, group_members
 
 logger = logging.getLogger(__name__)
 

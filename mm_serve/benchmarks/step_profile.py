@@ -26,8 +26,8 @@ import torch
 
 from mm_serve import LLM
 from mm_serve.benchmarks.architectures import ARCHITECTURES, write_architecture
-from mm_serve.request import Request
-from mm_serve.sampling_params import SamplingParams
+from mm_serve.messages.request import Request
+from mm_serve.messages.sampling_params import SamplingParams
 
 
 def host_phases(core, steps: int) -> dict[str, float]:

@@ -112,7 +112,7 @@ def run_engine(
     ``output_len`` tokens or the prefix cache hit.
     """
     from mm_serve import LLM, SamplingParams
-    from mm_serve.structured_outputs import StructuredOutputsParams
+    from mm_serve.messages.structured_outputs import StructuredOutputsParams
 
     output_len = requests[0].output_len
     constraint = StructuredOutputsParams(json=json.dumps(LONG_SCHEMA)) if structured else None

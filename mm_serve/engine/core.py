@@ -8,14 +8,14 @@ import logging
 
 from mm_serve.cache.kv_cache_groups import kv_cache_layout
 from mm_serve.config import EngineConfig
-from mm_serve.outputs import EngineCoreOutput
-from mm_serve.parallel_config import check_tensor_parallel
-from mm_serve.profiler import TorchProfiler
-from mm_serve.request import Request, RequestStatus
+from mm_serve.config.parallel import check_tensor_parallel
+from mm_serve.messages.outputs import EngineCoreOutput
+from mm_serve.messages.request import Request, RequestStatus
+from mm_serve.messages.stats import EngineStats, IterationTokens
 from mm_serve.sched.output import SchedulerOutput
 from mm_serve.sched.scheduler import Scheduler
 from mm_serve.sched.structured_output import GrammarBitmask, StructuredOutputManager
-from mm_serve.stats import EngineStats, IterationTokens
+from mm_serve.utils.profiler import TorchProfiler
 from mm_serve.worker.model_runner import ModelRunner
 from mm_serve.worker.step_output import PendingOutput
 
@@ -97,7 +97,7 @@ class EngineCore:
         return self.iteration_tokens.add_to(self.scheduler.make_stats())
 
     def start_profile(self) -> None:
-        """Start the torch profiler (``mm_serve.profiler``) in this process and in each
+        """Start the torch profiler (``mm_serve.utils.profiler``) in this process and in each
         tensor-parallel worker process.
 
         Raises:

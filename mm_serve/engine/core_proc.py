@@ -32,8 +32,10 @@ import torch
 import zmq
 
 from mm_serve.config import EngineConfig
+from mm_serve.distributed.mp_context import PARENT_CHECK_INTERVAL_MS
 from mm_serve.engine.core import EngineCore
-from mm_serve.messages import (
+from mm_serve.messages.request import Request, check_image_tokens
+from mm_serve.messages.wire import (
     AbortRequests,
     EngineCoreOutputs,
     EngineFailed,
@@ -45,8 +47,6 @@ from mm_serve.messages import (
     RequestError,
     UtilityRequest,
 )
-from mm_serve.mp_context import PARENT_CHECK_INTERVAL_MS
-from mm_serve.request import Request, check_image_tokens
 from mm_serve.worker.worker import limit_cpu_threads
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ import msgspec
 import zmq
 
 from mm_serve.config import EngineConfig
-from mm_serve.mp_context import no_main_context
+from mm_serve.distributed.mp_context import no_main_context
 from mm_serve.sched.output import ModelRunnerOutput, SchedulerOutput
 from mm_serve.sched.structured_output import GrammarBitmask
 from mm_serve.worker.worker import run_worker

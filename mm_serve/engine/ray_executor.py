@@ -18,8 +18,15 @@ import os
 from typing import Any
 
 from mm_serve.config import EngineConfig
+from mm_serve.distributed.ray_actors import (
+    ActorProcess,
+    Placement,
+    PlacementError,
+    connect,
+    free_port,
+    node_ip,
+)
 from mm_serve.engine.executor import MultiprocExecutor, WorkerDiedError, _Workers
-from mm_serve.ray_actors import ActorProcess, Placement, PlacementError, connect, free_port, node_ip
 
 logger = logging.getLogger(__name__)
 

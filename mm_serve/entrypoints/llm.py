@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from mm_serve.beam_search import BeamSearch, BeamSearchOutput
 from mm_serve.config import EngineArgs, resolve_device
 from mm_serve.engine.core import EngineCore
 from mm_serve.frontend.base import FrontEnd
+from mm_serve.frontend.beam_search import BeamSearch, BeamSearchOutput
 from mm_serve.frontend.processor import PendingPrompt, ProcessedPrompt, PromptType
 from mm_serve.frontend.warm_up import (
     WARM_UP_PARAMS,
@@ -24,9 +24,9 @@ from mm_serve.frontend.warm_up import (
     warm_up_image_size,
     warm_up_prompt,
 )
-from mm_serve.outputs import RequestOutput
-from mm_serve.sampling_params import BeamSearchParams, SamplingParams
-from mm_serve.stats import EngineStats
+from mm_serve.messages.outputs import RequestOutput
+from mm_serve.messages.sampling_params import BeamSearchParams, SamplingParams
+from mm_serve.messages.stats import EngineStats
 
 if TYPE_CHECKING:
     from mm_serve.frontend.remote_core import RemoteEngineCore
@@ -123,7 +123,7 @@ class LLM(FrontEnd):
         return self.add_front_end_stats(self.engine_core.get_stats())
 
     def start_profile(self) -> None:
-        """Start the torch profiler in the engine's processes (``mm_serve.profiler``: set
+        """Start the torch profiler in the engine's processes (``mm_serve.utils.profiler``: set
         ``MM_SERVE_TORCH_PROFILER_DIR`` first). Raises RuntimeError when it is unset or the
         profiler runs already."""
         self.engine_core.start_profile()
@@ -184,7 +184,7 @@ class LLM(FrontEnd):
         params: BeamSearchParams,
         use_tqdm: bool = False,
     ) -> list[BeamSearchOutput]:
-        """Beam search over each prompt (``mm_serve.beam_search``); prompts as ``generate``
+        """Beam search over each prompt (``mm_serve.frontend.beam_search``); prompts as ``generate``
         takes them, images included. Each round runs one engine request per live beam of
         every prompt, all at once; the beams share their prefix's KV blocks through the
         prefix cache. Outputs come back in the prompts' order, each with the ``beam_width``

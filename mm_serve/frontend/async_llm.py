@@ -18,9 +18,9 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-from mm_serve.beam_search import BeamSearch, to_request_output
 from mm_serve.config import EngineArgs
 from mm_serve.frontend.base import FrontEnd
+from mm_serve.frontend.beam_search import BeamSearch, to_request_output
 from mm_serve.frontend.dp_client import make_engine_core_client
 from mm_serve.frontend.engine_process import EngineProcess
 from mm_serve.frontend.output_processor import ParentRequest
@@ -31,10 +31,10 @@ from mm_serve.frontend.warm_up import (
     warm_up_image_size,
     warm_up_prompt,
 )
-from mm_serve.outputs import Logprob, RequestOutput
-from mm_serve.request import Request
-from mm_serve.sampling_params import BeamSearchParams, SamplingParams
-from mm_serve.stats import EngineStats, RequestStats
+from mm_serve.messages.outputs import Logprob, RequestOutput
+from mm_serve.messages.request import Request
+from mm_serve.messages.sampling_params import BeamSearchParams, SamplingParams
+from mm_serve.messages.stats import EngineStats, RequestStats
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -283,7 +283,7 @@ class AsyncLLM(FrontEnd):
         request_id: str,
         num_logprobs: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Beam search over one prompt (``mm_serve.beam_search``): each round, one engine
+        """Beam search over one prompt (``mm_serve.frontend.beam_search``): each round, one engine
         request per live beam, all at once (they share their prefix's KV blocks through the
         prefix cache). Yields one finished ``RequestOutput`` at the end, as vLLM's server does:
         completion ``i`` is the ``i``-th best sequence, with the per-token logprobs of its top
@@ -365,7 +365,7 @@ class AsyncLLM(FrontEnd):
         return [self.add_front_end_stats(s) for s in await self.engine_core.get_replica_stats()]
 
     async def start_profile(self) -> None:
-        """Start the torch profiler in the engine's processes (``mm_serve.profiler``).
+        """Start the torch profiler in the engine's processes (``mm_serve.utils.profiler``).
 
         Raises:
             RuntimeError: ``MM_SERVE_TORCH_PROFILER_DIR`` is unset, or the profiler runs.

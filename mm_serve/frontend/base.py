@@ -8,13 +8,13 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from mm_serve.checkpoint.hub import load_generation_config
 from mm_serve.config import EngineArgs
 from mm_serve.frontend.output_processor import OutputProcessor, ParentRequest
 from mm_serve.frontend.processor import InputProcessor, ProcessedPrompt, load_tokenizer
-from mm_serve.hub import load_generation_config
-from mm_serve.request import Request
-from mm_serve.sampling_params import SamplingParams
-from mm_serve.stats import EngineStats
+from mm_serve.messages.request import Request
+from mm_serve.messages.sampling_params import SamplingParams
+from mm_serve.messages.stats import EngineStats
 
 if TYPE_CHECKING:
     from mm_serve.frontend.core_client import EngineCoreClientBase

@@ -9,9 +9,9 @@ import asyncio
 import queue
 
 from mm_serve.frontend.delivery import Sink
-from mm_serve.messages import KVCacheInfo
-from mm_serve.request import Request
-from mm_serve.stats import EngineStats
+from mm_serve.messages.request import Request
+from mm_serve.messages.stats import EngineStats
+from mm_serve.messages.wire import KVCacheInfo
 
 
 class SyncCalls:
@@ -38,7 +38,8 @@ class SyncCalls:
         self._abort(request_ids)
 
     def get_stats(self, timeout_s: float | None = 30.0) -> EngineStats:
-        """The engine's counters (``mm_serve.stats.EngineStats``), after all earlier inputs."""
+        """The engine's counters (``mm_serve.messages.stats.EngineStats``), after all earlier
+        inputs."""
         return self._call("get_stats").result(timeout_s).stats
 
     def get_replica_stats(self, timeout_s: float | None = 30.0) -> list[EngineStats]:
@@ -83,7 +84,8 @@ class AsyncCalls:
         self._abort(request_ids)
 
     async def get_stats(self) -> EngineStats:
-        """The engine's counters (``mm_serve.stats.EngineStats``), after all earlier inputs."""
+        """The engine's counters (``mm_serve.messages.stats.EngineStats``), after all earlier
+        inputs."""
         return (await asyncio.wrap_future(self._call("get_stats"))).stats
 
     async def get_replica_stats(self) -> list[EngineStats]:

@@ -38,7 +38,8 @@ from mm_serve.frontend.engine_process import (
     start_engine_core,
 )
 from mm_serve.frontend.exceptions import EngineDeadError, EngineRequestError, EngineStartupError
-from mm_serve.messages import (
+from mm_serve.messages.request import Request
+from mm_serve.messages.wire import (
     AbortRequests,
     EngineCoreOutputs,
     EngineFailed,
@@ -47,7 +48,6 @@ from mm_serve.messages import (
     OutputCodec,
     UtilityRequest,
 )
-from mm_serve.request import Request
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream
 
-from mm_serve.sampling_params import SamplingParams
+from mm_serve.messages.sampling_params import SamplingParams
 
 # Prompt tokens fed to the decoder first, so the first output token decodes in context
 # (a leading space, a multi-byte character continued from the prompt).

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from mm_serve.config import EngineArgs, EngineConfig
+from mm_serve.config.parallel import ParallelConfig
 from mm_serve.frontend.client_calls import AsyncCalls, SyncCalls
 from mm_serve.frontend.core_client import (
     AsyncEngineCoreClient,
@@ -37,10 +38,9 @@ from mm_serve.frontend.delivery import Sink
 from mm_serve.frontend.dp_router import ReplicaRouter
 from mm_serve.frontend.engine_process import EngineProcess, start_engine_core
 from mm_serve.frontend.exceptions import EngineDeadError
-from mm_serve.messages import EngineCoreOutputs, KVCacheInfo
-from mm_serve.parallel_config import ParallelConfig
-from mm_serve.request import Request
-from mm_serve.stats import combine_stats
+from mm_serve.messages.request import Request
+from mm_serve.messages.stats import combine_stats
+from mm_serve.messages.wire import EngineCoreOutputs, KVCacheInfo
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ import threading
 from collections.abc import Sequence
 
 from mm_serve.cache.block_hash import BlockHash, block_extra_keys, hash_block_tokens
-from mm_serve.request import Request
+from mm_serve.messages.request import Request
 
 MIN_PREFIX_MATCH = 0.5  # a longer prefix routes when it is longer by more than this of the prompt
 AFFINITY_CAPACITY = 1 << 17  # keys remembered (mm_hashes and block hashes), least recent out

@@ -24,7 +24,7 @@ from typing import Any
 
 import zmq
 
-from mm_serve.mp_context import no_main_context
+from mm_serve.distributed.mp_context import no_main_context
 
 logger = logging.getLogger(__name__)
 

@@ -40,8 +40,8 @@ from mm_serve.encoders.processors import get_image_processor, image_kwargs
 from mm_serve.encoders.video_io import as_video_source
 from mm_serve.encoders.video_processors import VideoProcessor, get_video_processor, video_kwargs
 from mm_serve.frontend.exceptions import InvalidParamError
+from mm_serve.messages.request import MultiModalFeature, PlaceholderRange
 from mm_serve.preprocess.pool import PreprocessPool, PreprocessResult, preprocess_image
-from mm_serve.request import MultiModalFeature, PlaceholderRange
 
 logger = logging.getLogger(__name__)
 

@@ -14,15 +14,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mm_serve.frontend.detokenizer import IncrementalDetokenizer
-from mm_serve.outputs import (
+from mm_serve.messages.outputs import (
     CompletionOutput,
     EngineCoreOutput,
     Logprob,
     PromptLogprobs,
     RequestOutput,
 )
-from mm_serve.sampling_params import SamplingParams
-from mm_serve.stats import RequestTimes
+from mm_serve.messages.sampling_params import SamplingParams
+from mm_serve.messages.stats import RequestTimes
 
 
 @dataclass

@@ -13,14 +13,14 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from mm_serve.checkpoint.hub import eos_token_ids
 from mm_serve.config import ModelConfig, MultiModalConfig
 from mm_serve.frontend.chat_media import split_chat_media
 from mm_serve.frontend.exceptions import InvalidParamError
 from mm_serve.frontend.mm_processor import MultiModalProcessor, PendingImages
-from mm_serve.hub import eos_token_ids
-from mm_serve.request import MultiModalFeature, Request, check_image_tokens
-from mm_serve.sampling_params import SamplingParams
-from mm_serve.structured_outputs import check_grammar
+from mm_serve.messages.request import MultiModalFeature, Request, check_image_tokens
+from mm_serve.messages.sampling_params import SamplingParams
+from mm_serve.messages.structured_outputs import check_grammar
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from mm_serve.config import resolve_device
+from mm_serve.config.parallel import ParallelConfig
+from mm_serve.distributed.ray_actors import (
+    ActorProcess,
+    Placement,
+    PlacementError,
+    connect,
+    node_ip,
+)
 from mm_serve.frontend.exceptions import EngineStartupError
-from mm_serve.parallel_config import ParallelConfig
-from mm_serve.ray_actors import ActorProcess, Placement, PlacementError, connect, node_ip
 
 logger = logging.getLogger(__name__)
 

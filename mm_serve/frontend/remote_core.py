@@ -15,9 +15,9 @@ from mm_serve.config import EngineConfig
 from mm_serve.frontend.core_client import EngineCoreClient
 from mm_serve.frontend.dp_client import DataParallelClient
 from mm_serve.frontend.exceptions import EngineRequestError
-from mm_serve.outputs import EngineCoreOutput
-from mm_serve.request import Request
-from mm_serve.stats import EngineStats
+from mm_serve.messages.outputs import EngineCoreOutput
+from mm_serve.messages.request import Request
+from mm_serve.messages.stats import EngineStats
 
 # How long ``step()`` waits for an output before it returns none (the caller then adds the
 # prompts whose images became ready meanwhile, and calls again).

@@ -18,8 +18,8 @@ from typing import Any
 
 from mm_serve.config import EngineConfig
 from mm_serve.frontend.processor import InputProcessor
+from mm_serve.messages.sampling_params import SamplingParams
 from mm_serve.preprocess.pool import warm_up_image
-from mm_serve.sampling_params import SamplingParams
 
 # A prefill and one decode step, whatever the model says first.
 WARM_UP_PARAMS = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)

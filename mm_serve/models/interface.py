@@ -8,8 +8,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from mm_serve.attention import AttentionMetadata
 from mm_serve.encoders.base import ProcessedImage
+from mm_serve.kernels.attention_metadata import AttentionMetadata
 
 
 @runtime_checkable

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mm_serve.attention import AttentionMetadata
+from mm_serve.kernels.attention_metadata import AttentionMetadata
 from mm_serve.kernels.dispatch_linear import linear_silu_and_mul
 from mm_serve.models.layers.attention import Attention
 from mm_serve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding

@@ -21,8 +21,8 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from mm_serve.checkpoint.hub import ModelLoadError
 from mm_serve.config import ModelConfig
-from mm_serve.hub import ModelLoadError
 from mm_serve.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)

@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from mm_serve.attention import AttentionMetadata
 from mm_serve.encoders.base import ProcessedImage
 from mm_serve.encoders.qwen3_vl import Qwen3VisionTransformer
+from mm_serve.kernels.attention_metadata import AttentionMetadata
 from mm_serve.models.layers.rotary import MRotaryEmbedding
 from mm_serve.models.qwen2_vl import Qwen2VLForConditionalGeneration
 

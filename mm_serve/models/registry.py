@@ -1,10 +1,10 @@
-"""Which class serves a checkpoint: its family's (``mm_serve.families``) model class."""
+"""Which class serves a checkpoint: its family's (``mm_serve.checkpoint.families``) model class."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from mm_serve.families import get_family, resolve
+from mm_serve.checkpoint.families import get_family, resolve
 from mm_serve.models.interface import LanguageModel
 
 

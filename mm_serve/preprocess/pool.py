@@ -35,11 +35,11 @@ import torch
 from PIL import Image
 
 from mm_serve.config import ModelConfig, MultiModalConfig
+from mm_serve.distributed.mp_context import no_main_context
 from mm_serve.encoders.base import ImageProcessor, ProcessedImage
 from mm_serve.encoders.image_io import load_image
 from mm_serve.encoders.processors import get_image_processor
 from mm_serve.encoders.video_processors import VideoLimits, VideoProcessor
-from mm_serve.mp_context import no_main_context
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from mm_serve.cache.encoder_cache_manager import EncoderCacheManager
 from mm_serve.config import SchedulerConfig
-from mm_serve.request import Request
+from mm_serve.messages.request import Request
 
 
 def check_images_fit(config: SchedulerConfig, request: Request) -> None:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mm_serve.request import MultiModalFeature, Request
-from mm_serve.sampling_params import SamplingParams
+from mm_serve.messages.request import MultiModalFeature, Request
+from mm_serve.messages.sampling_params import SamplingParams
 
 
 @dataclass

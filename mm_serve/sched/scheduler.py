@@ -34,8 +34,9 @@ from mm_serve.cache.encoder_cache_manager import EncoderCacheManager
 from mm_serve.cache.kv_cache_groups import KVCacheLayout
 from mm_serve.cache.kv_cache_manager import KVCacheManager
 from mm_serve.config import CacheConfig, SchedulerConfig
-from mm_serve.outputs import EngineCoreOutput
-from mm_serve.request import FINISH_REASONS, Request, RequestStatus
+from mm_serve.messages.outputs import EngineCoreOutput
+from mm_serve.messages.request import FINISH_REASONS, Request, RequestStatus
+from mm_serve.messages.stats import EngineStats
 from mm_serve.sched.encoder_inputs import (
     check_images_fit,
     free_consumed_encoder_inputs,
@@ -48,7 +49,6 @@ from mm_serve.sched.output import (
     StepDecisions,
 )
 from mm_serve.sched.structured_output import StructuredOutputManager
-from mm_serve.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The engine's side of structured outputs: compiled grammars, one matcher per request, and
-each step's token bitmask (see ``mm_serve/structured_outputs.py`` for the method).
+each step's token bitmask (see ``mm_serve/messages/structured_outputs.py`` for the method).
 
 Grammars compile on a worker thread, never on the engine loop, through one xgrammar
 ``GrammarCompiler`` that caches compiled grammars by their text (a schema sent with every
@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
+from mm_serve.checkpoint.hub import eos_token_ids, load_generation_config
 from mm_serve.config import ModelConfig
-from mm_serve.hub import eos_token_ids, load_generation_config
-from mm_serve.request import Request
+from mm_serve.messages.request import Request
+from mm_serve.messages.structured_outputs import JSON_SCHEMA_OPTIONS, compiler_message
 from mm_serve.sched.output import ModelRunnerOutput, SchedulerOutput
-from mm_serve.structured_outputs import JSON_SCHEMA_OPTIONS, compiler_message
 
 logger = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from mm_serve.attention import AttentionMetadata
-from mm_serve.compilation_config import cache_root
 from mm_serve.config import EngineConfig
+from mm_serve.config.compilation import cache_root
+from mm_serve.kernels.attention_metadata import AttentionMetadata
 from mm_serve.models.layers.attention import register_layers, step_metadata
 
 logger = logging.getLogger(__name__)

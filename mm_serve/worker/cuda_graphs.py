@@ -36,9 +36,9 @@ import time
 import numpy as np
 import torch
 
-from mm_serve.attention import AttentionMetadata
 from mm_serve.cache.kv_cache_groups import kv_cache_layout
 from mm_serve.config import EngineConfig
+from mm_serve.kernels.attention_metadata import AttentionMetadata
 from mm_serve.worker.compile import LMForward
 from mm_serve.worker.gemm_warmup import warm_gemm_kernels
 from mm_serve.worker.graph_capture import capture_graph

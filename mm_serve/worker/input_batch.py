@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from mm_serve.attention import AttentionMetadata
+from mm_serve.kernels.attention_metadata import AttentionMetadata
 from mm_serve.kernels.varlen_attention import plan_prefill_split, worth_splitting
-from mm_serve.request import MultiModalFeature
-from mm_serve.sampling_params import SamplingParams
-from mm_serve.transfer import StepUpload
+from mm_serve.messages.request import MultiModalFeature
+from mm_serve.messages.sampling_params import SamplingParams
+from mm_serve.utils.transfer import StepUpload
 from mm_serve.worker.sampling_metadata import SamplingMetadata
 
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from mm_serve.messages.request import MultiModalFeature
 from mm_serve.models.interface import VisionLanguageModel
-from mm_serve.request import MultiModalFeature
-from mm_serve.transfer import StepUpload
+from mm_serve.utils.transfer import StepUpload
 from mm_serve.worker.input_batch import CachedRequestState
 
 

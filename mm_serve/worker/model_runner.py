@@ -14,16 +14,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mm_serve.attention import AttentionMetadata
 from mm_serve.cache.kv_cache_groups import kv_cache_layout
 from mm_serve.config import EngineConfig
-from mm_serve.distributed import init_tensor_parallel
+from mm_serve.distributed.parallel_state import init_tensor_parallel
+from mm_serve.kernels.attention_metadata import AttentionMetadata
 from mm_serve.kernels.dispatch import configure_kernels
 from mm_serve.models.interface import LanguageModel
 from mm_serve.models.loader import load_model
 from mm_serve.sched.output import SchedulerOutput
 from mm_serve.sched.structured_output import GrammarBitmask
-from mm_serve.transfer import StepUpload
+from mm_serve.utils.transfer import StepUpload
 from mm_serve.worker.compile import LMForward, lm_forward
 from mm_serve.worker.cuda_graphs import (
     CudaGraphRunner,

@@ -26,8 +26,8 @@ import torch.distributed as dist
 import zmq
 
 from mm_serve.config import EngineConfig
-from mm_serve.mp_context import PARENT_CHECK_INTERVAL_MS
-from mm_serve.profiler import TorchProfiler
+from mm_serve.distributed.mp_context import PARENT_CHECK_INTERVAL_MS
+from mm_serve.utils.profiler import TorchProfiler
 from mm_serve.worker.model_runner import ModelRunner
 from mm_serve.worker.step_output import PendingOutput
 from mm_serve.worker.worker_messages import (

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 import msgspec
 
-from mm_serve.messages import (
+from mm_serve.messages.sampling_params import SamplingParams
+from mm_serve.messages.wire import (
     Buffer,
     MultiModalFeatureWire,
     feature_from_wire,
@@ -22,7 +23,6 @@ from mm_serve.messages import (
     tensor_from_buffer,
     tensor_to_buffer,
 )
-from mm_serve.sampling_params import SamplingParams
 from mm_serve.sched.output import (
     CachedRequestData,
     ModelRunnerOutput,

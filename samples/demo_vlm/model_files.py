@@ -5,7 +5,7 @@ text hidden 256, 4 layers, 4 heads (2 KV heads), intermediate 640, tied embeddin
 tower width 192, 4 layers, 3 heads, patch 14, 2 x 2 merge. A 224 x 224 image is 16 x 16
 patches, i.e. 64 image tokens. The tokenizer is a byte-level BPE with Qwen2's pre-tokenizer,
 trained on the task's questions and answers, plus Qwen2-VL's special tokens and chat template
-(from ``mm_serve.dummy_processors``), so any text tokenizes and chat messages with
+(from ``mm_serve.checkpoint.dummy_processors``), so any text tokenizes and chat messages with
 ``image_url`` parts work.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mm_serve.dummy_processors import (
+from mm_serve.checkpoint.dummy_processors import (
     CORPUS,
     QWEN_VL_CHAT_TEMPLATE,
     QWEN_VL_SPECIALS,
@@ -124,7 +124,7 @@ def save_checkpoint(model: Any, tokenizer: Any, path: str, card: dict[str, Any])
     template), plus ``training.json``, the training record."""
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
-    from mm_serve._compat import ensure_torchvision_importable
+    from mm_serve.utils._compat import ensure_torchvision_importable
 
     ensure_torchvision_importable()
     os.makedirs(path, exist_ok=True)

@@ -57,7 +57,7 @@ from mm_serve.entrypoints.openai.serving_tokenization import ServingTokenization
 from mm_serve.frontend.async_llm import AsyncLLM
 from mm_serve.frontend.engine_process import EngineProcess
 from mm_serve.frontend.exceptions import EngineDeadError
-from mm_serve.profiler import DIR_ENV as PROFILER_DIR_ENV
+from mm_serve.utils.profiler import DIR_ENV as PROFILER_DIR_ENV
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from mm_serve.entrypoints.openai.errors import bad_request
 from mm_serve.entrypoints.openai.protocol import SamplingRequest
-from mm_serve.structured_outputs import StructuredOutputsParams, check_grammar
+from mm_serve.messages.structured_outputs import StructuredOutputsParams, check_grammar
 
 
 def output_constraints(

@@ -10,7 +10,7 @@ from mm_serve.entrypoints.openai.protocol import (
     TokenLogprob,
     TopLogprob,
 )
-from mm_serve.outputs import Logprob, PromptLogprobs, SampleLogprobs
+from mm_serve.messages.outputs import Logprob, PromptLogprobs, SampleLogprobs
 
 
 def _token_text(token_id: int, logprob: Logprob, as_ids: bool) -> str:

@@ -35,7 +35,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from mm_serve.stats import ITERATION_TOKENS_BUCKETS, EngineStats, RequestStats
+from mm_serve.messages.stats import ITERATION_TOKENS_BUCKETS, EngineStats, RequestStats
 
 PREFIX = "mm_serve_"
 # vLLM's buckets, in seconds.

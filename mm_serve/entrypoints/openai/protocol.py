@@ -78,7 +78,8 @@ class ResponseFormat(BaseModel):
 
 
 class StructuredOutputsRequest(BaseModel):
-    """vLLM's ``structured_outputs``: exactly one of these (``mm_serve.structured_outputs``)."""
+    """vLLM's ``structured_outputs``: exactly one of these
+    (``mm_serve.messages.structured_outputs``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -132,8 +133,8 @@ class SamplingRequest(_Request):
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None  # vLLM's
-    # Beam search (mm_serve.beam_search): n beams, the n best sequences as choices, best first;
-    # length_penalty weighs a finished sequence's length in its score.
+    # Beam search (mm_serve.frontend.beam_search): n beams, the n best sequences as choices,
+    # best first; length_penalty weighs a finished sequence's length in its score.
     use_beam_search: bool = False
     length_penalty: float = 1.0
 

@@ -1,11 +1,11 @@
 """vLLM's ``use_beam_search`` over HTTP: which request fields it takes, and its parameters
-(the search itself: ``mm_serve.beam_search``, run by ``AsyncLLM.beam_search``)."""
+(the search itself: ``mm_serve.frontend.beam_search``, run by ``AsyncLLM.beam_search``)."""
 
 from __future__ import annotations
 
 from mm_serve.entrypoints.openai.errors import bad_request, user_errors
 from mm_serve.entrypoints.openai.protocol import SamplingRequest
-from mm_serve.sampling_params import BeamSearchParams, SamplingParams
+from mm_serve.messages.sampling_params import BeamSearchParams, SamplingParams
 
 # Fields beam search cannot honour, with the values that change nothing: another is a 400.
 _NOT_WITH_BEAM_SEARCH = {

@@ -36,7 +36,7 @@ from mm_serve.entrypoints.openai.serving_common import (
 )
 from mm_serve.entrypoints.openai.tool_calls import ToolCallStream, ToolMode, template_messages
 from mm_serve.frontend.async_llm import AsyncLLM
-from mm_serve.outputs import CompletionOutput, RequestOutput
+from mm_serve.messages.outputs import CompletionOutput, RequestOutput
 
 
 @dataclasses.dataclass

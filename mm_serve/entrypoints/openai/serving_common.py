@@ -33,9 +33,9 @@ from mm_serve.entrypoints.openai.request_fields import reject_undeclared_fields
 from mm_serve.entrypoints.openai.serving_beam_search import beam_search_params, check_beam_search
 from mm_serve.frontend.async_llm import AsyncLLM
 from mm_serve.frontend.processor import ProcessedPrompt, check_sampling_params
-from mm_serve.outputs import CompletionOutput, RequestOutput
-from mm_serve.sampling_params import SamplingParams
-from mm_serve.structured_outputs import StructuredOutputsParams
+from mm_serve.messages.outputs import CompletionOutput, RequestOutput
+from mm_serve.messages.sampling_params import SamplingParams
+from mm_serve.messages.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

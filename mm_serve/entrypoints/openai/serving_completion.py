@@ -36,7 +36,7 @@ from mm_serve.entrypoints.openai.serving_common import (
     usage_info,
 )
 from mm_serve.frontend.processor import ProcessedPrompt
-from mm_serve.outputs import CompletionOutput, RequestOutput
+from mm_serve.messages.outputs import CompletionOutput, RequestOutput
 
 
 @dataclass

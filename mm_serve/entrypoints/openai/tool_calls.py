@@ -31,7 +31,7 @@ from mm_serve.entrypoints.openai.protocol_tools import (
     NamedToolChoice,
     ToolCall,
 )
-from mm_serve.structured_outputs import StructuredOutputsParams
+from mm_serve.messages.structured_outputs import StructuredOutputsParams
 
 
 class ToolParser(Protocol):

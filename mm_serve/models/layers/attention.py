@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mm_serve.attention import AttentionMetadata
 from mm_serve.kernels import paged_attention
+from mm_serve.kernels.attention_metadata import AttentionMetadata
 
 # Set around a compiled forward: the step's metadata; and every compiled model's layers by
 # ``layer_index``, unique in the process (held weakly: several engines may share it).

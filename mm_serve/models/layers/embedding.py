@@ -6,7 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mm_serve.distributed import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from mm_serve.distributed.parallel_state import (
+    get_tp_rank,
+    get_tp_size,
+    tp_all_gather,
+    tp_all_reduce,
+)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mm_serve.distributed import get_tp_rank, get_tp_size, tp_all_reduce
+from mm_serve.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
 from mm_serve.kernels import linear, silu_and_mul_linear
 
 

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mm_serve.sampling_params import SamplingParams
+from mm_serve.messages.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

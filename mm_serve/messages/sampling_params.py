@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mm_serve.structured_outputs import StructuredOutputsParams
+from mm_serve.messages.structured_outputs import StructuredOutputsParams
 
 
 @dataclass

@@ -21,10 +21,10 @@ import msgspec
 import torch
 
 from mm_serve.encoders.base import ProcessedImage
-from mm_serve.outputs import EngineCoreOutput
-from mm_serve.request import MultiModalFeature, PlaceholderRange, Request
-from mm_serve.sampling_params import SamplingParams
-from mm_serve.stats import EngineStats
+from mm_serve.messages.outputs import EngineCoreOutput
+from mm_serve.messages.request import MultiModalFeature, PlaceholderRange, Request
+from mm_serve.messages.sampling_params import SamplingParams
+from mm_serve.messages.stats import EngineStats
 
 # Tensor dtypes allowed on the wire, by name (never resolved with getattr on user input).
 _WIRE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8,

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 from mm_serve.config import ModelConfig
 from mm_serve.frontend.processor import ProcessedPrompt
-from mm_serve.outputs import CompletionOutput, Logprob, RequestOutput
-from mm_serve.sampling_params import BeamSearchParams, SamplingParams
+from mm_serve.messages.outputs import CompletionOutput, Logprob, RequestOutput
+from mm_serve.messages.sampling_params import BeamSearchParams, SamplingParams
 
 
 @dataclass

@@ -16,19 +16,19 @@ from typing import Any, TypeVar
 
 import torch
 
-from mm_serve.compilation_config import (
-    CompilationConfig,
-    cuda_graph_batch_sizes,
-    cuda_graph_num_tokens,
-)
-from mm_serve.families import find_family
-from mm_serve.hub import (
+from mm_serve.checkpoint.families import find_family
+from mm_serve.checkpoint.hub import (
     load_hf_config,
     resolve_dtype,
     resolve_max_model_len,
     resolve_model_path,
 )
-from mm_serve.parallel_config import ParallelConfig, check_tensor_parallel
+from mm_serve.config.compilation import (
+    CompilationConfig,
+    cuda_graph_batch_sizes,
+    cuda_graph_num_tokens,
+)
+from mm_serve.config.parallel import ParallelConfig, check_tensor_parallel
 
 
 @dataclass(frozen=True)

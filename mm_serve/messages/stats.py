@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from mm_serve.outputs import EngineCoreOutput
+    from mm_serve.messages.outputs import EngineCoreOutput
 
 # Upper bounds of the iteration-tokens histogram's buckets (tokens scheduled in one step).
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mm_serve._compat import ensure_torchvision_importable
+from mm_serve.utils._compat import ensure_torchvision_importable
 
 CORPUS = [
     "The harbor town woke slowly. Fishing boats slid past the breakwater while gulls argued "
