@@ -1,19 +1,9 @@
 """How the forward runs on a CUDA device: the compilation level and the sizes of the CUDA
-graphs captured (``worker.cuda_graphs``, ``worker.compile``); where compiled things are kept."""
+graphs captured (``worker.cuda_graphs``, ``worker.compile``)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from pathlib import Path
-
-
-def cache_root() -> Path:
-    """``$MM_SERVE_CACHE_DIR``, default ``~/.cache/mm_serve``: Inductor's cache
-    (``torch_compile/``) and, where the environment writes no bytecode, Python's (``pycache/``,
-    ``entrypoints.launch``)."""
-    return Path(os.environ.get("MM_SERVE_CACHE_DIR") or Path.home() / ".cache" / "mm_serve")
-
 
 MAX_CUDA_GRAPH_BATCH_SIZE = 512
 

@@ -48,7 +48,7 @@ def cache_bytecode(argv: list[str]) -> None:
     """
     if not sys.flags.dont_write_bytecode or os.environ.get("MM_SERVE_PYCACHE") == "0":
         return
-    from mm_serve.config.compilation import cache_root
+    from mm_serve.utils.cache_dir import cache_root
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     env.setdefault("PYTHONPYCACHEPREFIX", str(cache_root() / "pycache"))

@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 
 from mm_serve.config import EngineConfig
-from mm_serve.config.compilation import cache_root
 from mm_serve.kernels.attention_metadata import AttentionMetadata
 from mm_serve.models.layers.attention import register_layers, step_metadata
+from mm_serve.utils.cache_dir import cache_root
 
 logger = logging.getLogger(__name__)
 
