@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mm_serve.kernels.activation import get_activation
+from mm_serve.kernels.dispatch import get_activation
 
 SELECT_STRATEGIES = ("default", "full")
 

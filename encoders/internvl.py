@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mm_serve.encoders.siglip import pixel_shuffle
-from mm_serve.kernels.activation import get_activation
+from mm_serve.kernels.dispatch import get_activation
 from mm_serve.models.layers.layernorm import RMSNorm
 
 

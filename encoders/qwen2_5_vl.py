@@ -27,8 +27,7 @@ from mm_serve.encoders.qwen2_vl import (
     rotary_cos_sin,
     to_window_order,
 )
-from mm_serve.kernels.activation import get_activation
-from mm_serve.kernels.dispatch import silu_and_mul, varlen_segments
+from mm_serve.kernels.dispatch import get_activation, silu_and_mul, varlen_segments
 from mm_serve.kernels.rotary import vision_rotary
 from mm_serve.utils.transfer import host_to_device
 

@@ -23,8 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mm_serve.kernels.activation import get_activation
-from mm_serve.kernels.dispatch import apply_vision_rotary, varlen_attention, varlen_segments
+from mm_serve.kernels.dispatch import (
+    apply_vision_rotary,
+    get_activation,
+    varlen_attention,
+    varlen_segments,
+)
 from mm_serve.kernels.dispatch_linear import linear_quick_gelu
 from mm_serve.kernels.rotary import VisionRotary, vision_rotary
 from mm_serve.kernels.varlen_attention import Segments

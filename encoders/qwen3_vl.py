@@ -44,8 +44,7 @@ from mm_serve.encoders.qwen2_vl import (
     rope_theta,
     rotary_cos_sin,
 )
-from mm_serve.kernels.activation import get_activation
-from mm_serve.kernels.dispatch import varlen_segments
+from mm_serve.kernels.dispatch import get_activation, varlen_segments
 from mm_serve.kernels.rotary import vision_rotary
 from mm_serve.utils.transfer import host_to_device
 

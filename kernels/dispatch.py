@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from mm_serve.kernels import varlen_attention as varlen
 from mm_serve.kernels.activation import quick_gelu_ref, silu_and_mul_ref
 from mm_serve.kernels.attention import paged_attention_ref, reshape_and_cache_ref
 from mm_serve.kernels.attention_metadata import AttentionMetadata
+
+# configure_kernels and kernel_config are re-exported: the mode is part of dispatch's interface.
+from mm_serve.kernels.config import configure_kernels, kernel_config, kernel_mode  # noqa: F401
 from mm_serve.kernels.norm import layer_norm_ref, rms_norm_ref
 from mm_serve.kernels.rotary import (
     VisionRotary,
@@ -29,36 +32,10 @@ from mm_serve.kernels.rotary import (
 )
 from mm_serve.kernels.varlen_attention import Segments
 
-if TYPE_CHECKING:
-    from mm_serve.config import KernelConfig
-
 logger = logging.getLogger(__name__)
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _logged: set[str] = set()
-# Set by configure_kernels; None until then, and ``KernelConfig.from_env()`` on first use.
-_config: KernelConfig | None = None
-
-
-def configure_kernels(config: KernelConfig) -> None:
-    """Set this process's kernel mode and PDL (``pdl.pdl_options``), once at start-up."""
-    global _config
-    _config = config
-
-
-def kernel_config() -> KernelConfig:
-    """This process's ``KernelConfig`` (``configure_kernels``, else the env defaults)."""
-    global _config
-    if _config is None:
-        from mm_serve.config import KernelConfig
-
-        _config = KernelConfig.from_env()
-    return _config
-
-
-def kernel_mode() -> str:
-    """``auto``, ``triton`` or ``ref``: see the module doc."""
-    return kernel_config().mode
 
 
 def _log_once(message: str, *args: object) -> None:
@@ -286,3 +263,25 @@ def apply_vision_rotary(
 
     head_dim = rotary.table.shape[-1]
     return apply_rotary_triton(rotary.positions, q, k, rotary.table, head_dim, round_products=False)
+
+
+def get_activation(name: str):
+    """The activation named by an HF config's ``hidden_act`` (``quick_gelu``, ``gelu``,
+    ``gelu_pytorch_tanh``, ``silu``, ``relu``), as transformers' ``ACT2FN`` computes it;
+    ``quick_gelu`` dispatches to the one-pass Triton kernel on CUDA. Importing
+    ``transformers.activations`` instead would load most of transformers and torch._dynamo
+    into the engine process (about 175 MB and 4 s of start-up).
+
+    Raises:
+        ValueError: an activation not listed here.
+    """
+    activations = {
+        "quick_gelu": quick_gelu,
+        "gelu": F.gelu,
+        "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+        "silu": F.silu,
+        "relu": F.relu,
+    }
+    if name not in activations:
+        raise ValueError(f"Unsupported activation {name!r}; supported: {sorted(activations)}.")
+    return activations[name]

@@ -11,7 +11,7 @@ launching. Work before that call may only read what no kernel writes: the weight
 prefetches its first weight tile) and the step inputs that only host copies fill (attention
 metadata, positions, slot mapping). The edges are kept in CUDA graphs.
 
-``--no-pdl`` (``dispatch.configure_kernels``; ``MM_SERVE_PDL=0`` in a process that does not
+``--no-pdl`` (``config.configure_kernels``; ``MM_SERVE_PDL=0`` in a process that does not
 configure) turns it off; it is off on GPUs before Hopper and in the interpreter.
 """
 
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mm_serve.kernels.dispatch import kernel_config
+from mm_serve.kernels.config import kernel_config
 
 __all__ = ["pdl_enter", "pdl_options"]
 _INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -46,7 +46,7 @@ def _device_supports_pdl(device: torch.device) -> bool:
 def pdl_options(device: torch.device) -> dict[str, bool]:
     """Launch options for a kernel taking ``USE_PDL``: ``USE_PDL`` and, when on,
     ``launch_pdl``. On for CUDA devices of compute capability 9.0+ when PDL is enabled
-    (``dispatch.configure_kernels``), except under ``TRITON_INTERPRET=1``."""
+    (``config.configure_kernels``), except under ``TRITON_INTERPRET=1``."""
     on = (
         device.type == "cuda"
         and kernel_config().pdl

@@ -71,7 +71,7 @@ def test_cpu_dispatch_runs_the_references(monkeypatch) -> None:
     from mm_serve import kernels
 
     monkeypatch.setattr(
-        dispatch, "_config", KernelConfig(mode="triton")
+        "mm_serve.kernels.config._config", KernelConfig(mode="triton")
     )  # no effect on CPU tensors
     cpu = torch.device("cpu")
     query, kv_cache, metadata = _paged_batch(MIXED, 8, 2, 16, 4, torch.float32, seed=1)
@@ -103,7 +103,7 @@ def test_cuda_dispatch_uses_triton_and_honours_ref_mode(monkeypatch, caplog) -> 
     def boom(*args, **kwargs):
         raise AssertionError("the Triton kernel ran in ref mode")
 
-    monkeypatch.setattr(dispatch, "_config", KernelConfig(mode="ref"))
+    monkeypatch.setattr("mm_serve.kernels.config._config", KernelConfig(mode="ref"))
     monkeypatch.setattr(_attn, "paged_attention_triton", boom)
     assert torch.equal(kernels.paged_attention(query, kv_cache, metadata, 0.1), ref)
     monkeypatch.setenv("MM_SERVE_KERNELS", "bogus")  # the flag's default: checked at start-up
@@ -132,7 +132,7 @@ def test_cuda_linear_uses_the_gemv_for_one_half_precision_token(monkeypatch) -> 
         out = kernels.silu_and_mul_linear(x, weight.to(dtype))
         ref = kernels.silu_and_mul_linear_ref(x, weight.to(dtype))
         assert len(calls) == used and _rel_err(out, ref) <= 1e-2
-    monkeypatch.setattr(dispatch, "_config", KernelConfig(mode="ref"))
+    monkeypatch.setattr("mm_serve.kernels.config._config", KernelConfig(mode="ref"))
     calls.clear()
     kernels.linear(torch.randn(1, 128, device="cuda", dtype=torch.bfloat16), weight)
     assert not calls

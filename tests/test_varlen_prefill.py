@@ -165,7 +165,7 @@ def test_cuda_split_matches_reference(heads, dtype, monkeypatch, caplog) -> None
         assert _rel_err(out, ref) <= (1e-2 if dtype == torch.bfloat16 else 2e-3), reqs
         assert torch.all(out[md.num_tokens :] == 0)
     assert any("FlashAttention-2 varlen" in r.getMessage() for r in caplog.records)
-    monkeypatch.setattr(dispatch, "_config", KernelConfig(mode="triton"))
+    monkeypatch.setattr("mm_serve.kernels.config._config", KernelConfig(mode="triton"))
     query, key, value, kv_cache, md = _step(BATCH_GPU, heads, 16, dtype, "cuda")
     calls.clear()
     out = kernels.paged_attention(query, kv_cache, md, scale, key, value)

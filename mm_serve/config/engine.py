@@ -29,6 +29,7 @@ from mm_serve.config.compilation import (
     cuda_graph_num_tokens,
 )
 from mm_serve.config.parallel import ParallelConfig, check_tensor_parallel
+from mm_serve.kernels.config import KernelConfig
 
 
 @dataclass(frozen=True)
@@ -152,34 +153,6 @@ class MultiModalConfig:
     mm_preprocess_workers: int = 1
     max_video_frames: int = 128
     max_video_tokens: int = 0
-
-
-KERNEL_MODES = ("auto", "triton", "ref")
-KERNELS_ENV = "MM_SERVE_KERNELS"  # the default of --kernel-mode
-
-
-@dataclass(frozen=True)
-class KernelConfig:
-    """The forward's kernels (``kernels/dispatch.py``: ``mode``; ``kernels/pdl.py``: ``pdl``),
-    applied once by the model runner. ``ValueError`` for a mode not in ``KERNEL_MODES``."""
-
-    mode: str = "auto"
-    pdl: bool = True
-
-    def __post_init__(self) -> None:
-        if self.mode not in KERNEL_MODES:
-            raise ValueError(
-                f"Kernel mode {self.mode!r} (--kernel-mode, {KERNELS_ENV}): choose one of "
-                f"{', '.join(KERNEL_MODES)}."
-            )
-
-    @classmethod
-    def from_env(cls, mode: str | None = None, pdl: bool | None = None) -> KernelConfig:
-        """``mode`` and ``pdl``, where None takes ``MM_SERVE_KERNELS`` (default ``auto``) and
-        ``MM_SERVE_PDL`` (off only for ``0``)."""
-        if mode is None:
-            mode = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
-        return cls(mode, os.environ.get("MM_SERVE_PDL", "1") != "0" if pdl is None else pdl)
 
 
 _C = TypeVar("_C")

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mm_serve.kernels.activation import get_activation
 from mm_serve.kernels.attention_metadata import AttentionMetadata
+from mm_serve.kernels.dispatch import get_activation
 from mm_serve.models.layers.attention import Attention
 from mm_serve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from mm_serve.models.layers.linear import (

@@ -18,7 +18,7 @@ from mm_serve.cache.kv_cache_groups import kv_cache_layout
 from mm_serve.config import EngineConfig
 from mm_serve.distributed.parallel_state import init_tensor_parallel
 from mm_serve.kernels.attention_metadata import AttentionMetadata
-from mm_serve.kernels.dispatch import configure_kernels
+from mm_serve.kernels.config import configure_kernels
 from mm_serve.models.interface import LanguageModel
 from mm_serve.models.loader import load_model
 from mm_serve.sched.output import SchedulerOutput
