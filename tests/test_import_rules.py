@@ -1,9 +1,10 @@
-"""Folders are processes: the API server's process loads no scheduler, model runner or model;
-the engine core process loads no web stack; no module-level import cycle.
+"""Folders are processes and layers: the API server's process loads no scheduler, model runner
+or model; the engine core process loads no web stack; no import goes from a lower layer to a
+higher one (ARCHITECTURE.md's list, ``LAYERS``); no import cycle.
 
 The process checks import the module in a fresh interpreter and read ``sys.modules``; the
-graph checks read every library file's imports with ``ast`` (module level only: what an import
-of the module runs; ``if TYPE_CHECKING:`` blocks and imports inside functions are skipped).
+graph checks read every library file's imports with ``ast`` (``if TYPE_CHECKING:`` blocks are
+skipped; imports inside functions count for the layers and for the cycles).
 """
 
 from __future__ import annotations
@@ -141,16 +142,54 @@ def test_no_module_loads_both_the_scheduler_and_the_web_server() -> None:
     assert both == []
 
 
-# Folders whose function-level imports still form cycles (kernels: dispatch <-> activation and
-# linear); their module-level imports form none.
-LAZY_CYCLES_LEFT = ("mm_serve.kernels",)
+# The layers of ARCHITECTURE.md, lowest first: a module imports (at module level or in a
+# function) only modules of its own layer or a lower one. A module's layer is that of the
+# longest package prefix listed; ``mm_serve`` itself (the public API: ``LLM``) is the top.
+LAYERS = (
+    ("mm_serve.utils", "mm_serve.distributed", "mm_serve.checkpoint"),
+    ("mm_serve.kernels", "mm_serve.models.layers", "mm_serve.encoders", "mm_serve.cache"),
+    ("mm_serve.config",),
+    ("mm_serve.messages",),
+    ("mm_serve.models", "mm_serve.preprocess"),
+    ("mm_serve.sched",),
+    ("mm_serve.worker",),
+    ("mm_serve.engine",),
+    ("mm_serve.frontend",),
+    ("mm_serve.entrypoints", "mm_serve.client", "mm_serve"),
+    ("mm_serve.benchmarks",),
+)
+
+
+def layer_of(module: str) -> int | None:
+    """The index in ``LAYERS`` of ``module``'s longest listed package prefix, else None."""
+    best, found = -1, None
+    for index, packages in enumerate(LAYERS):
+        for package in packages:
+            if _in(module, (package,)) and len(package) > best:
+                best, found = len(package), index
+    return found
+
+
+def test_every_module_has_a_layer() -> None:
+    graph = import_graph()
+    assert [m for m in graph if layer_of(m) is None] == []
+
+
+def test_no_import_from_a_lower_layer_to_a_higher_one() -> None:
+    graph = import_graph(lazy=True)
+    upward = [
+        f"{name} (layer {layer_of(name)}) -> {target} (layer {layer_of(target)})"
+        for name, targets in graph.items()
+        for target in targets
+        if target in graph and layer_of(target) is not None
+        if layer_of(target) > layer_of(name)
+    ]
+    assert upward == []
 
 
 @pytest.mark.parametrize("lazy", [False, True], ids=["module-level", "with-lazy"])
 def test_no_import_cycle(lazy: bool) -> None:
     graph = import_graph(lazy)
-    if lazy:
-        graph = {k: v for k, v in graph.items() if not _in(k, LAZY_CYCLES_LEFT)}
     cycles = []
     for start in graph:
         # A cycle through ``start``: a path of library imports that leads back to it.
