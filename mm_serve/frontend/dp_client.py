@@ -28,13 +28,14 @@ import torch
 
 from mm_serve.config import EngineArgs, EngineConfig
 from mm_serve.config.parallel import ParallelConfig
-from mm_serve.frontend.client_calls import AsyncCalls, SyncCalls
 from mm_serve.frontend.core_client import (
+    AsyncCalls,
     AsyncEngineCoreClient,
     EngineCoreClient,
     EngineCoreClientBase,
+    Sink,
+    SyncCalls,
 )
-from mm_serve.frontend.delivery import Sink
 from mm_serve.frontend.dp_router import ReplicaRouter
 from mm_serve.frontend.engine_process import EngineProcess, start_engine_core
 from mm_serve.frontend.exceptions import EngineDeadError
