@@ -25,16 +25,16 @@ from mm_serve.entrypoints.openai.errors import (
     user_errors,
 )
 from mm_serve.entrypoints.openai.protocol import (
+    UNSUPPORTED_FIELDS,
+    UNSUPPORTED_MESSAGE_FIELDS,
     PromptTokensDetails,
     SamplingRequest,
     UsageInfo,
 )
-from mm_serve.entrypoints.openai.request_fields import reject_undeclared_fields
-from mm_serve.entrypoints.openai.serving_beam_search import beam_search_params, check_beam_search
 from mm_serve.frontend.async_llm import AsyncLLM
 from mm_serve.frontend.processor import ProcessedPrompt, check_sampling_params
 from mm_serve.messages.outputs import CompletionOutput, RequestOutput
-from mm_serve.messages.sampling_params import SamplingParams
+from mm_serve.messages.sampling_params import BeamSearchParams, SamplingParams
 from mm_serve.messages.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -373,3 +373,78 @@ async def collect(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
     assert last is not None, "generate() yields at least the finish of every completion"
     outputs_in_order = [merged[i] for i in sorted(merged)]
     return dataclasses.replace(last, outputs=outputs_in_order, prompt_logprobs=prompt_logprobs)
+
+
+def reject_undeclared_fields(request: BaseModel) -> None:
+    """Refuse the request's first undeclared field: at the top level, in a chat message
+    (``messages[i].name``), in a content part or its ``image_url`` / ``video_url``
+    (``messages[i].content[j].key``). A null value asks for nothing and passes (an SDK's dump
+    of an earlier reply), except a field of ``protocol.UNSUPPORTED_FIELDS``.
+
+    Raises:
+        APIError: (400) naming the field.
+    """
+    for name, value in sorted((request.model_extra or {}).items()):
+        if name in UNSUPPORTED_FIELDS or value is not None:
+            raise _undeclared(name, name in UNSUPPORTED_FIELDS)
+    for index, message in enumerate(getattr(request, "messages", None) or ()):
+        for name, value in sorted((message.model_extra or {}).items()):
+            if value is not None:
+                param = f"messages[{index}].{name}"
+                raise _undeclared(param, name in UNSUPPORTED_MESSAGE_FIELDS)
+        _reject_part_keys(index, message.content)
+
+
+def _undeclared(param: str, unsupported: bool) -> Exception:
+    if unsupported:
+        return bad_request(f"Unsupported field {param!r}.", param=param)
+    return bad_request(f"Unknown field {param!r}: not a parameter of this API.", param=param)
+
+
+def _reject_part_keys(index: int, content: str | list[BaseModel] | None) -> None:
+    """Raises APIError (400) naming the first non-null undeclared key of message ``index``'s
+    content parts or of their ``image_url`` / ``video_url`` objects."""
+    for j, part in enumerate(content if isinstance(content, list) else ()):
+        objects = {"": part} | {
+            f"{k}.": v for k, v in vars(part).items() if isinstance(v, BaseModel)
+        }
+        for prefix, obj in objects.items():
+            for key, value in (obj.model_extra or {}).items():
+                if value is not None:
+                    param = f"messages[{index}].content[{j}].{prefix}{key}"
+                    raise _undeclared(param, unsupported=False)
+
+
+# Fields beam search cannot honour, with the values that change nothing: another is a 400.
+_NOT_WITH_BEAM_SEARCH = {
+    "stop": (None, []), "stop_token_ids": (None, []), "min_tokens": (None, 0),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
+    "top_p": (None, 1), "top_k": (None, 0, -1), "min_p": (None, 0), "prompt_logprobs": (None,),
+    "logit_bias": (None, {}), "response_format": (None,), "structured_outputs": (None,),
+}  # fmt: skip
+
+
+def check_beam_search(request: SamplingRequest) -> None:
+    """Raises APIError (400) naming a field set to a value beam search cannot honour (stop
+    strings or tokens, penalties, truncated sampling, prompt logprobs, logit bias, a
+    structured output)."""
+    for name, neutral in _NOT_WITH_BEAM_SEARCH.items():
+        if getattr(request, name) not in neutral:
+            raise bad_request(f"{name} cannot be used with use_beam_search.", param=name)
+
+
+def beam_search_params(request: SamplingRequest, params: SamplingParams) -> BeamSearchParams:
+    """``n`` beams, ``max_tokens`` rounds, ``ignore_eos``, ``temperature`` and the request's
+    ``length_penalty`` (vLLM's ``to_beam_search_params``).
+
+    Raises:
+        APIError: (400) a value out of range.
+    """
+    with user_errors():
+        return BeamSearchParams(
+            beam_width=params.n,
+            max_tokens=params.max_tokens,
+            ignore_eos=params.ignore_eos,
+            temperature=params.temperature,
+            length_penalty=request.length_penalty,
+        )

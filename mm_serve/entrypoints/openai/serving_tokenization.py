@@ -17,9 +17,8 @@ from mm_serve.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
-from mm_serve.entrypoints.openai.request_fields import reject_undeclared_fields
 from mm_serve.entrypoints.openai.serving_chat import check_chat_template_options
-from mm_serve.entrypoints.openai.serving_common import ModelInfo
+from mm_serve.entrypoints.openai.serving_common import ModelInfo, reject_undeclared_fields
 from mm_serve.frontend.async_llm import AsyncLLM
 
 
