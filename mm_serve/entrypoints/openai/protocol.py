@@ -5,13 +5,14 @@ Requests check types and shapes only; the *values* (a negative temperature, ``ma
 does. Either violation is a 400 naming the field, as OpenAI answers; so is a parameter of
 OpenAI's API or a vLLM extension that this server does not implement (``UNSUPPORTED_FIELDS``),
 and so is a field unknown to both: no field a request asks for is silently ignored
-(``request_fields.reject_undeclared_fields``).
+(``serving_common.reject_undeclared_fields``). The chat messages (OpenAI's content parts,
+vLLM's ``video_url`` part) and tool-calling shapes are here too.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -21,14 +22,111 @@ from pydantic import (
     model_serializer,
 )
 
-from mm_serve.entrypoints.openai.protocol_messages import ChatMessage
-from mm_serve.entrypoints.openai.protocol_tools import (
-    ChatTool,
-    DeltaToolCall,
-    NamedToolChoice,
-    OmitNone,
-    ToolCall,
-)
+
+class FunctionDefinition(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments
+    strict: bool | None = None  # the arguments always follow the schema exactly when enforced
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class OmitNone(BaseModel):
+    """Serialised without its fields that are None (OpenAI's stream deltas)."""
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaFunctionCall(OmitNone):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OmitNone):
+    """A streamed call: its first delta has ``id``, ``type`` and the function's name, later
+    ones add text to its ``arguments`` (clients concatenate them by ``index``)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class _Part(BaseModel):
+    # Undeclared keys are kept for ``serving_common.reject_undeclared_fields`` to refuse.
+    model_config = ConfigDict(extra="allow")
+
+
+class ImageURL(_Part):
+    url: str  # data:image/...;base64,..., http(s)://... (allowed hosts), file://... (allowed root)
+    # OpenAI's: "low" preprocesses the image with a smaller pixel budget (Qwen2-VL: at most
+    # 448 x 448 pixels, 256 tokens; mm_processor.IMAGE_DETAILS); "high" and "auto" as the server.
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class TextPart(_Part):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURLPart(_Part):
+    type: Literal["image_url"]
+    image_url: ImageURL
+    # vLLM's extension: identifies the image in place of its content in the caches.
+    uuid: str | None = None
+
+
+class VideoURL(_Part):
+    url: str  # data:video/...;base64,..., http(s)://... (allowed hosts), file://... (allowed root)
+
+
+class VideoURLPart(_Part):
+    """vLLM's video part: a video file (any container and codec FFmpeg decodes)."""
+
+    type: Literal["video_url"]
+    video_url: VideoURL
+    uuid: str | None = None  # identifies the video in place of its content in the caches
+
+
+ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart, Field(discriminator="type")]
+
+
+class ChatMessage(BaseModel):
+    # Undeclared fields are kept for ``serving_common.reject_undeclared_fields`` to refuse.
+    model_config = ConfigDict(extra="allow")
+
+    role: str  # "system", "user", "assistant", "tool", ...: what the chat template accepts
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
+
 
 # ---- requests ----------------------------------------------------------------------------
 

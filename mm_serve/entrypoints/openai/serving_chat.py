@@ -18,10 +18,10 @@ from mm_serve.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatLogprobs,
+    ChatMessage,
     ChatResponseMessage,
     DeltaMessage,
 )
-from mm_serve.entrypoints.openai.protocol_messages import ChatMessage
 from mm_serve.entrypoints.openai.serving_common import (
     Admission,
     ModelInfo,

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mm_serve.entrypoints.openai.errors import bad_request
-from mm_serve.entrypoints.openai.protocol import ChatCompletionRequest, DeltaMessage
-from mm_serve.entrypoints.openai.protocol_tools import (
+from mm_serve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
     DeltaFunctionCall,
+    DeltaMessage,
     DeltaToolCall,
     FunctionCall,
     NamedToolChoice,
