@@ -6,7 +6,8 @@ and the writers of the families whose folders differ from Qwen2-VL's.
 folder. InternVL3's and LLaVA-OneVision's have their own image tokens, tokenizer and processor:
 ``write_internvl_architecture`` and ``write_llava_onevision_architecture`` (the small
 byte-level BPE of ``mm_serve.checkpoint.dummy_processors`` with the family's image tokens).
-Qwen3-VL's folder is Qwen2-VL's with Qwen3-VL's image processor settings (``QWEN3_VL_PREPROCESSOR``).
+Qwen3-VL's folder is Qwen2-VL's with Qwen3-VL's image processor settings
+(``QWEN3_VL_PREPROCESSOR``).
 """
 
 from __future__ import annotations
