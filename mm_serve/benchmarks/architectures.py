@@ -13,13 +13,12 @@ Here: Qwen2-VL's and Qwen2.5-VL's published configs, and the writer of their fol
 Qwen3-VL's); InternVL3's, LLaVA-OneVision's and Qwen3-VL's configs, and the writers of the
 first two, are in ``family_architectures``.
 
-The tokenizer is the small byte-level BPE of ``mm_serve.checkpoint.dummy_processors``
-with Qwen2-VL's special tokens and chat template (InternVL3's and LLaVA-OneVision's: with
-their image tokens): a real vocabulary cannot be shipped offline. So the special token ids of
-the config are the small tokenizer's (they must agree with what it encodes), while ``vocab_size`` stays the
-published one: the embedding and LM head have their real sizes, and a random model samples ids
-the tokenizer does not know (they decode to nothing).
-"""
+The tokenizer is the small byte-level BPE of ``mm_serve.checkpoint.dummy_processors`` with
+Qwen2-VL's special tokens and chat template (InternVL3's and LLaVA-OneVision's: with their image
+tokens): a real vocabulary cannot be shipped offline. So the special token ids of the config are the
+small tokenizer's (they must agree with what it encodes), while ``vocab_size`` stays the published
+one: the embedding and LM head have their real sizes, and a random model samples ids the tokenizer
+does not know (they decode to nothing). """
 
 from __future__ import annotations
 
