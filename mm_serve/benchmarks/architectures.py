@@ -18,7 +18,8 @@ Qwen2-VL's special tokens and chat template (InternVL3's and LLaVA-OneVision's: 
 tokens): a real vocabulary cannot be shipped offline. So the special token ids of the config are the
 small tokenizer's (they must agree with what it encodes), while ``vocab_size`` stays the published
 one: the embedding and LM head have their real sizes, and a random model samples ids the tokenizer
-does not know (they decode to nothing). """
+does not know (they decode to nothing).
+"""
 
 from __future__ import annotations
 
