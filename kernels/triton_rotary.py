@@ -112,6 +112,22 @@ def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     return h if h.stride(-1) == 1 else h.contiguous()
 
 
+def _cache_operands(
+    kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    positions: torch.Tensor,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kv_write``'s (value ``[T, num_kv_heads, head_dim]``, kv_cache, slot_mapping); without
+    ``kv_write``, stand-ins the kernel does not read. ``ValueError`` for a strided kv_cache."""
+    if kv_write is None:
+        return k, k[None], positions
+    value, kv_cache, slot_mapping = kv_write
+    if not kv_cache.is_contiguous():
+        raise ValueError("apply_rotary_triton: kv_write needs a contiguous kv_cache.")
+    return _heads(value, head_dim), kv_cache, slot_mapping
+
+
 def _sections(mrope_section: list[int] | None, head_dim: int) -> list[int]:
     """The ``[t, h, w]`` frequency split (plain RoPE: all in ``t``); ``ValueError`` unless it
     has 3 parts summing to ``head_dim // 2``."""
@@ -162,10 +178,7 @@ def apply_rotary_triton(
     if num_tokens == 0:
         return out
     half = head_dim // 2
-    v, kv_cache, slot_mapping = kv_write if kv_write is not None else (k, k[None], positions)
-    if kv_write is not None and not kv_cache.is_contiguous():
-        raise ValueError("apply_rotary_triton: kv_write needs a contiguous kv_cache.")
-    v = _heads(v, head_dim)
+    v, kv_cache, slot_mapping = _cache_operands(kv_write, k, positions, head_dim)
     _rotary_kernel[(num_tokens,)](
         q_out, k_out, q, k, positions, cos_sin_cache,
         positions.stride(0) if mrope else 0, cos_sin_cache.stride(0),

@@ -32,12 +32,7 @@ def _ensure_torchvision_importable() -> None:
 
 _ensure_torchvision_importable()
 
-from transformers import (  # noqa: E402
-    CLIPVisionConfig,
-    LlamaConfig,
-    LlavaConfig,
-    LlavaForConditionalGeneration,
-)
+from transformers import LlavaConfig, LlavaForConditionalGeneration  # noqa: E402
 from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import (  # noqa: E402
     Qwen2_5_VLVisionConfig,
 )
@@ -57,6 +52,7 @@ from mm_serve.encoders.clip import (  # noqa: E402
 from mm_serve.encoders.qwen2_5_vl import Qwen2_5_VisionTransformer, window_index  # noqa: E402
 from mm_serve.encoders.qwen2_vl import Qwen2VisionTransformer  # noqa: E402
 from mm_serve.worker.tower_graphs import split_batch  # noqa: E402
+from tests.fixtures.vlm_checkpoints import LLAVA_VISION, TINY_TEXT  # noqa: E402
 
 ATOL = RTOL = 1e-5
 # Grids in patches (t, h, w); Qwen2.5's window is 56 px = 2x2 merged tokens = 4x4 patches, so
@@ -220,26 +216,9 @@ def test_qwen_bad_grid_raises():
 
 
 def _llava(feature_layer, strategy: str) -> LlavaForConditionalGeneration:
-    vision = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        image_size=56,
-        patch_size=14,
-        hidden_act="quick_gelu",
-    )
-    text = LlamaConfig(
-        hidden_size=48,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=64,
-    )
     config = LlavaConfig(
-        vision_config=vision,
-        text_config=text,
+        vision_config=LLAVA_VISION,  # CLIP's default activation, quick_gelu
+        text_config={**TINY_TEXT, "model_type": "llama", "vocab_size": 64},
         vision_feature_layer=feature_layer,
         vision_feature_select_strategy=strategy,
         image_token_id=63,
