@@ -29,9 +29,7 @@ from mm_serve.entrypoints.openai.serving_common import (
     ServingBase,
     collect,
     per_token,
-    sse_event,
     stream_usage,
-    stream_with_errors,
     usage_info,
 )
 from mm_serve.entrypoints.openai.tool_calls import ToolCallStream, ToolMode, template_messages
@@ -111,7 +109,7 @@ class ServingChat(ServingBase):
         )
         outputs = self.generate(request, processed, params, reply.request_id, arrival_time)
         if request.stream:
-            return stream_with_errors(_stream(outputs, reply, include_usage))
+            return _stream(outputs, reply, include_usage)
         with user_errors():
             return _response(await collect(outputs), reply)
 
@@ -198,15 +196,14 @@ async def _stream(
                     started.add(delta.index)
                     role = DeltaMessage(role=reply.role, content="")
                     choice = ChatCompletionStreamChoice(index=delta.index, delta=role)
-                    chunk = reply.response(
+                    yield reply.event(
                         ChatCompletionChunk, [choice], prompt_token_ids=prompt_token_ids
                     )
-                    yield sse_event(chunk)
                     if reply.echo:
                         choice = ChatCompletionStreamChoice(
                             index=delta.index, delta=DeltaMessage(content=reply.echo)
                         )
-                        yield sse_event(reply.response(ChatCompletionChunk, [choice]))
+                        yield reply.event(ChatCompletionChunk, [choice])
                 for piece in per_token(delta):
                     if reply.tools.choice == "none":
                         choices = [_stream_choice(piece, reply)]
@@ -214,10 +211,10 @@ async def _stream(
                         stream = tool_streams.setdefault(delta.index, ToolCallStream(reply.tools))
                         choices = _tool_stream_choices(piece, stream, reply)
                     for choice in choices:
-                        yield sse_event(reply.response(ChatCompletionChunk, [choice]))
+                        yield reply.event(ChatCompletionChunk, [choice])
                 num_completion += len(delta.token_ids)
     if include_usage and last is not None:
-        yield sse_event(reply.response(ChatCompletionChunk, [], usage_info([last], num_completion)))
+        yield reply.event(ChatCompletionChunk, [], usage_info([last], num_completion))
 
 
 def _tool_stream_choices(

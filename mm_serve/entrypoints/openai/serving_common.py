@@ -143,6 +143,12 @@ class Reply:
         header = {"id": self.request_id, "created": self.created, "model": self.model}
         return cls(**header, choices=choices, usage=usage, **fields)
 
+    def event(
+        self, cls: type[BaseModel], choices: list, usage: UsageInfo | None = None, **fields: Any
+    ) -> str:
+        """``response(...)`` as one server-sent event (a stream's chunk)."""
+        return sse_event(self.response(cls, choices, usage, **fields))
+
     def token_ids(self, token_ids: list[int]) -> list[int] | None:
         """``token_ids`` when the request asked for them (``return_token_ids``), else None."""
         return list(token_ids) if self.return_token_ids else None
@@ -158,7 +164,8 @@ class ServingBase:
 
     async def handle(self, request: SamplingRequest, arrival_time: float):
         """Run ``create`` within the admission limit: a response model, or an
-        ``EventStreamResponse`` when ``create`` returns a stream of SSE strings.
+        ``EventStreamResponse`` when ``create`` returns a stream of SSE strings (an error
+        midway and the closing ``data: [DONE]`` added by ``stream_with_errors``).
 
         Raises:
             APIError: the request's error (see ``errors``).
@@ -174,11 +181,11 @@ class ServingBase:
         if isinstance(result, BaseModel):
             self.admission.leave()
             return result
-        return EventStreamResponse(result, on_close=self.admission.leave)
+        return EventStreamResponse(stream_with_errors(result), on_close=self.admission.leave)
 
     async def create(self, request: Any, arrival_time: float) -> BaseModel | AsyncIterator[str]:
-        """The response model, or (``stream``) the SSE events of the streamed response, ending
-        with ``data: [DONE]`` (each subclass its endpoint's).
+        """The response model, or (``stream``) the SSE events of the streamed response (each
+        subclass its endpoint's).
 
         Raises:
             APIError: see ``errors``.

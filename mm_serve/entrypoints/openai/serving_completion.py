@@ -30,9 +30,7 @@ from mm_serve.entrypoints.openai.serving_common import (
     ServingBase,
     collect,
     per_token,
-    sse_event,
     stream_usage,
-    stream_with_errors,
     usage_info,
 )
 from mm_serve.frontend.processor import ProcessedPrompt
@@ -128,7 +126,7 @@ class ServingCompletion(ServingBase):
         if request.echo:
             reply.echo_texts = [await self._prompt_text(p) for p in processed]
         if request.stream:
-            return stream_with_errors(_stream(streams, reply, include_usage))
+            return _stream(streams, reply, include_usage)
         with user_errors():
             return _response(await _collect_all(streams), reply)
 
@@ -186,10 +184,10 @@ async def _stream(
                     first = (prompt_index, piece.index) not in started
                     started.add((prompt_index, piece.index))
                     choice = reply.choice(prompt_index, piece, output if first else None)
-                    yield sse_event(reply.response(CompletionResponse, [choice]))
+                    yield reply.event(CompletionResponse, [choice])
     if include_usage:
         usage = usage_info(list(last.values()), num_completion)
-        yield sse_event(reply.response(CompletionResponse, [], usage))
+        yield reply.event(CompletionResponse, [], usage)
 
 
 async def _merge(
