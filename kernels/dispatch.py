@@ -20,9 +20,7 @@ from mm_serve.kernels import varlen_attention as varlen
 from mm_serve.kernels.activation import quick_gelu_ref, silu_and_mul_ref
 from mm_serve.kernels.attention import paged_attention_ref, reshape_and_cache_ref
 from mm_serve.kernels.attention_metadata import AttentionMetadata
-
-# configure_kernels and kernel_config are re-exported: the mode is part of dispatch's interface.
-from mm_serve.kernels.config import configure_kernels, kernel_config, kernel_mode  # noqa: F401
+from mm_serve.kernels.config import kernel_mode
 from mm_serve.kernels.norm import layer_norm_ref, rms_norm_ref
 from mm_serve.kernels.rotary import (
     VisionRotary,

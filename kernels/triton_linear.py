@@ -3,7 +3,7 @@
 For one token a linear layer reads its whole weight to do two FLOPs per weight: its time is the
 weight bytes over the memory bandwidth. cuBLAS comes close on the MLP's large matrices but not
 on the attention's small ones, and it splits ``down_proj`` over K with a second reduction
-kernel (measured in ``mm_serve.benchmarks.gemv``). Here each program owns ``BLOCK_N`` output
+kernel (BENCHMARKS.md). Here each program owns ``BLOCK_N`` output
 features and streams their rows of ``W`` in ``BLOCK_K`` tiles; the products accumulate
 elementwise in float32 and are summed over K once at the end (a sum per tile would put a
 cross-warp reduction between consecutive weight loads). The first weight tile is loaded before
@@ -121,7 +121,7 @@ def _gemv_kernel(
 
 def gemv_config(out_features: int, in_features: int) -> dict[str, int]:
     """Launch config (``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages``) for a weight
-    ``[N, K]``, from the sweep of ``mm_serve.benchmarks.gemv`` (H200, Qwen2-VL-2B, with PDL):
+    ``[N, K]``, from a sweep on Qwen2-VL-2B's layers (H200, with PDL; BENCHMARKS.md):
     rows up to 2048 long are loaded whole before the wait on the previous kernel; longer
     rows (``down_proj``) and many rows (``gate_up_proj``) stream through a pipelined loop."""
     if in_features > 4096:

@@ -1,5 +1,6 @@
 """What the kernel benchmarks (``kernels``, ``prefill_attention``, ``vision_attention``) share:
-a median timer, a relative error, causal attention FLOPs and a random paged batch."""
+a median timer, a CUDA-graph timer, a relative error, causal attention FLOPs and a random paged
+batch."""
 
 from __future__ import annotations
 
@@ -15,6 +16,28 @@ def bench(fn, rep_ms: int = 100) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+
+
+def time_calls(fn, copies: int, replays: int = 20) -> float:
+    """Mean microseconds per call of ``fn(i)`` for ``i`` in ``range(copies)``, graph-replayed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (compiles) outside the capture
+        for i in range(copies):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            fn(i)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * copies)
 
 
 def paged_batch(reqs, heads, block_size: int, dtype: torch.dtype, seed: int = 0):

@@ -16,7 +16,7 @@ and writes every figure to ``DIR/kernels.json``.
   (``4 * head_dim * num_heads`` per visible query-key pair) of the rows it computes.
 - RMSNorm, SiLU-and-mul, rotary and the KV-cache write at a 4,096-token step of a 7B.
 - Workload 1's decode attention (Qwen2-VL-2B, 256 requests of 306-434 keys) timed inside a CUDA
-  graph, as the decode graph runs it (``gemv.time_calls``: no host launch time).
+  graph, as the decode graph runs it (``time_calls``: no host launch time).
 - The vision towers' attention on same-size images, and what cuDNN's plan for a new image
   count costs (``vision_attention``).
 
@@ -35,8 +35,7 @@ import torch
 
 from mm_serve.benchmarks import vision_attention as vision
 from mm_serve.benchmarks.common import write_json
-from mm_serve.benchmarks.gemv import time_calls
-from mm_serve.benchmarks.kernel_timing import bench, causal_flops, paged_batch, rel_err
+from mm_serve.benchmarks.kernel_timing import bench, causal_flops, paged_batch, rel_err, time_calls
 from mm_serve.benchmarks.prefill_attention import prefill_rows, print_prefill
 from mm_serve.benchmarks.roofline import copy_rate
 from mm_serve.kernels import (

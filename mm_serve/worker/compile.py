@@ -9,7 +9,7 @@ SiLU-and-mul), and each layer's attention as the opaque custom op ``mm_serve::at
 the step's metadata from ``step_metadata``, so the compiled graph serves any step, and is
 captured whole by the mixed-step CUDA graphs (``worker.cuda_graphs``), attention included.
 Decode-only steps keep the eager forward in their graphs: at one token per request our fused
-Triton GEMV kernels beat cuBLAS (``mm_serve.benchmarks.gemv``).
+Triton GEMV kernels beat cuBLAS (BENCHMARKS.md).
 
 Inductor's compiled kernels are cached on disk (``compile_cache_dir``), so a second start of
 the same model only re-traces.
