@@ -31,7 +31,7 @@ from PIL import Image
 
 from mm_serve.checkpoint.families import config_get
 from mm_serve.encoders.base import ImageProcessor, ProcessedImage
-from mm_serve.encoders.image_io import Normalization, pil_to_tensor, resize
+from mm_serve.encoders.image_io import Normalization, pil_to_tensor, resize, split_tiles
 
 MAX_IMAGE_SIZE = 4096  # transformers' cap on the resized longest edge
 IMAGENET_STANDARD = (0.5, 0.5, 0.5)
@@ -206,11 +206,8 @@ class Idefics3ImageProcessor(ImageProcessor):
         height, width = pixels.shape[-2:]
         if height <= t and width <= t:
             return pixels[None], 0, 0
-        rows, cols = math.ceil(height / t), math.ceil(width / t)
-        grid = pixels.unfold(1, t, t).unfold(2, t, t)  # [3, rows, cols, t, t]
-        grid = grid.permute(1, 2, 0, 3, 4).reshape(rows * cols, 3, t, t)
         whole = resize(pixels, t, t, self.resample)
-        return torch.cat([grid, whole[None]]), rows, cols
+        return torch.cat([split_tiles(pixels, t, t), whole[None]]), height // t, width // t
 
     def preprocess(self, image: Image.Image, defer_normalization: bool = False) -> ProcessedImage:
         """PIL image (any mode) -> ``[num_tiles, 3, tile, tile]``: float32, or uint8 with

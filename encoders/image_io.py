@@ -185,6 +185,14 @@ def resize(pixels: torch.Tensor, height: int, width: int, resample: int) -> torc
     return tvF.pil_to_tensor(image)
 
 
+def split_tiles(pixels: torch.Tensor, tile_h: int, tile_w: int) -> torch.Tensor:
+    """``[C, rows * tile_h, cols * tile_w]`` -> ``[rows * cols, C, tile_h, tile_w]``, the tiles
+    in raster order (row by row)."""
+    rows, cols = pixels.shape[1] // tile_h, pixels.shape[2] // tile_w
+    grid = pixels.unfold(1, tile_h, tile_h).unfold(2, tile_w, tile_w)  # [C, rows, cols, th, tw]
+    return grid.permute(1, 2, 0, 3, 4).reshape(rows * cols, -1, tile_h, tile_w)
+
+
 def _floats(value: float | Sequence[float]) -> tuple[float, ...]:
     return (float(value),) if isinstance(value, (int, float)) else tuple(map(float, value))
 

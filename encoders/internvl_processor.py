@@ -29,7 +29,7 @@ from PIL import Image
 
 from mm_serve.checkpoint.families import config_get
 from mm_serve.encoders.base import ImageProcessor, ProcessedImage
-from mm_serve.encoders.image_io import Normalization, pil_to_tensor, resize
+from mm_serve.encoders.image_io import Normalization, pil_to_tensor, resize, split_tiles
 
 # The tokenizer's named image tokens (tokenizer_config.json), with InternVL3's values.
 TOKEN_NAMES = {
@@ -189,10 +189,8 @@ class InternVLImageProcessor(ImageProcessor):
         if cols * rows == 1:
             return resize(pixels, th, tw, self.resample)[None]
         canvas = resize(pixels, rows * th, cols * tw, self.resample)
-        grid = canvas.unfold(1, th, th).unfold(2, tw, tw)  # [3, rows, cols, th, tw]
-        grid = grid.permute(1, 2, 0, 3, 4).reshape(rows * cols, 3, th, tw)
         thumbnail = resize(pixels, th, tw, self.resample)
-        return torch.cat([grid, thumbnail[None]])
+        return torch.cat([split_tiles(canvas, th, tw), thumbnail[None]])
 
     def preprocess(self, image: Image.Image, defer_normalization: bool = False) -> ProcessedImage:
         """PIL image (any mode) -> ``[num_tiles, 3, tile_h, tile_w]``: float32, or uint8 with

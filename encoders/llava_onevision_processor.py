@@ -32,7 +32,7 @@ from mm_serve.encoders.anyres import (
     select_best_resolution,
 )
 from mm_serve.encoders.base import ImageProcessor, ProcessedImage
-from mm_serve.encoders.image_io import Normalization, pil_to_tensor, resize
+from mm_serve.encoders.image_io import Normalization, pil_to_tensor, resize, split_tiles
 
 
 def paste(pixels: torch.Tensor, height: int, width: int, fill: tuple[int, ...]) -> torch.Tensor:
@@ -129,11 +129,9 @@ class LlavaOnevisionImageProcessor(ImageProcessor):
         best = select_best_resolution(height, width, self.pinpoints)
         fitted = resize(pixels, *fitted_size(height, width, best), self.resample)
         padded = paste(fitted, *best, fill=(0,) * pixels.shape[0])
-        rows, cols = best[0] // t, best[1] // t
-        grid = padded.unfold(1, t, t).unfold(2, t, t)  # [3, rows, cols, t, t]
-        grid = grid.permute(1, 2, 0, 3, 4).reshape(rows * cols, -1, t, t)
         base = resize(pixels, t, t, self.resample)
-        return torch.cat([base[None], grid])  # tiles are t x t: the final resize keeps them
+        # The tiles are t x t already: the final resize keeps them.
+        return torch.cat([base[None], split_tiles(padded, t, t)])
 
     def preprocess(self, image: Image.Image, defer_normalization: bool = False) -> ProcessedImage:
         """PIL image (any mode) -> ``[num_tiles, 3, tile, tile]``: float32, or with
