@@ -207,6 +207,11 @@ BENCH_COMMANDS = {
         "kernels",
         "Attention (ours vs cuDNN SDPA and FlashAttention) and the other kernels (GPU).",
     ),
+    "roofline": (
+        "roofline",
+        "The least time a GPU of given (or measured) matmul and copy rates needs for a "
+        "throughput workload, and each engine's share of it.",
+    ),
     "step": ("step_profile", "A decode step's host phases against its device time (GPU)."),
     "host-overhead": (
         "host_overhead",
