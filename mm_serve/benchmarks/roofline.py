@@ -1,7 +1,12 @@
 """The roofline of the ``bench throughput`` workload: the least time this GPU needs for it.
 
 ``roofline(hf_config, workload, rates)`` counts the work and divides it by this device's
-measured rates (``measure_rates``); nothing here runs the model.
+measured rates (``measure_rates``); nothing here runs the model. ``mm-serve bench roofline``
+prints it for the workload of its flags or of a ``bench throughput`` result, at given or
+measured rates:
+
+    mm-serve bench roofline --model-arch qwen2-vl-2b --matmul-tflops 989 --copy-tbps 3.35
+    mm-serve bench roofline --result throughput.json --matmul-tflops 989 --copy-tbps 3.35
 
 - Vision tower, per image of ``N = t * h * w`` patches (``smart_resize`` of the published image
   processor, ``t = 1`` for an image), width ``d``: the patch embedding ``2 N (C T P^2) d``; per
