@@ -1,12 +1,11 @@
-"""``bench throughput --peer vllm`` on CPU: the qwen2.5-vl-7b folder both engines load, the
-workload written for the peer and read back, the peer subprocess's plumbing and its prompt-token
-check, and the summary. vLLM itself is not here: a stand-in interpreter (``FAKE_PEER``) takes
-the peer's command line, reads the workload with the real reader, and writes the peer's JSON
-with the prompt tokens counted by the HF processor (as vLLM counts them) or a given number."""
+"""``bench throughput --peer vllm`` on CPU: the qwen2.5-vl-7b folder both engines load, and the
+whole peer path through the CLI. vLLM itself is not here: a stand-in ``vllm`` package on
+``--peer-pythonpath`` (``FAKE_VLLM``) takes the driver's ``LLM(...)`` and ``generate`` calls,
+logs what it got (engine arguments, prompt texts, images) and answers with the prompt tokens
+counted by the HF processor (as vLLM counts them) or a given number."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -15,59 +14,88 @@ import sys
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
-from mm_serve.benchmarks import common, peer_vllm, roofline, throughput
-from mm_serve.benchmarks.datasets import random_image, random_image_dataset
-from mm_serve.benchmarks.peer_vllm import PeerRunner, PeerWorkload
+from mm_serve.entrypoints import cli
 from tests.fixtures.checkpoints import write_architecture
 
-FAKE_PEER = """#!{python}
-import json, os, sys
+FAKE_VLLM = '''
+"""A stand-in for vllm: ``LLM(model, **kwargs).generate(prompts, params)`` logs its calls to
+$FAKE_VLLM_LOG and gives each prompt ``max_tokens`` tokens and its prompt tokens as the HF
+processor counts them ($FAKE_VLLM_PROMPT_TOKENS: that many for the first prompt, 0 for the
+others); $FAKE_VLLM_EXIT: exit with that code at ``LLM(...)``."""
+import hashlib
+import json
+import os
+import sys
 
-args = sys.argv[1:]
-assert args[:2] == ["-m", "mm_serve.benchmarks.peer_vllm"], args
-opts = dict(zip(args[2::2], args[3::2]))
-from mm_serve.benchmarks.peer_vllm import read_workload
+__version__ = "0.0-fake"
 
-workload = read_workload(opts["--workload"])
-with open(os.environ["FAKE_PEER_LOG"], "w") as f:
-    json.dump({{"argv": args, "pythonpath": os.environ["PYTHONPATH"], "texts": workload.texts,
-               "warmup_texts": workload.warmup_texts}}, f)
-if "FAKE_PEER_EXIT" in os.environ:
-    sys.exit(int(os.environ["FAKE_PEER_EXIT"]))
-tokens = os.environ.get("FAKE_PEER_PROMPT_TOKENS")
-if tokens is None:
-    from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(opts["--model"])
-    pairs = zip(workload.requests, workload.texts)
-    tokens = sum(len(processor(text=[t], images=list(r.images))["input_ids"][0]) for r, t in pairs)
-n, length = len(workload.requests), workload.requests[0].output_len
-result = {{"vllm_version": "0.0-fake", "prompt_tokens": int(tokens), "output_tokens": n * length,
-          "elapsed_s": 2.0, "num_requests": n, "requests_per_s": n / 2,
-          "output_tokens_per_s": n * length / 2, "total_tokens_per_s": n * length}}
-with open(opts["--output-json"], "w") as f:
-    json.dump(result, f)
-"""
+class SamplingParams:
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+
+class _Completion:
+    def __init__(self, num_tokens):
+        self.token_ids = [0] * num_tokens
+
+
+class _RequestOutput:
+    def __init__(self, prompt_tokens, num_tokens):
+        self.prompt_token_ids = [0] * prompt_tokens
+        self.outputs = [_Completion(num_tokens)]
+
+
+def _image(image):
+    return [image.mode, list(image.size), hashlib.sha256(image.tobytes()).hexdigest()]
+
+
+class LLM:
+    def __init__(self, model, **kwargs):
+        if "FAKE_VLLM_EXIT" in os.environ:
+            sys.exit(int(os.environ["FAKE_VLLM_EXIT"]))
+        self.model, self.processor = model, None
+        self.log = {"model": model, "kwargs": kwargs, "generate": [],
+                    "pythonpath": os.environ["PYTHONPATH"]}
+
+    def generate(self, prompts, params, use_tqdm=True):
+        images = [p["multi_modal_data"]["image"] for p in prompts]
+        self.log["generate"].append([{"text": p["prompt"], "images": [_image(i) for i in im]}
+                                     for p, im in zip(prompts, images)])
+        self.log["sampling"] = params.kwargs
+        with open(os.environ["FAKE_VLLM_LOG"], "w") as f:
+            json.dump(self.log, f)
+        return [_RequestOutput(n, params.kwargs["max_tokens"]) for n in self._count(prompts)]
+
+    def _count(self, prompts):
+        fixed = os.environ.get("FAKE_VLLM_PROMPT_TOKENS")
+        if fixed is not None:
+            return [int(fixed)] + [0] * (len(prompts) - 1)
+        if self.processor is None:
+            from transformers import AutoProcessor
+
+            self.processor = AutoProcessor.from_pretrained(self.model)
+        return [len(self.processor(text=[p["prompt"]], images=p["multi_modal_data"]["image"])
+                    ["input_ids"][0]) for p in prompts]
+'''
 
 
 @pytest.fixture
-def fake_peer(tmp_path, monkeypatch) -> str:
-    path = tmp_path / "fake-python"
-    path.write_text(FAKE_PEER.format(python=sys.executable))
-    path.chmod(0o755)
-    monkeypatch.setenv("FAKE_PEER_LOG", str(tmp_path / "peer-log.json"))
-    return str(path)
+def fake_vllm(tmp_path, monkeypatch) -> str:
+    """A site folder with the stand-in ``vllm``; its log goes to ``tmp_path/vllm-log.json``."""
+    (tmp_path / "site" / "vllm").mkdir(parents=True)
+    (tmp_path / "site" / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(tmp_path / "vllm-log.json"))
+    return str(tmp_path / "site")
 
 
-def _peer_log(tmp_path) -> dict:
-    return json.loads((tmp_path / "peer-log.json").read_text())
-
-
-def _workload(num_requests: int = 3, num_images: int = 2) -> PeerWorkload:
-    dataset = random_image_dataset(num_requests + 2, 6, 5, (56, 84), num_images, seed=3)
-    texts = common.prompt_texts(dataset, "qwen2_vl")
-    return PeerWorkload(dataset[2:], texts[2:], dataset[:2], texts[:2])
+# The workload of every run here: 3 requests of 8 words and one 56x84 image -> 3 tokens.
+THROUGHPUT = ["bench", "throughput", "--model-arch", "tiny-qwen2-vl", "--device", "cpu",
+              "--max-model-len", "512", "--num-prompts", "3", "--input-len", "8",
+              "--output-len", "3", "--no-hf", "--image-size", "56", "84",
+              "--peer", "vllm"]  # fmt: skip
 
 
 def test_qwen2_5_vl_7b_folder_for_both_engines(tmp_path) -> None:
@@ -99,7 +127,8 @@ def test_qwen2_5_vl_7b_folder_for_both_engines(tmp_path) -> None:
     assert engine.model.hf_config.model_type == "qwen2_5_vl"
     assert engine.model.dtype == torch.bfloat16
     processor = get_image_processor(folder, config)
-    image = random_image(np.random.default_rng(0), 1280, 720)
+    pixels = np.random.default_rng(0).integers(0, 256, (720, 1280, 3), np.uint8)
+    image = Image.fromarray(pixels, "RGB")
     assert processor.preprocess(image).num_tokens == 1196
     with torch.device("meta"):
         ours, theirs = Qwen2_5_VLForConditionalGeneration(config), HFModel(config)
@@ -109,97 +138,56 @@ def test_qwen2_5_vl_7b_folder_for_both_engines(tmp_path) -> None:
     assert sizes == [8_292_166_656 + padding, 8_292_166_656]
 
 
-def test_workload_round_trip(tmp_path) -> None:
-    workload = _workload()
-    peer_vllm.write_workload(str(tmp_path), workload)
-    back = peer_vllm.read_workload(str(tmp_path))
-    assert back.texts == workload.texts and back.warmup_texts == workload.warmup_texts
-    assert "<|vision_start|><|image_pad|><|vision_end|>" * 2 in back.texts[0]
-    pairs = list(zip(back.requests + back.warmup, workload.requests + workload.warmup, strict=True))
-    assert len(pairs) == 5
-    for read, written in pairs:
-        assert (read.prompt, read.output_len) == (written.prompt, written.output_len)
-        assert len(read.images) == len(written.images) == 2
-        for a, b in zip(read.images, written.images, strict=True):
-            assert (a.mode, a.size) == ("RGB", (56, 84))
-            assert a.tobytes() == b.tobytes()
-
-
-def _runner(fake_peer: str, tmp_path) -> PeerRunner:
-    args = argparse.Namespace(
-        peer_python=fake_peer, peer_pythonpath="/opt/vllm-site", peer_engine_args={"a": 1}, seed=7
-    )
-    return PeerRunner(args, "/models/x", "dummy", str(tmp_path), _workload())
-
-
-def test_peer_run_and_its_prompt_token_check(fake_peer, tmp_path, monkeypatch) -> None:
-    runner = _runner(fake_peer, tmp_path)
-    monkeypatch.setenv("FAKE_PEER_PROMPT_TOKENS", "123")
-    result = runner.run(prompt_tokens=123)
-    assert result["prompt_tokens"] == 123 and result["output_tokens_per_s"] == 3 * 5 / 2
-    log = _peer_log(tmp_path)
-    opts = dict(zip(log["argv"][2::2], log["argv"][3::2], strict=True))
-    assert opts["--model"] == "/models/x" and opts["--load-format"] == "dummy"
-    assert opts["--seed"] == "7" and json.loads(opts["--engine-args"]) == {"a": 1}
-    assert log["pythonpath"].split(os.pathsep)[0] == "/opt/vllm-site"
-    assert log["texts"] == runner.workload.texts
-    with pytest.raises(RuntimeError, match="vLLM counted 123 prompt tokens, mm_serve 124"):
-        runner.run(prompt_tokens=124)
-    monkeypatch.setenv("FAKE_PEER_EXIT", "3")
-    with pytest.raises(RuntimeError, match="exited with code 3"):
-        runner.run(prompt_tokens=123)
-
-
-def test_summary_prints_both_engines_ratio_and_roofline(tmp_path, monkeypatch, capsys) -> None:
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(write_architecture("qwen2-vl-2b", tmp_path))
-    monkeypatch.setattr(roofline, "measure_rates", lambda device: roofline.Rates(800e12, 3e12))
-    run = {"num_requests": 256, "prompt_tokens": 256 * 306, "requests_per_s": 100.0}
-    result = {
-        "model": "qwen2-vl-2b", "load_format": "dummy", "dtype": "bfloat16", "device": "H100",
-        "workload": {"num_prompts": 256, "input_len_words": 50, "output_len": 128,
-                     "image_size": [448, 448], "num_images": 1},
-        "hf": None,
-        "mm_serve": {**run, "output_tokens_per_s": 25_000.0, "total_tokens_per_s": 85_000.0},
-        "vllm": {**run, "output_tokens_per_s": 20_000.0, "total_tokens_per_s": 68_000.0,
-                 "vllm_version": "0.33.0"},
-    }  # fmt: skip
-    result["roofline"] = roofline.bench_roofline(config, result, torch.device("cuda"))
-    throughput._add_ratios(result)
-    throughput.print_summary(result)
-    lines = capsys.readouterr().out.splitlines()
-    assert result["mm_serve_over_vllm"] == 1.25
-    assert "mm_serve / vLLM (same requests): 1.250x" in lines
-    (vllm_row,) = [line for line in lines if line.startswith("vLLM 0.33.0")]
-    assert vllm_row.split()[-3:] == ["20000.0", "68000.0", str(256 * 306)]
-    roof = result["roofline"]["output_tokens_per_s"]
-    assert any(line.startswith(f"roofline: {roof:,.0f} out tok/s") for line in lines)
-    assert f"  vllm: {100 * 20_000 / roof:.1f}% of the roofline" in lines
-    assert f"  mm_serve: {100 * 25_000 / roof:.1f}% of the roofline" in lines
-
-
-def test_bench_throughput_with_the_peer(fake_peer, tmp_path) -> None:
-    """The whole ``--peer vllm`` path on the tiny architecture: the peer gets exactly our prompt
-    texts, and our prompt-token count equals the HF processor's on them (what vLLM counts)."""
+def test_bench_throughput_with_the_peer(fake_vllm, tmp_path) -> None:
+    """The whole ``--peer vllm`` path: the peer gets our prompt texts and images, its engine
+    arguments, vLLM's site first on PYTHONPATH, and counts the same prompt tokens as we do
+    (the HF processor's count); the summary prints its row and the ratio."""
     out = tmp_path / "result.json"
-    command = [sys.executable, "-m", "mm_serve.entrypoints.cli", "bench", "throughput"]
-    command += ["--model-arch", "tiny-qwen2-vl", "--device", "cpu", "--max-model-len", "512"]
-    command += ["--num-prompts", "3", "--input-len", "8", "--output-len", "3", "--no-hf"]
-    command += ["--image-size", "56", "84", "--peer", "vllm", "--peer-python", fake_peer]
+    command = [sys.executable, "-m", "mm_serve.entrypoints.cli", *THROUGHPUT, "--seed", "7"]
+    command += ["--peer-pythonpath", fake_vllm, "--peer-engine-args", '{"max_num_seqs": 8}']
     proc = subprocess.run(
         [*command, "--output-json", str(out)], capture_output=True, text=True, timeout=240
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["vllm"]["prompt_tokens"] == result["mm_serve"]["prompt_tokens"]
-    assert result["mm_serve_over_vllm"] == pytest.approx(
-        result["mm_serve"]["output_tokens_per_s"] / (3 * 3 / 2)
-    )
-    assert "mm_serve / vLLM (same requests)" in proc.stdout
-    dataset = random_image_dataset(3 + throughput.NUM_WARMUP_REQUESTS, 8, 3, (56, 84), 1, 0)
-    texts = common.prompt_texts(dataset, "qwen2_vl")
-    log = _peer_log(tmp_path)
-    assert log["texts"] == texts[throughput.NUM_WARMUP_REQUESTS :]
-    assert log["warmup_texts"] == texts[: throughput.NUM_WARMUP_REQUESTS]
+    ours, peer = result["mm_serve"], result["vllm"]
+    assert peer["prompt_tokens"] == ours["prompt_tokens"] and peer["vllm_version"] == "0.0-fake"
+    assert (peer["num_requests"], peer["output_tokens"]) == (3, 3 * 3)
+    assert peer["output_tokens_per_s"] == pytest.approx(9 / peer["elapsed_s"])
+    ratio = ours["output_tokens_per_s"] / peer["output_tokens_per_s"]
+    assert result["mm_serve_over_vllm"] == pytest.approx(ratio)
     assert result["roofline"] is None  # CPU
+    lines = proc.stdout.splitlines()
+    assert f"mm_serve / vLLM (same requests): {ratio:.3f}x" in lines
+    (row,) = [line for line in lines if line.startswith("vLLM 0.0-fake")]
+    cells = [f"{peer['output_tokens_per_s']:.1f}", f"{peer['total_tokens_per_s']:.1f}"]
+    assert row.split()[-3:] == [*cells, str(peer["prompt_tokens"])]
+    assert "roofline: none (CUDA only; Qwen2-VL and Qwen2.5-VL)" in lines
+
+    log = json.loads((tmp_path / "vllm-log.json").read_text())
+    assert log["pythonpath"].split(os.pathsep)[0] == fake_vllm
+    kwargs = log["kwargs"]
+    assert (kwargs["load_format"], kwargs["seed"], kwargs["max_num_seqs"]) == ("dummy", 7, 8)
+    assert kwargs["limit_mm_per_prompt"] == {"image": 1, "video": 0}
+    assert log["sampling"] == {"temperature": 0.0, "max_tokens": 3, "ignore_eos": True}
+    warmup, timed = log["generate"]  # the warm-up call, then the timed one
+    assert len(timed) == 3 and warmup
+    placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
+    for prompt in warmup + timed:
+        words, end = prompt["text"].split(placeholder)
+        assert len(words.split()) == 8 and end == ""
+        ((mode, size, _),) = prompt["images"]
+        assert (mode, size) == ("RGB", [56, 84])
+    sent = {(p["text"], p["images"][0][2]) for p in timed}
+    assert len(sent) == 3 and not sent & {(p["text"], p["images"][0][2]) for p in warmup}
+
+
+def test_the_peers_prompt_token_check_and_its_exit_code(fake_vllm, monkeypatch) -> None:
+    """A peer that counts other prompt tokens than ours, or exits non-zero, fails the run."""
+    argv = [*THROUGHPUT, "--peer-pythonpath", fake_vllm]
+    monkeypatch.setenv("FAKE_VLLM_PROMPT_TOKENS", "123")
+    with pytest.raises(RuntimeError, match=r"vLLM counted 123 prompt tokens, mm_serve \d+"):
+        cli.main(argv)
+    monkeypatch.setenv("FAKE_VLLM_EXIT", "3")
+    with pytest.raises(RuntimeError, match="exited with code 3"):
+        cli.main(argv)

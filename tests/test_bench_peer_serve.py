@@ -1,20 +1,18 @@
-"""``mm-serve bench peer-serve``: the serving side by side with vLLM.
+"""``mm-serve bench peer-serve``: the serving side by side with vLLM, through the CLI.
 
 The report (table rows, verdicts, cold start) from result JSONs written in the format of vLLM
-0.33's ``bench serve --save-result --save-detailed``, through the real CLI. Then the server
-helpers against real processes: our server on the tiny Qwen2-VL architecture (start, health,
-one chat request as vLLM's openai-chat backend sends it, stop, port free), a server that dies
-at start, one that never gets healthy and one that ignores SIGTERM. vLLM's load generator
-itself is not faked: it runs on the GPU machine only.
+0.33's ``bench serve --save-result --save-detailed``, with ``--report-only``. Then whole runs
+with a stand-in ``vllm`` package on ``--vllm-pythonpath`` (``FAKE_VLLM``): its ``bench serve``
+sends one chat request as vLLM's openai-chat backend does to our real server (tiny Qwen2-VL
+architecture: start, health, serve, stop, port free, process group gone) and fails at a rate
+when told to; its ``serve`` dies at start, never gets healthy, or ignores SIGTERM.
 """
 
 from __future__ import annotations
 
 import ast
-import base64
-import importlib.util
-import io
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -23,12 +21,9 @@ import time
 import httpx
 import numpy as np
 import pytest
-from PIL import Image
 
-from mm_serve.benchmarks import peer_serve, peer_serve_report
 from mm_serve.entrypoints import cli
-from tests.fixtures.checkpoints import write_architecture
-from tests.fixtures.server import free_port, group_members
+from tests.fixtures.server import group_members
 
 # ---------------------------------------------------------------- report
 
@@ -150,164 +145,268 @@ def test_missing_field_is_a_clear_error(tmp_path):
     result = vllm_result([0.05] * 64)
     del result["p99_itl_ms"], result["ttfts"]
     write_results(tmp_path, {"vllm_2": result})
-    with pytest.raises(peer_serve_report.ResultFormatError, match="lacks p99_itl_ms, ttfts"):
-        peer_serve_report.load_result(str(tmp_path / "vllm_2.json"))
     done = report_cli(tmp_path)
     assert done.returncode != 0
     assert "vllm_2.json lacks p99_itl_ms, ttfts" in done.stderr and "--save-detailed" in done.stderr
 
 
-def test_cold_start_needs_two_windows_and_a_success_in_each(tmp_path):
-    with pytest.raises(ValueError, match="needs 64 requests"):
-        peer_serve_report.cold_start(vllm_result([0.05] * 63))
-    all_failed = vllm_result([0.05] * 64, ["error"] * 32 + [""] * 32)
-    assert peer_serve_report.cold_start(all_failed)["ratio"] is None
-    assert not peer_serve_report.cold_start(all_failed)["passed"]
+def report_only(folder, *flags: str) -> dict:
+    """``bench peer-serve --report-only --out FOLDER FLAGS`` in this process; the report."""
+    argv = ["bench", "peer-serve", "--report-only", "--out", str(folder), *flags]
+    assert cli.main(argv) == 0
+    return json.loads((folder / "peer_serve.json").read_text())
+
+
+def test_cold_start_needs_two_windows_and_a_success_in_each(tmp_path, capsys):
+    # The first 32 requests all failed: no ratio, not passed, no cold-start line.
+    write_results(tmp_path, {"mm_serve_2": vllm_result([0.05] * 64, ["error"] * 32 + [""] * 32)})
+    cold = report_only(tmp_path)["engines"]["mm_serve"]["cold_start"]
+    assert cold["ratio"] is None and not cold["passed"]
+    assert "cold start" not in capsys.readouterr().out
     # A first run too short for the figure: the report has its row and no cold start.
     write_results(tmp_path, {"mm_serve_2": vllm_result([0.05] * 8)})
-    report = peer_serve_report.build_report(str(tmp_path), ["mm_serve", "vllm"], [2.0, 16.0])
+    report = report_only(tmp_path, "--rates", "2", "16", "--num-prompts", "8", "8")
     assert list(report["engines"]["mm_serve"]["runs"]) == ["2"]
     assert "cold_start" not in report["engines"]["mm_serve"]
     assert "vllm" not in report["engines"] and report["verdicts"] == []
+    (tmp_path / "mm_serve_2.json").rename(tmp_path / "mm_serve_16.json")
+    report = report_only(tmp_path, "--rates", "2", "16", "--num-prompts", "8", "8")
+    assert list(report["engines"]["mm_serve"]["runs"]) == ["16"]
 
 
-def test_commands_carry_the_peer_readme_flags():
-    bench = peer_serve.bench_command("/m", 8124, 16.0, 384, "/out", "vllm_16.json")
-    line = shlex.join(bench)
-    assert "-m vllm.entrypoints.cli.main bench serve --backend openai-chat --endpoint " in line
-    assert "--model /m --port 8124 --num-prompts 384 --request-rate 16 " in line
+# ---------------------------------------------------------------- runs with a stand-in vLLM
+
+FAKE_VLLM = '''
+"""A stand-in for ``python -m vllm.entrypoints.cli.main {serve,bench serve} ...``: logs its
+command line and environment to $FAKE_VLLM_LOG/<serve|bench-RATE>.json, then acts as told."""
+import ast, base64, io, json, os, signal, sys, time
+
+import httpx
+import numpy as np
+from PIL import Image
+
+argv = sys.argv[1:]
+opts = {}  # --flag value, or --flag alone: True
+for i, arg in enumerate(argv):
+    if arg.startswith("--"):
+        alone = i + 1 == len(argv) or argv[i + 1].startswith("--")
+        opts[arg] = True if alone else argv[i + 1]
+env = {k: os.environ.get(k) for k in ("PYTHONPATH", "VLLM_USE_FLASHINFER_SAMPLER")}
+name = "serve" if argv[0] == "serve" else f"bench-{opts['--request-rate']}"
+log = {"argv": argv, "env": env}
+
+
+def save():
+    with open(os.path.join(os.environ["FAKE_VLLM_LOG"], name + ".json"), "w") as f:
+        json.dump(log, f)
+
+
+def serve(mode):
+    print("loading", flush=True)
+    if mode == "die":
+        print("no such model")
+        sys.exit(3)
+    if mode == "hang":
+        time.sleep(60)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # "stubborn"
+    import http.server
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+    port = int(opts["--port"])
+    http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+
+
+def server_pid(port):
+    """The process whose command line serves on ``port`` (the server's group leader)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\\0")
+        except OSError:
+            continue
+        if b"serve" in args and b"--port" in args and args[args.index(b"--port") + 1] == port:
+            return int(pid)
+
+
+def chat():
+    """One streamed request with the body and headers of vLLM's openai-chat backend."""
+    (height, width, _), = ast.literal_eval(opts["--random-mm-bucket-config"])
+    buffer = io.BytesIO()
+    pixels = np.random.default_rng(0).integers(0, 255, (height, width, 3), np.uint8)
+    Image.fromarray(pixels).save(buffer, format="JPEG")
+    image = base64.b64encode(buffer.getvalue()).decode()
+    content = [
+        {"type": "text", "text": " ".join(["word"] * int(opts["--random-input-len"]))},
+        {"type": "image_url", "image_url": {"url": f"data:image/jpeg;base64,{image}"}},
+    ]
+    body = {"model": opts["--model"], "messages": [{"role": "user", "content": content}],
+            "max_completion_tokens": int(opts["--random-output-len"]), "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": "--ignore-eos" in argv}
+    headers = {"Authorization": "Bearer None"}  # vLLM sends $OPENAI_API_KEY, unset here
+    url = f"http://127.0.0.1:{opts['--port']}{opts['--endpoint']}"
+    start = time.perf_counter()
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        data = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    log["usage"] = json.loads(data[-2])["usage"]
+    return time.perf_counter() - start
+
+
+def bench():
+    log["server_pid"] = server_pid(opts["--port"].encode())
+    if opts["--request-rate"] in os.environ.get("FAKE_VLLM_FAIL_RATES", "").split():
+        print("the load generator broke")
+        sys.exit(1)
+    ttft = chat() if os.environ.get("FAKE_VLLM_CHAT") else 0.1
+    result = {"completed": 1, "failed": 0, "median_ttft_ms": ttft * 1000,
+              "p99_ttft_ms": ttft * 1000, "median_tpot_ms": 1.0, "p99_itl_ms": 1.0,
+              "output_throughput": 1.0, "ttfts": [ttft], "errors": [""]}
+    with open(os.path.join(opts["--result-dir"], opts["--result-filename"]), "w") as f:
+        json.dump(result, f)
+
+
+try:
+    if argv[0] == "serve":
+        save()
+        serve(os.environ["FAKE_VLLM_SERVE"])
+    else:
+        bench()
+finally:
+    save()
+'''
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch) -> str:
+    """A site folder with the stand-in ``vllm`` package; its logs go to ``tmp_path/log``."""
+    site = tmp_path / "site"
+    package = site / "vllm" / "entrypoints" / "cli"
+    package.mkdir(parents=True)
+    for folder in (site / "vllm", site / "vllm" / "entrypoints", package):
+        (folder / "__init__.py").write_text("")
+    (package / "main.py").write_text(FAKE_VLLM)
+    (tmp_path / "log").mkdir()
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(tmp_path / "log"))
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
+    return str(site)
+
+
+def fake_log(tmp_path, name: str) -> dict:
+    return json.loads((tmp_path / "log" / f"{name}.json").read_text())
+
+
+def test_our_server_starts_serves_and_stops(fake_vllm, tmp_path, monkeypatch):
+    """The load generator runs at 2 req/s (one chat request), fails at 16: the failure is
+    recorded with the log's tail, the server stopped, 32 not run, the report still written."""
+    monkeypatch.setenv("FAKE_VLLM_CHAT", "1")
+    monkeypatch.setenv("FAKE_VLLM_FAIL_RATES", "16")
+    out, cpu = tmp_path / "out", "--device cpu --max-model-len 1024 --num-kv-blocks 80"
+    command = [sys.executable, "-m", "mm_serve.entrypoints.cli", "bench", "peer-serve"]
+    command += ["--model-arch", "tiny-qwen2-vl", "--out", str(out), "--engines", "mm_serve"]
+    command += ["--rates", "2", "16", "32", "--num-prompts", "1", "1", "1"]
+    command += ["--mm-serve-args", f"{cpu} --mm-preprocess-workers 1"]
+    done = subprocess.run([*command, "--vllm-pythonpath", fake_vllm], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    info = json.loads((out / "mm_serve_server.json").read_text())
+    folder, server_command = str(out / "tiny-qwen2-vl"), info["server_command"]
+    port = server_command[server_command.index("--port") + 1]
+    assert server_command[:9] == [sys.executable, "-m", "mm_serve.entrypoints.launch", "serve",
+                                  folder, "--load-format", "dummy", "--port", port]  # fmt: skip
+    assert server_command[9:] == [*shlex.split(cpu), "--mm-preprocess-workers", "1"]
+    assert info["startup_s"] > 0 and info["server_exit_code"] is not None
+    assert "vllm bench serve exited with 1" in info["error"]
+    assert "the load generator broke" in info["error"]  # the log's tail
+    assert "mm_serve FAILED: vllm bench serve exited with 1:" in done.stdout
+
+    bench = fake_log(tmp_path, "bench-2")
+    usage = bench["usage"]
+    assert usage["completion_tokens"] == 128  # ignore_eos: exactly --random-output-len
+    assert usage["prompt_tokens"] > 50  # text + image tokens
+    report = json.loads((out / "peer_serve.json").read_text())
+    row = report["engines"]["mm_serve"]["runs"]
+    assert list(row) == ["2"] and (row["2"]["completed"], row["2"]["failed"]) == (1, 0)
+    assert [p.name for p in sorted(out.glob("mm_serve_*.log"))] == [
+        "mm_serve_16.log", "mm_serve_2.log", "mm_serve_server.log"]  # fmt: skip
+
+    server_log = (out / "mm_serve_server.log").read_text()
+    assert '"GET /health HTTP/1.1" 200' in server_log and "Shutting down" in server_log
+    assert bench["server_pid"] and group_members(bench["server_pid"]) == []  # workers too
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/health")
+
+    # The load generator's command line: vLLM's `bench serve` with the peer README's workload.
+    line = shlex.join(bench["argv"])
+    assert line.startswith("bench serve --backend openai-chat --endpoint /v1/chat/completions ")
+    assert f"--model {folder} --port {port} --num-prompts 1 --request-rate 2 " in line
     expected = (
         "--dataset-name random-mm --random-input-len 50 --random-output-len 128 "
         "--random-range-ratio 0 --random-mm-base-items-per-request 1 "
         "--random-mm-num-mm-items-range-ratio 0"
     )
     assert expected in line
-    flag = bench.index("--random-mm-limit-mm-per-prompt")
-    assert json.loads(bench[flag + 1]) == {"image": 1, "video": 0}
-    flag = bench.index("--random-mm-bucket-config")
-    assert ast.literal_eval(bench[flag + 1]) == {(448, 448, 1): 1.0}
-    assert line.endswith(
-        "--ignore-eos --save-result --save-detailed --result-dir /out --result-filename "
-        "vllm_16.json"
-    )
-    vllm = peer_serve.server_command("vllm", "/m", 9000)
-    assert vllm[1:] == ["-m", "vllm.entrypoints.cli.main", "serve", "/m", "--load-format",
-                        "dummy", "--port", "9000", "--max-model-len", "4096",
-                        "--limit-mm-per-prompt", '{"image":1,"video":0}']  # fmt: skip
-    assert peer_serve_report.result_filename("mm_serve", 2.0) == "mm_serve_2.json"
-    with pytest.raises(ValueError, match="Unknown engine"):
-        peer_serve.server_command("sglang", "/m", 9000)
-
-
-def test_vllm_env_puts_its_site_first(monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", "/a")
-    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
-    env = peer_serve.vllm_env("/tmp/vsite")
-    assert env["PYTHONPATH"] == "/tmp/vsite:/a"
-    assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
-    assert peer_serve.vllm_env("/a")["PYTHONPATH"] == "/a"
-
-
-# ---------------------------------------------------------------- servers
-
-
-def chat_as_vllm_bench_sends_it(port: int, max_tokens: int) -> list[dict]:
-    """One streamed chat request with the body and headers of vLLM's openai-chat backend;
-    returns the SSE events before ``[DONE]``."""
-    buffer = io.BytesIO()
-    Image.fromarray(np.random.default_rng(0).integers(0, 255, (56, 56, 3), np.uint8)).save(
-        buffer, format="JPEG"
-    )
-    image = base64.b64encode(buffer.getvalue()).decode()
-    content = [
-        {"type": "text", "text": "reference numbers quickly"},
-        {"type": "image_url", "image_url": {"url": f"data:image/jpeg;base64,{image}"}},
-    ]
-    body = {
-        "model": httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"],
-        "messages": [{"role": "user", "content": content}],
-        "max_completion_tokens": max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "ignore_eos": True,
+    argv = bench["argv"]
+    flag = argv.index("--random-mm-limit-mm-per-prompt")
+    assert json.loads(argv[flag + 1]) == {"image": 1, "video": 0}
+    assert ast.literal_eval(argv[argv.index("--random-mm-bucket-config") + 1]) == {
+        (448, 448, 1): 1.0
     }
-    headers = {"Authorization": "Bearer None"}  # vLLM sends $OPENAI_API_KEY, unset here
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    with httpx.stream("POST", url, json=body, headers=headers, timeout=60) as response:
-        assert response.status_code == 200, response.read()
-        data = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
-    assert data[-1] == "[DONE]"
-    return [json.loads(event) for event in data[:-1]]
-
-
-def test_our_server_starts_serves_and_stops(tmp_path):
-    folder = write_architecture("tiny-qwen2-vl", tmp_path / "arch")
-    cpu = ["--device", "cpu", "--max-model-len", "512", "--num-kv-blocks", "64"]
-    port = free_port()
-    command = peer_serve.server_command(
-        "mm_serve", folder, port, [*cpu, "--mm-preprocess-workers", "1"]
+    assert line.endswith(
+        f"--ignore-eos --save-result --save-detailed --result-dir {out} --result-filename "
+        "mm_serve_2.json"
     )
-    server = peer_serve.start_server(command, port, str(tmp_path / "server.log"), timeout_s=300)
-    try:
-        assert server.startup_s > 0 and not peer_serve.port_is_free(port)
-        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
-        events = chat_as_vllm_bench_sends_it(port, max_tokens=4)
-        assert events[-1]["usage"]["completion_tokens"] == 4  # ignore_eos: exactly 4
-        assert events[-1]["usage"]["prompt_tokens"] > 4  # text + image tokens
-    finally:
-        code = peer_serve.stop_server(server)
-    assert code is not None and peer_serve.port_is_free(port)
-    assert group_members(server.proc.pid) == []  # engine core and workers gone too
-    with pytest.raises(httpx.ConnectError):
-        httpx.get(f"http://127.0.0.1:{port}/health")
-    assert "serve" in (tmp_path / "server.log").read_text()
+    # vLLM's site first on PYTHONPATH; FlashInfer's sampler off.
+    assert bench["env"]["PYTHONPATH"].split(os.pathsep)[0] == fake_vllm
+    assert bench["env"]["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
 
 
-def test_a_server_that_dies_fails_with_its_log_tail(tmp_path):
-    command = [sys.executable, "-c", "import sys; print('no such model'); sys.exit(3)"]
-    with pytest.raises(RuntimeError, match="exited with code 3:\nno such model"):
-        peer_serve.start_server(command, free_port(), str(tmp_path / "log"))
+def peer_serve_vllm(tmp_path, site: str, *flags: str) -> dict:
+    """``bench peer-serve --engines vllm`` in this process with the stand-in; the engine's
+    ``vllm_server.json``."""
+    argv = ["bench", "peer-serve", "--model-arch", "tiny-qwen2-vl", "--out", str(tmp_path / "out")]
+    argv += ["--engines", "vllm", "--rates", "2", "--num-prompts", "1"]
+    assert cli.main([*argv, "--vllm-pythonpath", site, *flags]) == 0
+    return json.loads((tmp_path / "out" / "vllm_server.json").read_text())
 
 
-def test_a_server_never_healthy_is_stopped_at_the_timeout(tmp_path):
-    command = [sys.executable, "-c", "print('loading', flush=True); import time; time.sleep(60)"]
+def test_a_server_that_dies_fails_with_its_log_tail(fake_vllm, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FAKE_VLLM_SERVE", "die")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([fake_vllm, "/a"]))  # already first
+    info = peer_serve_vllm(tmp_path, fake_vllm, "--vllm-args=--enforce-eager")
+    assert "The server exited with code 3:\nloading\nno such model" in info["error"]
+    assert "vllm FAILED: The server exited with code 3:" in capsys.readouterr().out
+    serve = fake_log(tmp_path, "serve")
+    folder, port = str(tmp_path / "out" / "tiny-qwen2-vl"), serve["argv"][5]
+    assert serve["argv"] == ["serve", folder, "--load-format", "dummy", "--port", port,
+                             "--max-model-len", "4096", "--limit-mm-per-prompt",
+                             '{"image":1,"video":0}', "--enforce-eager"]  # fmt: skip
+    assert info["server_command"][:3] == [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    assert serve["env"]["PYTHONPATH"] == os.pathsep.join([fake_vllm, "/a"])  # not twice
+    assert serve["env"]["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    with pytest.raises(SystemExit):  # no such engine
+        cli.main(["bench", "peer-serve", "--out", str(tmp_path), "--engines", "sglang"])
+
+
+def test_a_server_never_healthy_is_stopped_at_the_timeout(fake_vllm, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_VLLM_SERVE", "hang")
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match="not healthy within 1 s:\nloading"):
-        peer_serve.start_server(command, free_port(), str(tmp_path / "log"), timeout_s=1)
+    info = peer_serve_vllm(tmp_path, fake_vllm, "--startup-timeout", "1")
+    assert "The server was not healthy within 1.0 s:\nloading" in info["error"]
     assert time.monotonic() - start < 20  # SIGTERM ended it; no 60 s sleep
 
 
-def test_a_server_ignoring_sigterm_is_killed(tmp_path):
-    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up')"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code + "; import sys; sys.stdout.flush(); time.sleep(60)"],
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    assert proc.stdout.readline() == "up\n"  # SIGTERM is ignored from here on
-    server = peer_serve.ServerProcess(proc, free_port(), str(tmp_path / "log"))
+def test_a_server_ignoring_sigterm_is_killed(fake_vllm, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FAKE_VLLM_SERVE", "stubborn")
     start = time.monotonic()
-    assert peer_serve.stop_server(server, timeout_s=1) == -9  # SIGKILL
+    info = peer_serve_vllm(tmp_path, fake_vllm, "--shutdown-timeout", "1")
     assert 1 <= time.monotonic() - start < 20
-
-
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM would run")
-def test_an_engine_whose_load_generator_fails_is_recorded_and_stopped(tmp_path):
-    """Without vLLM the load generator exits at once: the run records the error with the
-    log's tail, stops our server (port free) and still writes the report."""
-    cpu = "--device cpu --max-model-len 512 --num-kv-blocks 64 --mm-preprocess-workers 1"
-    argv = ["bench", "peer-serve", "--model-arch", "tiny-qwen2-vl", "--out", str(tmp_path)]
-    argv += ["--engines", "mm_serve", "--mm-serve-args", cpu, "--vllm-pythonpath", ""]
-    args = cli.build_parser(argv).parse_args(argv)
-    assert args.func(args) == 0
-    report = json.loads((tmp_path / "peer_serve.json").read_text())
-    info = json.loads((tmp_path / "mm_serve_server.json").read_text())
-    assert "vllm bench serve exited with 1" in info["error"] and "vllm" in info["error"]
-    assert report["engines"] == {"mm_serve": {**info, "runs": {}}}
-    log = (tmp_path / "mm_serve_server.log").read_text()
-    assert '"GET /health HTTP/1.1" 200' in log and "Shutting down" in log
-    assert (tmp_path / "mm_serve_2.log").exists() and not (tmp_path / "mm_serve_16.log").exists()
-    port = int(info["server_command"][info["server_command"].index("--port") + 1])
-    assert peer_serve.port_is_free(port)
-    assert info["server_command"][-len(shlex.split(cpu)) :] == shlex.split(cpu)
+    assert info["server_exit_code"] == -9 and "error" not in info  # SIGKILL
+    assert "vllm server ignored SIGTERM: killed after --shutdown-timeout" in capsys.readouterr().out
+    pid = fake_log(tmp_path, "bench-2")["server_pid"]
+    assert pid and group_members(pid) == []

@@ -226,19 +226,8 @@ def test_benchmarks_hold_only_what_a_bench_command_reaches() -> None:
     assert sorted(package - reached) == []
 
 
-# Test files that still unit-test a benchmark's internals (its arrival times, metrics, roofline
-# model, report) by importing it; every other test reaches the benchmarks through the CLI.
-BENCH_INTERNALS_TESTED = (
-    "test_bench_peer.py",
-    "test_bench_peer_serve.py",
-    "test_bench_roofline.py",
-    "test_bench_serve.py",
-)
-
-
 def test_tests_reach_the_benchmarks_through_the_cli() -> None:
-    """No test file imports ``mm_serve.benchmarks`` (they run ``mm-serve bench ...``), except
-    those listed in ``BENCH_INTERNALS_TESTED``."""
+    """No test file imports ``mm_serve.benchmarks`` (they run ``mm-serve bench ...``)."""
     importing = []
     for path in sorted((REPO / "tests").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -252,4 +241,4 @@ def test_tests_reach_the_benchmarks_through_the_cli() -> None:
             if any(_in(name, ("mm_serve.benchmarks",)) for name in names):
                 importing.append(path.name)
                 break
-    assert sorted(set(importing) - set(BENCH_INTERNALS_TESTED)) == []
+    assert importing == []

@@ -198,8 +198,9 @@ def vllm_env(pythonpath: str) -> dict[str, str]:
 
 def run_engine(engine: str, folder: str, args: argparse.Namespace) -> dict[str, Any]:
     """Start ``engine``'s server fresh, run the load generator at each rate, stop the server;
-    returns the server command, its start-up time (s) and, when the server did not come up or
-    the load generator exited non-zero, the ``error`` with the log's tail. Logs go to
+    returns the server command, its start-up time (s), its exit code (-9: killed after
+    ``--shutdown-timeout``) and, when the server did not come up or the load generator exited
+    non-zero, the ``error`` with the log's tail. Logs go to
     ``DIR/ENGINE_server.log`` and ``DIR/ENGINE_RATE.log``."""
     port = free_port()
     extra = shlex.split(args.mm_serve_args if engine == "mm_serve" else args.vllm_args)
@@ -209,7 +210,8 @@ def run_engine(engine: str, folder: str, args: argparse.Namespace) -> dict[str, 
     info: dict[str, Any] = {"server_command": command}
     try:
         logger.info("starting %s: %s", engine, shlex.join(command))
-        server = start_server(command, port, log, env if engine == "vllm" else None)
+        server_env = env if engine == "vllm" else None
+        server = start_server(command, port, log, server_env, timeout_s=args.startup_timeout)
         info["startup_s"] = server.startup_s
         logger.info("%s healthy after %.1f s", engine, server.startup_s)
         try:
@@ -219,7 +221,7 @@ def run_engine(engine: str, folder: str, args: argparse.Namespace) -> dict[str, 
                 bench = bench_command(folder, port, rate, num_prompts, args.out, name)
                 run_bench(bench, os.path.join(args.out, name.replace(".json", ".log")), env)
         finally:
-            stop_server(server)
+            info["server_exit_code"] = stop_server(server, timeout_s=args.shutdown_timeout)
     except (RuntimeError, OSError) as error:
         logger.error("%s failed: %s", engine, error)
         info["error"] = str(error)
@@ -253,6 +255,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add("--mm-serve-args", default="", help="Extra flags for mm_serve's serve.")
     add("--vllm-args", default="", help="Extra flags for vLLM's serve.")
     add("--vllm-pythonpath", default="/tmp/vsite", help="Where vLLM is installed.")
+    add("--startup-timeout", type=float, default=600, help="Seconds for a server's /health.")
+    add(
+        "--shutdown-timeout",
+        type=float,
+        default=30,
+        help="Seconds a server gets to exit after SIGTERM before it is killed.",
+    )
     add("--report-only", action="store_true", help="Only report the JSONs in --out.")
 
 

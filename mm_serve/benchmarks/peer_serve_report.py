@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from typing import Any
 
 import numpy as np
@@ -162,6 +163,8 @@ def format_report(report: dict[str, Any]) -> str:
         if "error" in info:
             error = info["error"].strip().splitlines()
             lines.append(f"{engine} FAILED: {error[0]} ... {error[-1]}")
+        if info.get("server_exit_code") == -signal.SIGKILL:
+            lines.append(f"{engine} server ignored SIGTERM: killed after --shutdown-timeout")
         cold = info.get("cold_start")
         if cold and cold["ratio"] is not None:
             n = cold["window"]

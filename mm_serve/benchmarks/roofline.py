@@ -1,7 +1,12 @@
 """The roofline of the ``bench throughput`` workload: the least time this GPU needs for it.
 
 ``roofline(hf_config, workload, rates)`` counts the work and divides it by this device's
-measured rates (``measure_rates``); nothing here runs the model.
+measured rates (``measure_rates``); nothing here runs the model. ``mm-serve bench roofline``
+prints it for the workload of its flags or of a ``bench throughput`` result, at given or
+measured rates:
+
+    mm-serve bench roofline --model-arch qwen2-vl-2b --matmul-tflops 989 --copy-tbps 3.35
+    mm-serve bench roofline --result throughput.json --matmul-tflops 989 --copy-tbps 3.35
 
 - Vision tower, per image of ``N = t * h * w`` patches (``smart_resize`` of the published image
   processor, ``t = 1`` for an image), width ``d``: the patch embedding ``2 N (C T P^2) d``; per
@@ -34,7 +39,9 @@ steps of ~6 GB: ~33,000 output tok/s (``tests/test_bench_roofline.py`` checks it
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import logging
 import math
 import statistics
@@ -273,26 +280,25 @@ def roofline(
     }
 
 
-def bench_roofline(hf_config: Any, result: dict[str, Any], device: torch.device) -> dict | None:
-    """``bench throughput``'s roofline: rates measured now on ``device``, the workload from
-    ``result`` (its ``workload`` and the ``mm_serve`` run's prompt tokens), each engine's
-    percentage of it. None on CPU or for a model type it does not model (logged)."""
-    if device.type != "cuda":
-        logger.info("Roofline skipped: it needs a CUDA device's rates.")
-        return None
+def result_roofline(hf_config: Any, result: dict[str, Any], rates: Rates) -> dict[str, Any]:
+    """The roofline of a ``bench throughput`` ``result`` on a device of ``rates``: the workload
+    from its ``workload`` and the ``mm_serve`` run's prompt tokens (the text tokens are what
+    the images leave of them), with the rates, the workload and each engine's percentage of
+    the roofline (``percent_of_roofline``).
+
+    Raises:
+        ValueError: a model type it does not model, or image sizes that do not fit the run.
+    """
     spec, ours = result["workload"], result["mm_serve"]
-    try:
-        sizes = tuple(tuple(size) for size in spec.get("image_sizes") or ())
-        workload = Workload(ours["num_requests"], tuple(spec["image_size"]), spec["num_images"],
-                            0, spec["output_len"], sizes)  # fmt: skip
-        image_tokens_all = sum(image_tokens(hf_config.vision_config, *s) for s in workload.sizes())
-        text_tokens = (ours["prompt_tokens"] - image_tokens_all) / ours["num_requests"]
-        workload = dataclasses.replace(workload, text_tokens=text_tokens)
-        rates = measure_rates(device)
-        out = roofline(hf_config, workload, rates)
-    except (ValueError, AttributeError) as error:
-        logger.warning("Roofline skipped: %s", error)
-        return None
+    sizes = tuple(tuple(size) for size in spec.get("image_sizes") or ())
+    workload = Workload(ours["num_requests"], tuple(spec["image_size"]), spec["num_images"],
+                        0, spec["output_len"], sizes)  # fmt: skip
+    if hf_config.model_type not in MODEL_TYPES:
+        raise ValueError(f"No roofline for model type {hf_config.model_type!r}: {MODEL_TYPES}.")
+    image_tokens_all = sum(image_tokens(hf_config.vision_config, *s) for s in workload.sizes())
+    text_tokens = (ours["prompt_tokens"] - image_tokens_all) / ours["num_requests"]
+    workload = dataclasses.replace(workload, text_tokens=text_tokens)
+    out = roofline(hf_config, workload, rates)
     out.update(dataclasses.asdict(rates), workload=dataclasses.asdict(workload))
     out["percent_of_roofline"] = {
         name: 100 * result[name]["output_tokens_per_s"] / out["output_tokens_per_s"]
@@ -300,6 +306,18 @@ def bench_roofline(hf_config: Any, result: dict[str, Any], device: torch.device)
         if result.get(name)
     }
     return out
+
+
+def bench_roofline(hf_config: Any, result: dict[str, Any], device: torch.device) -> dict | None:
+    """``bench throughput``'s roofline (``result_roofline``) at rates measured now on
+    ``device``. None on CPU or for a model type it does not model (logged)."""
+    if device.type != "cuda":
+        logger.info("Roofline skipped: it needs a CUDA device's rates.")
+        return None
+    if hf_config.model_type not in MODEL_TYPES:
+        logger.warning("Roofline skipped: no roofline for model type %r.", hf_config.model_type)
+        return None
+    return result_roofline(hf_config, result, measure_rates(device))
 
 
 def print_roofline(roof: dict[str, Any] | None) -> None:
@@ -310,7 +328,8 @@ def print_roofline(roof: dict[str, Any] | None) -> None:
     print(
         f"roofline: {roof['output_tokens_per_s']:,.0f} out tok/s in {roof['total_s']:.3f} s at "
         f"{roof['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s (bf16 matmul) and "
-        f"{roof['copy_bytes_per_s'] / 1e12:.2f} TB/s (copy, read + write), measured now"
+        f"{roof['copy_bytes_per_s'] / 1e12:.2f} TB/s (copy, read + write), "
+        f"{'measured now' if roof.get('rates_measured', True) else 'as given'}"
     )
     print(f"  vision {roof['vision_flops'] / 1e12:,.1f} TFLOP ({roof['vision_s']:.3f} s), "
           f"prefill {roof['prefill_flops'] / 1e12:,.1f} TFLOP ({roof['prefill_s']:.3f} s), "
@@ -318,3 +337,97 @@ def print_roofline(roof: dict[str, Any] | None) -> None:
           f"{roof['prompt_tokens']:.0f} prompt tokens per request")  # fmt: skip
     for name, percent in roof["percent_of_roofline"].items():
         print(f"  {name}: {percent:.1f}% of the roofline")
+
+
+# ---------------------------------------------------------------- mm-serve bench roofline
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``mm-serve bench roofline``."""
+    from mm_serve.benchmarks.architectures import architecture_names
+
+    group = parser.add_argument_group("model (default: --result's model, else qwen2-vl-2b)")
+    group.add_argument("--model", help="A checkpoint folder or hub id (its config.json).")
+    group.add_argument("--model-arch", choices=architecture_names(), help="A published one.")
+    group = parser.add_argument_group("workload (or --result)")
+    group.add_argument("--num-prompts", type=int, default=256, help="Requests, one batch.")
+    group.add_argument("--image-size", type=int, nargs=2, default=[448, 448],
+                       metavar=("WIDTH", "HEIGHT"))  # fmt: skip
+    group.add_argument("--num-images", type=int, default=1, help="Images per request.")
+    group.add_argument("--text-tokens", type=float, default=50.0,
+                       help="Prompt tokens per request besides the image tokens.")  # fmt: skip
+    group.add_argument("--output-len", type=int, default=128, help="Output tokens per request.")
+    group.add_argument(
+        "--result",
+        metavar="PATH",
+        help="A `bench throughput --output-json` file: its workload (images of varied sizes "
+        "included; text tokens from its prompt tokens) and each engine's share of the roofline.",
+    )
+    group = parser.add_argument_group("device (rates measured on --device unless given)")
+    group.add_argument("--matmul-tflops", type=float, help="bf16 matmul TFLOP/s.")
+    group.add_argument("--copy-tbps", type=float, help="Copy TB/s (bytes read + written).")
+    default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    group.add_argument("--device", default=default_device, help="Default: %(default)s.")
+    parser.add_argument("--output-json", metavar="PATH", help="Write the roofline here.")
+
+
+def _hf_config(args: argparse.Namespace, result: dict[str, Any] | None) -> Any:
+    """The transformers config of ``--model``, ``--model-arch`` or the result's model."""
+    import tempfile
+
+    from transformers import AutoConfig
+
+    from mm_serve.benchmarks.architectures import architecture_names, write_architecture
+
+    name = args.model or args.model_arch or (result or {}).get("model") or "qwen2-vl-2b"
+    if args.model or name not in architecture_names():
+        return AutoConfig.from_pretrained(name)
+    with tempfile.TemporaryDirectory(prefix="mm-serve-roofline-") as folder:
+        return AutoConfig.from_pretrained(write_architecture(name, folder))
+
+
+def _rates(args: argparse.Namespace) -> Rates:
+    """``--matmul-tflops`` and ``--copy-tbps``; what is not given, measured on ``--device``
+    (small sizes on a CPU)."""
+    given = Rates((args.matmul_tflops or 0) * 1e12, (args.copy_tbps or 0) * 1e12)
+    if args.matmul_tflops and args.copy_tbps:
+        return given
+    device = torch.device(args.device)
+    sizes = {} if device.type == "cuda" else {"matmul_size": 512, "copy_bytes": 1 << 26}
+    measured = measure_rates(device, **sizes)
+    return Rates(given.matmul_flops_per_s or measured.matmul_flops_per_s,
+                 given.copy_bytes_per_s or measured.copy_bytes_per_s)  # fmt: skip
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    """Print the roofline of the workload (the flags' or ``--result``'s) and write it to
+    ``--output-json``: ``roofline``'s counts and times, the rates, the workload and, with
+    ``--result``, each engine's ``percent_of_roofline``; returns it.
+
+    Raises:
+        SystemExit: ``error: ...`` for a model type it does not model or image sizes that do
+            not fit the result's requests.
+    """
+    result = None
+    if args.result:
+        with open(args.result) as f:
+            result = json.load(f)
+    hf_config = _hf_config(args, result)
+    rates = _rates(args)
+    try:
+        if result is not None:
+            out = result_roofline(hf_config, result, rates)
+        else:
+            workload = Workload(args.num_prompts, tuple(args.image_size), args.num_images,
+                                args.text_tokens, args.output_len)  # fmt: skip
+            out = roofline(hf_config, workload, rates)
+            out.update(dataclasses.asdict(rates), workload=dataclasses.asdict(workload))
+            out["percent_of_roofline"] = {}
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from error
+    out["rates_measured"] = not (args.matmul_tflops and args.copy_tbps)
+    print_roofline(out)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out

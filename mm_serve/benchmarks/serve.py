@@ -23,7 +23,6 @@ import dataclasses
 import json
 import logging
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -187,7 +186,8 @@ async def run_load(bodies: list[bytes], config: LoadConfig) -> tuple[list[Reques
     """Send ``bodies`` (encoded JSON) on the arrival schedule; returns the results in the
     order of ``bodies`` and the duration in s from the first send to the last response.
 
-    A request's clock starts when it is sent, after waiting for a ``max_concurrency`` slot.
+    A request's clock starts when it is sent, after waiting for a ``max_concurrency`` slot;
+    its ``start_s`` is that moment, in s after the run's start.
     """
     offsets = arrival_times(len(bodies), config.request_rate, config.burstiness, config.seed)
     slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
@@ -197,7 +197,10 @@ async def run_load(bodies: list[bytes], config: LoadConfig) -> tuple[list[Reques
 
         async def one(body: bytes) -> RequestResult:
             async with slots or contextlib.nullcontext():
-                return await send_request(client, config.url, body, config.headers)
+                sent_s = time.perf_counter() - start
+                result = await send_request(client, config.url, body, config.headers)
+            result.start_s = sent_s
+            return result
 
         start = time.perf_counter()
         tasks = []
@@ -296,6 +299,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     report.add_argument("--percentiles", default="50,90,99", help="Comma-separated, 0-100.")
     report.add_argument("--output-json", metavar="PATH", help="Write the result dict here.")
     report.add_argument("--plot", metavar="PATH.png", help="Write latency histograms here.")
+    report.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="Send nothing: print the arrival schedule's statistics (and write its send times "
+        "to --output-json as arrival_times).",
+    )
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -311,14 +320,52 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def main(args: argparse.Namespace) -> dict:
     """Run the benchmark, print its table, write ``--output-json``/``--plot``; returns the
-    result dict (see ``serve_metrics.summarize``) plus the run's settings.
+    result dict (see ``serve_metrics.summarize``) plus the run's settings. With ``--dry-run``,
+    send nothing and return the schedule (``dry_run``).
 
     Failed requests are counted in the result, not raised.
 
     Raises:
-        BenchmarkError: bad arguments, or no model given and none could be fetched.
+        SystemExit: ``error: ...`` for bad arguments, or no model given and none could be
+            fetched (a ``BenchmarkError``).
     """
-    _check_args(args)
+    try:
+        _check_args(args)
+        return dry_run(args) if args.dry_run else run(args)
+    except BenchmarkError as error:
+        raise SystemExit(f"error: {error}") from error
+
+
+def _write_json(path: str | None, result: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+def dry_run(args: argparse.Namespace) -> dict:
+    """The arrival schedule of the flags, nothing sent: prints its span, mean gap and the
+    gaps' coefficient of variation (1 for Poisson, ``1 / sqrt(burstiness)`` for gamma
+    gaps); returns (and writes to ``--output-json``) the settings and ``arrival_times`` (s)."""
+    times = arrival_times(args.num_prompts, args.request_rate, args.burstiness, args.seed)
+    gaps = np.diff(times)
+    mean_ms = float(gaps.mean()) * 1000 if gaps.size else 0.0
+    cv = float(gaps.std() / gaps.mean()) if gaps.size and gaps.mean() > 0 else 0.0
+    print(
+        f"Dry run, nothing sent: {len(times)} requests at {args.request_rate:g} req/s "
+        f"(burstiness {args.burstiness:g}) over {times[-1]:.2f} s; mean gap {mean_ms:.2f} ms, "
+        f"gap coefficient of variation {cv:.3f}"
+    )
+    result = {"settings": _settings(args, base_url(args), args.model), "arrival_times": times}
+    _write_json(args.output_json, result)
+    return result
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The benchmark run of ``main``.
+
+    Raises:
+        BenchmarkError: bad ``--percentiles``, or no model given and none could be fetched.
+    """
     try:
         percentiles = parse_percentiles(args.percentiles)
     except ValueError as e:
@@ -347,9 +394,7 @@ def main(args: argparse.Namespace) -> dict:
     summary = summarize(results, duration_s, percentiles)
     summary["settings"] = _settings(args, url, model)
     print(format_table(summary))  # the command's output, as vllm bench serve prints it
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(summary, f, indent=2)
+    _write_json(args.output_json, summary)
     if args.plot and plot_latencies(results, args.plot):
         logger.info("Wrote the latency plot to %s", args.plot)
     return summary
@@ -377,7 +422,4 @@ if __name__ == "__main__":
     add_cli_args(cli)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
-    try:
-        main(cli.parse_args())
-    except BenchmarkError as error:
-        sys.exit(f"error: {error}")
+    main(cli.parse_args())

@@ -32,8 +32,9 @@ METRIC_TITLES = {
 class RequestResult:
     """The outcome of one benchmark request; all times in seconds.
 
-    ``itl_s`` holds the gaps between consecutive content chunks. ``error`` is empty on success
-    and holds the reason (HTTP status and message, connection error, error event) otherwise.
+    ``itl_s`` holds the gaps between consecutive content chunks; ``start_s`` is when the
+    request was sent, after the run's start. ``error`` is empty on success and holds the
+    reason (HTTP status and message, connection error, error event) otherwise.
     """
 
     success: bool = False
@@ -43,6 +44,7 @@ class RequestResult:
     e2e_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     error: str = ""
+    start_s: float = 0.0
 
     @property
     def tpot_s(self) -> float | None:
@@ -58,9 +60,13 @@ def parse_percentiles(text: str) -> list[float]:
     Raises:
         ValueError: a value is not a number in [0, 100].
     """
-    values = [float(part) for part in text.split(",") if part.strip()]
+    message = f"Percentiles must be numbers in [0, 100], got {text!r}."
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise ValueError(message) from error
     if not values or any(not 0 <= value <= 100 for value in values):
-        raise ValueError(f"Percentiles must be numbers in [0, 100], got {text!r}.")
+        raise ValueError(message)
     return values
 
 
@@ -103,7 +109,8 @@ def summarize(
 
     Token counts and throughputs count successful requests only. ``errors`` keeps the first
     ``max_errors`` error texts; the per-request lists (``ttfts``, ``e2els`` in s, ...) follow
-    the order of ``results`` and hold 0 / empty for failed requests.
+    the order of ``results`` and hold 0 / empty for failed requests; ``start_times`` (s after
+    the first send) holds every request's send time.
     """
     done = [r for r in results if r.success]
     prompt_tokens = sum(r.prompt_tokens for r in done)
@@ -128,6 +135,7 @@ def summarize(
     summary["ttfts"] = [r.ttft_s for r in results]
     summary["e2els"] = [r.e2e_s for r in results]
     summary["itls"] = [r.itl_s for r in results]
+    summary["start_times"] = [r.start_s for r in results]
     return summary
 
 

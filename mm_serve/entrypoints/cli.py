@@ -207,6 +207,7 @@ BENCH_COMMANDS = {
         "kernels",
         "Attention (ours vs cuDNN SDPA and FlashAttention) and the other kernels (GPU).",
     ),
+    "roofline": ("roofline", "A throughput workload's roofline at given or measured GPU rates."),
     "step": ("step_profile", "A decode step's host phases against its device time (GPU)."),
     "host-overhead": (
         "host_overhead",
