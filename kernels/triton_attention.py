@@ -27,16 +27,18 @@ loaded (their blocks may be freed, ``cache.kv_cache_groups``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from mm_serve.kernels.attention_metadata import AttentionMetadata
 from mm_serve.kernels.pdl import pdl_enter, pdl_options
-from mm_serve.kernels.triton_attention_launch import launch_config
 from mm_serve.kernels.triton_split_kv import merge_segments, segment_buffers
 
 LOG2E = 1.4426950408889634
+MAX_SEGMENTS = 32
 
 
 @triton.jit
@@ -244,6 +246,43 @@ def _paged_attention_kernel(
         tl.store(seg_sum_ptr + part, l_i, mask=row_ok)
         seg_offs = part[:, None] * HEAD_DIM_PAD + offs_d[None, :]
         tl.store(seg_out_ptr + seg_offs, out, mask=row_ok[:, None])
+
+
+@functools.lru_cache(maxsize=8)
+def num_sms(device: torch.device) -> int:
+    """The SMs of a CUDA ``device``; a small number for Triton's interpreter on a CPU."""
+    if device.type != "cuda":
+        return 8  # the CPU interpreter: any small number
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch_config(
+    group: int, max_query_len: int, max_seq_len: int, num_reqs: int, num_kv_heads: int, device
+) -> dict[str, int]:
+    """Tile sizes and the number of KV segments for one call, from the step's shape alone.
+
+    Decode-like batches (every request's queries fit one 16-row block) get 16-row blocks and,
+    when ``num_reqs * num_kv_heads`` programs cannot fill the GPU, split-KV: enough segments
+    for about one wave of 4 programs per SM, each at least 4 key tiles long. Prefill batches
+    get 64-row blocks. ``ONE_QUERY`` (one query per request) launches one program per request
+    and KV head, which finds its request by index rather than by search.
+    """
+    rows = triton.next_power_of_2(group)
+    decode_like = max_query_len * rows <= max(16, rows)
+    block_m = max(16, rows) if decode_like else max(64, rows)
+    tile_n = 64
+    num_segments = 1
+    if decode_like:
+        target = 4 * num_sms(device)  # programs in flight that keep HBM busy
+        want = target // max(1, num_reqs * num_kv_heads)
+        most = max(1, max_seq_len // (4 * tile_n))  # at least 4 tiles per segment
+        num_segments = int(max(1, min(want, most, MAX_SEGMENTS)))
+    return {
+        "BLOCK_M": block_m,
+        "TILE_N": tile_n,
+        "NUM_SEGMENTS": num_segments,
+        "ONE_QUERY": max_query_len == 1,
+    }
 
 
 def paged_attention_triton(

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from mm_serve.kernels.triton_attention_launch import num_sms
+from mm_serve.kernels.triton_attention import num_sms
 
 QUICK_GELU, SILU_AND_MUL = 1, 2
 # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps) per activation; SiLU-and-mul's BLOCK_N is per half.

@@ -50,8 +50,7 @@ from mm_serve.kernels.varlen_attention import has_dense_cudnn
 
 def attention_case(name, reqs, heads, block_size, configs, copy_bw) -> list[dict]:
     """Check once against the reference, then time each launch config (None: the heuristic)."""
-    from mm_serve.kernels.triton_attention import paged_attention_triton
-    from mm_serve.kernels.triton_attention_launch import launch_config
+    from mm_serve.kernels.triton_attention import launch_config, paged_attention_triton
 
     q, kv, md = paged_batch(reqs, heads, block_size, torch.bfloat16)
     scale = heads[2] ** -0.5

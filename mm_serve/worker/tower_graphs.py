@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import nn
 
-from mm_serve.worker.graph_capture import capture_graph
-
 logger = logging.getLogger(__name__)
 
 GridsKey = tuple[tuple[int, int, int], ...]
+T = TypeVar("T")
 
 # Images per graphed chunk, largest first: a run of n images of one grid takes the largest
 # that fits, then the rest (the tower's dense attention splits by powers of two alike).
@@ -47,6 +48,26 @@ CAPTURE_AFTER = 4
 MAX_SEEN_KEYS = 4096
 # Start-up captures chunks of images of this side in pixels (start-up's warm-up sends them).
 PHOTO_SIDE = 448
+
+
+def capture_graph(graph: torch.cuda.CUDAGraph, pool, fn: Callable[[], T]) -> T:
+    """Capture ``fn()`` into ``graph`` (memory from ``pool``) on a side stream; returns its
+    result, whose memory the graph owns.
+
+    Unlike ``torch.cuda.graph``, nothing is synchronised and no allocator cache is emptied, so
+    a graph can be captured while serving; only this thread is checked for unsafe calls
+    (``thread_local``), so the engine's other threads keep working.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            result = fn()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    return result
 
 
 def split_batch(grids: list[tuple[int, int, int]], max_patches: int) -> list[tuple[int, int, bool]]:
