@@ -1,23 +1,17 @@
 """CUDA graphs for the vision tower, one per chunk of images of one grid.
 
-A tower forward launches some 400 kernels (Qwen2-VL's 32 blocks), so run eagerly it is bound
-by the host's launches: the device idles between kernels. Everything a tower forward does on
-the host depends only on the images' grids (``[t, h, w]`` in patches): the rotary tables, the
-attention segments, the window order. So a batch goes through the graphs in chunks: each run
-of consecutive images of one grid is split into chunks of ``CHUNK_COUNTS`` images, largest
-first (27 photos: 16, 8, 3), of at most ``max_patches`` patches each. The tower attends within
-an image, so chunks give the batch's result. A key (its grids) is captured the
-``capture_after``-th time it is met: its plan (``tower.plan``, kept for the graph's lifetime)
-and ``tower.run`` over the shared static pixel buffer; later chunks of the key copy their
-pixels in and replay. A capture while serving costs one more tower forward and stalls nothing
-(``capture_graph``).
+An eager tower forward is bound by its ~400 kernel launches. Its host work depends only on the
+images' grids (``[t, h, w]`` in patches), so each run of consecutive same-grid images is split
+into chunks of ``CHUNK_COUNTS`` images, largest first (27 photos: 16, 8, 3), of at most
+``max_patches`` patches; the tower attends within an image, so chunks give the batch's result.
+A key (its grids) is captured the ``capture_after``-th time it is met (``tower.plan``, kept for
+the graph's lifetime, and ``tower.run`` over the shared static pixel buffer); later chunks copy
+their pixels in and replay. Capturing while serving stalls nothing (``capture_graph``).
 
-Every chunk without a graph (a key met fewer times, a key beyond ``max_graphs``, an image
-over ``max_patches`` patches) runs in one eager forward over all such images of the batch: photos
-of varied sizes, each its own key, cost one tower forward per step, not one per image.
-Start-up captures photo-sized chunks (``capture_photos``). All graphs share one memory pool;
-each replay's output is copied out before the next can overwrite it.
-"""
+Every chunk without a graph (key met fewer times, beyond ``max_graphs``, or an image over
+``max_patches``) runs in one eager forward over all such images of the batch. Start-up captures
+photo-sized chunks (``capture_photos``). All graphs share one memory pool; each replay's output
+is copied out before the next can overwrite it."""
 
 from __future__ import annotations
 
