@@ -1,29 +1,22 @@
 """Triton paged attention for a flattened batch mixing prefill chunks and decode tokens.
 
 The GPU counterpart of :func:`mm_serve.kernels.attention.paged_attention_ref` (same arguments,
-same result up to rounding). Algorithm: FlashAttention-2 (Tri Dao, "FlashAttention-2: Faster
-Attention with Better Parallelism and Work Partitioning", arXiv:2307.08691): each program keeps
-a running row max ``m``, row sum ``l`` and an unnormalised output, and rescales them as it walks
-the key tiles (online softmax; exponentials in base 2 with ``log2(e)`` folded into the scale).
-Keys and values are read straight from the paged cache through the block table.
+same result up to rounding). FlashAttention-2 (arXiv:2307.08691): each program keeps a running
+row max ``m``, row sum ``l`` and an unnormalised output over the key tiles (online softmax, base
+2 with ``log2(e)`` folded into the scale); K and V are read from the paged cache through the
+block table. Work split as vLLM's Triton "unified attention":
 
-Work split, in the manner of vLLM's Triton "unified attention" kernel:
+- one program per (query block, KV head): up to ``BLOCK_Q`` tokens of one request times the
+  ``GROUP`` query heads sharing the KV head (GQA), ``BLOCK_M = BLOCK_Q * GROUP`` rows;
+- programs find their request by binary search over ``query_start_loc``;
+- split-KV (flash-decoding, Tri Dao et al., 2023): small decode batches cut each request's
+  keys into ``num_segments`` ranges, each writing a partial output with its ``(m, l)``; a
+  second kernel merges them (``launch_config`` chooses).
 
-- one program per (query block, KV head): a query block is up to ``BLOCK_Q`` consecutive
-  tokens of one request times the ``GROUP`` query heads that share the KV head (GQA), packed
-  into ``BLOCK_M = BLOCK_Q * GROUP`` rows, so each K/V tile is loaded once for the whole group;
-- programs find their request by a binary search over ``query_start_loc`` (no host work);
-- split-KV (flash-decoding, Tri Dao et al., "Flash-Decoding for long-context inference", 2023):
-  when the batch is mostly decode tokens and too small to fill the GPU, a third grid axis cuts
-  each request's keys into ``num_segments`` ranges; each writes a partial output with its own
-  ``(m, l)`` and a second kernel merges them.
-
-Masks beyond causal: a per-row key limit (``AttentionMetadata.key_end``: the tokens of one
-image attend to each other, Gemma 3) widens a row's keys up to its image's end, and a sliding
-window (``sliding_window``: keys ``k > position - window``, HF's ``sliding_window_overlay``)
-starts each program's key tiles at its first row's window: the keys before it are never
-loaded (their blocks may be freed, ``cache.kv_cache_groups``).
-"""
+Masks beyond causal: a per-row key limit (``AttentionMetadata.key_end``: an image's tokens
+attend to each other, Gemma 3), and a sliding window (keys ``k > position - window``, HF's
+``sliding_window_overlay``) whose earlier key tiles are never loaded (their blocks may be
+freed, ``cache.kv_cache_groups``)."""
 
 from __future__ import annotations
 
