@@ -1,22 +1,18 @@
 """The geometry of LLaVA-OneVision's "anyres" images, shared by its image processor (pixels and
 token counts) and its model (unpadding and downsampling the features).
 
-An image alone in its prompt is resized to fit the best of ``image_grid_pinpoints`` (each a
-``(height, width)`` multiple of the tile), padded to it and cut into ``rows x cols`` tiles,
-after the whole image squashed to one tile (the base tile). Each tile gives ``side x side``
-features. The model lays the grid tiles' features out as one ``(rows * side) x (cols * side)``
-map, crops the rows or columns that the padding made (``unpadded_size``), shrinks the map
-bilinearly when it holds more than about ``max_tiles`` tiles of features (``anyres_max_N``:
-``downsampled_size``), and appends the ``image_newline`` embedding to each of its rows. The
-image's tokens are the base tile's ``side**2`` features, then the map row by row, each row
-ending with its newline. An image among several in a prompt is padded to a square and resized
-to one tile: ``side**2`` features and one newline.
+An image alone in its prompt is resized to the best of ``image_grid_pinpoints`` (``(height,
+width)`` multiples of the tile), padded and cut into ``rows x cols`` tiles after the base tile
+(the whole image squashed to one). Each tile gives ``side x side`` features. The model lays the
+grid's features out as one ``(rows * side) x (cols * side)`` map, crops the padding
+(``unpadded_size``), shrinks it bilinearly beyond about ``max_tiles`` tiles
+(``downsampled_size``) and appends ``image_newline`` to each row. Tokens: the base tile's
+``side**2``, then the map row by row. An image among several is padded square and resized to
+one tile: ``side**2`` features and one newline.
 
-Every formula is transformers 5.23's (``select_best_resolution``, ``get_patch_output_size``,
-``LlavaOnevisionProcessor._get_unpadded_features``, ``LlavaOnevisionModel.pack_image_features``
-with ``unpad_image``), with the same float operations, so that both sides agree with HF's
-processor and model to the token.
-"""
+Formulas and float operations are transformers 5.23's (``select_best_resolution``,
+``get_patch_output_size``, ``_get_unpadded_features``, ``pack_image_features``, ``unpad_image``),
+so both sides agree with HF to the token."""
 
 from __future__ import annotations
 

@@ -1,25 +1,14 @@
 """CLIP vision tower as LLaVA uses it, and LLaVA's multimodal projector.
 
 ``CLIPVisionTower`` returns the hidden state of one encoder layer (or several, concatenated
-along hidden), optionally without the class token, and runs only the layers that it needs.
+along hidden), optionally without the class token, and runs only the layers it needs (every
+layer is still built, so the checkpoint loads completely).
 
-Parameter names. Ours are those of the classic CLIP checkpoints on the Hub, under
-``vision_model.``: ``vision_model.embeddings.{class_embedding, patch_embedding.weight,
-position_embedding.weight}``, ``vision_model.pre_layrnorm`` (sic), ``vision_model.encoder.
-layers.{i}.{self_attn.{q,k,v,out}_proj, layer_norm1, mlp.fc1, mlp.fc2, layer_norm2}``,
-``vision_model.post_layernorm``. Checkpoints name them as follows:
-
-- ``openai/clip-vit-*``: ``vision_model.*`` (text tower tensors besides: skip them).
-- LLaVA-1.5 checkpoints (``llava-hf/*``): ``vision_tower.vision_model.*`` and
-  ``multi_modal_projector.linear_{1,2}.*``; strip ``vision_tower.`` / ``multi_modal_projector.``.
-- Saved by transformers 5.x: its ``CLIPVisionModel`` has no ``vision_model`` level (it drops that
-  prefix when loading), so it writes ``vision_tower.embeddings.*`` (in memory the module is
-  ``model.vision_tower.embeddings.*``). ``tower_weight_name`` maps either form to ours.
-
-Every layer is built so the checkpoint loads completely, even those after the deepest feature
-layer and ``post_layernorm``, which the forward never runs (LLaVA-1.5's last layer: ~4% of the
-tower).
-"""
+Parameter names: the classic CLIP checkpoints', under ``vision_model.`` (``embeddings.*``,
+``pre_layrnorm`` (sic), ``encoder.layers.{i}.*``, ``post_layernorm``). ``tower_weight_name``
+maps the other forms to ours: ``openai/clip-vit-*`` (text tower tensors skipped), llava-hf's
+``vision_tower.vision_model.*`` and ``multi_modal_projector.linear_{1,2}.*``, and transformers
+5's ``vision_tower.embeddings.*`` (no ``vision_model`` level)."""
 
 from __future__ import annotations
 

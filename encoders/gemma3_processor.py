@@ -1,19 +1,14 @@
 """Gemma 3 image processor: one fixed-size image, and the prompt tokens it takes.
 
-Pixels equal transformers' ``Gemma3ImageProcessor`` (torchvision backend) with pan-and-scan off
-(its default): convert to RGB, resize to ``size`` (``height`` x ``width``, bilinear,
-antialiased; no crop), rescale and normalise (ImageNet-standard mean and std, 0.5) — the CLIP
-processor's steps without the crop.
+Pixels equal transformers' ``Gemma3ImageProcessor`` (torchvision backend, pan-and-scan off):
+RGB, resize to ``size`` (bilinear, antialiased; no crop), rescale and normalise (mean and std
+0.5).
 
-The prompt: ``Gemma3Processor`` replaces each ``<start_of_image>`` of the text by
-``"\\n\\n<start_of_image>" + mm_tokens_per_image * "<image_soft_token>" + "<end_of_image>\\n\\n"``
-and tokenizes the result. As the tags are special tokens, the tokenizer splits the text at
-them, so the same ids come from writing the two newlines into the text around the placeholder
-(``prompt_text``, before tokenizing: the newlines merge with their neighbours as HF's do,
-``"\\n" + "\\n\\n"`` being one token in Gemma's vocabulary) and then expanding the placeholder to
-``<start_of_image>``, the soft tokens and ``<end_of_image>`` (``ProcessedImage.token_ids``: the
-image's placeholder range). A prompt given as token ids must hold those newlines itself.
-"""
+The prompt: ``Gemma3Processor`` replaces each ``<start_of_image>`` by ``"\n\n<start_of_image>"
++ mm_tokens_per_image * "<image_soft_token>" + "<end_of_image>\n\n"``. The same ids come from
+writing the newlines into the text around the placeholder (``prompt_text``, so they merge with
+their neighbours as HF's do) and expanding the placeholder to the tags and soft tokens
+(``ProcessedImage.token_ids``). A prompt given as token ids must hold those newlines itself."""
 
 from __future__ import annotations
 

@@ -1,22 +1,20 @@
 """Idefics3 / SmolVLM image processor: tiles of one image, and the prompt tokens they take.
 
-Pixels equal transformers' ``Idefics3ImageProcessor`` (torchvision backend): convert to RGB,
-resize the longest edge to ``size["longest_edge"]`` (the short side scaled, truncated and made
-even), resize again up to multiples of the tile (``max_image_size["longest_edge"]``), cut into
-``rows x cols`` tiles in raster order, append the whole image resized to one tile (the global
-image), rescale and normalise. An image that fits one tile is the global image alone.
+Pixels equal transformers' ``Idefics3ImageProcessor`` (torchvision backend): RGB, resize the
+longest edge to ``size["longest_edge"]`` (short side scaled, truncated, made even), resize up to
+multiples of the tile (``max_image_size["longest_edge"]``), cut into ``rows x cols`` tiles in
+raster order, append the global image (resized to one tile), rescale and normalise. An image
+that fits one tile is the global image alone.
 
-The prompt tokens are those of ``Idefics3Processor``'s expansion of ``<image>``, tokenized:
+Prompt tokens, as ``Idefics3Processor`` expands ``<image>``:
 
-- tiled: for each row ``<fake_token_around_image><row_r_col_c>`` + ``image_seq_len`` x
-  ``<image>`` per tile, then ``"\\n"``; the last row's newline and one more make ``"\\n\\n"``
-  (one or two tokens, as the tokenizer merges it); then the global image;
+- tiled: per row, ``<fake_token_around_image><row_r_col_c>`` + ``image_seq_len`` x ``<image>``
+  per tile, then ``"\n"``; the last row's newline and one more make ``"\n\n"``; then the global
+  image;
 - global image: ``<fake_token_around_image><global-img>`` + ``image_seq_len`` x ``<image>``
   + ``<fake_token_around_image>``.
 
-The whole expansion is one placeholder (one ``mm_hash``): the model embeds its tag and newline
-tokens itself, so a chunk may cut it anywhere.
-"""
+The expansion is one placeholder (one ``mm_hash``) that a chunk may cut anywhere."""
 
 from __future__ import annotations
 

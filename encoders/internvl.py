@@ -1,25 +1,17 @@
 """The InternViT vision tower of InternVL3 and its pixel-shuffle projector.
 
-InternViT (``InternVLVisionModel`` in transformers): a ViT with a class token and learned
-absolute position embeddings, whose blocks scale each residual branch by a learned vector
-(layer scale) and normalise with LayerNorm or RMSNorm (``norm_type``), optionally with an
-RMSNorm over the whole query and key (``use_qk_norm``):
+InternViT (HF ``InternVLVisionModel``): a ViT with a class token, learned absolute position
+embeddings, layer scale, LayerNorm or RMSNorm (``norm_type``) and optional q/k RMSNorm
+(``use_qk_norm``):
 
     x = x + lambda_1 * attention(layernorm_before(x))
     x = x + lambda_2 * mlp(layernorm_after(x))
 
-The tower's output is the last block's (through ``layernorm`` unless ``use_mean_pooling``),
-or the hidden state ``vision_feature_layer`` names. The projector drops the class token,
-pixel-shuffles each tile's ``n x n`` patch grid by ``1 / downsample_ratio`` (as Idefics3's
-connector) and maps it through LayerNorm, linear, activation, linear.
-
-Parameter names (ours = what transformers saves, under ``vision_tower.`` and
-``multi_modal_projector.``): ``embeddings.{cls_token, position_embeddings,
-patch_embeddings.projection.{weight,bias}}``, ``encoder.layer.{i}.{attention.{q,k,v}_proj,
-attention.projection_layer, attention.{q,k}_norm, mlp.fc1, mlp.fc2, layernorm_before,
-layernorm_after, lambda_1, lambda_2}``, ``layernorm``; ``layer_norm``, ``linear_1``,
-``linear_2``.
-"""
+Its output is the last block's (through ``layernorm`` unless ``use_mean_pooling``) or the
+``vision_feature_layer`` hidden state. The projector drops the class token, pixel-shuffles each
+tile's ``n x n`` grid by ``1 / downsample_ratio`` (as Idefics3) and applies LayerNorm, linear,
+activation, linear. Parameter names are what transformers saves, under ``vision_tower.`` and
+``multi_modal_projector.``."""
 
 from __future__ import annotations
 

@@ -1,19 +1,13 @@
 """InternVL3 image processor: dynamic tiling of one image, and the prompt tokens it takes.
 
 Pixels equal transformers' ``GotOcr2ImageProcessor`` (torchvision backend) as
-``InternVLProcessor`` calls it, with ``crop_to_patches`` on (the processor's default, whatever
-the image processor's own setting): convert to RGB; choose the grid of ``cols x rows`` tiles
-whose aspect ratio is closest to the image's among those of ``min_patches`` to ``max_patches``
-tiles (``tile_grid``); resize the image to ``cols * tile_w x rows * tile_h`` (bicubic,
-antialiased) and cut it into tiles in raster order; when there is more than one tile, append
-the thumbnail (the whole image resized to one tile); rescale and normalise (InternVL3:
-ImageNet statistics). Without ``crop_to_patches`` the image is resized to one tile.
+``InternVLProcessor`` calls it (``crop_to_patches`` on): RGB; the ``cols x rows`` grid of
+``min_patches`` to ``max_patches`` tiles closest to the image's aspect ratio (``tile_grid``);
+resize (bicubic, antialiased) and cut into tiles in raster order; the thumbnail after more than
+one tile; rescale and normalise (ImageNet statistics). Without ``crop_to_patches``: one tile.
 
-The prompt tokens are those of ``InternVLProcessor``'s expansion of an image token:
-``<img>`` + ``image_seq_len`` image tokens per tile + ``</img>``. The whole expansion is one
-placeholder (one ``mm_hash``): the model embeds ``<img>`` and ``</img>`` itself, so a chunk
-may cut it anywhere.
-"""
+Prompt tokens: ``<img>`` + ``image_seq_len`` image tokens per tile + ``</img>``, one placeholder
+(one ``mm_hash``) that a chunk may cut anywhere."""
 
 from __future__ import annotations
 

@@ -1,19 +1,13 @@
 """A checkpoint's HF processor files: its image processor and its chat template.
 
-transformers has written two layouts, and ``AutoProcessor.from_pretrained`` reads both:
+Two layouts, resolved in transformers' order (``ImageProcessingMixin.get_image_processor_dict``,
+``ProcessorMixin.get_processor_dict``):
 
-- transformers 5 (``ProcessorMixin.save_pretrained``): ``processor_config.json`` holds the
-  processor's own kwargs with the image (and video) processor settings nested under
-  ``"image_processor"``; the chat template is ``chat_template.jinja``; no
-  ``preprocessor_config.json``.
-- The hub's older layout: ``preprocessor_config.json`` holds the image processor settings
-  (``processor_config.json``, if any, only the processor's own kwargs, e.g. LLaVA's
-  ``patch_size``); the chat template is in ``chat_template.json`` and/or inside
-  ``tokenizer_config.json``.
-
-We resolve them in transformers' order (``ImageProcessingMixin.get_image_processor_dict`` and
-``ProcessorMixin.get_processor_dict``).
-"""
+- transformers 5: ``processor_config.json`` with the image (and video) processor settings under
+  ``"image_processor"``; the chat template in ``chat_template.jinja``;
+- the hub's older one: ``preprocessor_config.json`` with the image processor settings
+  (``processor_config.json`` only the processor's kwargs); the chat template in
+  ``chat_template.json`` and/or ``tokenizer_config.json``."""
 
 from __future__ import annotations
 

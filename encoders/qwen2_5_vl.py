@@ -1,17 +1,11 @@
 """Qwen2.5-VL vision tower: the Qwen2-VL ViT with window attention, RMSNorm and a SwiGLU MLP.
 
-Most blocks attend only within windows of ``window_size`` pixels (``window_size // patch //
-merge`` merged tokens a side); the blocks in ``fullatt_block_indexes`` attend over the whole
-frame. To make every window a contiguous segment, the patch rows are permuted window by window
-right after the patch embedding (whole merge windows move together, so the merger still sees
-``merge**2`` consecutive rows), and the merged tokens are put back in the input order at the
-end.
-
-Parameter names equal HF ``Qwen2_5_VisionTransformerPretrainedModel`` (checkpoint ``visual.*``):
-``patch_embed.proj``, ``blocks.{i}.norm1/norm2`` (RMSNorm, weight only), ``blocks.{i}.attn.qkv/
-proj``, ``blocks.{i}.mlp.gate_proj/up_proj/down_proj`` (with bias), ``merger.ln_q`` (RMSNorm),
-``merger.mlp.0/2``.
-"""
+Most blocks attend within windows of ``window_size`` pixels (``window_size // patch // merge``
+merged tokens a side); those in ``fullatt_block_indexes`` over the whole frame. The patch rows
+are permuted window by window after the patch embedding (whole merge windows together, so the
+merger still sees ``merge**2`` consecutive rows), and the merged tokens are put back in input
+order at the end. Parameter names equal HF ``Qwen2_5_VisionTransformerPretrainedModel``'s
+(checkpoint ``visual.*``)."""
 
 from __future__ import annotations
 

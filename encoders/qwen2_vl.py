@@ -1,17 +1,10 @@
 """Qwen2-VL vision tower: a ViT over flattened patches with 2-D rotary and a 2x2 patch merger.
 
-Input is what the Qwen2-VL image processor makes (see ``encoders/base.py``): every image's
-patches, already flattened to ``C * temporal_patch * patch * patch`` values and ordered so that
-each ``spatial_merge_size x spatial_merge_size`` block of patches is contiguous ("merge-window
-order"). The tower keeps that order throughout, so the merger only has to concatenate every
-``merge**2`` consecutive rows.
-
-Parameter names equal those of HF ``Qwen2VisionTransformerPretrainedModel`` (transformers 5.x),
-so the checkpoint's ``visual.*`` tensors load by name after stripping the ``visual.`` prefix:
-``patch_embed.proj.weight``, ``blocks.{i}.norm1/norm2``, ``blocks.{i}.attn.qkv/proj``,
-``blocks.{i}.mlp.fc1/fc2``, ``merger.ln_q``, ``merger.mlp.0/2``. There are no buffers (the rotary
-frequencies are recomputed each forward), so a model built on ``meta`` needs no rebuild.
-
+Input is the Qwen2-VL image processor's (``encoders/base.py``): every image's patches flattened
+to ``C * temporal_patch * patch * patch`` values, each ``merge x merge`` block contiguous
+(merge-window order), kept throughout so the merger concatenates ``merge**2`` consecutive rows.
+Parameter names equal HF ``Qwen2VisionTransformerPretrainedModel``'s (checkpoint ``visual.*``);
+no buffers (rotary frequencies recomputed each forward), so a ``meta`` build needs no rebuild.
 The pieces shared with Qwen2.5-VL (patch embedding, rotary, varlen attention, merger) live here.
 """
 

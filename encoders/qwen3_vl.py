@@ -1,31 +1,19 @@
-"""Qwen3-VL vision tower: the Qwen2-VL ViT with a learned, interpolated position embedding and
-DeepStack mergers.
-
-Input and patch order are Qwen2-VL's (``encoders/qwen2_vl.py``): each image's flattened
-``C * temporal_patch * patch * patch`` patches (16-pixel patches, 2 frames), each ``merge x
-merge`` block of patches contiguous. Differences from Qwen2-VL:
+"""Qwen3-VL vision tower: the Qwen2-VL ViT (``encoders/qwen2_vl.py``: input and patch order;
+16-pixel patches, 2 frames) with a learned, interpolated position embedding and DeepStack
+mergers.
 
 - the patch embedding ``Conv3d`` has a bias;
-- a learned ``[side * side, dim]`` position table (``pos_embed``) is resampled to every
-  image's ``h x w`` patch grid by bilinear interpolation with aligned corners (as
-  ``F.interpolate(..., mode="bilinear", align_corners=True)``, HF
-  ``get_vision_interpolation_indices_and_weights``) and added to the patch embeddings;
-- the blocks' MLP is ``linear_fc1``/``linear_fc2`` with the config's ``hidden_act``;
+- a learned ``[side * side, dim]`` table (``pos_embed``) is resampled bilinearly with aligned
+  corners to each image's ``h x w`` grid (HF ``get_vision_interpolation_indices_and_weights``)
+  and added to the patch embeddings;
+- the MLP is ``linear_fc1``/``linear_fc2`` with the config's ``hidden_act``;
 - DeepStack (arXiv:2406.04334): the hidden states after each block in
-  ``deepstack_visual_indexes`` go through their own merger (``deepstack_merger_list``, whose
-  LayerNorm runs over the concatenated ``merge**2`` patches), and the LM adds them to its hidden
-  states at the image tokens after its first layers (``models/qwen3_vl.py``).
+  ``deepstack_visual_indexes`` go through their own merger (``deepstack_merger_list``, LayerNorm
+  over the concatenated ``merge**2`` patches); the LM adds them after its first layers.
 
-The output is one tensor per batch, ``[num_patches / merge**2, (1 + num_deepstack) * out]``:
-the merged tokens, then the DeepStack features of the same tokens side by side, so that an
-image's row of every output travels as one row (encoder cache, chunk slices).
-
-Parameter names equal HF ``Qwen3VLVisionModel`` (checkpoint ``model.visual.*``):
-``patch_embed.proj.{weight,bias}``, ``pos_embed.weight``, ``blocks.{i}.norm1/norm2``,
-``blocks.{i}.attn.qkv/proj``, ``blocks.{i}.mlp.linear_fc1/linear_fc2``,
-``merger.{norm,linear_fc1,linear_fc2}``, ``deepstack_merger_list.{j}.{norm,linear_fc1,
-linear_fc2}``.
-"""
+Output: ``[num_patches / merge**2, (1 + num_deepstack) * out]``, the merged tokens then their
+DeepStack features side by side, so an image's rows travel as one (encoder cache, chunk slices).
+Parameter names equal HF ``Qwen3VLVisionModel`` (checkpoint ``model.visual.*``)."""
 
 from __future__ import annotations
 

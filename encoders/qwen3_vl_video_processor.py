@@ -1,22 +1,18 @@
-"""Qwen3-VL video processor: frames sampled at 2 per second by default, resized within a pixel
-budget for the whole clip, temporal patches of 2 frames, and a prompt that writes each temporal
-patch's time as text.
+"""Qwen3-VL video processor: frames sampled (2 per second by default), resized within a pixel
+budget for the whole clip, temporal patches of 2 frames, each patch's time written as text.
 
 As transformers' ``Qwen3VLVideoProcessor`` and ``Qwen3VLProcessor`` (5.23):
 
-- frames: ``num_frames`` of them, or ``int(total / video_fps * fps)`` clamped to
-  ``[min_frames, max_frames]`` and to the video's length, at
-  ``round(linspace(0, total - 1, n))`` (every frame with ``do_sample_frames`` off; a video
-  without a frame rate counts 24 frames per second);
-- size (``smart_resize``): the frames' sides rounded to multiples of ``patch * merge`` with the
-  area of all ``T`` frames (``T`` rounded to whole temporal patches) within ``[min_pixels,
-  max_pixels]``; sides below one multiple are scaled up first;
-- prompt: the video placeholder becomes, per temporal patch ``i``, the text ``<{t_i:.1f}
-  seconds>`` then ``<|vision_start|>``, ``h * w / merge**2`` video tokens and
-  ``<|vision_end|>``; ``t_i`` is the mean time of the patch's first and last frame
-  (``frame index / video fps``; the last patch padded with the last frame). These tokens are
-  the item's ``ProcessedImage.token_ids``; the model embeds the text among them as text.
-"""
+- frames: ``num_frames``, or ``int(total / video_fps * fps)`` clamped to ``[min_frames,
+  max_frames]`` and the video's length, at ``round(linspace(0, total - 1, n))`` (all with
+  ``do_sample_frames`` off; no frame rate counts as 24 per second);
+- size (``smart_resize``): sides rounded to multiples of ``patch * merge`` (scaled up first if
+  below one) with the area of all ``T`` frames (whole temporal patches, the last padded with the
+  last frame) within ``[min_pixels, max_pixels]``;
+- prompt: per temporal patch ``i``, ``<{t_i:.1f} seconds>``, ``<|vision_start|>``,
+  ``h * w / merge**2`` video tokens, ``<|vision_end|>``; ``t_i`` the mean time of the patch's
+  first and last frame (``frame index / video fps``). These are the item's
+  ``ProcessedImage.token_ids``; the model embeds the text among them as text."""
 
 from __future__ import annotations
 

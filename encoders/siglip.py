@@ -1,17 +1,11 @@
 """The SigLIP vision tower of Idefics3 / SmolVLM and LLaVA-OneVision, and Idefics3's
 pixel-shuffle connector.
 
-The encoder layers are SigLIP's, which are CLIP's pre-LayerNorm blocks with the same parameter
-names (``encoder.layers.{i}.{self_attn.{q,k,v,out}_proj, layer_norm1, mlp.fc1, mlp.fc2,
-layer_norm2}``): ``clip.CLIPEncoderLayer`` with the config's ``hidden_act``
-(``gelu_pytorch_tanh``). Differences from CLIP: no class token, no pre-LayerNorm, a biased patch
-convolution, a ``post_layernorm`` that runs, and Idefics3's bucketed position ids, which let a
-tile of ``n x n`` patches (any ``n``) use the learned ``image_size / patch`` grid.
-
-Parameter names (ours = HF's in ``Idefics3VisionTransformer``): ``embeddings.patch_embedding.
-{weight,bias}``, ``embeddings.position_embedding.weight``, ``encoder.layers.*``,
-``post_layernorm.*``; the connector's ``modality_projection.proj.weight``.
-"""
+The layers are ``clip.CLIPEncoderLayer`` (same parameter names) with the config's
+``hidden_act``. Unlike CLIP: no class token, no pre-LayerNorm, a biased patch convolution, a
+``post_layernorm`` that runs, and Idefics3's bucketed position ids (a tile of ``n x n`` patches,
+any ``n``, uses the learned ``image_size / patch`` grid). Parameter names equal HF
+``Idefics3VisionTransformer``'s; the connector's is ``modality_projection.proj.weight``."""
 
 from __future__ import annotations
 

@@ -1,19 +1,15 @@
 """Programmatic dependent launch (PDL) for the Triton kernels, on Hopper and newer GPUs.
 
-A decode step is a chain of short kernels, each waiting for the one before it; between two of
-them the GPU would sit idle while the next grid launches and ramps up. With PDL (CUDA
-programming guide, "Programmatic Dependent Launch and Synchronization"; PTX
+With PDL (CUDA programming guide, "Programmatic Dependent Launch and Synchronization"; PTX
 ``griddepcontrol``) a kernel launched with ``launch_pdl=True`` may start while its predecessor
-in the stream still runs. Every kernel here calls :func:`pdl_enter` before its first read of
-an activation and its first write: ``griddepcontrol.wait`` blocks until the predecessor has
-finished and its writes are visible, then ``launch_dependents`` lets the successor start
-launching. Work before that call may only read what no kernel writes: the weights (the GEMV
-prefetches its first weight tile) and the step inputs that only host copies fill (attention
-metadata, positions, slot mapping). The edges are kept in CUDA graphs.
+still runs. Every kernel here calls :func:`pdl_enter` before its first read of an activation
+and its first write: ``griddepcontrol.wait`` blocks until the predecessor finished and its
+writes are visible, then ``launch_dependents`` lets the successor launch. Before that a kernel
+may only read what no kernel writes: weights and host-filled step inputs (attention metadata,
+positions, slot mapping). The edges are kept in CUDA graphs.
 
-``--no-pdl`` (``config.configure_kernels``; ``MM_SERVE_PDL=0`` in a process that does not
-configure) turns it off; it is off on GPUs before Hopper and in the interpreter.
-"""
+``--no-pdl`` (``config.configure_kernels``; ``MM_SERVE_PDL=0`` otherwise) turns it off; it is
+off before Hopper and in the interpreter."""
 
 from __future__ import annotations
 

@@ -1,31 +1,26 @@
 """Triton paged attention for a flattened batch mixing prefill chunks and decode tokens.
 
 The GPU counterpart of :func:`mm_serve.kernels.attention.paged_attention_ref` (same arguments,
-same result up to rounding). Algorithm: FlashAttention-2 (Tri Dao, "FlashAttention-2: Faster
-Attention with Better Parallelism and Work Partitioning", arXiv:2307.08691): each program keeps
-a running row max ``m``, row sum ``l`` and an unnormalised output, and rescales them as it walks
-the key tiles (online softmax; exponentials in base 2 with ``log2(e)`` folded into the scale).
-Keys and values are read straight from the paged cache through the block table.
+same result up to rounding). FlashAttention-2 (arXiv:2307.08691): each program keeps a running
+row max ``m``, row sum ``l`` and an unnormalised output over the key tiles (online softmax, base
+2 with ``log2(e)`` folded into the scale); K and V are read from the paged cache through the
+block table. Work split as vLLM's Triton "unified attention":
 
-Work split, in the manner of vLLM's Triton "unified attention" kernel:
+- one program per (query block, KV head): up to ``BLOCK_Q`` tokens of one request times the
+  ``GROUP`` query heads sharing the KV head (GQA), ``BLOCK_M = BLOCK_Q * GROUP`` rows;
+- programs find their request by binary search over ``query_start_loc``;
+- split-KV (flash-decoding, Tri Dao et al., 2023): small decode batches cut each request's
+  keys into ``num_segments`` ranges, each writing a partial output with its ``(m, l)``; a
+  second kernel merges them (``launch_config`` chooses).
 
-- one program per (query block, KV head): a query block is up to ``BLOCK_Q`` consecutive
-  tokens of one request times the ``GROUP`` query heads that share the KV head (GQA), packed
-  into ``BLOCK_M = BLOCK_Q * GROUP`` rows, so each K/V tile is loaded once for the whole group;
-- programs find their request by a binary search over ``query_start_loc`` (no host work);
-- split-KV (flash-decoding, Tri Dao et al., "Flash-Decoding for long-context inference", 2023):
-  when the batch is mostly decode tokens and too small to fill the GPU, a third grid axis cuts
-  each request's keys into ``num_segments`` ranges; each writes a partial output with its own
-  ``(m, l)`` and a second kernel merges them.
-
-Masks beyond causal: a per-row key limit (``AttentionMetadata.key_end``: the tokens of one
-image attend to each other, Gemma 3) widens a row's keys up to its image's end, and a sliding
-window (``sliding_window``: keys ``k > position - window``, HF's ``sliding_window_overlay``)
-starts each program's key tiles at its first row's window: the keys before it are never
-loaded (their blocks may be freed, ``cache.kv_cache_groups``).
-"""
+Masks beyond causal: a per-row key limit (``AttentionMetadata.key_end``: an image's tokens
+attend to each other, Gemma 3), and a sliding window (keys ``k > position - window``, HF's
+``sliding_window_overlay``) whose earlier key tiles are never loaded (their blocks may be
+freed, ``cache.kv_cache_groups``)."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -33,10 +28,10 @@ import triton.language as tl
 
 from mm_serve.kernels.attention_metadata import AttentionMetadata
 from mm_serve.kernels.pdl import pdl_enter, pdl_options
-from mm_serve.kernels.triton_attention_launch import launch_config
 from mm_serve.kernels.triton_split_kv import merge_segments, segment_buffers
 
 LOG2E = 1.4426950408889634
+MAX_SEGMENTS = 32
 
 
 @triton.jit
@@ -244,6 +239,43 @@ def _paged_attention_kernel(
         tl.store(seg_sum_ptr + part, l_i, mask=row_ok)
         seg_offs = part[:, None] * HEAD_DIM_PAD + offs_d[None, :]
         tl.store(seg_out_ptr + seg_offs, out, mask=row_ok[:, None])
+
+
+@functools.lru_cache(maxsize=8)
+def num_sms(device: torch.device) -> int:
+    """The SMs of a CUDA ``device``; a small number for Triton's interpreter on a CPU."""
+    if device.type != "cuda":
+        return 8  # the CPU interpreter: any small number
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch_config(
+    group: int, max_query_len: int, max_seq_len: int, num_reqs: int, num_kv_heads: int, device
+) -> dict[str, int]:
+    """Tile sizes and the number of KV segments for one call, from the step's shape alone.
+
+    Decode-like batches (every request's queries fit one 16-row block) get 16-row blocks and,
+    when ``num_reqs * num_kv_heads`` programs cannot fill the GPU, split-KV: enough segments
+    for about one wave of 4 programs per SM, each at least 4 key tiles long. Prefill batches
+    get 64-row blocks. ``ONE_QUERY`` (one query per request) launches one program per request
+    and KV head, which finds its request by index rather than by search.
+    """
+    rows = triton.next_power_of_2(group)
+    decode_like = max_query_len * rows <= max(16, rows)
+    block_m = max(16, rows) if decode_like else max(64, rows)
+    tile_n = 64
+    num_segments = 1
+    if decode_like:
+        target = 4 * num_sms(device)  # programs in flight that keep HBM busy
+        want = target // max(1, num_reqs * num_kv_heads)
+        most = max(1, max_seq_len // (4 * tile_n))  # at least 4 tiles per segment
+        num_segments = int(max(1, min(want, most, MAX_SEGMENTS)))
+    return {
+        "BLOCK_M": block_m,
+        "TILE_N": tile_n,
+        "NUM_SEGMENTS": num_segments,
+        "ONE_QUERY": max_query_len == 1,
+    }
 
 
 def paged_attention_triton(

@@ -1,27 +1,20 @@
 """A GEMM with the MLP's activation in its epilogue: ``act(x @ W.T + b)`` in one kernel (Hopper).
 
-A prefill or encode step's MLP writes its first projection's output (``[T, 2 I]`` for a gated
-MLP, ``[N, 4 d]`` for the vision tower's) and reads it back in a separate activation kernel:
-two passes over the largest activation of the layer, at the copy rate. Here the persistent
-GEMM applies the activation to each output tile while it is still in registers and writes only
-the result, so those passes are gone. The weight stays as the checkpoint stores it (``[N, K]``):
+The persistent GEMM applies the activation to each output tile in registers and writes only
+the result, saving the write and re-read of the first projection's output (``[T, 2 I]`` gated,
+``[N, 4 d]`` the tower's). The weight stays as stored (``[N, K]``):
 
-- ``quick_gelu``: ``x * sigmoid(1.702 x)`` of ``F.linear``'s output (one tile of ``BLOCK_N``
-  output features), stored in two halves, so that the half-size store buffer leaves shared
-  memory for a fourth stage; on a GPU its roundings go two elements per conversion
-  (``cvt.rn.bf16x2.f32``, off the unit that also runs ``ex2``) and its exponential flushes
-  subnormals (``PTX``), which give the same outputs;
-- ``silu_and_mul``: for ``W = [gate; up]`` (``[2 I, K]``), ``silu(gate) * up``: each program
-  loads the same ``BLOCK_N`` features of gate and of up in one TMA load (``W`` seen as ``[2, I,
-  K]``) and multiplies them as one ``2 BLOCK_N``-wide tile, so an output tile needs no data
-  from another.
+- ``quick_gelu``: ``x * sigmoid(1.702 x)`` of ``F.linear``'s output, stored in two halves (the
+  half-size store buffer leaves shared memory for a fourth stage); bf16x2 conversions and a
+  subnormal-flushing exponential give the same outputs;
+- ``silu_and_mul``: for ``W = [gate; up]`` (``[2 I, K]``), ``silu(gate) * up``: one TMA load
+  (``W`` seen as ``[2, I, K]``) brings the same ``BLOCK_N`` features of gate and up, so a tile
+  needs no data from another.
 
-The epilogue rounds as the unfused path does (``F.linear``'s bf16/fp16 output, then each op of
-``kernels/triton_activation.py``), so only the GEMM's summation order can differ from cuBLAS.
-Tiles are loaded by TMA (``TensorDescriptor``), so this runs on sm90+ only; ``dispatch_linear``
-takes it for steps of at least ``FUSED_MLP_MIN_ROWS`` rows, below which cuBLAS plus the
-activation kernel is faster (BENCHMARKS.md has the figures).
-"""
+The epilogue rounds as the unfused path (``F.linear``'s bf16/fp16 output, then
+``kernels/triton_activation.py``), so only the summation order can differ from cuBLAS. TMA
+(``TensorDescriptor``) needs sm90+; ``dispatch_linear`` takes it for steps of at least
+``FUSED_MLP_MIN_ROWS`` rows."""
 
 from __future__ import annotations
 
@@ -30,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from mm_serve.kernels.triton_attention_launch import num_sms
+from mm_serve.kernels.triton_attention import num_sms
 
 QUICK_GELU, SILU_AND_MUL = 1, 2
 # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps) per activation; SiLU-and-mul's BLOCK_N is per half.

@@ -1,22 +1,16 @@
 """Triton GEMV: a linear layer for one token, ``y = W x + b`` (the decode step at batch 1).
 
-For one token a linear layer reads its whole weight to do two FLOPs per weight: its time is the
-weight bytes over the memory bandwidth. cuBLAS comes close on the MLP's large matrices but not
-on the attention's small ones, and it splits ``down_proj`` over K with a second reduction
-kernel (BENCHMARKS.md). Here each program owns ``BLOCK_N`` output
-features and streams their rows of ``W`` in ``BLOCK_K`` tiles; the products accumulate
-elementwise in float32 and are summed over K once at the end (a sum per tile would put a
-cross-warp reduction between consecutive weight loads). The first weight tile is loaded before
-waiting on the previous kernel (weights are never written; see :mod:`mm_serve.kernels.pdl`).
+Bound by the weight bytes over the memory bandwidth. Each program owns ``BLOCK_N`` output
+features and streams their rows of ``W`` in ``BLOCK_K`` tiles; products accumulate elementwise
+in float32 and are summed over K once at the end (no cross-warp reduction between weight
+loads). The first weight tile is loaded before waiting on the previous kernel (weights are never
+written; :mod:`mm_serve.kernels.pdl`).
 
-``GATED`` fuses the MLP activation in front of ``down_proj``: ``x = [gate | up]`` of width
-``2 K`` and the product uses ``silu(gate) * up``, computed and rounded as
-``silu_and_mul_triton`` does, so the result equals the unfused pair up to summation order.
-``NORM`` fuses the RMSNorm (and residual add) in front of ``qkv_proj`` and ``gate_up_proj``:
-every program reads the whole input row once for its RMS (a few KiB from L2), then
-normalises each tile as it loads it, which costs less than a separate norm kernel between
-two weight reads.
-"""
+``GATED`` fuses the activation in front of ``down_proj``: ``x = [gate | up]`` of width ``2 K``,
+the product uses ``silu(gate) * up`` rounded as ``silu_and_mul_triton``, so the result equals
+the unfused pair up to summation order. ``NORM`` fuses the RMSNorm (and residual add) in front
+of ``qkv_proj`` and ``gate_up_proj``: each program reads the whole input row for its RMS, then
+normalises each tile as it loads it."""
 
 from __future__ import annotations
 

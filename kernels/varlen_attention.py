@@ -1,23 +1,16 @@
-"""Prefill attention through FlashAttention-2's varlen kernel as bundled in torch (the kernel
-of ``torch.nn.attention.varlen.varlen_attn``; CUDA sm80+, fp16/bf16), beside the paged kernel.
+"""Prefill attention through FlashAttention-2's varlen kernel as bundled in torch
+(``torch.nn.attention.varlen.varlen_attn``; CUDA sm80+, fp16/bf16), beside the paged kernel.
 
-A request with no cached context (a prompt's first chunk without prefix-cache hit, the common
-case) attends only to this step's tokens: its keys and values are the layer's fresh ``key`` and
-``value``, packed exactly like its queries, so one varlen call over ``query_start_loc``
-computes it without reading the paged cache. Every other request (decode tokens, later prompt
-chunks, prefix-cache hits) needs the cache: its rows are gathered into a sub-batch for the
-paged kernel and scattered back.
+A request with no cached context attends only to this step's tokens, packed like its queries,
+so one varlen call over ``query_start_loc`` computes it without reading the paged cache. Every
+other request (decode, later chunks, prefix-cache hits) is gathered into a sub-batch for the
+paged kernel and scattered back. The engine splits only steps of fresh prompts alone averaging
+``MIN_VARLEN_PROMPT_LEN`` tokens or more (:func:`worth_splitting`); below that the paged kernel
+alone is faster.
 
-The varlen kernel beats the paged Triton kernel only on long prompts; on chunks of short
-prompts, and on steps whose decode rows would have to be split off, the paged kernel alone is
-faster (``mm-serve bench kernels --prefill-only``; BENCHMARKS.md). So the engine splits only
-steps of fresh prompts alone averaging ``MIN_VARLEN_PROMPT_LEN`` tokens or more
-(:func:`worth_splitting`); the split itself stays general and tested.
-
-The model runner plans the split on the host (:func:`plan_prefill_split`, from the arrays
-``_prepare_inputs`` already has: no device-to-host sync); a step without such a prefill gets
-no plan, so decode-only steps and their CUDA graphs run the paged kernel alone.
-"""
+The model runner plans the split on the host (:func:`plan_prefill_split`, no device-to-host
+sync); a step without such a prefill gets no plan, so decode steps and their CUDA graphs run
+the paged kernel alone."""
 
 from __future__ import annotations
 

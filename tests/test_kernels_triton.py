@@ -42,7 +42,7 @@ from mm_serve.kernels import triton_cache as _cache  # noqa: E402
 from mm_serve.kernels import triton_linear as _linear  # noqa: E402
 from mm_serve.kernels import triton_norm as _norm  # noqa: E402
 from mm_serve.kernels.attention_metadata import paged_metadata  # noqa: E402
-from mm_serve.kernels.triton_attention_launch import launch_config  # noqa: E402
+from mm_serve.kernels.triton_attention import launch_config  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 RUN_KERNELS = ON_GPU or os.environ.get("TRITON_INTERPRET") == "1"

@@ -21,8 +21,7 @@ from mm_serve.config import EngineArgs
 from mm_serve.kernels.attention_metadata import AttentionMetadata
 from mm_serve.models.interface import LanguageModel, VisionLanguageModel
 from mm_serve.models.layers.rotary import get_rope, rope_params_from_config
-from mm_serve.models.loader import load_model
-from mm_serve.models.registry import get_model_class
+from mm_serve.models.loader import get_model_class, load_model
 from tests.fixtures.checkpoints import build_tiny_checkpoint
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 96

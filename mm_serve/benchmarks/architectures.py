@@ -1,24 +1,15 @@
 """Checkpoint folders of real architectures without weights, for ``load_format="dummy"``.
 
-``write_architecture(name, folder)`` (``mm-serve bench architecture NAME FOLDER``) writes what
-the engine and HF transformers need to build a model and preprocess its inputs, every file
-through transformers' own ``save_pretrained``: the model's config (built from its published
-``config.json`` values: sizes, vocab, RoPE), its image processor (the published
-``preprocessor_config.json`` values), a ``GenerationConfig`` (token ids only: the benchmarks
-pass their own sampling parameters) and a tokenizer. No
-``*.safetensors``: load it with ``load_format="dummy"`` (random weights), or build the HF model
-from its config.
+``write_architecture(name, folder)`` (``mm-serve bench architecture NAME FOLDER``) writes, each
+through transformers' ``save_pretrained``, the model's config (its published ``config.json``
+values), its image processor (published settings), a ``GenerationConfig`` (token ids only) and
+a tokenizer; no ``*.safetensors``. Here: Qwen2-VL's and Qwen2.5-VL's configs and the writer of
+their folders (also Qwen3-VL's); the other families' are in ``family_architectures``.
 
-Here: Qwen2-VL's and Qwen2.5-VL's published configs, and the writer of their folders (also
-Qwen3-VL's); InternVL3's, LLaVA-OneVision's and Qwen3-VL's configs, and the writers of the
-first two, are in ``family_architectures``.
-
-The tokenizer is the small byte-level BPE of ``mm_serve.checkpoint.dummy_processors`` with
-Qwen2-VL's special tokens and chat template (InternVL3's and LLaVA-OneVision's: with their image
-tokens): a real vocabulary cannot be shipped offline. So the special token ids of the config are the
-small tokenizer's (they must agree with what it encodes), while ``vocab_size`` stays the published
-one: the embedding and LM head have their real sizes, and a random model samples ids the tokenizer
-does not know (they decode to nothing).
+The tokenizer is the small byte-level BPE of ``mm_serve.checkpoint.dummy_processors`` (a real
+vocabulary cannot ship offline) with the family's special tokens and chat template. The config's
+special token ids are the small tokenizer's; ``vocab_size`` stays the published one, so the
+embedding and LM head have their real sizes and sampled ids the tokenizer lacks decode to nothing.
 """
 
 from __future__ import annotations
@@ -29,14 +20,10 @@ from typing import Any
 
 from mm_serve.benchmarks.family_architectures import (
     FAMILY_ARCHITECTURES,
+    FAMILY_WRITERS,
     QWEN3_VL_PREPROCESSOR,
     save_generation_config,
-    write_internvl_architecture,
-    write_llava_onevision_architecture,
 )
-from mm_serve.benchmarks.gemma3_architecture import write_gemma3_architecture
-from mm_serve.benchmarks.idefics3_architecture import ARCHITECTURES as IDEFICS3_ARCHITECTURES
-from mm_serve.benchmarks.idefics3_architecture import write_idefics3_architecture
 from mm_serve.checkpoint.dummy_processors import qwen_vl_image_token_ids
 
 # Qwen2-VL-2B-Instruct / -7B-Instruct config.json (Hugging Face Hub), minus the token ids.
@@ -145,50 +132,8 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         },
     },
 }
-# InternVL3, LLaVA-OneVision and Qwen3-VL (their published configs beside their writers).
+# InternVL3, LLaVA-OneVision, Qwen3-VL, Gemma 3 and SmolVLM (configs beside their writers).
 ARCHITECTURES.update(FAMILY_ARCHITECTURES)
-# google/gemma-3-4b-it config.json, its text_config's unset values at Gemma3TextConfig's
-# defaults (8 heads, 4 KV heads of 256, query_pre_attn_scalar 256, window 1024 on five
-# layers in six, RoPE 1e6 linear x8 on the full ones, 10,000 on the others). Written by
-# ``gemma3_architecture`` (Gemma's image tokens, its processor).
-ARCHITECTURES["gemma-3-4b"] = {
-    "architectures": ["Gemma3ForConditionalGeneration"],
-    "model_type": "gemma3",
-    "mm_tokens_per_image": 256,
-    "initializer_range": 0.02,
-    "torch_dtype": "bfloat16",
-    "text_config": {
-        "model_type": "gemma3_text",
-        "hidden_size": 2560,
-        "intermediate_size": 10240,
-        "num_hidden_layers": 34,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 256,
-        "query_pre_attn_scalar": 256,
-        "vocab_size": 262208,
-        "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-06,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "sliding_window": 1024,
-        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
-        "rope_theta": 1000000.0,
-        "rope_local_base_freq": 10000.0,
-        "torch_dtype": "bfloat16",
-    },
-    "vision_config": {
-        "model_type": "siglip_vision_model",
-        "hidden_size": 1152,
-        "image_size": 896,
-        "intermediate_size": 4304,
-        "num_attention_heads": 16,
-        "num_hidden_layers": 27,
-        "patch_size": 14,
-        "layer_norm_eps": 1e-06,
-        "vision_use_head": False,
-    },
-}
-ARCHITECTURES.update(IDEFICS3_ARCHITECTURES)
 
 # Qwen2-VL's and Qwen2.5-VL's preprocessor_config.json settings: 14-pixel patches, 2x2 merge
 # (28x28 pixels per image token), images resized into [min_pixels, max_pixels], CLIP
@@ -207,15 +152,6 @@ QWEN2_VL_PREPROCESSOR: dict[str, Any] = {
     "merge_size": 2,
     "image_mean": [0.48145466, 0.4578275, 0.40821073],
     "image_std": [0.26862954, 0.26130258, 0.27577711],
-}
-
-
-# Families whose folders have their own tokenizer and processor, by config.json's model_type.
-_FAMILY_WRITERS = {
-    "internvl": write_internvl_architecture,
-    "llava_onevision": write_llava_onevision_architecture,
-    "idefics3": write_idefics3_architecture,
-    "gemma3": write_gemma3_architecture,
 }
 
 
@@ -273,7 +209,7 @@ def write_architecture(name: str, folder: str | os.PathLike) -> str:
     """
     from mm_serve.checkpoint.dummy_processors import vlm_tokenizer
 
-    family_writer = _FAMILY_WRITERS.get(ARCHITECTURES.get(name, {}).get("model_type"))
+    family_writer = FAMILY_WRITERS.get(ARCHITECTURES.get(name, {}).get("model_type"))
     if family_writer is not None:
         return family_writer(ARCHITECTURES[name], folder)
 

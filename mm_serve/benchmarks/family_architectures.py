@@ -1,13 +1,12 @@
-"""Published configs of the InternVL3, LLaVA-OneVision and Qwen3-VL benchmark architectures,
-and the writers of the families whose folders differ from Qwen2-VL's.
+"""Published configs and weightless-folder writers of the families whose folders differ from
+Qwen2-VL's: InternVL3, LLaVA-OneVision, Gemma 3 and Idefics3/SmolVLM (each its own image tokens,
+small tokenizer from ``mm_serve.checkpoint.dummy_processors`` and processor), and Qwen3-VL's
+config (its folder is Qwen2-VL's with ``QWEN3_VL_PREPROCESSOR``).
 
 ``FAMILY_ARCHITECTURES`` (name -> config.json values, token ids left out) joins
-``mm_serve.benchmarks.architectures.ARCHITECTURES``; ``write_architecture`` there writes every
-folder. InternVL3's and LLaVA-OneVision's have their own image tokens, tokenizer and processor:
-``write_internvl_architecture`` and ``write_llava_onevision_architecture`` (the small
-byte-level BPE of ``mm_serve.checkpoint.dummy_processors`` with the family's image tokens).
-Qwen3-VL's folder is Qwen2-VL's with Qwen3-VL's image processor settings
-(``QWEN3_VL_PREPROCESSOR``).
+``architectures.ARCHITECTURES``; ``FAMILY_WRITERS`` (by ``model_type``) is what
+``architectures.write_architecture`` calls for them. The config's token ids are the small
+tokenizer's; ``vocab_size`` stays the published one.
 """
 
 from __future__ import annotations
@@ -138,6 +137,106 @@ QWEN3_VL_PREPROCESSOR: dict[str, Any] = {
     "image_std": [0.5, 0.5, 0.5],
 }
 
+# google/gemma-3-4b-it config.json, its text_config's unset values at Gemma3TextConfig's
+# defaults (8 heads, 4 KV heads of 256, query_pre_attn_scalar 256, window 1024 on five
+# layers in six, RoPE 1e6 linear x8 on the full ones, 10,000 on the others).
+_GEMMA3_4B: dict[str, Any] = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "model_type": "gemma3",
+    "mm_tokens_per_image": 256,
+    "initializer_range": 0.02,
+    "torch_dtype": "bfloat16",
+    "text_config": {
+        "model_type": "gemma3_text",
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "num_hidden_layers": 34,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "vocab_size": 262208,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-06,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": 1024,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "torch_dtype": "bfloat16",
+    },
+    "vision_config": {
+        "model_type": "siglip_vision_model",
+        "hidden_size": 1152,
+        "image_size": 896,
+        "intermediate_size": 4304,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 27,
+        "patch_size": 14,
+        "layer_norm_eps": 1e-06,
+        "vision_use_head": False,
+    },
+}
+# HuggingFaceTB/SmolVLM-256M-Instruct and SmolVLM-Instruct (2.2B) config.json, minus the token
+# ids: a SmolLM2 LM (135M, 1.7B) and a SigLIP tower (93M on 512-pixel tiles of 16-pixel
+# patches; so400m on 384-pixel tiles of 14), pixel-shuffled by 4 and 3.
+_SMOLVLM: dict[str, dict[str, Any]] = {
+    "smolvlm-256m": {
+        "architectures": ["Idefics3ForConditionalGeneration"],
+        "model_type": "idefics3",
+        "scale_factor": 4,
+        "tie_word_embeddings": True,
+        "text_config": {
+            "model_type": "llama",
+            "hidden_size": 576,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 30,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "vocab_size": 49280,
+            "rope_theta": 100000.0,
+            "max_position_embeddings": 8192,
+            "rms_norm_eps": 1e-05,
+            "tie_word_embeddings": True,
+        },
+        "vision_config": {
+            "hidden_size": 768,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 12,
+            "image_size": 512,
+            "patch_size": 16,
+        },
+    },
+    "smolvlm-2.2b": {
+        "architectures": ["Idefics3ForConditionalGeneration"],
+        "model_type": "idefics3",
+        "scale_factor": 3,
+        "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "llama",
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 32,
+            "vocab_size": 49155,
+            "rope_theta": 273768.0,
+            "max_position_embeddings": 16384,
+            "rms_norm_eps": 1e-05,
+            "tie_word_embeddings": False,
+        },
+        "vision_config": {
+            "hidden_size": 1152,
+            "intermediate_size": 4304,
+            "num_hidden_layers": 27,
+            "num_attention_heads": 16,
+            "image_size": 384,
+            "patch_size": 14,
+        },
+    },
+}
+
 
 FAMILY_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "internvl3-8b": {
@@ -230,6 +329,8 @@ FAMILY_ARCHITECTURES: dict[str, dict[str, Any]] = {
             "deepstack_visual_indexes": [8, 16, 24],
         },
     },
+    "gemma-3-4b": _GEMMA3_4B,
+    **_SMOLVLM,
 }
 
 
@@ -305,3 +406,74 @@ def write_llava_onevision_architecture(values: dict[str, Any], folder: str | os.
     processor.save_pretrained(folder)
     save_generation_config(folder, pad, eos)
     return str(folder)
+
+
+def write_gemma3_architecture(values: dict[str, Any], folder: str | os.PathLike) -> str:
+    """Write the weightless Gemma 3 folder of config.json ``values`` into ``folder``; returns
+    its path. The tokenizer has Gemma's special and image tokens; the processor is
+    google/gemma-3-4b-it's (``Gemma3ImageProcessor`` at the tower's size, 896 x 896, bilinear,
+    mean and std 0.5, no pan-and-scan; ``mm_tokens_per_image`` tokens per image)."""
+    from transformers import Gemma3Config, GenerationConfig
+
+    from mm_serve.checkpoint.dummy_processors import gemma3_processor, gemma3_tokenizer
+
+    tokenizer = gemma3_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids
+    eos = [tokenizer.eos_token_id, ids("<end_of_turn>")]
+    token_ids = {"bos_token_id": tokenizer.bos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    values = dict(values)
+    values.pop("model_type")
+    text = {**values.pop("text_config"), **token_ids, "eos_token_id": eos}
+    config = Gemma3Config(
+        text_config=text,
+        boi_token_index=ids("<start_of_image>"),
+        eoi_token_index=ids("<end_of_image>"),
+        image_token_index=ids("<image_soft_token>"),
+        **values,
+    )
+    os.makedirs(folder, exist_ok=True)
+    config.save_pretrained(folder)
+    image_size = config.vision_config.image_size
+    processor = gemma3_processor(tokenizer, image_size, config.mm_tokens_per_image)
+    processor.save_pretrained(folder)
+    GenerationConfig(eos_token_id=eos, **token_ids).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def write_idefics3_architecture(values: dict[str, Any], folder: str | os.PathLike) -> str:
+    """Write the weightless Idefics3/SmolVLM folder of config.json ``values`` into ``folder``;
+    returns its path. The tokenizer has Idefics3's image, tile-tag and end-of-utterance tokens;
+    ``Idefics3Processor`` tiles at the tower's ``image_size``, at most four tiles per side,
+    ``(image_size / patch_size)**2 / scale_factor**2`` tokens per tile."""
+    from transformers import GenerationConfig, Idefics3Config
+
+    from mm_serve.checkpoint.dummy_processors import idefics3_processor, idefics3_tokenizer
+
+    tokenizer = idefics3_tokenizer()
+    eos = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<end_of_utterance>")]
+    token_ids = {"bos_token_id": tokenizer.bos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    values = dict(values)
+    values.pop("model_type")
+    text = {**values.pop("text_config"), **token_ids, "eos_token_id": eos}
+    config = Idefics3Config(
+        text_config=text, image_token_id=tokenizer.convert_tokens_to_ids("<image>"), **values
+    )
+    os.makedirs(folder, exist_ok=True)
+    config.save_pretrained(folder)
+    vision = config.vision_config
+    tile = vision.image_size
+    image_seq_len = (tile // vision.patch_size) ** 2 // config.scale_factor**2
+    idefics3_processor(tokenizer, tile, 4 * tile, image_seq_len).save_pretrained(folder)
+    GenerationConfig(eos_token_id=eos, **token_ids).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+# Families whose folders have their own tokenizer and processor, by config.json's model_type.
+FAMILY_WRITERS = {
+    "internvl": write_internvl_architecture,
+    "llava_onevision": write_llava_onevision_architecture,
+    "idefics3": write_idefics3_architecture,
+    "gemma3": write_gemma3_architecture,
+}

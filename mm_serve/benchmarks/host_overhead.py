@@ -1,27 +1,19 @@
 """The engine core's host work per decode step, with the model's device work taken out.
 
-A decode step's device work (one CUDA graph replay, logits, sampling) is a few ms at batch 256;
-the engine core's own Python (scheduler, batch update, input preparation, sampling metadata,
-stop checks, the outputs' wire form and encoding) runs for every request every step and, once
-it exceeds the device's time, sets the step's length even with async scheduling. This script
-measures that Python alone, on any machine: the tiny Qwen2-VL architecture runs in the process
-on the CPU with its LM forward replaced by a zero hidden state and its logits by a fixed random
-``[num_tokens, --vocab]`` block (greedy sampling then picks varying tokens). Everything else is
-the engine's own code, in ``EngineCore.step``'s async order, plus what the engine core
-process adds per step (``OutputCodec.encode``). Apart, the front end's part of each step:
-decoding the message and ``OutputProcessor.process_outputs`` (detokenizing), which the front
-end's process runs while the engine core's steps on.
+The engine core's Python per step (scheduler, batch update, input preparation, sampling
+metadata, stop checks, ``OutputCodec.encode``) sets the step's length once it exceeds the
+device's time. This measures it alone, on any machine: the tiny Qwen2-VL architecture on the CPU
+with its LM forward replaced by a zero hidden state and its logits by a fixed random
+``[num_tokens, --vocab]`` block; everything else is the engine's code in ``EngineCore.step``'s
+async order. Apart: the front end's part (decoding the message, ``process_outputs``).
 
     mm-serve bench host-overhead --batch-sizes 1 64 256
     mm-serve bench host-overhead --image-size 56 56  # each prompt with an image
 
-With ``--image-size`` every request is 18 random words and one noise image, as workload 1's
-(its tower runs before the timed steps); without, 50 random token ids.
-
-Prints, per batch size, the median ms per step and us per request per step of the engine core,
-and the front end's median ms per step; ``--profile`` adds the cProfile table of the engine
-core's steps at the largest batch (its tottime column, the top rows).
-"""
+With ``--image-size`` each request is 18 random words and one noise image; without, 50 random
+token ids. Prints, per batch size, the engine core's median ms per step and us per request per
+step, and the front end's median ms per step; ``--profile`` adds the cProfile top rows of the
+engine core's steps at the largest batch."""
 
 from __future__ import annotations
 

@@ -1,28 +1,18 @@
 """Time the attention and small kernels on a CUDA device against their references and ceilings.
 
-Run: ``python -m mm_serve.benchmarks.kernels [--sweep] [--prefill-only] [--out DIR]``
-(``add_cli_args`` and ``main`` are the ``mm-serve bench`` interface). Prints tables (median of
-``triton.testing.do_bench``, which warms up, clears L2 between runs and times with CUDA events)
-and writes every figure to ``DIR/kernels.json``.
+Run: ``python -m mm_serve.benchmarks.kernels [--sweep] [--prefill-only] [--out DIR]``. Prints
+medians of ``triton.testing.do_bench`` and writes every figure to ``DIR/kernels.json``.
 
-- Paged attention (Triton), 28 query / 4 KV heads, head dim 128, block size 16, bf16: decode
-  64 x 4096 context (the acceptance shape; its bandwidth counts the K and V bytes read once,
-  against this device's copy bandwidth, bytes read + written by a 1 GiB device-to-device
-  copy), prefill and mixed batches. ``--sweep`` also times a grid of launch configs.
-- Prefill attention on the image workload's shapes (Qwen2-VL-2B LM: 12 query / 2 KV heads,
-  head dim 128, bf16): a chunk of 26 fresh ~315-token prompts (8,192 tokens), the same with 64
-  decode rows (context 400) mixed in, and one 4,096-token prompt. Each method is checked once
-  against ``paged_attention_ref`` before it is timed; TFLOP/s counts causal FLOPs
-  (``4 * head_dim * num_heads`` per visible query-key pair) of the rows it computes.
+- Paged attention, 28 query / 4 KV heads, head dim 128, block size 16, bf16: decode 64 x 4096
+  (bandwidth of K and V read once, against a 1 GiB device-to-device copy), prefill and mixed.
+  ``--sweep`` also times a grid of launch configs.
+- Prefill attention on Qwen2-VL-2B's shapes (12 query / 2 KV heads): 26 ~315-token prompts,
+  the same with 64 decode rows mixed in, one 4,096-token prompt; each method checked against
+  ``paged_attention_ref`` first; TFLOP/s counts ``4 * head_dim * num_heads`` per visible
+  query-key pair.
 - RMSNorm, SiLU-and-mul, rotary and the KV-cache write at a 4,096-token step of a 7B.
-- Workload 1's decode attention (Qwen2-VL-2B, 256 requests of 306-434 keys) timed inside a CUDA
-  graph, as the decode graph runs it (``time_calls``: no host launch time).
-- The vision towers' attention on same-size images, and what cuDNN's plan for a new image
-  count costs (``vision_attention``).
-
-A script, not a test: the kernels' tests are ``tests/test_kernels_triton.py`` and
-``tests/test_varlen_prefill.py``.
-"""
+- Workload 1's decode attention inside a CUDA graph (``time_calls``: no host launch time).
+- The vision towers' attention and cuDNN's plan cost (``vision_attention``)."""
 
 from __future__ import annotations
 
@@ -50,8 +40,7 @@ from mm_serve.kernels.varlen_attention import has_dense_cudnn
 
 def attention_case(name, reqs, heads, block_size, configs, copy_bw) -> list[dict]:
     """Check once against the reference, then time each launch config (None: the heuristic)."""
-    from mm_serve.kernels.triton_attention import paged_attention_triton
-    from mm_serve.kernels.triton_attention_launch import launch_config
+    from mm_serve.kernels.triton_attention import launch_config, paged_attention_triton
 
     q, kv, md = paged_batch(reqs, heads, block_size, torch.bfloat16)
     scale = heads[2] ** -0.5

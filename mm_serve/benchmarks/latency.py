@@ -1,24 +1,17 @@
 """Latency of one batch, like ``vllm bench latency``, and the decode step against the floor.
 
-Each iteration sends ``--batch-size`` new requests (``--input-len`` random words and
-``--num-images`` noise images of ``--image-size``; new images and words every iteration, so
-no cache hits) to ``LLM.generate`` at once, each forced to ``--output-len`` tokens, and times
-the whole call (preprocessing, prefill, decode). After ``--num-iters-warmup`` untimed
-iterations, ``--num-iters`` are timed: mean, median, p90 and p99 in seconds.
+Each iteration sends ``--batch-size`` new requests (``--input-len`` random words,
+``--num-images`` noise images of ``--image-size``; fresh each time, so no cache hits) to
+``LLM.generate``, each forced to ``--output-len`` tokens, and times the call. After
+``--num-iters-warmup`` untimed iterations, ``--num-iters`` give mean, median, p90, p99 (s).
 
-The same is then done with one output token. Their medians' difference over
-``output_len - 1`` is the decode step time (prefill, preprocessing and per-call costs cancel).
-It is compared with two floors, on CUDA only (the copy bandwidth is measured there; on CPU
-the floors are skipped):
+The same with one output token: the medians' difference over ``output_len - 1`` is the decode
+step time. On CUDA it is compared with two floors at the measured copy bandwidth: all weights
+(tower and embedding included, a tied head once), and the LM weights one step reads (no tower,
+``batch`` embedding rows, the head once).
 
-- all weights: every weight byte of the model (vision tower and token embedding included,
-  a tied LM head once) / measured device copy bandwidth (bytes read + written);
-- LM weights: what one decode step must read: the LM without the vision tower and the token
-  embedding (of which a step reads ``batch`` rows), the LM head once.
-
-    python -m mm_serve.benchmarks.latency --model-arch qwen2-vl-2b --batch-size 1 \\
-        --output-json latency.json
-"""
+    python -m mm_serve.benchmarks.latency --model-arch qwen2-vl-2b --batch-size 1 \
+        --output-json latency.json"""
 
 from __future__ import annotations
 
@@ -34,8 +27,7 @@ import torch
 from mm_serve.benchmarks import common
 from mm_serve.benchmarks.datasets import random_image_dataset
 from mm_serve.benchmarks.roofline import copy_rate
-from mm_serve.models.loader import build_empty_model
-from mm_serve.models.registry import get_model_class
+from mm_serve.models.loader import build_empty_model, get_model_class
 
 logger = logging.getLogger(__name__)
 

@@ -1,25 +1,18 @@
 """Serving side by side: vLLM's own load generator against mm_serve and vLLM, each fresh.
 
-    mm-serve bench peer-serve --model-arch qwen2-vl-2b --out DIR \\
+    mm-serve bench peer-serve --model-arch qwen2-vl-2b --out DIR \
         [--engines mm_serve vllm] [--rates 2 16 32] [--num-prompts 64 384 384]
 
-writes the architecture folder once (random weights: ``--load-format dummy``); per engine, it
-starts the server in its own process group on a free port, waits for ``GET /health`` == 200,
-runs ``vllm bench serve --backend openai-chat --dataset-name random-mm`` (one 448x448 image +
-50 tokens -> 128 tokens, ``--ignore-eos``) at each rate in order, and stops the server. Both
-engines get the same requests (the dataset's default seed, the folder's tokenizer), and the
-load generator sends no warm-up (nor, by default, its ready-check request: the report says when
-one was sent), so the first requests after ``/health`` are measured.
+Writes the architecture folder once (``--load-format dummy``); per engine, starts the server in
+its own process group on a free port, waits for ``GET /health`` == 200, runs ``vllm bench serve
+--backend openai-chat --dataset-name random-mm`` (one 448x448 image + 50 tokens -> 128 tokens,
+``--ignore-eos``, no warm-up) at each rate, and stops it. Both engines get the same requests.
 
-From the result JSONs (``DIR/ENGINE_RATE.json``) it prints the verdicts "mm_serve <= vLLM"
-per rate, the cold start (TTFT median of the first 32 requests of the first run against the
-next 32) and, last, the table; all goes to ``DIR/peer_serve.json``. ``--report-only`` rebuilds
-the report from the JSONs in ``DIR``; the report has every engine whose results are there
-(e.g. one engine run per command into the same ``DIR``).
-
-vLLM and its load generator run with ``--vllm-pythonpath`` (default ``/tmp/vsite``, where the
-peer install puts vLLM 0.33) first on ``PYTHONPATH`` and ``VLLM_USE_FLASHINFER_SAMPLER=0``.
-"""
+From ``DIR/ENGINE_RATE.json`` it prints the verdicts "mm_serve <= vLLM" per rate, the cold start
+(TTFT median of the first 32 requests against the next 32) and the table, all into
+``DIR/peer_serve.json``; ``--report-only`` rebuilds the report from ``DIR``. vLLM runs with
+``--vllm-pythonpath`` (default ``/tmp/vsite``) first on ``PYTHONPATH`` and
+``VLLM_USE_FLASHINFER_SAMPLER=0``."""
 
 from __future__ import annotations
 

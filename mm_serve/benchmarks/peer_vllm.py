@@ -1,23 +1,16 @@
 """vLLM as the peer of ``bench throughput``: the same requests, timed the same way.
 
-``mm-serve bench throughput --peer vllm`` generates the workload once and writes it to a folder
-(``write_workload``): each prompt text exactly as our engine gets it (random words, then the
-image placeholders), the images as PNG (lossless: the same pixels), the output lengths. It then
-runs this module in a subprocess, the only place that imports vllm:
+``mm-serve bench throughput --peer vllm`` writes the workload to a folder (``write_workload``:
+prompt texts as our engine gets them, images as PNG, output lengths) and runs this module in a
+subprocess, the only place that imports vllm:
 
     python3 -m mm_serve.benchmarks.peer_vllm --workload DIR --model FOLDER --output-json OUT
 
-which builds ``vllm.LLM`` on the same folder (``load_format="dummy"`` for an architecture
-folder), generates the warm-up requests, then times one ``LLM.generate`` on all requests
+It builds ``vllm.LLM`` on the same folder, warms up, times one ``LLM.generate`` on all requests
 (greedy, ``ignore_eos``, ``max_tokens = output_len``) as ``throughput.run_engine`` times ours,
-and writes its figures as JSON. The caller checks that vLLM counted the same prompt tokens as we
-did (same tokenizer, texts and image sizes) and fails if not: a different workload is no
-comparison. ``--peer-bench`` also runs vLLM's own ``bench throughput --dataset-name random-mm``
-on the same shapes, as a cross-check of the driver.
-
-vLLM is not a dependency: on the GPU machine it is importable from ``--peer-pythonpath`` (e.g.
-``/tmp/vsite``), which only the peer's subprocesses see.
-"""
+and writes JSON. The caller fails unless vLLM counted the same prompt tokens. ``--peer-bench``
+also runs vLLM's ``bench throughput --dataset-name random-mm`` as a cross-check. vLLM is not a
+dependency: it is imported from ``--peer-pythonpath`` (e.g. ``/tmp/vsite``)."""
 
 from __future__ import annotations
 

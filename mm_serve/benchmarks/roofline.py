@@ -1,41 +1,29 @@
 """The roofline of the ``bench throughput`` workload: the least time this GPU needs for it.
 
-``roofline(hf_config, workload, rates)`` counts the work and divides it by this device's
-measured rates (``measure_rates``); nothing here runs the model. ``mm-serve bench roofline``
-prints it for the workload of its flags or of a ``bench throughput`` result, at given or
-measured rates:
+``roofline(hf_config, workload, rates)`` divides the counted work by the device's measured
+rates (``measure_rates``); nothing runs the model. ``mm-serve bench roofline`` prints it:
 
     mm-serve bench roofline --model-arch qwen2-vl-2b --matmul-tflops 989 --copy-tbps 3.35
     mm-serve bench roofline --result throughput.json --matmul-tflops 989 --copy-tbps 3.35
 
-- Vision tower, per image of ``N = t * h * w`` patches (``smart_resize`` of the published image
-  processor, ``t = 1`` for an image), width ``d``: the patch embedding ``2 N (C T P^2) d``; per
-  block ``2 N 4 d^2`` (qkv and proj) + the MLP (Qwen2-VL: ``2 N 2 d r d``, ``r = mlp_ratio``;
-  Qwen2.5-VL SwiGLU: ``2 N 3 d I``) + attention ``4 n^2 d`` per attended segment of ``n``
-  patches (QK^T and PV; Qwen2-VL: the whole image in every block; Qwen2.5-VL: the image in the
-  ``fullatt_block_indexes`` blocks and its ``window_size``-pixel windows in the others, edge
-  windows smaller, as ``encoders/qwen2_5_vl.window_index``); the merger on ``M = N / m^2``
-  tokens of width ``w = d m^2``: ``2 M w^2 + 2 M w out``. Sources: Qwen2-VL (arXiv:2409.12191)
-  and Qwen2.5-VL (arXiv:2502.13923) and their HF modeling files.
+- Vision tower, per image of ``N = t * h * w`` patches (``smart_resize``), width ``d``: patch
+  embedding ``2 N (C T P^2) d``; per block ``2 N 4 d^2`` (qkv, proj) + the MLP (Qwen2-VL:
+  ``2 N 2 d r d``, ``r = mlp_ratio``; Qwen2.5-VL SwiGLU: ``2 N 3 d I``) + attention ``4 n^2 d``
+  per attended segment of ``n`` patches (Qwen2.5-VL: windows as
+  ``encoders/qwen2_5_vl.window_index`` outside ``fullatt_block_indexes``); the merger on
+  ``M = N / m^2`` tokens of width ``w = d m^2``: ``2 M w^2 + 2 M w out``. Sources: Qwen2-VL
+  (arXiv:2409.12191), Qwen2.5-VL (arXiv:2502.13923) and their HF modeling files.
 - LM prefill, per request of ``T`` prompt tokens: ``2 P T`` (``P`` = non-embedding parameters,
-  the usual ``2 x params`` FLOPs per token, Kaplan et al. 2020, arXiv:2001.08361) + causal
-  attention ``2 T (T + 1) H_q D L`` (query ``i`` reads ``i`` keys: ``4 i H_q D`` per layer) +
-  the LM head on the last prompt token ``2 h V`` (it gives the first output token).
-- Vision and prefill at the matmul rate (both are compute-bound at these sizes).
-- Decode: ``output_len - 1`` steps (the prefill gives the first token), all requests in one
-  batch. Step ``k`` (``k = 1 ..``; context ``c = T + k``) reads the LM weights once
-  (``(P + h V) x dtype bytes``: the layers and the LM head; the embedding rows read are
-  negligible) and every request's KV cache (``c x 2 L H_kv D x dtype bytes``), and computes
-  ``2 P + 4 c H_q D L + 2 h V`` FLOPs per request; it takes the longer of bytes / copy rate and
-  FLOPs / matmul rate.
+  Kaplan et al. 2020, arXiv:2001.08361) + causal attention ``2 T (T + 1) H_q D L`` + the LM
+  head on the last prompt token ``2 h V``. Vision and prefill run at the matmul rate.
+- Decode: ``output_len - 1`` steps, all requests in one batch. Step ``k`` (context
+  ``c = T + k``) reads the weights once (``(P + h V) x dtype bytes``) and every KV cache
+  (``c x 2 L H_kv D x dtype bytes``), computes ``2 P + 4 c H_q D L + 2 h V`` FLOPs per request,
+  and takes the longer of bytes / copy rate and FLOPs / matmul rate.
 
-Images of varied sizes (``Workload.image_sizes``) count one by one, and each request's prefill
-at its own prompt length; decode is linear in the context, so the mean prompt gives it exactly.
-Weights in ``dtype_bytes`` (2: bf16). Norms, biases, activations, rotary and sampling are left
-out (under 1% of the FLOPs). The issue's arithmetic for Qwen2-VL-2B, 256 x (448x448 image + 50
-tokens) -> 128 at 800 TFLOP/s and 3.0 TB/s: vision ~374 TFLOP, prefill ~205 TFLOP, 128 decode
-steps of ~6 GB: ~33,000 output tok/s (``tests/test_bench_roofline.py`` checks it by hand).
-"""
+Images count one by one, prefill per prompt length; decode is linear in the context, so the
+mean prompt is exact. Norms, biases, activations, rotary and sampling are left out (under 1% of
+the FLOPs). ``tests/test_bench_roofline.py`` checks the arithmetic by hand."""
 
 from __future__ import annotations
 

@@ -1,27 +1,20 @@
 """Offline throughput, like ``vllm bench throughput``: all requests at once through ``LLM``.
 
-The workload is ``--num-prompts`` synthetic requests (``datasets.random_image_dataset``):
-``--input-len`` random words, then ``--num-images`` noise images of ``--image-size`` (or, with
-``--max-image-size``, each of a width and height drawn up to it), each forced to exactly
-``--output-len`` tokens (greedy, ignore EOS). Prompts are raw text (words,
-then the image placeholders; no chat template), so they differ from their first token and the
-prefix cache gets no hits: the script checks that it got none.
+The workload: ``--num-prompts`` requests (``datasets.random_image_dataset``) of ``--input-len``
+random words and ``--num-images`` noise images of ``--image-size`` (or up to
+``--max-image-size``), each forced to exactly ``--output-len`` tokens (greedy, ignore EOS). Raw
+text prompts (no chat template), so the prefix cache must get no hits (checked).
 
-The clock starts after the engine is built (weights, KV cache, CUDA graphs) and one warm-up
-call on other requests; it covers ``LLM.generate`` on all requests, image preprocessing
-included. Unless ``--no-hf``, HF transformers ``generate`` runs first in the same process on
-the same requests at ``--hf-batch-sizes`` and is freed before our engine starts.
-``--compare-prefix-caching`` runs the workload again with prefix caching off;
-``--compare-structured-outputs`` again with ``LONG_SCHEMA`` constraining every output (a JSON
-array of objects no request can complete within ``--output-len``, so every request still
-gives exactly that many tokens). ``--peer vllm``
-runs vLLM on the same requests in a subprocess (``peer_vllm``) and reports mm_serve / vLLM.
-On CUDA, the workload's roofline (``roofline``) follows from matmul and copy rates measured in
-this process after the engines are gone, with each engine's percentage of it.
+The clock covers ``LLM.generate`` on all requests (preprocessing included), after the engine is
+built and warmed up on other requests. Unless ``--no-hf``, HF ``generate`` runs first on the
+same requests at ``--hf-batch-sizes``. ``--compare-prefix-caching`` reruns with prefix caching
+off; ``--compare-structured-outputs`` reruns with ``LONG_SCHEMA`` on every output (no request can
+complete it, so each still gives ``--output-len`` tokens). ``--peer vllm`` runs vLLM on the same
+requests in a subprocess (``peer_vllm``). On CUDA each engine is reported as a share of the
+roofline (``roofline``) at rates measured after the engines are gone.
 
-    python -m mm_serve.benchmarks.throughput --model-arch qwen2-vl-2b --num-prompts 256 \\
-        --compare-prefix-caching --output-json throughput.json
-"""
+    python -m mm_serve.benchmarks.throughput --model-arch qwen2-vl-2b --num-prompts 256 \
+        --compare-prefix-caching --output-json throughput.json"""
 
 from __future__ import annotations
 

@@ -68,24 +68,19 @@ class Client(BaseClient):
     """A blocking client of an mm_serve (or any OpenAI-compatible) server.
 
     Args:
-        base_url: the server's root, e.g. ``http://127.0.0.1:8000`` (a trailing ``/v1`` is
-            accepted too).
+        base_url: the server's root, e.g. ``http://127.0.0.1:8000`` (a trailing ``/v1`` too).
         api_key: sent as ``Authorization: Bearer <api_key>`` when not None.
-        timeout: seconds allowed for connecting and for each read/write (not the whole
-            request: a long generation is fine as long as bytes keep coming).
-        max_retries: extra attempts after a connection error (the server could not be
-            reached, so the request did not run), with 0.1 s, 0.2 s, ... backoff. HTTP error
-            statuses and broken streams are never retried.
-        http_client: an ``httpx.Client`` to use (e.g. with a custom transport); the caller
-            keeps ownership and closes it.
+        timeout: seconds for connecting and for each read/write (not the whole request).
+        max_retries: extra attempts after a connection error (the request did not run), with
+            0.1 s, 0.2 s, ... backoff; HTTP error statuses and broken streams are never retried.
+        http_client: an ``httpx.Client`` to use; the caller keeps ownership and closes it.
 
     Every request method raises:
         APIConnectionError / APITimeoutError: unreachable after the retries, or a timeout.
         APIError subclasses: BadRequestError (400), AuthenticationError (401), NotFoundError
             (404), RequestTooLargeError (413), UnprocessableEntityError (422), RateLimitError
             (429), InternalServerError (5xx; ServiceUnavailableError for 503).
-        APIResponseValidationError: a 2xx body of an unexpected shape.
-    """
+        APIResponseValidationError: a 2xx body of an unexpected shape."""
 
     _http_class = httpx.Client
 

@@ -1,21 +1,13 @@
 """Multiprocessing contexts whose children never run the parent's main script again.
 
-A "spawn" or "forkserver" child normally re-imports the parent's ``__main__`` (as
-``__mp_main__``) before it unpickles its target, so that functions defined there can be found.
-Our worker processes never need that (their targets live in mm_serve), and it breaks scripts:
-a script without an ``if __name__ == "__main__":`` guard would run again in every child,
-building another engine there and failing, since a process may not start children while it
-bootstraps (a process pool then reports ``BrokenProcessPool``).
+A "spawn" or "forkserver" child re-imports the parent's ``__main__`` before unpickling its
+target; a script without an ``if __name__ == "__main__":`` guard would then build another
+engine in every child and fail (``BrokenProcessPool``). The processes of
+``no_main_context(method)`` get preparation data (``multiprocessing.spawn.get_preparation_data``)
+without the main module; the rest (``sys.path``, ``sys.argv``, working directory, authkey)
+is as the standard library sends it.
 
-The processes of ``no_main_context(method)`` leave ``__main__`` alone: the preparation data
-that describes the parent to the child (``multiprocessing.spawn.get_preparation_data``) omits
-the main module for them, and only for them. Everything else the child is told (``sys.path``,
-``sys.argv``, the working directory, the authkey) stays as the standard library sends it.
-
-``group_members(pgid)``: the live processes of a process group, for whoever stops one (a server
-started in its own session and the engine core and workers it started); ``free_port()``: a
-port to start such a server on.
-"""
+``group_members(pgid)``: the live processes of a process group; ``free_port()``: a free port."""
 
 from __future__ import annotations
 

@@ -40,30 +40,23 @@ SUBMIT_WINDOW = 32
 class LLM(FrontEnd):
     """The engine over a batch of prompts, with vLLM's offline API.
 
-    On CUDA the engine core runs in its own process (as vLLM V1's does), so that this
-    process's front-end work (tokenizing, hashing and queueing images, detokenizing) never
-    delays a step; elsewhere, and with ``multiprocess=False``, it runs in this process, where
-    ``engine_core`` is the ``EngineCore`` itself (its scheduler and model runner inspectable).
-    For a VLM, a pool of worker processes preprocesses the images while the engine works on
-    earlier prompts; it starts while the model loads. Call ``shutdown()`` when done, or let
-    the object be garbage-collected: either stops the pool and the engine core process. The
-    workers never run the caller's main script, so a script needs no
-    ``if __name__ == "__main__":`` guard.
-
-    With ``data_parallel_size > 1`` there are that many engine core processes (replicas),
-    each request sent to one by load and cache affinity (``frontend/dp_client.py``).
+    On CUDA the engine core runs in its own process (as vLLM V1's), so front-end work
+    (tokenizing, image preprocessing, detokenizing) never delays a step; elsewhere, and with
+    ``multiprocess=False``, in this process (``engine_core`` is then the ``EngineCore``). For a
+    VLM, a pool of worker processes preprocesses images. ``shutdown()`` (or garbage collection)
+    stops the pool and the engine core process. The workers never run the caller's main script.
+    With ``data_parallel_size > 1``, requests go to replicas by load and cache affinity
+    (``frontend/dp_client.py``).
 
     Args:
         model: a checkpoint folder or a Hugging Face hub id.
         multiprocess: run the engine core in its own process (None: on CUDA, or with data
             parallelism, which needs it).
-        **engine_args: any ``EngineArgs`` field (``max_num_batched_tokens``, ``num_kv_blocks``,
-            ``enable_prefix_caching``, ``dtype``, ``seed``, ...).
+        **engine_args: any ``EngineArgs`` field (``max_num_batched_tokens``, ``dtype``, ...).
 
     Raises:
         ValueError: on an unusable checkpoint or option (see ``EngineArgs``).
-        EngineStartupError: the engine core process failed to start.
-    """
+        EngineStartupError: the engine core process failed to start."""
 
     def __init__(self, model: str, multiprocess: bool | None = None, **engine_args: Any) -> None:
         args = EngineArgs(model=model, **engine_args)

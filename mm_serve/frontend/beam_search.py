@@ -1,29 +1,20 @@
-"""Beam search as a front-end algorithm over the engine, as vLLM V1 does it.
-
-Sources: vLLM's ``vllm/beam_search.py``, ``LLM.beam_search`` and the OpenAI server's
-``beam_search`` (the design: the engine knows nothing of beams), and HF transformers'
-``GenerationMixin._beam_search`` (transformers 5: which candidates are kept, when a beam
-finishes, the score and when the search stops), so that the result equals HF's
+"""Beam search as a front-end algorithm over the engine (the engine knows nothing of beams), as
+vLLM V1's ``vllm/beam_search.py``; candidates, finishing and scores as HF
+``GenerationMixin._beam_search`` (transformers 5), so results equal HF's
 ``generate(num_beams=..., do_sample=False)``.
 
-A ``BeamSearch`` holds one prompt's search. Each round, the driver (``LLM.beam_search``, or
-``AsyncLLM.beam_search`` for the server) submits one engine request per live beam, whose prompt
-is the prompt followed by the beam's tokens, with ``max_tokens=1`` and the top ``K`` raw model
-logprobs, ``K = max(2, 1 + number of stop tokens) * beam_width`` (HF's count: enough to keep
-``beam_width`` live beams even if the best candidates all end). The beams of a round share
-their common prefix's KV blocks through the engine's prefix cache (the PagedAttention paper's
-memory sharing): each request computes only the tokens past its longest cached full block,
-and the prompt's images are not encoded again.
+A ``BeamSearch`` holds one prompt's search. Each round the driver (``LLM.beam_search``,
+``AsyncLLM.beam_search``) submits one request per live beam (prompt + beam tokens,
+``max_tokens=1``, top ``K = max(2, 1 + number of stop tokens) * beam_width`` raw logprobs);
+the beams share their common prefix's KV blocks through the prefix cache.
 
-One round (``BeamSearch.advance``), as HF's step: every candidate (a beam and one of its top
-``K`` tokens) scores the beam's cumulative logprob plus the token's; of the best ``K``, those
-ending in a stop token (or reaching ``max_tokens``) among the first ``beam_width`` join the
-finished sequences, scored ``cumulative_logprob / num_generated_tokens ** length_penalty``
-(the stop token counts), of which the best ``beam_width`` are kept; the best ``beam_width`` of
-the others are the next round's beams. The search ends when no beam is left, or (HF's
-``early_stopping=False`` heuristic) when ``beam_width`` sequences finished and the best live
-beam, scored at its current length, does not beat the worst of them.
-"""
+``BeamSearch.advance``: each candidate (beam, one of its top ``K`` tokens) scores the beam's
+cumulative logprob plus the token's; of the best ``K``, those ending in a stop token (or at
+``max_tokens``) among the first ``beam_width`` finish, scored
+``cumulative_logprob / num_generated_tokens ** length_penalty``, best ``beam_width`` kept; the
+best ``beam_width`` others are the next beams. The search ends when no beam is left, or (HF's
+``early_stopping=False``) when ``beam_width`` finished and the best live beam does not beat the
+worst of them."""
 
 from __future__ import annotations
 

@@ -1,28 +1,15 @@
 """Which data-parallel replica runs a request: the least loaded, unless another holds its cache.
 
-Each engine core replica has its own prefix cache and encoder cache, so a request served by
-the replica that already ran its images or its prompt's prefix skips that work; sent to
-another, it recomputes it. The router remembers, for a bounded number of recent keys, which
-replicas each was sent to: every image's ``mm_hash``, and the prefix-cache hash of every full
-block of the prompt (``cache/block_hash.py``: chained, with the overlapping images' mm_hashes
-and the ``cache_salt`` in them, as the engine's own, so a key names exactly the KV blocks a
-replica may hold).
+Each replica has its own prefix and encoder cache. The router remembers, for a bounded number
+of recent keys, which replicas each was sent to: every image's ``mm_hash`` and the prefix-cache
+hash of every full prompt block (``cache/block_hash.py``, the engine's own chained hashes).
 
-The balanced choice is the least loaded replica (ties in turn, so that an idle fleet is used
-evenly). Another replica gets the request instead when it holds more of it than that one:
-
-- more of its images (each saves an encoder pass), or
-- a longer prefix, by more than ``MIN_PREFIX_MATCH`` of the prompt (a short prefix, such as a
-  chat template's header, is worth less than an even load; once every replica has served it,
-  it gives none an edge);
-
-the one holding the most images, then the longest prefix, wins. A replica is skipped when it
-is overloaded: more than ``max_imbalance`` requests in flight beyond the least loaded one. The
-load of a replica is its engine requests in flight as the front end counts them (sent, not
-finished): what its scheduler holds waiting or running, known without asking it. The design
-follows SGLang's cache-aware router (a prefix-match threshold and a balance threshold), with
-the engine's own block hashes as keys.
-"""
+The balanced choice is the least loaded replica (ties in turn). Another replica wins when it
+holds more of the request: more of its images, or a prefix longer by more than
+``MIN_PREFIX_MATCH`` of the prompt; most images first, then longest prefix. A replica with more
+than ``max_imbalance`` requests in flight beyond the least loaded is skipped. Load is the engine
+requests in flight as the front end counts them (sent, not finished). After SGLang's
+cache-aware router (a prefix-match threshold and a balance threshold)."""
 
 from __future__ import annotations
 

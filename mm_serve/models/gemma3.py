@@ -1,24 +1,21 @@
 """Gemma 3 (4B and up): a SigLIP tower, Gemma 3's multimodal projector, and the Gemma 3 LM.
 
-An image is ``[3, S, S]`` pixels (``encoders.gemma3_processor``, S the tower's
-``image_size``). The tower's ``(S / patch)**2`` patch features are average-pooled to
-``mm_tokens_per_image`` (a square grid), RMS-normed (Gemma's ``1 + weight``) and projected to
-the LM's width (HF ``Gemma3MultiModalProjector``). Its placeholder range is
-``<start_of_image>``, ``mm_tokens_per_image`` x ``<image_soft_token>``, ``<end_of_image>``
-(``ProcessedImage.token_ids``), so ``embed_images`` returns a row per token: the scaled token
-embedding of the two tags, the image features at the soft tokens (HF's ``masked_scatter``).
+An image is ``[3, S, S]`` pixels (``encoders.gemma3_processor``, S the tower's ``image_size``).
+The tower's ``(S / patch)**2`` patch features are average-pooled to ``mm_tokens_per_image``,
+RMS-normed (``1 + weight``) and projected to the LM's width (HF
+``Gemma3MultiModalProjector``). The placeholder is ``<start_of_image>``, ``mm_tokens_per_image``
+x ``<image_soft_token>``, ``<end_of_image>``; ``embed_images`` returns a row per token (the
+tags' scaled embeddings, the features at the soft tokens).
 
-In prefill the soft tokens of one image attend to each other, also to the later ones (HF's
-token-type mask, ``bidirectional_images``): the scheduler never cuts an image between
-chunks, and the model runner gives each of them the image's end as key limit.
+In prefill an image's soft tokens attend to each other (HF's token-type mask,
+``bidirectional_images``): the scheduler never cuts an image between chunks, and each gets the
+image's end as key limit.
 
-Parameter names: ``vision_tower.*`` (``encoders.siglip.SiglipVisionTransformer``),
-``multi_modal_projector.{mm_input_projection_weight, mm_soft_emb_norm.weight}``, ``model.*`` and
-``lm_head.*`` (the LM's, ``gemma3_text``). Checkpoint names accepted: what transformers 5 saves
+Parameter names: ``vision_tower.*``, ``multi_modal_projector.{mm_input_projection_weight,
+mm_soft_emb_norm.weight}``, ``model.*``, ``lm_head.*``. Accepted: transformers 5's
 (``model.vision_tower.vision_model.*``, ``model.multi_modal_projector.*``,
 ``model.language_model.*``) and the hub's (``vision_tower.vision_model.*``,
-``multi_modal_projector.*``, ``language_model.model.*``).
-"""
+``multi_modal_projector.*``, ``language_model.model.*``)."""
 
 from __future__ import annotations
 

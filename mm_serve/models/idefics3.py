@@ -1,20 +1,15 @@
 """Idefics3 / SmolVLM: a SigLIP tower over an image's tiles, a pixel-shuffle connector, and a
-Llama decoder.
+Llama decoder (our ``LlamaForCausalLM``, 1-D RoPE).
 
-The language model is our ``LlamaForCausalLM`` on the HF ``text_config`` with plain 1-D RoPE.
 An image is ``[num_tiles, 3, tile, tile]`` pixels (``encoders.idefics3_processor``); each tile
-gives ``image_seq_len = (tile / patch)**2 / scale**2`` rows. Its placeholder covers its whole
-expansion in the prompt (``ProcessedImage.token_ids``: ``<fake_token_around_image>``, the
-``<row_r_col_c>`` and ``<global-img>`` tags, newlines and the ``<image>`` tokens), so
-``embed_images`` returns a row for each of those tokens: the token embedding of a tag or
-newline, the tile features, in order, at the ``<image>`` tokens (as HF's ``inputs_merger``).
-The model runner then writes any slice of it, as for LLaVA, and a chunk may cut it anywhere.
+gives ``image_seq_len = (tile / patch)**2 / scale**2`` rows. The placeholder covers the whole
+expansion (tags, newlines, ``<image>`` tokens); ``embed_images`` returns a row per token (a
+tag's or newline's embedding, or the tile features at ``<image>``, as HF's ``inputs_merger``),
+so a chunk may cut it anywhere.
 
-Parameter names: ``vision_model.*`` (``encoders.siglip.SiglipVisionTransformer``),
-``connector.modality_projection.proj.weight``, ``model.*`` and ``lm_head.*`` (the LM's).
-Checkpoint names (SmolVLM on the hub, and what transformers 5 saves): ``model.vision_model.*``,
-``model.connector.*``, ``model.text_model.*``, ``lm_head.*``.
-"""
+Parameter names: ``vision_model.*``, ``connector.modality_projection.proj.weight``,
+``model.*``, ``lm_head.*``; checkpoints (hub and transformers 5): ``model.vision_model.*``,
+``model.connector.*``, ``model.text_model.*``, ``lm_head.*``."""
 
 from __future__ import annotations
 

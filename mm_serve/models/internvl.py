@@ -1,23 +1,15 @@
 """InternVL3: an InternViT tower over an image's tiles, a pixel-shuffle MLP projector, and a
-Qwen2 decoder.
+Qwen2 decoder (our ``LlamaForCausalLM``, q/k/v biases, 1-D RoPE).
 
-The language model is our ``LlamaForCausalLM`` on the HF ``text_config`` (Qwen2: q/k/v
-biases) with plain 1-D RoPE. An image is ``[num_tiles, 3, tile, tile]`` pixels
-(``encoders.internvl_processor``: the tiles, then the thumbnail); each tile gives
-``image_seq_len = (tile / patch)**2 * downsample_ratio**2`` rows. Its placeholder covers its
-whole expansion in the prompt (``ProcessedImage.token_ids``: ``<img>``, the tiles' image
-tokens, ``</img>``), so ``embed_images`` returns a row for each of those tokens: the token
-embeddings of ``<img>`` and ``</img>`` around the tile features (as HF, where those two are
-ordinary prompt tokens). The model runner then writes any slice of it, and a chunk may cut
-it anywhere.
+An image is ``[num_tiles, 3, tile, tile]`` pixels (``encoders.internvl_processor``: tiles, then
+the thumbnail); each tile gives ``image_seq_len = (tile / patch)**2 * downsample_ratio**2``
+rows. The placeholder covers ``<img>``, the image tokens and ``</img>``; ``embed_images``
+returns a row per token (the tags' embeddings around the tile features), so a chunk may cut it
+anywhere.
 
-Parameter names: ``vision_tower.*`` (``encoders.internvl.InternVisionModel``),
-``multi_modal_projector.*``, ``model.*`` and ``lm_head.*`` (the LM's). Checkpoint names
-accepted: what transformers saves (``vision_tower.*``, ``multi_modal_projector.*``,
-``language_model.model.*``, ``language_model.lm_head.*``) and its in-memory names
-(``model.vision_tower.*``, ``model.multi_modal_projector.*``, ``model.language_model.*``,
-``lm_head.*``).
-"""
+Parameter names: ``vision_tower.*``, ``multi_modal_projector.*``, ``model.*``, ``lm_head.*``.
+Accepted: what transformers saves (``language_model.model.*``, ``language_model.lm_head.*``)
+and its in-memory names (``model.*`` prefixes)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,13 @@
-"""LLaVA (1.5): CLIP vision tower + 2-layer MLP projector in front of a Llama decoder.
+"""LLaVA (1.5): CLIP vision tower + 2-layer MLP projector in front of a Llama decoder (our
+``LlamaForCausalLM``, 1-D RoPE).
 
-The language model is our ``LlamaForCausalLM`` on the HF ``text_config`` with plain 1-D RoPE.
-An image becomes ``(image_size / patch)**2`` tokens (the class token dropped by the
-``"default"`` select strategy), which replace its ``<image>`` placeholder tokens.
+An image becomes ``(image_size / patch)**2`` tokens (class token dropped, ``"default"`` select
+strategy), which replace its ``<image>`` placeholder tokens.
 
-Parameter names: ``vision_tower.vision_model.*`` (``CLIPVisionTower``),
-``multi_modal_projector.linear_{1,2}.*``, ``model.*`` and ``lm_head.*`` (the LM's). Checkpoint
-names accepted: llava-hf's ``vision_tower.vision_model.*``, ``multi_modal_projector.*``,
-``language_model.model.*``, ``language_model.lm_head.*``; what transformers 5 saves
-(``vision_tower.*`` without ``vision_model.``); and its in-memory names (``model.vision_tower.*``,
-``model.multi_modal_projector.*``, ``model.language_model.*``, ``lm_head.*``).
-"""
+Parameter names: ``vision_tower.vision_model.*``, ``multi_modal_projector.linear_{1,2}.*``,
+``model.*``, ``lm_head.*``. Accepted: llava-hf's (``language_model.model.*``,
+``language_model.lm_head.*``), transformers 5's saved (``vision_tower.*`` without
+``vision_model.``) and in-memory names (``model.*`` prefixes)."""
 
 from __future__ import annotations
 

@@ -1,24 +1,16 @@
 """LLaVA-OneVision: a SigLIP tower over an image's anyres tiles, LLaVA's 2-layer projector,
-``image_newline``, and a Qwen2 decoder.
+``image_newline``, and a Qwen2 decoder (our ``LlamaForCausalLM``, q/k/v biases, 1-D RoPE).
 
-The language model is our ``LlamaForCausalLM`` on the HF ``text_config`` (Qwen2: q/k/v
-biases) with plain 1-D RoPE. An image is ``[num_tiles, 3, tile, tile]`` pixels
-(``encoders.llava_onevision_processor``): the base tile, then ``rows x cols`` grid tiles when it
-is alone in its prompt, with its original size (``ProcessedImage.image_size``). Its placeholder
-is ``num_tokens`` image tokens, all filled by ``embed_images``: the base tile's features, then
-the grid's feature map, unpadded, downsampled past ``anyres_max_N`` tiles, each row followed
-by ``image_newline`` (``encoders.anyres``, as HF's ``pack_image_features``); a lone tile (an
-image among several in a prompt) is followed by one newline. The model runner writes any slice
-of those rows, so a chunk may cut the image anywhere.
+An image is ``[num_tiles, 3, tile, tile]`` pixels (``encoders.llava_onevision_processor``): the
+base tile, then ``rows x cols`` grid tiles when it is alone in its prompt. ``embed_images``
+gives one row per placeholder token: the base tile's features, then the grid's feature map,
+unpadded, downsampled past ``anyres_max_N`` tiles, each row followed by ``image_newline``
+(``encoders.anyres``, HF's ``pack_image_features``); a lone tile is followed by one newline.
 
-Parameter names: ``vision_tower.vision_model.*`` (``SiglipFeatureTower``),
-``multi_modal_projector.linear_{1,2}.*``, ``image_newline``, ``model.*`` and ``lm_head.*``.
-Checkpoint names accepted: llava-hf's (``vision_tower.vision_model.*``,
-``multi_modal_projector.*``, ``image_newline``, ``language_model.model.*``,
-``language_model.lm_head.*``), what transformers 5 saves (``vision_tower.*`` without
-``vision_model.``), and its in-memory names (``model.vision_tower.*``, ``model.image_newline``,
-``model.multi_modal_projector.*``, ``model.language_model.*``, ``lm_head.*``).
-"""
+Parameter names: ``vision_tower.vision_model.*``, ``multi_modal_projector.linear_{1,2}.*``,
+``image_newline``, ``model.*``, ``lm_head.*``. Accepted: llava-hf's (``language_model.model.*``,
+``language_model.lm_head.*``), transformers 5's saved (``vision_tower.*`` without
+``vision_model.``) and in-memory names (``model.*`` prefixes)."""
 
 from __future__ import annotations
 

@@ -15,17 +15,25 @@ import json
 import logging
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from mm_serve.checkpoint.families import get_family, resolve
 from mm_serve.checkpoint.hub import ModelLoadError
 from mm_serve.config import ModelConfig
-from mm_serve.models.registry import get_model_class
+from mm_serve.models.interface import LanguageModel
 
 logger = logging.getLogger(__name__)
+
+
+def get_model_class(hf_config: Any) -> type[LanguageModel]:
+    """The model class of ``hf_config``'s family (``families.get_family``); ``ValueError``
+    naming the supported architectures when there is none."""
+    return resolve(get_family(hf_config).model_class)
 
 
 def safetensors_files(path: str) -> list[str]:

@@ -1,23 +1,17 @@
 """Multimodal RoPE positions (M-RoPE) of a prompt for Qwen2-VL, Qwen2.5-VL and Qwen3-VL.
 
-M-RoPE (Qwen2-VL paper, arXiv:2409.12191, section 2.1) gives every token three positions:
-temporal, height, width. Text tokens have all three equal and count up by one. The tokens
-of an image or a video (a ``t x (h / merge) x (w / merge)`` grid of merged patches) all start
-from the position ``p`` after the preceding text: token ``(i, j, k)`` of the grid gets
-``(p + time(i), p + j, p + k)``; the text after it resumes at ``p + max(h, w) / merge``.
-``time(i) = i`` for images and Qwen2-VL's videos; Qwen2.5-VL spaces a video's temporal patches
-by their duration (its paper's absolute time encoding, arXiv:2502.13923, section 2.1):
-``time(i) = int(i * tokens_per_second * second_per_grid_t)`` in float32. A Qwen3-VL video
-writes each temporal patch's time as text between its frames (``ProcessedImage.token_ids``):
-each of its ``t`` temporal patches is placed as an image of grid ``(1, h, w)`` where its run of
-video tokens stands, the texts between them counted as text. Same result as HF
-``Qwen2VLModel.get_rope_index``, ``Qwen2_5_VLModel.get_rope_index`` and
-``Qwen3VLModel.get_rope_index`` (transformers 5.23).
+M-RoPE (arXiv:2409.12191, section 2.1): every token has three positions (temporal, height,
+width). Text tokens have all three equal, counting up by one. An image or video (a ``t x (h /
+merge) x (w / merge)`` grid) starts at the position ``p`` after the preceding text: token
+``(i, j, k)`` gets ``(p + time(i), p + j, p + k)``; the text after resumes at
+``p + max(h, w) / merge``. ``time(i) = i`` for images and Qwen2-VL videos; Qwen2.5-VL
+(arXiv:2502.13923, section 2.1): ``time(i) = int(i * tokens_per_second * second_per_grid_t)``
+in float32. A Qwen3-VL video places each temporal patch as an image of grid ``(1, h, w)``, the
+time texts between them counted as text. Equals HF ``get_rope_index`` of ``Qwen2VLModel``,
+``Qwen2_5_VLModel`` and ``Qwen3VLModel`` (transformers 5.23).
 
-Because an image takes fewer positions than tokens, the last position of a prompt is below
-``len(prompt) - 1``; ``mrope_position_delta`` is the shift from the largest position: the
-token at sequence index ``i >= len(prompt)`` (decode) has position ``i + delta`` on all axes.
-"""
+``mrope_position_delta`` shifts decode positions: the token at sequence index
+``i >= len(prompt)`` has position ``i + delta`` on all axes."""
 
 from __future__ import annotations
 

@@ -1,29 +1,23 @@
 """Qwen3-VL (dense): a ViT with DeepStack (``encoders.qwen3_vl``) in front of a Qwen3 decoder
 with interleaved M-RoPE.
 
-The language model is our ``LlamaForCausalLM`` on the HF ``text_config`` (``qwen3_vl_text``):
-Qwen3's per-head q/k RMSNorm (``models.llama``), and M-RoPE with the interleaved layout
-(``MRotaryEmbedding``, ``mrope_interleaved``). Positions are Qwen2-VL's
-(``models.mrope.get_mrope_input_positions``, as HF ``Qwen3VLModel.get_rope_index``: a
-video's temporal patches placed as images of one frame each, after their time texts).
+The LM is our ``LlamaForCausalLM`` on the ``text_config`` (per-head q/k RMSNorm,
+``MRotaryEmbedding`` with ``mrope_interleaved``); positions as HF ``Qwen3VLModel.get_rope_index``
+(``models.mrope.get_mrope_input_positions``).
 
 DeepStack (arXiv:2406.04334; HF ``Qwen3VLTextModel._deepstack_process``): the tower's features
-from ``n = len(deepstack_visual_indexes)`` inner blocks are added to the LM's hidden states at
-the image tokens after its layers ``0 .. n - 1``. They travel with the image's embeddings, so
-that the encoder cache, the placeholder ranges and the model runner's chunk slicing treat one
-row per image token as for any VLM:
+from ``n = len(deepstack_visual_indexes)`` blocks are added to the hidden states at the image
+tokens after layers ``0 .. n - 1``. They travel with the image's embeddings, one row per image
+token:
 
-- ``embed_images`` gives each image ``[num_tokens, (1 + n) * hidden]``: the merged tokens, then
-  the ``n`` DeepStack features of each token side by side (the tower's output as it is);
-- ``get_input_embeddings`` gives ``[T, (1 + n) * hidden]``: the token embeddings, then zeros
-  (``inputs_embeds_size`` says the width), so the runner writes an image's rows into it whole;
-- ``forward`` splits ``inputs_embeds`` back into the embeddings and ``[T, n, hidden]`` layer
-  additions (zero for text tokens: adding zero leaves them as HF, which adds nothing there).
+- ``embed_images``: ``[num_tokens, (1 + n) * hidden]`` per image (the tower's output);
+- ``get_input_embeddings``: ``[T, (1 + n) * hidden]``, the embeddings then zeros
+  (``inputs_embeds_size`` says the width);
+- ``forward`` splits ``inputs_embeds`` into the embeddings and ``[T, n, hidden]`` additions
+  (zero for text tokens).
 
-Parameter names: ``visual.*`` (the tower's, as HF's), ``model.*`` and ``lm_head.*`` (the LM's).
-Checkpoints (Qwen/Qwen3-VL-*, and transformers 5) name them ``model.visual.*``,
-``model.language_model.*``, ``lm_head.*``.
-"""
+Parameter names: ``visual.*``, ``model.*``, ``lm_head.*``; checkpoints name them
+``model.visual.*``, ``model.language_model.*``, ``lm_head.*``."""
 
 from __future__ import annotations
 

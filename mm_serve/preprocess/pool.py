@@ -1,19 +1,12 @@
 """The preprocessing pool: worker processes that decode, validate and preprocess images and
-videos.
+videos, while the front end keeps tokenizing, scheduling and detokenizing.
 
-Decoding a JPEG and resizing it take milliseconds to tens of milliseconds of CPU per image and hold
-the GIL for much of it, so the front end hands them to a pool of processes and keeps tokenizing,
-scheduling and detokenizing meanwhile. Workers are forked from a forkserver that has already
-imported torch, torchvision and the processors, so they start fast and share those pages, without
-inheriting the front end's threads or memory (no plain ``fork``), and they never run the user's
-main script (``mp_context``): a script needs no ``if __name__ == "__main__":`` guard.
-
-Each worker builds the checkpoint's image processor once and warms it on a small image; a
-video job carries its video processor (``VideoProcessor``, a few settings) and decodes with
-PyAV, checking the server's ``VideoLimits`` before it decodes a frame.
-Results come back as numpy arrays (pickled through the pool's pipe: no torch shared memory or
-file descriptors) and become torch tensors in the caller (``PreprocessResult.to_processed_image``).
-"""
+Workers are forked from a forkserver that has imported torch, torchvision and the processors
+(fast start, shared pages, none of the front end's threads) and never run the user's main
+script (``mp_context``). Each builds the checkpoint's image processor once and warms it; a video
+job carries its ``VideoProcessor`` and decodes with PyAV, checking ``VideoLimits`` first.
+Results come back as numpy arrays (pickled: no torch shared memory or file descriptors) and
+become tensors in the caller (``PreprocessResult.to_processed_image``)."""
 
 from __future__ import annotations
 

@@ -1,28 +1,24 @@
 """The scheduler: which requests run this step, and how many tokens each.
 
-Pure CPU bookkeeping (no torch), after vLLM V1's scheduler: there are no prefill and decode
-phases. Every request has ``num_computed_tokens`` and ``num_tokens``; each step gives each
-request ``num_tokens - num_computed_tokens`` new tokens (capped by the step's token budget), so
-a long prompt is chunked over steps and decodes of other requests ride along. Running requests
-go first; when the KV pool runs out, the newest running request is preempted (its blocks freed,
-recomputed later); waiting requests are admitted only if no request was preempted this step.
+Pure CPU bookkeeping (no torch), after vLLM V1's scheduler: no prefill and decode phases. Each
+step gives each request ``num_tokens - num_computed_tokens`` new tokens within the step's token
+budget, so long prompts are chunked and decodes ride along. Running requests go first; when the
+KV pool runs out, the newest running request is preempted (blocks freed, recomputed later);
+waiting requests are admitted only if no request was preempted this step.
 
-Images are scheduled like tokens: an image whose placeholder range enters a request's window is
-encoded this step unless its embeddings are cached or its range is already covered by computed
-(or prefix-cached) KV. Encoding spends the step's encoder budget and encoder-cache space; an image
-that does not fit ends the request's chunk just before it, so the encoder work of a long
-multi-image prompt spreads over several steps while other requests keep decoding.
+An image whose placeholder range enters a request's window is encoded this step unless its
+embeddings are cached or its range is covered by computed (or prefix-cached) KV. Encoding spends
+the encoder budget and encoder-cache space; an image that does not fit ends the request's chunk
+just before it.
 
-Async scheduling (vLLM V1's): step n+1 is scheduled before step n's tokens are known. A request
-whose window reaches its end gets an output placeholder, counted as a token to compute next
-step; ``update_from_output`` replaces it with the real token and applies the stop conditions.
-A request whose last allowed token is in flight gets no more work, and one preempted with a
-token in flight waits until that token is known.
+Async scheduling: step n+1 is scheduled before step n's tokens are known. A request reaching
+its end gets an output placeholder; ``update_from_output`` replaces it with the real token and
+applies the stop conditions. A request whose last allowed token is in flight gets no more work;
+one preempted with a token in flight waits for it.
 
 Structured outputs: a request with a grammar waits until it is compiled
-(``StructuredOutputManager``); its matcher follows every token ``update_from_output`` appends,
-and the manager's ``grammar_bitmask`` gives the tokens it may sample next.
-"""
+(``StructuredOutputManager``); its matcher follows every appended token, and the manager's
+``grammar_bitmask`` gives the tokens it may sample next."""
 
 from __future__ import annotations
 

@@ -1,19 +1,11 @@
 """Workarounds for broken third-party installs, applied once at import time.
 
-The one today: on a CPU-only host the registry's torchvision wheel is a CUDA build. Its C
-extension (``torchvision/_C.so``) needs ``libtorch_cuda`` and fails to load; torchvision
-swallows that failure, but ``torchvision/_meta_registrations.py`` then registers fake
-(meta) kernels for ``torchvision::nms`` / ``torchvision::qnms`` unconditionally, and
-``import torchvision`` dies with "operator torchvision::nms does not exist". transformers'
-torchvision image processors (the default backend in transformers 5) import it, so every
-Qwen2-VL / CLIP image processor would fail.
-
-The fix defines just those two operator schemas (no kernels) before torchvision is imported.
-Everything else torchvision registers is gated on its extension having loaded. The image
-transforms (``torchvision.transforms.v2``) are pure torch and work; calling a detection op
-such as ``torchvision.ops.nms`` raises torchvision's own "Couldn't load custom C++ ops"
-RuntimeError.
-"""
+On a CPU-only host the registry's torchvision wheel is a CUDA build: its ``_C.so`` fails to
+load, yet ``torchvision/_meta_registrations.py`` registers fake kernels for
+``torchvision::nms`` / ``qnms``, so ``import torchvision`` (and every transformers image
+processor) dies with "operator torchvision::nms does not exist". The fix defines those two
+operator schemas (no kernels) before torchvision is imported; image transforms work, and
+``torchvision.ops.nms`` raises torchvision's own "Couldn't load custom C++ ops"."""
 
 from __future__ import annotations
 

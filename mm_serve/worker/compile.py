@@ -1,19 +1,13 @@
 """The LM forward of the steps that are not decode-only, compiled by ``torch.compile`` at
 compilation level 2.
 
-Dynamo traces the forward from input embeddings once, dynamic in the token count, into one
-graph: the kernels' pure-torch references (``kernels.dispatch.use_kernels`` is False while
-tracing) for Inductor to fuse around the cuBLAS matmuls (RMSNorm with the residual add,
-SiLU-and-mul), and each layer's attention as the opaque custom op ``mm_serve::attention``
-(RoPE, KV-cache write and paged attention: our kernels, as eagerly). The attention op reads
-the step's metadata from ``step_metadata``, so the compiled graph serves any step, and is
-captured whole by the mixed-step CUDA graphs (``worker.cuda_graphs``), attention included.
-Decode-only steps keep the eager forward in their graphs: at one token per request our fused
-Triton GEMV kernels beat cuBLAS (BENCHMARKS.md).
-
-Inductor's compiled kernels are cached on disk (``compile_cache_dir``), so a second start of
-the same model only re-traces.
-"""
+Dynamo traces the forward from input embeddings once, dynamic in the token count: the kernels'
+pure-torch references (``kernels.dispatch.use_kernels`` is False while tracing) for Inductor to
+fuse around the cuBLAS matmuls, and each layer's attention as the opaque custom op
+``mm_serve::attention`` (RoPE, KV-cache write, paged attention). That op reads the step's
+metadata from ``step_metadata``, so the graph serves any step and the mixed-step CUDA graphs
+(``worker.cuda_graphs``) capture it whole. Decode-only steps keep the eager forward (the fused
+GEMV kernels). Inductor's kernels are cached on disk (``compile_cache_dir``)."""
 
 from __future__ import annotations
 

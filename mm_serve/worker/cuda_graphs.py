@@ -41,8 +41,7 @@ from mm_serve.config import EngineConfig
 from mm_serve.kernels.attention_metadata import AttentionMetadata
 from mm_serve.worker.compile import LMForward
 from mm_serve.worker.gemm_warmup import warm_gemm_kernels
-from mm_serve.worker.graph_capture import capture_graph
-from mm_serve.worker.tower_graphs import EncoderCudaGraphs
+from mm_serve.worker.tower_graphs import EncoderCudaGraphs, capture_graph
 
 logger = logging.getLogger(__name__)
 

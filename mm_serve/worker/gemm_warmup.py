@@ -1,20 +1,14 @@
 """Launch, at start-up, the cuBLAS kernels that the eager steps' GEMMs will pick.
 
-cuBLAS picks its kernel by the GEMM's shape, and for the LM's layers it picks tens of different
-kernels as the token count ``M`` varies. The first launch of each one in a process waits until
-the device has run everything queued (likely the kernel's attributes being set at its first
-use, a synchronising driver call; CUDA's lazy module loading is not the cause). In a serving
-step the host is then stuck until the device runs dry, and the next step starts late.
-CUDA graphs load their kernels at capture; the steps that run eagerly are what this warms:
+cuBLAS picks its kernel by shape (tens of kernels as the token count ``M`` varies), and the
+first launch of each in a process waits until the device has run everything queued, which
+delays the next step. CUDA graphs load theirs at capture; this warms the eager steps':
 
-- the logits, ``compute_logits`` over every row count up to ``max_num_seqs`` (the sampled
-  rows of a step);
-- the LM's linear layers (one of each weight shape) at every ``STRIDE``-th token count up to
-  ``max_num_batched_tokens`` (a wider stride beyond ``MAX_COUNTS`` counts), and at that count
-  itself (the full steps of a busy engine).
+- the logits, ``compute_logits`` at every row count up to ``max_num_seqs``;
+- the LM's linear layers (one per weight shape) at every ``STRIDE``-th token count up to
+  ``max_num_batched_tokens`` (wider beyond ``MAX_COUNTS`` counts), and at that count itself.
 
-Kernels of token counts between two warmed ones may remain: each costs one such wait, once.
-"""
+Counts between two warmed ones may still pay one such wait, once."""
 
 from __future__ import annotations
 

@@ -1,37 +1,32 @@
 """CUDA graphs for the vision tower, one per chunk of images of one grid.
 
-A tower forward launches some 400 kernels (Qwen2-VL's 32 blocks), so run eagerly it is bound
-by the host's launches: the device idles between kernels. Everything a tower forward does on
-the host depends only on the images' grids (``[t, h, w]`` in patches): the rotary tables, the
-attention segments, the window order. So a batch goes through the graphs in chunks: each run
-of consecutive images of one grid is split into chunks of ``CHUNK_COUNTS`` images, largest
-first (27 photos: 16, 8, 3), of at most ``max_patches`` patches each. The tower attends within
-an image, so chunks give the batch's result. A key (its grids) is captured the
-``capture_after``-th time it is met: its plan (``tower.plan``, kept for the graph's lifetime)
-and ``tower.run`` over the shared static pixel buffer; later chunks of the key copy their
-pixels in and replay. A capture while serving costs one more tower forward and stalls nothing
-(``capture_graph``).
+An eager tower forward is bound by its ~400 kernel launches. Its host work depends only on the
+images' grids (``[t, h, w]`` in patches), so each run of consecutive same-grid images is split
+into chunks of ``CHUNK_COUNTS`` images, largest first (27 photos: 16, 8, 3), of at most
+``max_patches`` patches; the tower attends within an image, so chunks give the batch's result.
+A key (its grids) is captured the ``capture_after``-th time it is met (``tower.plan``, kept for
+the graph's lifetime, and ``tower.run`` over the shared static pixel buffer); later chunks copy
+their pixels in and replay. Capturing while serving stalls nothing (``capture_graph``).
 
-Every chunk without a graph (a key met fewer times, a key beyond ``max_graphs``, an image
-over ``max_patches`` patches) runs in one eager forward over all such images of the batch: photos
-of varied sizes, each its own key, cost one tower forward per step, not one per image.
-Start-up captures photo-sized chunks (``capture_photos``). All graphs share one memory pool;
-each replay's output is copied out before the next can overwrite it.
-"""
+Every chunk without a graph (key met fewer times, beyond ``max_graphs``, or an image over
+``max_patches``) runs in one eager forward over all such images of the batch. Start-up captures
+photo-sized chunks (``capture_photos``). All graphs share one memory pool; each replay's output
+is copied out before the next can overwrite it."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import nn
 
-from mm_serve.worker.graph_capture import capture_graph
-
 logger = logging.getLogger(__name__)
 
 GridsKey = tuple[tuple[int, int, int], ...]
+T = TypeVar("T")
 
 # Images per graphed chunk, largest first: a run of n images of one grid takes the largest
 # that fits, then the rest (the tower's dense attention splits by powers of two alike).
@@ -47,6 +42,26 @@ CAPTURE_AFTER = 4
 MAX_SEEN_KEYS = 4096
 # Start-up captures chunks of images of this side in pixels (start-up's warm-up sends them).
 PHOTO_SIDE = 448
+
+
+def capture_graph(graph: torch.cuda.CUDAGraph, pool, fn: Callable[[], T]) -> T:
+    """Capture ``fn()`` into ``graph`` (memory from ``pool``) on a side stream; returns its
+    result, whose memory the graph owns.
+
+    Unlike ``torch.cuda.graph``, nothing is synchronised and no allocator cache is emptied, so
+    a graph can be captured while serving; only this thread is checked for unsafe calls
+    (``thread_local``), so the engine's other threads keep working.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            result = fn()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    return result
 
 
 def split_batch(grids: list[tuple[int, int, int]], max_patches: int) -> list[tuple[int, int, bool]]:

@@ -2,27 +2,21 @@
 
 Body: ``{"error": {"message", "type", "param", "code"}}``. Statuses (``type`` / ``code``):
 
-- 400 ``invalid_request_error``: the body is not JSON (``invalid_json``); a field has the wrong
-  type or is missing (``invalid_type`` / ``missing_required_parameter``, with ``param`` naming
-  it as OpenAI does: ``messages[0].content[0].image_url.url``); ``stream_options`` without
-  ``stream``; a well-formed request with unacceptable values: sampling
-  values out of range (``max_tokens`` <= 0, ``temperature`` < 0, ...), a bad or undecodable
-  image, bad base64, a disallowed or failing image URL, too many or too large images, image
-  placeholder text without images, a prompt beyond the context (``context_length_exceeded``
-  when prompt + ``max_tokens`` do not fit), a request the engine refuses.
+- 400 ``invalid_request_error``: not JSON (``invalid_json``); a field of the wrong type or
+  missing (``invalid_type`` / ``missing_required_parameter``, ``param`` as OpenAI names it:
+  ``messages[0].content[0].image_url.url``); ``stream_options`` without ``stream``; values out
+  of range; a bad image, base64 or image URL; too many or too large images; image placeholders
+  without images; a prompt beyond the context (``context_length_exceeded``); a request the
+  engine refuses.
 - 401 ``authentication_error`` / ``invalid_api_key``: ``--api-key`` set, key missing/wrong.
-- 404 ``invalid_request_error`` / ``model_not_found``: an unknown model (an unknown path:
-  no code).
+- 404 ``invalid_request_error`` / ``model_not_found``: an unknown model (unknown path: no code).
 - 405 ``invalid_request_error``: a known path with another method.
-- 413 ``invalid_request_error`` / ``request_too_large``: a body above
-  ``--max-request-body-bytes``.
-- 429 ``rate_limit_error`` / ``server_overloaded``: more generation requests in flight than
-  ``--max-concurrent-requests``; with ``Retry-After: 1``.
-- 500 ``server_error`` / ``internal_error``: a bug; the message names no internals, the
-  traceback goes to the server log.
+- 413 ``invalid_request_error`` / ``request_too_large``: above ``--max-request-body-bytes``.
+- 429 ``rate_limit_error`` / ``server_overloaded``: beyond ``--max-concurrent-requests``; with
+  ``Retry-After: 1``.
+- 500 ``server_error`` / ``internal_error``: a bug; the traceback goes to the server log only.
 - 503 ``server_error`` / ``engine_dead``: the engine core is gone; the server is exiting.
-- 499 (no body): the client went away before the answer (counted in the metrics only).
-"""
+- 499 (no body): the client went away (counted in the metrics only)."""
 
 from __future__ import annotations
 

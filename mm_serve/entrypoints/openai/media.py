@@ -1,17 +1,15 @@
 """Image and video URLs of chat messages: which are allowed, and fetching the remote ones.
 
-``image_url`` and ``video_url`` parts follow the same rules:
+``image_url`` and ``video_url`` parts alike:
 
-- ``data:image/...;base64,...`` (``data:video/...``): always allowed; decoded with the
-  prompt (in the tokenizer thread), bad base64 is a 400.
-- ``http(s)://host/...``: only when ``host`` is one of ``--allowed-media-domains`` (exact,
-  case-insensitive). Fetched with httpx (async) with a timeout and a size cap; redirects are
-  followed only within the same host.
-- ``file:///path``: only under ``--allowed-local-media-path`` (after resolving symlinks and
-  ``..``), and at most the size cap.
+- ``data:image/...;base64,...`` (``data:video/...``): always allowed; decoded with the prompt
+  (tokenizer thread); bad base64 is a 400.
+- ``http(s)://host/...``: only for ``--allowed-media-domains`` (exact, case-insensitive);
+  fetched with httpx with a timeout and a size cap; redirects only within the same host.
+- ``file:///path``: only under ``--allowed-local-media-path`` (symlinks and ``..`` resolved),
+  within the size cap.
 
-Anything else (a bare path, another scheme) is a 400.
-"""
+Anything else is a 400."""
 
 from __future__ import annotations
 

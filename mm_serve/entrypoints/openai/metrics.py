@@ -1,23 +1,16 @@
 """Prometheus metrics of the API server (``GET /metrics``), in one registry per server.
 
-The names follow vLLM's (``vllm:`` becomes ``mm_serve_``), so its dashboards carry over;
-``samples/grafana_dashboard.json`` charts them and the README lists them.
-
-Front-end metrics are recorded as requests go: HTTP responses by endpoint and status,
-completions by finish reason, prompt and generated tokens, the inter-token latency (ITL) of
-every output, and, per completion that finished with "stop" or "length", its prompt and
-generated tokens and the latency histograms (seconds): TTFT, TPOT, end-to-end, and its
-phases from the engine's timestamps (queue: arrival to first scheduled; prefill: to the
-engine's first token; decode: first to last token; inference: prefill and decode).
+Names follow vLLM's (``vllm:`` becomes ``mm_serve_``); ``samples/grafana_dashboard.json``
+charts them. Front-end metrics are recorded as requests go: HTTP responses by endpoint and
+status, completions by finish reason, prompt and generated tokens, ITL, and per completion
+finished with "stop" or "length" the latency histograms (seconds): TTFT, TPOT, end-to-end,
+queue, prefill, decode, inference (from the engine's timestamps).
 
 Engine metrics are read from ``AsyncLLM.get_replica_stats()`` at each scrape: running and
-waiting requests, KV-cache and encoder-cache usage (fractions 0..1), the tokens scheduled per
-engine step (a histogram), preemptions, encoder tokens computed, and the prefix-, encoder- and
-processor-cache query/hit counters (prefix cache in tokens, the others in images). A cache's
-hit rate is ``rate(hits) / rate(queries)``. With data parallelism each engine metric has one
-sample per replica, labelled ``engine="RANK"`` (vLLM's label); the processor cache is the
-front end's, one unlabelled sample.
-"""
+waiting requests, KV- and encoder-cache usage (fractions 0..1), tokens scheduled per step (a
+histogram), preemptions, encoder tokens, and the prefix- (tokens), encoder- and processor-cache
+(images) query/hit counters. With data parallelism each engine metric has one sample per
+replica, labelled ``engine="RANK"``; the processor cache is the front end's, unlabelled."""
 
 from __future__ import annotations
 

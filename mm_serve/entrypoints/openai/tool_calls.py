@@ -1,17 +1,13 @@
-"""OpenAI's tool calling on chat completions: ``tools``, ``tool_choice``,
-``parallel_tool_calls``.
+"""OpenAI's tool calling on chat completions: ``tools``, ``tool_choice``, ``parallel_tool_calls``.
 
-- ``tool_choice`` ``"none"``: the reply is text. ``"auto"`` (the default with tools): the model
-  may write calls as its chat template taught it; a ``ToolParser`` finds them in the text
-  (``hermes``: Qwen2/2.5-VL's ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``).
-- ``"required"`` and a named function are enforced with structured outputs (vLLM's method):
-  the output is a JSON array of ``{"name", "parameters"}`` calls (at least one; one when
-  ``parallel_tool_calls`` is false), or the named function's arguments, each valid for the
-  function's ``parameters`` schema.
+- ``"none"``: text. ``"auto"`` (the default with tools): a ``ToolParser`` finds the calls the
+  chat template taught (``hermes``: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``).
+- ``"required"`` and a named function are enforced with structured outputs (vLLM's method): a
+  JSON array of ``{"name", "parameters"}`` calls (at least one; one unless
+  ``parallel_tool_calls``), or the named function's arguments, valid for its schema.
 
-The reply then carries ``tool_calls`` (content None) and, unless a function was named,
-``finish_reason: "tool_calls"`` (vLLM's; OpenAI's answer to a named function ends in "stop").
-"""
+The reply carries ``tool_calls`` (content None) and, unless a function was named,
+``finish_reason: "tool_calls"`` (vLLM's; OpenAI ends a named function's answer in "stop")."""
 
 from __future__ import annotations
 
