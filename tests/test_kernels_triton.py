@@ -25,17 +25,7 @@ import torch
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
-from mm_serve.kernels import (  # noqa: E402
-    layer_norm_ref,
-    linear_ref,
-    paged_attention_ref,
-    quick_gelu_ref,
-    reshape_and_cache_ref,
-    rms_norm_linear_ref,
-    rms_norm_ref,
-    silu_and_mul_linear_ref,
-    silu_and_mul_ref,
-)
+from mm_serve import kernels  # noqa: E402
 from mm_serve.kernels import triton_activation as _act  # noqa: E402
 from mm_serve.kernels import triton_attention as _attn  # noqa: E402
 from mm_serve.kernels import triton_cache as _cache  # noqa: E402
@@ -114,7 +104,7 @@ def _check_attention(reqs, heads, dtype, block_size, seed, config=None) -> None:
     scale = head_dim**-0.5
     out = _nan_like(query)
     _attn.paged_attention_triton(query, kv_cache, metadata, scale, out=out, config=config)
-    ref = paged_attention_ref(query, kv_cache, metadata, scale)
+    ref = kernels.paged_attention_ref(query, kv_cache, metadata, scale)
     assert _rel_err(out, ref) <= TOLERANCE[dtype], (reqs, heads, dtype, config)
     assert torch.all(out[metadata.num_tokens :] == 0)
 
@@ -190,7 +180,7 @@ def test_reshape_and_cache(num_kv_heads, head_dim, dtype) -> None:
     kv_cache = _randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, gen=gen)
     expected = kv_cache.clone()
     _cache.reshape_and_cache_triton(key, value, kv_cache, slot_mapping)
-    reshape_and_cache_ref(key, value, expected, slot_mapping)
+    kernels.reshape_and_cache_ref(key, value, expected, slot_mapping)
     assert torch.equal(kv_cache, expected)
 
 
@@ -208,10 +198,10 @@ def test_norm(hidden, dtype, layer_norm) -> None:
     x, residual = (_randn(rows, hidden, dtype=dtype, gen=gen) for _ in range(2))
     x = x + 3.0  # a mean far from 0: LayerNorm must subtract it
     weight, bias = (_randn(hidden, dtype=dtype, gen=gen) for _ in range(2))
-    kernel, ref = _norm.rms_norm_triton, rms_norm_ref
+    kernel, ref = _norm.rms_norm_triton, kernels.rms_norm_ref
     if layer_norm:
         kernel = functools.partial(_norm.layer_norm_triton, bias=bias)
-        ref = functools.partial(layer_norm_ref, bias=bias)
+        ref = functools.partial(kernels.layer_norm_ref, bias=bias)
     out = _nan_like(x)
     kernel(x, weight, eps=1e-6, out=out)
     assert _rel_err(out, ref(x, weight, eps=1e-6)) <= TOLERANCE[dtype]
@@ -230,7 +220,7 @@ def test_silu_and_mul(d, dtype) -> None:
     x = _randn(3, 67 if ON_GPU else 3, 2 * d, dtype=dtype, gen=gen)
     out = torch.full((*x.shape[:-1], d), float("nan"), dtype=dtype, device=DEVICE)
     _act.silu_and_mul_triton(x, out=out)
-    assert _rel_err(out, silu_and_mul_ref(x)) <= TOLERANCE[dtype]
+    assert _rel_err(out, kernels.silu_and_mul_ref(x)) <= TOLERANCE[dtype]
 
 
 @kernel_test
@@ -240,7 +230,7 @@ def test_quick_gelu(dtype) -> None:
     x = _randn(67, 5120 if ON_GPU else 129, dtype=dtype, gen=gen) * 3
     out = _act.quick_gelu_triton(x)
     assert out.shape == x.shape and out.dtype == dtype
-    assert _rel_err(out, quick_gelu_ref(x)) <= TOLERANCE[dtype]
+    assert _rel_err(out, kernels.quick_gelu_ref(x)) <= TOLERANCE[dtype]
 
 
 # (out_features, in_features, bias): Qwen2-VL-2B's qkv, o, gate_up and down; odd sizes.
@@ -264,7 +254,7 @@ def test_gemv(shape, gated, config, dtype) -> None:
     b = _randn(out_features, dtype=dtype, gen=gen) if bias else None
     out = torch.full((1, out_features), float("nan"), dtype=dtype, device=DEVICE)
     _linear.gemv_triton(x, weight, b, gated, out=out, config=config)
-    ref = (silu_and_mul_linear_ref if gated else linear_ref)(x, weight, b)
+    ref = (kernels.silu_and_mul_linear_ref if gated else kernels.linear_ref)(x, weight, b)
     assert _rel_err(out, ref) <= TOLERANCE[dtype]
 
 
@@ -281,6 +271,6 @@ def test_rms_norm_gemv(shape, with_residual, dtype) -> None:
     weight = _randn(out_features, in_features, dtype=dtype, gen=gen) / in_features**0.5
     b = _randn(out_features, dtype=dtype, gen=gen) if bias else None
     out, h = _linear.rms_norm_gemv_triton(x, residual, norm_weight, 1e-6, weight, b)
-    ref_out, ref_h = rms_norm_linear_ref(x, residual, norm_weight, 1e-6, weight, b)
+    ref_out, ref_h = kernels.rms_norm_linear_ref(x, residual, norm_weight, 1e-6, weight, b)
     assert _rel_err(out, ref_out) <= TOLERANCE[dtype]
     assert torch.equal(h, ref_h)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
-from functools import partial
 from typing import Any
 
 import pytest
@@ -33,19 +32,20 @@ from tests.fixtures import family_checks as checks
 from tests.fixtures.images import generated
 from tests.fixtures.qwen_video_cases import (
     IMAGE,
+    MAX_NEW_TOKENS,
     VIDEO,
+    assert_encoder_cache_hit,
+    assert_matches_hf,
     clip_fixture,
     hf_videos,
     mixed_video_batch,
     real_clip,
     turn,
-    video_prompt,
 )
 from tests.fixtures.video_clips import moving_shapes
 
 warnings.filterwarnings("ignore", message=".*per-frame pixel cap.*")
 
-MAX_NEW_TOKENS = 10
 path, reference = checks.checkpoint_fixtures("qwen3_vl", seed=5, nested_images=False)
 
 
@@ -164,33 +164,19 @@ def hf_greedy(reference: checks.HFReference, case: dict[str, Any]) -> checks.HFG
     return hf_greedy_generate(reference.model, hf_inputs(reference, case), MAX_NEW_TOKENS)
 
 
-def assert_matches_hf(llm, reference, batch: list[dict[str, Any]]) -> list[Any]:
-    """Prompt ids (videos expanded with their time texts as HF's processor), greedy tokens
-    and top-5 log-probs equal HF's; nothing left held."""
-    greedy = partial(hf_greedy, reference)
-    return checks.assert_greedy_matches_hf(llm, batch, video_prompt, greedy, MAX_NEW_TOKENS)
-
-
 @checks.whole_and_chunked(budget=8)
 def test_greedy_matches_hf(path, reference, clip, engine_args):
     with checks.running_llm(path, **engine_args) as llm:
-        assert_matches_hf(llm, reference, mixed_video_batch(clip))
+        assert_matches_hf(llm, reference, mixed_video_batch(clip), hf_greedy)
 
 
 def test_repeated_video_hits_the_encoder_cache(path, reference, clip):
     """The same clip behind another text: its embeddings (text rows included) come from the
     encoder cache, and the tokens are still HF's."""
     with checks.running_llm(path, block_size=4, multiprocess=False) as llm:
-        first = {"prompt": turn(f"{VIDEO}What moves?"), "videos": [str(clip)]}
-        second = {"prompt": turn(f"Once more: {VIDEO}Why?"), "videos": [clip.read_bytes()]}
-        second["hf_videos"] = [str(clip)]
-        encoder = llm.engine_core.scheduler.encoder_cache_manager
         encoded = checks.record_encoded_images(llm)
-        assert_matches_hf(llm, reference, [first])
-        hits = encoder.hits
-        (output,) = assert_matches_hf(llm, reference, [second])
-        assert encoder.hits == hits + 1 and len(encoded) == 1
-        assert output.num_cached_tokens < 8  # another prefix: no KV reuse hid the hit
+        assert_encoder_cache_hit(llm, reference, clip, hf_greedy)
+        assert len(encoded) == 1
 
 
 def test_chat_with_video_part(path, reference, clip):

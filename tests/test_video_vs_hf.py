@@ -12,27 +12,17 @@ with a video part expands as HF's processor does. No KV block or encoder-cache e
 from __future__ import annotations
 
 import warnings
-from functools import partial
 from typing import Any
 
 import pytest
 
-from mm_serve import LLM, SamplingParams
+from mm_serve import SamplingParams
 from tests.fixtures import family_checks as checks
+from tests.fixtures import qwen_video_cases as cases
 from tests.fixtures.leaks import assert_llm_idle
-from tests.fixtures.qwen_video_cases import (
-    VIDEO,
-    clip_fixture,
-    hf_videos,
-    mixed_video_batch,
-    turn,
-    video_prompt,
-)
 from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 warnings.filterwarnings("ignore", message=".*per-frame pixel cap.*")
-
-MAX_NEW_TOKENS = 10
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
@@ -46,7 +36,7 @@ def reference(path) -> checks.HFReference:
     return checks.HFReference.load(path, nested_images=False)
 
 
-clip = clip_fixture()
+clip = cases.clip_fixture()
 
 
 def hf_greedy(reference: checks.HFReference, case: dict[str, Any]) -> checks.HFGreedy:
@@ -55,21 +45,18 @@ def hf_greedy(reference: checks.HFReference, case: dict[str, Any]) -> checks.HFG
         kwargs["do_sample_frames"] = True
     images = case.get("images") or []
     return reference.greedy(
-        case["prompt"], images, max_new_tokens=MAX_NEW_TOKENS, **hf_videos(case), **kwargs
+        case["prompt"],
+        images,
+        max_new_tokens=cases.MAX_NEW_TOKENS,
+        **cases.hf_videos(case),
+        **kwargs,
     )
-
-
-def assert_matches_hf(llm: LLM, reference: checks.HFReference, batch: list[dict[str, Any]]):
-    """Greedy tokens, prompt ids (the video placeholders as HF expands them) and top-5
-    log-probs equal HF's; nothing left held."""
-    greedy = partial(hf_greedy, reference)
-    return checks.assert_greedy_matches_hf(llm, batch, video_prompt, greedy, MAX_NEW_TOKENS)
 
 
 @checks.whole_and_chunked(budget=8)
 def test_greedy_matches_hf(path, reference, clip, engine_args):
     with checks.running_llm(path, **engine_args) as llm:
-        assert_matches_hf(llm, reference, mixed_video_batch(clip))
+        cases.assert_matches_hf(llm, reference, cases.mixed_video_batch(clip), hf_greedy)
 
 
 def test_repeated_video_hits_the_caches(path, reference, clip):
@@ -77,20 +64,15 @@ def test_repeated_video_hits_the_caches(path, reference, clip):
     (encoder cache) the second time, and still HF's tokens."""
     # In process (multiprocess=False): its scheduler inspectable on CUDA too.
     with checks.running_llm(path, block_size=4, multiprocess=False) as llm:
-        first = {"prompt": turn(f"{VIDEO}What moves?"), "videos": [str(clip)]}
-        second = {"prompt": turn(f"Once more: {VIDEO}What moves?"), "videos": [clip.read_bytes()]}
-        second["hf_videos"] = [str(clip)]
         encoder = llm.engine_core.scheduler.encoder_cache_manager
         processor_cache = llm.input_processor.mm_processor.cache
-        assert_matches_hf(llm, reference, [first])
-        hits, cache_hits = encoder.hits, processor_cache.hits
-        (output,) = assert_matches_hf(llm, reference, [second])
-        assert encoder.hits == hits + 1  # the video's embeddings, not encoded again
-        assert processor_cache.hits == cache_hits + 1  # bytes and path hash alike
-        assert output.num_cached_tokens < 8  # another prefix: no KV reuse hid the hit
+        cache_hits = processor_cache.hits
+        second = cases.assert_encoder_cache_hit(llm, reference, clip, hf_greedy)
+        assert processor_cache.hits == cache_hits + 1  # the second's: bytes and path hash alike
+        hits = encoder.hits
         sampled = {**second, "kwargs": {"num_frames": 4}}  # other frames: another video
-        assert_matches_hf(llm, reference, [sampled])
-        assert encoder.hits == hits + 1
+        cases.assert_matches_hf(llm, reference, [sampled], hf_greedy)
+        assert encoder.hits == hits
 
 
 def test_chat_with_video_part(path, reference, clip):
@@ -110,7 +92,7 @@ def test_chat_with_video_part(path, reference, clip):
             messages,
             reference.processor,
             lambda text: hf_greedy(reference, {"prompt": text, "videos": [str(clip), str(clip)]}),
-            MAX_NEW_TOKENS,
+            cases.MAX_NEW_TOKENS,
         )
 
 
@@ -123,10 +105,11 @@ def test_bad_videos_are_value_errors(path, clip):
             ({"video": [str(clip), str(clip)]}, "1 video placeholders but 2 videos"),
             ({"image": [], "video": "/nonexistent.mp4"}, "not found"),
         ]
+        prompt = cases.turn(cases.VIDEO)
         for data, match in bad:
             with pytest.raises(ValueError, match=match):
-                llm.generate({"prompt": turn(VIDEO), "multi_modal_data": data}, use_tqdm=False)
-        ok = {"prompt": turn(VIDEO), "multi_modal_data": {"video": str(clip)}}
+                llm.generate({"prompt": prompt, "multi_modal_data": data}, use_tqdm=False)
+        ok = {"prompt": prompt, "multi_modal_data": {"video": str(clip)}}
         ok["mm_processor_kwargs"] = {"num_frames": 8}
         (output,) = llm.generate(ok, SamplingParams(max_tokens=2), use_tqdm=False)
         assert len(output.outputs[0].token_ids) == 2

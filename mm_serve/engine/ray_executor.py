@@ -18,14 +18,7 @@ import os
 from typing import Any
 
 from mm_serve.config import EngineConfig
-from mm_serve.distributed.ray_actors import (
-    ActorProcess,
-    Placement,
-    PlacementError,
-    connect,
-    free_port,
-    node_ip,
-)
+from mm_serve.distributed import ray_actors
 from mm_serve.engine.executor import MultiprocExecutor, WorkerDiedError, _Workers
 
 logger = logging.getLogger(__name__)
@@ -39,7 +32,7 @@ class WorkerActor:
 
     def where(self) -> tuple[int, str, int]:
         """(pid, node address, a free port there): rank 0's is the group's rendezvous."""
-        return os.getpid(), node_ip(), free_port()
+        return os.getpid(), ray_actors.node_ip(), ray_actors.free_port()
 
     def run(self, config: EngineConfig, rank: int, init_method: str, *addresses: str) -> int:
         """The worker's loop (``worker_main``) until the engine core shuts it down."""
@@ -58,15 +51,15 @@ class RayExecutor(MultiprocExecutor):
     """
 
     def _bind(self) -> _Workers:
-        connect()
-        return _Workers(self.size, host=node_ip())
+        ray_actors.connect()
+        return _Workers(self.size, host=ray_actors.node_ip())
 
     def _start_workers(self, config: EngineConfig) -> None:
-        ray = connect()
+        ray = ray_actors.connect()
         bundle = {"GPU": 1} if config.device.type == "cuda" else {"CPU": 1}
         try:
-            placement = Placement([dict(bundle) for _ in range(self.size)])
-        except PlacementError as e:
+            placement = ray_actors.Placement([dict(bundle) for _ in range(self.size)])
+        except ray_actors.PlacementError as e:
             raise WorkerDiedError(f"Cannot place the tensor-parallel workers: {e}") from e
         self._workers.cleanups.append(placement.remove)
         remote = ray.remote(WorkerActor)
@@ -77,7 +70,7 @@ class RayExecutor(MultiprocExecutor):
         workers = self._workers
         for rank, (actor, (pid, ip, _)) in enumerate(zip(actors, places, strict=True)):
             logger.info("Tensor-parallel worker %d: Ray actor on %s (pid %d)", rank, ip, pid)
-            process = ActorProcess(actor, pid, f"mm_serve-tp-worker-{rank}")
+            process = ray_actors.ActorProcess(actor, pid, f"mm_serve-tp-worker-{rank}")
             address = workers.input_addresses[rank]
             process.watch(
                 actor.run.remote(config, rank, init_method, address, workers.output_address)

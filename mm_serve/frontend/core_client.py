@@ -44,18 +44,9 @@ from mm_serve.frontend.engine_process import (
     start_engine_core,
 )
 from mm_serve.frontend.exceptions import EngineDeadError, EngineRequestError, EngineStartupError
+from mm_serve.messages import wire
 from mm_serve.messages.request import Request
 from mm_serve.messages.stats import EngineStats
-from mm_serve.messages.wire import (
-    AbortRequests,
-    EngineCoreOutputs,
-    EngineFailed,
-    EngineReady,
-    InputCodec,
-    KVCacheInfo,
-    OutputCodec,
-    UtilityRequest,
-)
 
 
 class Sink(NamedTuple):
@@ -162,7 +153,7 @@ class AsyncCalls:
         futures = [asyncio.wrap_future(f) for f in self._call_each("get_stats")]
         return [answer.stats for answer in await asyncio.gather(*futures)]
 
-    async def get_kv_cache_info(self) -> KVCacheInfo:
+    async def get_kv_cache_info(self) -> wire.KVCacheInfo:
         """KV pool size and free blocks, after all earlier inputs (e.g. an abort) took effect."""
         return (await asyncio.wrap_future(self._call("get_stats"))).kv_cache
 
@@ -217,12 +208,12 @@ class EngineCoreClientBase:
         atexit.register(self._resources.release)
         self._startup_timeout_s = startup_timeout_s
         self._lock = threading.Lock()  # guards the input socket, the codec and the tables
-        self._codec = InputCodec()
+        self._codec = wire.InputCodec()
         self._sinks: dict[str, Sink] = {}
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         self._dead_error: EngineDeadError | None = None
-        self._failure: EngineFailed | None = None
+        self._failure: wire.EngineFailed | None = None
         # Called once with the error when the engine core is found dead (a data-parallel
         # front end fails its other replicas with it).
         self.on_dead: Callable[[EngineDeadError], None] | None = None
@@ -232,7 +223,7 @@ class EngineCoreClientBase:
         except BaseException:
             self.shutdown()
             raise
-        self.engine_info: EngineReady | None = None
+        self.engine_info: wire.EngineReady | None = None
         if config is not None:
             self.start(config)
 
@@ -252,7 +243,7 @@ class EngineCoreClientBase:
             raise
 
     def wait_ready(self) -> None:
-        """The second half of ``start``: wait for ``EngineReady``, then read outputs."""
+        """The second half of ``start``: wait for ``wire.EngineReady``, then read outputs."""
         try:
             self.engine_info = self._wait_ready(self._startup_timeout_s)
         except BaseException:
@@ -307,8 +298,8 @@ class EngineCoreClientBase:
 
     # ---- start-up ----------------------------------------------------------------------
 
-    def _wait_ready(self, timeout_s: float | None) -> EngineReady:
-        codec = OutputCodec()
+    def _wait_ready(self, timeout_s: float | None) -> wire.EngineReady:
+        codec = wire.OutputCodec()
         poller = zmq.Poller()
         poller.register(self._output, zmq.POLLIN)
         poller.register(self._proc.sentinel, zmq.POLLIN)
@@ -319,9 +310,9 @@ class EngineCoreClientBase:
             # A failing child sends EngineFailed, then exits: read the message first.
             if self._output in events or (exited and self._output.poll(500, zmq.POLLIN)):
                 message = codec.decode(self._output.recv())
-                if isinstance(message, EngineReady):
+                if isinstance(message, wire.EngineReady):
                     return message
-                if isinstance(message, EngineFailed):
+                if isinstance(message, wire.EngineFailed):
                     raise EngineStartupError(
                         f"The engine core failed to start: {message.message}\n{message.traceback}"
                     )
@@ -356,15 +347,15 @@ class EngineCoreClientBase:
             for request_id in request_ids:
                 self._sinks.pop(request_id, None)
             if self._dead_error is None:
-                self._send(self._codec.encode(AbortRequests(list(request_ids))))
+                self._send(self._codec.encode(wire.AbortRequests(list(request_ids))))
 
     def _call(self, method: str) -> concurrent.futures.Future:
-        """Send a utility call; the future gets the answering ``EngineCoreOutputs``."""
+        """Send a utility call; the future gets the answering ``wire.EngineCoreOutputs``."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._check_alive()
             call_id = next(self._call_ids)
-            self._send(self._codec.encode(UtilityRequest(call_id, method)))
+            self._send(self._codec.encode(wire.UtilityRequest(call_id, method)))
             self._calls[call_id] = future
         return future
 
@@ -390,7 +381,7 @@ class EngineCoreClientBase:
     # ---- outputs out -------------------------------------------------------------------
 
     def _output_loop(self) -> None:
-        codec = OutputCodec()
+        codec = wire.OutputCodec()
         poller = zmq.Poller()
         poller.register(self._output, zmq.POLLIN)
         poller.register(self._proc.sentinel, zmq.POLLIN)
@@ -411,20 +402,20 @@ class EngineCoreClientBase:
                 logger.exception("The engine core client's output thread failed")
                 self._mark_dead(EngineDeadError("The engine core client's output thread failed."))
 
-    def _drain(self, codec: OutputCodec) -> None:
+    def _drain(self, codec: wire.OutputCodec) -> None:
         while True:
             try:
                 body = self._output.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             message = codec.decode(body.buffer)
-            if isinstance(message, EngineCoreOutputs):
+            if isinstance(message, wire.EngineCoreOutputs):
                 self._dispatch(message)
-            elif isinstance(message, EngineFailed):
+            elif isinstance(message, wire.EngineFailed):
                 logger.error("The engine core failed: %s\n%s", message.message, message.traceback)
                 self._failure = message
 
-    def _dispatch(self, message: EngineCoreOutputs) -> None:
+    def _dispatch(self, message: wire.EngineCoreOutputs) -> None:
         deliveries: list[tuple[Sink, Any]] = []
         with self._lock:
             for output in message.outputs:

@@ -137,6 +137,25 @@ class _GraphFamily:
         """The step metadata over the static buffers of the graph of ``size``, group 0's."""
         raise NotImplementedError
 
+    def _buffer_metadata(
+        self, size: int, num_reqs: int, max_query_len: int, host_copies: tuple[list, list]
+    ) -> AttentionMetadata:
+        """Metadata over the first ``size`` token rows and ``num_reqs`` request rows of the
+        static buffers (group 0's). ``host_copies``: ``(query_start_loc_cpu, seq_lens_cpu)``."""
+        query_start_loc_cpu, seq_lens_cpu = host_copies
+        return AttentionMetadata(
+            num_reqs=num_reqs,
+            num_tokens=size,
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc=self.query_start_loc[: num_reqs + 1],
+            seq_lens=self.seq_lens[:num_reqs],
+            block_table=self.block_table[:num_reqs],
+            max_query_len=max_query_len,
+            max_seq_len=self.max_model_len,
+            query_start_loc_cpu=query_start_loc_cpu,
+            seq_lens_cpu=seq_lens_cpu,
+        )
+
     def _step_metadata(self, size: int) -> AttentionMetadata:
         """``_metadata(size)`` with the other KV-cache groups' buffers."""
         metadata = self._metadata(size)
@@ -204,18 +223,7 @@ class CudaGraphRunner(_GraphFamily):
 
     def _metadata(self, size: int) -> AttentionMetadata:
         """Metadata over the first ``size`` rows of the static buffers (worst-case lengths)."""
-        return AttentionMetadata(
-            num_reqs=size,
-            num_tokens=size,
-            slot_mapping=self.slot_mapping[:size],
-            query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=self.seq_lens[:size],
-            block_table=self.block_table[:size],
-            max_query_len=1,
-            max_seq_len=self.max_model_len,
-            query_start_loc_cpu=list(range(size + 1)),
-            seq_lens_cpu=[1] * size,
-        )
+        return self._buffer_metadata(size, size, 1, (list(range(size + 1)), [1] * size))
 
     def _call(self, size: int) -> torch.Tensor:
         return self.model(self.input_ids[:size], self._positions(size), self._step_metadata(size))
@@ -283,18 +291,9 @@ class MixedCudaGraphRunner(_GraphFamily):
 
     def _metadata(self, size: int) -> AttentionMetadata:
         r = self._num_reqs(size)
-        return AttentionMetadata(
-            num_reqs=r,
-            num_tokens=size,
-            slot_mapping=self.slot_mapping[:size],
-            query_start_loc=self.query_start_loc[: r + 1],
-            seq_lens=self.seq_lens[:r],
-            block_table=self.block_table[:r],
-            max_query_len=size,  # the prefill launch config, whatever the step's lengths
-            max_seq_len=self.max_model_len,
-            query_start_loc_cpu=[0] * (r + 1),  # host copies serve only the CPU references
-            seq_lens_cpu=[0] * r,
-        )
+        # max_query_len ``size``: the prefill launch config, whatever the step's lengths; the
+        # host copies serve only the CPU references.
+        return self._buffer_metadata(size, r, size, ([0] * (r + 1), [0] * r))
 
     def _call(self, size: int) -> torch.Tensor:
         return self.forward(

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from mm_serve.entrypoints.openai import serving_common
 from mm_serve.entrypoints.openai.errors import bad_request, user_errors
 from mm_serve.entrypoints.openai.logprobs import (
     completion_logprobs,
@@ -25,20 +26,12 @@ from mm_serve.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from mm_serve.entrypoints.openai.serving_common import (
-    Reply,
-    ServingBase,
-    collect,
-    per_token,
-    stream_usage,
-    usage_info,
-)
 from mm_serve.frontend.processor import ProcessedPrompt
 from mm_serve.messages.outputs import CompletionOutput, RequestOutput
 
 
 @dataclass
-class _Reply(Reply):
+class _Reply(serving_common.Reply):
     n: int = 1
     # choice index -> text offset of its next token (for logprobs.text_offset)
     offsets: dict[int, int] = field(default_factory=dict)
@@ -85,14 +78,14 @@ class _Reply(Reply):
         return logprobs
 
 
-class ServingCompletion(ServingBase):
+class ServingCompletion(serving_common.ServingBase):
     """Text completions of one prompt or a batch (no images: use chat completions)."""
 
     async def create(
         self, request: CompletionRequest, arrival_time: float
     ) -> CompletionResponse | AsyncIterator[str]:
         model = self.model.name_for(request.model)
-        include_usage = stream_usage(request)
+        include_usage = serving_common.stream_usage(request)
         if request.echo and request.logprobs is not None and request.stream:
             raise bad_request("echo with logprobs cannot be streamed.", param="echo")
         if request.suffix:
@@ -151,7 +144,7 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[dict
 
 async def _collect_all(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
     """Every prompt's whole output; on the first error the others are cancelled."""
-    tasks = [asyncio.ensure_future(collect(s)) for s in streams]
+    tasks = [asyncio.ensure_future(serving_common.collect(s)) for s in streams]
     try:
         return await asyncio.gather(*tasks)
     finally:
@@ -164,7 +157,8 @@ def _response(outputs: list[RequestOutput], reply: _Reply) -> CompletionResponse
         reply.choice(i, c, output) for i, output in enumerate(outputs) for c in output.outputs
     ]
     num_completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return reply.response(CompletionResponse, choices, usage_info(outputs, num_completion))
+    usage = serving_common.usage_info(outputs, num_completion)
+    return reply.response(CompletionResponse, choices, usage)
 
 
 async def _stream(
@@ -180,13 +174,13 @@ async def _stream(
             last[prompt_index] = output
             for delta in output.outputs:
                 num_completion += len(delta.token_ids)
-                for piece in per_token(delta):
+                for piece in serving_common.per_token(delta):
                     first = (prompt_index, piece.index) not in started
                     started.add((prompt_index, piece.index))
                     choice = reply.choice(prompt_index, piece, output if first else None)
                     yield reply.event(CompletionResponse, [choice])
     if include_usage:
-        usage = usage_info(list(last.values()), num_completion)
+        usage = serving_common.usage_info(list(last.values()), num_completion)
         yield reply.event(CompletionResponse, [], usage)
 
 
