@@ -1,12 +1,12 @@
 """The demo VLM's architecture, tokenizer and processor files, and batched preprocessing.
 
-The checkpoint is an ordinary Qwen2-VL one (``Qwen2VLForConditionalGeneration``), only small:
-text hidden 256, 4 layers, 4 heads (2 KV heads), intermediate 640, tied embeddings; vision
-tower width 192, 4 layers, 3 heads, patch 14, 2 x 2 merge. A 224 x 224 image is 16 x 16
-patches, i.e. 64 image tokens. The tokenizer is a byte-level BPE with Qwen2's pre-tokenizer,
-trained on the task's questions and answers, plus Qwen2-VL's special tokens and chat template
-(from ``mm_serve.checkpoint.dummy_processors``), so any text tokenizes and chat messages with
-``image_url`` parts work.
+The checkpoint is an ordinary Qwen2-VL one (``Qwen2VLForConditionalGeneration``), only small; its
+``model/config.json`` is the architecture (text hidden 256, 4 layers, 4 heads, 2 KV heads; vision
+tower width 192, 4 layers, patch 14, 2 x 2 merge), which ``build_config`` rebuilds for a retrained
+tokenizer. A 224 x 224 image is 16 x 16 patches, i.e. 64 image tokens. The tokenizer is a byte-level
+BPE with Qwen2's pre-tokenizer, trained on the task's questions and answers, plus Qwen2-VL's special
+tokens and chat template (from ``mm_serve.checkpoint.dummy_processors``), so any text tokenizes and
+chat messages with ``image_url`` parts work.
 """
 
 from __future__ import annotations
@@ -29,27 +29,8 @@ MIN_PIXELS, MAX_PIXELS = 56 * 56, 224 * 224  # every input image: 4 to 64 image 
 # OpenAI CLIP's statistics, as Qwen2-VL's image processor.
 MEAN = (0.48145466, 0.4578275, 0.40821073)
 STD = (0.26862954, 0.26130258, 0.27577711)
-
-TEXT = dict(
-    hidden_size=256,
-    intermediate_size=640,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=2048,
-    rms_norm_eps=1e-6,
-    # head_dim 64: 32 rotary frequencies split t:h:w = 8:12:12, as the real 16:24:24.
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]},
-)
-VISION = dict(
-    embed_dim=192,
-    depth=4,
-    num_heads=3,
-    mlp_ratio=4,
-    patch_size=PATCH,
-    spatial_merge_size=MERGE,
-    temporal_patch_size=TEMPORAL,
-)
+# The shipped checkpoint: its config.json is the architecture that build_config rebuilds.
+MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model")
 
 
 def build_tokenizer(corpus: list[str], vocab_size: int = 640) -> Any:
@@ -86,19 +67,16 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 640) -> Any:
 
 
 def build_config(tokenizer: Any) -> Any:
+    """The shipped checkpoint's architecture (``model/config.json``: the sizes, the rotary
+    split, tied embeddings) with ``tokenizer``'s vocabulary and special token ids."""
     from transformers import Qwen2VLConfig
 
+    config = Qwen2VLConfig.from_pretrained(MODEL_DIR)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     ids = {"bos_token_id": pad, "eos_token_id": [eos, pad], "pad_token_id": pad}
-    text = {**TEXT, **ids, "vocab_size": len(tokenizer)}
-    vision = {**VISION, "hidden_size": TEXT["hidden_size"]}
-    return Qwen2VLConfig(
-        text_config=text,
-        vision_config=vision,
-        tie_word_embeddings=True,
-        architectures=["Qwen2VLForConditionalGeneration"],
-        **qwen_vl_image_token_ids(tokenizer),
-    )
+    config.text_config.update({**ids, "vocab_size": len(tokenizer)})
+    config.update(qwen_vl_image_token_ids(tokenizer))
+    return config
 
 
 def build_model(tokenizer: Any, seed: int) -> Any:
