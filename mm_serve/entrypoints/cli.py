@@ -193,31 +193,16 @@ def chat(args: argparse.Namespace) -> int:
 # add_cli_args(parser) and main(args) -> its result; only the chosen one is imported, so that
 # the offline benchmarks never import the web stack (`bench serve` needs httpx only).
 BENCH_COMMANDS = {
-    "latency": ("latency", "Latency of one batch through the offline engine, and the decode step."),
-    "throughput": (
-        "throughput",
-        "Offline throughput of many requests, against HF transformers (or vLLM).",
-    ),
-    "serve": ("serve", "Load-test a running OpenAI-compatible server (TTFT, TPOT, ITL)."),
-    "peer-serve": (
-        "peer_serve",
-        "vLLM's `vllm bench serve` against mm-serve and vLLM, each started fresh (GPU).",
-    ),
-    "kernels": (
-        "kernels",
-        "Attention (ours vs cuDNN SDPA and FlashAttention) and the other kernels (GPU).",
-    ),
-    "roofline": ("roofline", "A throughput workload's roofline at given or measured GPU rates."),
-    "step": ("step_profile", "A decode step's host phases against its device time (GPU)."),
-    "host-overhead": (
-        "host_overhead",
-        "The engine core's host work per decode step, the model's device work taken out.",
-    ),
-    "startup": ("startup", "Seconds from `mm-serve serve` to a healthy server, first and cached."),
-    "architecture": (
-        "architectures",
-        "Write a published architecture's weightless folder (serve it with --load-format dummy).",
-    ),
+    "latency": ("latency", "Latency of one batch offline, and its decode step."),
+    "throughput": ("throughput", "Offline throughput against HF transformers or vLLM."),
+    "serve": ("serve", "Load-test a running server (TTFT, TPOT, ITL)."),
+    "peer-serve": ("peer_serve", "vLLM's bench serve against mm-serve and vLLM (GPU)."),
+    "kernels": ("kernels", "Attention and the other kernels against references (GPU)."),
+    "roofline": ("roofline", "A workload's roofline at given or measured GPU rates."),
+    "step": ("step_profile", "A decode step's host phases and device time (GPU)."),
+    "host-overhead": ("host_overhead", "The engine core's host work per decode step."),
+    "startup": ("startup", "Seconds from `mm-serve serve` to healthy, first and cached."),
+    "architecture": ("architectures", "Write a published architecture's weightless folder."),
 }
 
 
