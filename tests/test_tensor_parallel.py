@@ -19,9 +19,10 @@ import torch
 from PIL import Image
 from safetensors import safe_open
 
-from mm_serve import LLM, SamplingParams, distributed
+from mm_serve import LLM, SamplingParams
 from mm_serve.config import EngineArgs
 from mm_serve.config.parallel import ParallelConfig, check_tensor_parallel
+from mm_serve.distributed import parallel_state
 from mm_serve.engine.executor import WorkerDiedError
 from mm_serve.models.loader import load_model, safetensors_files
 from tests.fixtures.leaks import assert_llm_idle
@@ -39,7 +40,7 @@ two_ranks = pytest.mark.skipif(
 def test_each_rank_loads_its_shard(family, rank, llama_path, qwen2_path, monkeypatch) -> None:
     """Rank ``rank`` of 2, built without a process group, holds its slice of each tensor."""
     path = {"llama": llama_path, "qwen2": qwen2_path}[family]
-    monkeypatch.setattr(distributed, "_TP", distributed.TensorParallelState(rank, 2))
+    monkeypatch.setattr(parallel_state, "_TP", parallel_state.TensorParallelState(rank, 2))
     config = EngineArgs(model=path, device="cpu").create_engine_config().model
     model = load_model(config, "cpu")
     with safe_open(safetensors_files(path)[0], framework="pt") as f:
