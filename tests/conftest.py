@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -14,6 +16,13 @@ from tests.fixtures.server import (
     serve_checked,
 )
 from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
+
+# One intra-op CPU thread per test process and per server, engine core and worker it starts
+# (they inherit the variable), unless OMP_NUM_THREADS says otherwise: the tiny test models
+# gain nothing from a second thread, and with two pytest-xdist workers on two cores (``make
+# test``) the threads of each would spin-wait for cores the other holds.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")
