@@ -7,6 +7,10 @@ PYTHON ?= python3
 MODEL ?=
 ARGS ?=
 VENV := .venv
+# pytest-xdist (the test extra) runs test files on TEST_WORKERS processes, each file whole on
+# one of them, so that a module's server starts once; an offline host without it runs serially.
+TEST_WORKERS ?= 2
+TEST_XDIST := -n $(TEST_WORKERS) --dist loadfile
 # CPU build of torch, for hosts without one (a CUDA build would pull GBs of wheels).
 TORCH_VERSION ?= 2.13.0
 # A host whose python already has torch (a GPU image) is used as it is; others get .venv.
@@ -44,7 +48,8 @@ demo: setup
 	$(PY) samples/offline_generate.py
 
 test: setup
-	$(PY) -m pytest -q
+	if $(PY) -c "import xdist" 2>/dev/null; then $(PY) -m pytest -q $(TEST_XDIST); \
+	else $(PY) -m pytest -q; fi
 
 lint: setup
 	$(PY) -m pip install -q ruff

@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from tests.fixtures.checkpoints import build_tiny_checkpoint
+from tests.fixtures.server import (
+    VLM_MAX_MODEL_LEN,
+    VLM_NUM_KV_BLOCKS,
+    VLM_SERVED_NAME,
+    openai_of,
+    serve_checked,
+)
 from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
+
+# One intra-op CPU thread per test process and per server, engine core and worker it starts
+# (they inherit the variable), unless OMP_NUM_THREADS says otherwise: the tiny test models
+# gain nothing from a second thread, and with two pytest-xdist workers on two cores (``make
+# test``) the threads of each would spin-wait for cores the other holds.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")
@@ -25,15 +41,30 @@ def vlm_path(tmp_path_factory) -> str:
     return build_tiny_vlm_checkpoint(tmp_path_factory.mktemp("qwen2_vl"), "qwen2_vl", seed=5)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def vlm_llm(vlm_path):
     """The offline engine on ``vlm_path``, sized as the API tests' servers (the reference of
-    what they serve)."""
+    what they serve). Shared by the session: tests only compare outputs with it."""
     from mm_serve import LLM
 
-    llm = LLM(vlm_path, max_model_len=512, num_kv_blocks=64)
+    llm = LLM(vlm_path, max_model_len=VLM_MAX_MODEL_LEN, num_kv_blocks=VLM_NUM_KV_BLOCKS)
     yield llm
     llm.shutdown()
+
+
+@pytest.fixture(scope="session")
+def vlm_server(vlm_path):
+    """``mm-serve serve`` on ``vlm_path`` as ``VLM_SERVED_NAME``, sized as ``vlm_llm``, shared
+    by the API test modules that need no other flag and no fresh server state; at the end of
+    the session it must exit with 0 and leave no process."""
+    args = ["--max-model-len", str(VLM_MAX_MODEL_LEN), "--num-kv-blocks", str(VLM_NUM_KV_BLOCKS)]
+    yield from serve_checked(vlm_path, [*args, "--served-model-name", VLM_SERVED_NAME])
+
+
+@pytest.fixture(scope="session")
+def vlm_openai(vlm_server):
+    """An official ``openai.OpenAI`` client of ``vlm_server``."""
+    return openai_of(vlm_server)
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen2"])

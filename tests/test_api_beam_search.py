@@ -9,11 +9,10 @@ import openai
 import pytest
 
 from mm_serve import LLM, BeamSearchParams
-from tests.fixtures.server import image_question, noise_png_url, openai_client
+from tests.fixtures.server import VLM_MAX_MODEL_LEN as MAX_MODEL_LEN
+from tests.fixtures.server import VLM_SERVED_NAME as MODEL
+from tests.fixtures.server import image_question, noise_png_url
 
-MODEL = "tiny-vlm"
-MAX_MODEL_LEN = 512
-ENGINE_FLAGS = ["--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "64"]
 BEAM = {"use_beam_search": True, "return_token_ids": True}
 
 
@@ -21,8 +20,9 @@ MESSAGES = image_question(noise_png_url(1, 60, 80))
 
 
 @pytest.fixture(scope="module")
-def client(vlm_path):
-    yield from openai_client(vlm_path, ENGINE_FLAGS, MODEL)
+def client(vlm_openai):
+    """The session's shared server (conftest's ``vlm_server``)."""
+    return vlm_openai
 
 
 def reference(vlm_llm: LLM, prompt, width: int, max_tokens: int, length_penalty: float = 1.0):

@@ -8,10 +8,9 @@ import openai
 import pytest
 
 from mm_serve import SamplingParams
-from tests.fixtures.server import image_question, noise_png_url, openai_client
+from tests.fixtures.server import VLM_SERVED_NAME as MODEL
+from tests.fixtures.server import image_question, noise_png_url
 
-MODEL = "tiny-vlm"
-MAX_MODEL_LEN = 512
 MAX_TOKENS = 10
 
 
@@ -19,9 +18,9 @@ MESSAGES = image_question(noise_png_url(0, 90, 120))
 
 
 @pytest.fixture(scope="module")
-def client(vlm_path):
-    args = ["--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "64"]
-    yield from openai_client(vlm_path, args, MODEL)
+def client(vlm_openai):
+    """The session's shared server (conftest's ``vlm_server``)."""
+    return vlm_openai
 
 
 def greedy(**kwargs) -> SamplingParams:

@@ -13,10 +13,8 @@ import openai
 import pytest
 
 from mm_serve import SamplingParams
-from tests.fixtures.server import openai_client
+from tests.fixtures.server import VLM_SERVED_NAME as MODEL
 
-MODEL = "tiny-vlm"
-MAX_MODEL_LEN = 512
 USER = [{"role": "user", "content": "Describe a cat."}]
 SCHEMA = {
     "type": "object",
@@ -34,9 +32,9 @@ RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "cat", "schema
 
 
 @pytest.fixture(scope="module")
-def client(vlm_path):
-    args = ["--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "64"]
-    yield from openai_client(vlm_path, args, MODEL)
+def client(vlm_openai):
+    """The session's shared server (conftest's ``vlm_server``)."""
+    return vlm_openai
 
 
 def _chat(client, **kwargs):

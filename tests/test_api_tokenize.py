@@ -13,24 +13,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.fixtures.server import serve_checked
-from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
-
-MODEL = "tiny-vlm"
-MAX_MODEL_LEN = 512
+from tests.fixtures.server import VLM_MAX_MODEL_LEN as MAX_MODEL_LEN
+from tests.fixtures.server import VLM_SERVED_NAME as MODEL
 
 
 @pytest.fixture(scope="module")
-def vlm_path(tmp_path_factory) -> str:
-    return build_tiny_vlm_checkpoint(tmp_path_factory.mktemp("qwen2_vl"), "qwen2_vl", seed=3)
-
-
-@pytest.fixture(scope="module")
-def base_url(vlm_path):
-    args = ["--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "64"]
-    args += ["--served-model-name", MODEL]
-    for server in serve_checked(vlm_path, args):
-        yield server.url
+def base_url(vlm_server):
+    """The session's shared server on conftest's ``vlm_path``."""
+    return vlm_server.url
 
 
 def _image() -> Image.Image:

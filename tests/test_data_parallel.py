@@ -163,28 +163,37 @@ def test_combined_stats_and_per_replica_metrics() -> None:
     assert "mm_serve_num_requests_running 2.0" in ServerMetrics().render(a).decode()
 
 
+OFFLINE_PROMPTS = [{"prompt_token_ids": [5, 6, 7 + i] * 7} for i in range(6)]
+OFFLINE_PARAMS = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def one_engine_tokens(llama_path) -> list[list[int]]:
+    """One engine core's greedy tokens for ``OFFLINE_PROMPTS``."""
+    one = LLM(llama_path, device="cpu", num_kv_blocks=64)
+    outputs = one.generate(OFFLINE_PROMPTS, OFFLINE_PARAMS, use_tqdm=False)
+    one.shutdown()
+    return [o.outputs[0].token_ids for o in outputs]
+
+
 @pytest.mark.parametrize("tp", [1, 2])
-def test_offline_two_replicas_match_one(tp, llama_path) -> None:
+def test_offline_two_replicas_match_one(tp, llama_path, one_engine_tokens) -> None:
     """``LLM(data_parallel_size=2)``, each replica with ``tp`` tensor-parallel workers of its
     own: the same greedy tokens as one engine core, both replicas used, nothing left in
     either."""
-    prompts = [{"prompt_token_ids": [5, 6, 7 + i] * 7} for i in range(6)]
-    params = SamplingParams(temperature=0.0, max_tokens=8)
-    one = LLM(llama_path, device="cpu", num_kv_blocks=64)
-    expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
-    one.shutdown()
     llm = LLM(
         llama_path, device="cpu", num_kv_blocks=64, data_parallel_size=2, tensor_parallel_size=tp
     )
     try:
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        outputs = llm.generate(OFFLINE_PROMPTS, OFFLINE_PARAMS, use_tqdm=False)
+        got = [o.outputs[0].token_ids for o in outputs]
         replicas = llm.engine_core.client.get_replica_stats()
         assert all(stats.prefix_cache_queries > 0 for stats in replicas)
         assert llm.get_stats().prefix_cache_queries == sum(s.prefix_cache_queries for s in replicas)
         assert all(stats.num_running_reqs == stats.num_waiting_reqs == 0 for stats in replicas)
     finally:
         llm.shutdown()
-    assert got == expected
+    assert got == one_engine_tokens
 
 
 # ---- a served fleet of two ----------------------------------------------------------------

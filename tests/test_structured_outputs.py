@@ -54,6 +54,18 @@ def test_logit_bias_adds_to_its_tokens() -> None:
     assert torch.equal(biased, expected) and not logits.any()
 
 
+PLAIN = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain_texts(qwen2_path) -> list[list[str]]:
+    """The default engine's texts for ``PROMPTS`` under ``PLAIN``, alone (one list each)."""
+    reference = LLM(qwen2_path, dtype="float32")
+    outputs = reference.generate(PROMPTS, PLAIN, use_tqdm=False)
+    reference.shutdown()
+    return [[o.outputs[0].text] for o in outputs]
+
+
 def _generate(llm, grammar_params, plain_params):
     """Grammar and plain requests interleaved in one batch; returns (grammar, plain) texts."""
     prompts, params = [], []
@@ -75,14 +87,11 @@ def _generate(llm, grammar_params, plain_params):
         {"async_scheduling": True, "distributed_executor_backend": "mp"},  # a worker process
     ],
 )
-def test_grammar_requests_beside_plain_ones(qwen2_path, engine_args) -> None:
-    plain = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+def test_grammar_requests_beside_plain_ones(qwen2_path, plain_texts, engine_args) -> None:
     grammar = SamplingParams(temperature=1.0, seed=7, n=2, max_tokens=60, structured_outputs=JSON)
-    reference = LLM(qwen2_path, dtype="float32")
-    expected = [[o.outputs[0].text] for o in reference.generate(PROMPTS, plain, use_tqdm=False)]
     llm = LLM(qwen2_path, dtype="float32", multiprocess=False, **engine_args)
-    constrained, unconstrained = _generate(llm, grammar, plain)
-    assert unconstrained == expected
+    constrained, unconstrained = _generate(llm, grammar, PLAIN)
+    assert unconstrained == plain_texts
     for texts in constrained:
         assert len(texts) == 2
         for text in texts:

@@ -134,18 +134,32 @@ MODES = {
 }
 
 
+@pytest.fixture(scope="module")
+def tp1_outputs():
+    """``get(path)``: the prompts and one rank's outputs on them (in order, then reversed),
+    generated once per checkpoint for all the modes of ``test_tp2_matches_tp1_and_hf``."""
+    outputs: dict[str, tuple[list, list]] = {}
+
+    def get(path: str) -> tuple[list, list]:
+        if path not in outputs:
+            tp1 = LLM(path, **ENGINE_ARGS)
+            prompts = _prompts(tp1.config.model.vocab_size)
+            outputs[path] = (prompts, _generate(tp1, prompts) + _generate(tp1, prompts[::-1]))
+            tp1.shutdown()
+        return outputs[path]
+
+    return get
+
+
 @two_ranks
 @pytest.mark.parametrize("mode", MODES)
-def test_tp2_matches_tp1_and_hf(mode, llama_path, qwen2_path, hf_reference) -> None:
+def test_tp2_matches_tp1_and_hf(mode, llama_path, qwen2_path, hf_reference, tp1_outputs) -> None:
     """Two CPU ranks (gloo), or one in a worker process: greedy tokens equal those of one rank
     in this process and HF's, with chunked prefill, preemption and prefix caching; the second
     batch is served from the prefix cache."""
     family, extra = MODES[mode]
     path = {"llama": llama_path, "qwen2": qwen2_path}[family]
-    tp1 = LLM(path, **ENGINE_ARGS)
-    prompts = _prompts(tp1.config.model.vocab_size)
-    expected = _generate(tp1, prompts) + _generate(tp1, prompts[::-1])
-    tp1.shutdown()
+    prompts, expected = tp1_outputs(path)
     llm = LLM(path, **{"tensor_parallel_size": 2, **ENGINE_ARGS, **extra})
     assert llm.config.parallel.distributed_executor_backend == "mp"
     try:

@@ -126,12 +126,23 @@ def _hf_chat(path: str, image: Image.Image, question: str) -> tuple[list[int], s
     return ids, processor.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
-def test_serve_transformers_layout(tmp_path, family):
+@pytest.fixture(params=["qwen2_vl", "llava"])
+def served(request, tmp_path):
+    """(checkpoint folder, server URL): for Qwen2-VL the session's shared server on conftest's
+    ``vlm_path`` (built the same way), for LLaVA a server of its own."""
+    if request.param == "qwen2_vl":
+        yield request.getfixturevalue("vlm_path"), request.getfixturevalue("vlm_server").url
+        return
+    path = build_tiny_vlm_checkpoint(tmp_path, request.param, seed=2)
+    with RemoteServer(path, ["--max-model-len", "512", "--num-kv-blocks", "64"]) as server:
+        yield path, server.url
+
+
+def test_serve_transformers_layout(served):
     """``mm-serve serve`` on a folder exactly as transformers' save_pretrained wrote it (no
     preprocessor_config.json): a chat turn with an image answers as HF does."""
-    path = build_tiny_vlm_checkpoint(tmp_path, family, seed=2)
-    assert not (tmp_path / "preprocessor_config.json").exists()
+    path, server_url = served
+    assert not (Path(path) / "preprocessor_config.json").exists()
     image, url = _image()
     question = "What is in the picture?"
     ref_ids, ref_text = _hf_chat(path, image, question)
@@ -144,8 +155,7 @@ def test_serve_transformers_layout(tmp_path, family):
         "max_tokens": MAX_NEW_TOKENS,
         "temperature": 0,
     }
-    with RemoteServer(path, ["--max-model-len", "512", "--num-kv-blocks", "64"]) as server:
-        response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    response = httpx.post(f"{server_url}/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
     reply = response.json()
     assert reply["usage"]["completion_tokens"] == len(ref_ids)
