@@ -83,7 +83,7 @@ def _decode(data: bytes, what: str, max_pixels: int | None) -> Image.Image:
     try:
         image = Image.open(io.BytesIO(data))  # reads the header only
     except Image.DecompressionBombError as e:
-        raise ValueError(f"Refusing to decode {what}: {e}") from e
+        raise _too_many_pixels(what, max_pixels, e) from e
     except UnidentifiedImageError as e:
         raise ValueError(f"Cannot decode {what}: not an image in a known format.") from e
     except (OSError, SyntaxError, ValueError) as e:
@@ -92,10 +92,21 @@ def _decode(data: bytes, what: str, max_pixels: int | None) -> Image.Image:
     try:
         image.load()  # decode now: truncated or corrupt data fails here, not later
     except Image.DecompressionBombError as e:
-        raise ValueError(f"Refusing to decode {what}: {e}") from e
+        raise _too_many_pixels(what, max_pixels, e) from e
     except (OSError, SyntaxError, ValueError) as e:
         raise ValueError(f"Cannot decode {what} as an image: {e}") from e
     return image
+
+
+def _too_many_pixels(what: str, max_pixels: int | None, error: Exception) -> ValueError:
+    """Pillow's decompression-bomb refusal, told as our ``max_pixels`` limit where that one is
+    the lower (Pillow refuses above twice ``Image.MAX_IMAGE_PIXELS``)."""
+    if max_pixels is None or max_pixels >= 2 * (Image.MAX_IMAGE_PIXELS or 0):
+        return ValueError(f"Refusing to decode {what}: {error}")
+    return ValueError(
+        f"Refusing to decode {what}: it declares more pixels than the limit of {max_pixels} "
+        "(max_pixels)."
+    )
 
 
 def check_max_pixels(image: Image.Image, max_pixels: int | None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -22,6 +23,11 @@ from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 # gain nothing from a second thread, and with two pytest-xdist workers on two cores (``make
 # test``) the threads of each would spin-wait for cores the other holds.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Each pytest-xdist worker gets its own temp folder (inherited by the processes its tests
+# start): a test that checks its engine left no ipc folder must not see another worker's.
+if _worker := os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["TMPDIR"] = tempfile.mkdtemp(prefix=f"pytest-{_worker}-")
+    tempfile.tempdir = None  # re-read TMPDIR
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import struct
 import time
 import zlib
@@ -35,6 +36,7 @@ ALLOWED_DOMAIN = "images.allowed.test"
 SERVED = "<served model>"  # replaced by the server's model id when sent
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+TOKENIZE = "/tokenize"
 INTERNALS = ("Traceback", 'File "', "site-packages", "mm_serve/")
 
 
@@ -100,6 +102,7 @@ class Bad:
     phrases: str
     statuses: tuple[int, ...] = (400,)
     path: str = CHAT
+    param: str | None = None  # the error's ``param``, where the case pins it
 
 
 PIXELS = "pixel|large|exceed"
@@ -118,6 +121,30 @@ CASES = [
     Bad("message_without_role", chat() | {"messages": [{"content": "hi"}]}, "role"),
     Bad("content_is_a_number", chat(5), "content"),
     Bad("max_tokens_not_int", chat(max_tokens="ten"), "max_tokens"),
+    Bad("max_tokens_is_bool", chat(max_tokens=True), "integer", param="max_tokens"),
+    Bad("max_tokens_numeric_string", chat(max_tokens="10"), "integer", param="max_tokens"),
+    Bad("stream_is_a_string", chat(stream="yes"), "bool", param="stream"),
+    Bad(
+        "user_content_null",
+        chat() | {"messages": [{"role": "user", "content": None}]},
+        "content is required",
+        param="messages[0]",
+    ),
+    Bad("lone_surrogate", chat("\ud800 hi"), "unicode", param="messages[0].content"),
+    Bad(
+        "lone_surrogate_in_a_part",
+        chat([{"type": "text", "text": "a\udfffb"}]),
+        "unicode",
+        param="messages[0].content[0].text",
+    ),
+    Bad(
+        "completions_lone_surrogate",
+        {"prompt": "\ud800"},
+        "unicode",
+        path=COMPLETIONS,
+        param="prompt",
+    ),
+    Bad("tokenize_lone_surrogate", {"prompt": "\ud800"}, "unicode", path=TOKENIZE, param="prompt"),
     Bad("temperature_not_number", chat(temperature="hot"), "temperature"),
     Bad("n_is_fractional", chat(n=1.5), "integer"),
     Bad("stream_is_a_list", chat(stream=[1]), "stream"),
@@ -139,6 +166,16 @@ CASES = [
     Bad("not_an_image", chat(with_image(data_url(b"hello, world! " * 20))), "image"),
     Bad("empty_image", chat(with_image("data:image/png;base64,")), "image|empty"),
     Bad("decompression_bomb", chat(with_image(data_url(png_declaring(30000, 30000)))), PIXELS),
+    Bad(
+        "bomb_named_as_our_limit",
+        chat(with_image(data_url(png_declaring(20000, 20000)))),
+        "max_pixels",
+    ),
+    Bad(
+        "png_as_text_plain",
+        chat(with_image(data_url(SMALL_PNG, "text/plain"))),
+        "media type",
+    ),
     Bad("header_above_max_pixels", chat(with_image(data_url(png_declaring(4000, 4000)))), PIXELS),
     Bad(
         "image_above_max_pixels",
@@ -164,7 +201,12 @@ CASES = [
     Bad("repetition_penalty_zero", chat(repetition_penalty=0.0), "repetition_penalty"),
     Bad("n_zero", chat(n=0), "n must|'n'|`n`"),
     Bad("top_logprobs_negative", chat(logprobs=True, top_logprobs=-1), "logprobs"),
-    Bad("top_logprobs_above_20", chat(logprobs=True, top_logprobs=50), "logprobs"),
+    Bad(
+        "top_logprobs_above_20",
+        chat(logprobs=True, top_logprobs=50),
+        "top_logprobs",
+        param="top_logprobs",
+    ),
     Bad("unsupported_field", chat(tool_choice="auto"), "tool_choice"),
     Bad("unknown_field", chat(no_such_field={"x": 1}), "no_such_field"),
     Bad(
@@ -278,7 +320,9 @@ def send(http: httpx.Client, path: str, body: Any, model_id: str, **kwargs) -> h
         return http.post(path, content=body, headers=headers, **kwargs)
     if body.get("model", SERVED) == SERVED:  # the served model unless the case names one
         body = {**body, "model": model_id}
-    return http.post(path, json=body, **kwargs)
+    # json.dumps escapes non-ASCII (a lone surrogate becomes "\\ud800", valid JSON text).
+    headers = {"Content-Type": "application/json", **kwargs.pop("headers", {})}
+    return http.post(path, content=json.dumps(body).encode(), headers=headers, **kwargs)
 
 
 def assert_error(response: httpx.Response, statuses: tuple[int, ...], phrases: str):
@@ -300,6 +344,8 @@ def test_bad_request(http, model_id, media_root, case: Bad):
     body = case.body(media_root) if callable(case.body) else case.body
     response = send(http, case.path, body, model_id)
     assert_error(response, case.statuses, case.phrases)
+    if case.param is not None:
+        assert response.json()["error"]["param"] == case.param
 
 
 def test_body_too_large_without_content_length(http, model_id):

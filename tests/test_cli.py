@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib.metadata
 import os
 import re
 import signal
@@ -95,12 +96,35 @@ def test_parsed_defaults_are_the_config_defaults() -> None:
     assert demo.model == str(DEMO_MODEL)
 
 
+def test_version(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser(["--version"]).parse_args(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"mm-serve {importlib.metadata.version('mm_serve')}"
+
+
+@pytest.mark.parametrize("command", ["serve", "chat"])
+def test_api_key_from_the_environment_and_never_in_the_help(command, monkeypatch, capsys):
+    argv = [command, "a question"] if command == "chat" else [command]
+    monkeypatch.delenv("MM_SERVE_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "vllm-key")
+    assert build_parser(argv).parse_args(argv).api_key == "vllm-key"
+    monkeypatch.setenv("MM_SERVE_API_KEY", "our-key")
+    assert build_parser(argv).parse_args(argv).api_key == "our-key"
+    flagged = [*argv, "--api-key", "flag-key"]
+    assert build_parser(flagged).parse_args(flagged).api_key == "flag-key"
+    with pytest.raises(SystemExit):
+        build_parser(argv).parse_args([command, "--help"])
+    help_text = capsys.readouterr().out
+    assert "$MM_SERVE_API_KEY" in help_text and "our-key" not in help_text
+
+
 def test_chat_help_shows_each_default_once(capsys) -> None:
     entries = help_defaults(["chat"], capsys)
     assert shown_default(entries["--url"]) == "http://127.0.0.1:8000"
     assert shown_default(entries["--max-tokens"]) == "256"
     assert shown_default(entries["--temperature"]) == "the server's"
-    assert shown_default(entries["--api-key"]) is None
+    assert shown_default(entries["--api-key"]) == "$MM_SERVE_API_KEY or $VLLM_API_KEY"
 
 
 @pytest.mark.parametrize(

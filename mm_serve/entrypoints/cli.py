@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import functools
 import importlib
+import importlib.metadata
 import importlib.resources
 import json
 import logging
@@ -47,6 +48,16 @@ def _mm_limits(text: str) -> dict[str, int]:
     return limits
 
 
+# The API key's environment variables, ours first; vLLM's is read too, for its users.
+API_KEY_ENV = ("MM_SERVE_API_KEY", "VLLM_API_KEY")
+KEY_SHOWN = " or ".join(f"${name}" for name in API_KEY_ENV)  # the help never shows the key
+
+
+def api_key_from_env() -> str | None:
+    """The API key from the first of ``API_KEY_ENV`` that is set, else None."""
+    return next((os.environ[name] for name in API_KEY_ENV if os.environ.get(name)), None)
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     """The HTTP flags of ``serve``, with the defaults of ``ServerConfig`` and ``MediaConfig``
     (imports the web stack)."""
@@ -56,7 +67,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add = functools.partial(add_flag, parser.add_argument_group("server"))
     add("--host", "Address to listen on.", server.host)
     add("--port", "Port to listen on.", server.port, type=int)
-    add("--api-key", "Require 'Authorization: Bearer <key>' on /v1/* (401 without).")
+    add(
+        "--api-key",
+        "Require 'Authorization: Bearer <key>' on /v1/* (401 without). Better given in the "
+        "environment: a flag shows in every user's `ps`.",
+        api_key_from_env(),
+        shown=KEY_SHOWN,
+    )
     add(
         "--served-model-name",
         "Model names clients may use; the first is reported in responses.",
@@ -246,7 +263,7 @@ def add_chat_parser(commands) -> None:
     chat_parser.add_argument("question")
     add = functools.partial(add_flag, chat_parser)
     add("--url", "Server URL.", "http://127.0.0.1:8000")
-    add("--api-key", "The server's API key, if it needs one.")
+    add("--api-key", "The server's API key, if it needs one.", api_key_from_env(), shown=KEY_SHOWN)
     add("--max-tokens", "Most tokens in the answer.", 256, type=int)
     add("--temperature", "Sampling temperature; 0: greedy.", shown="the server's", type=float)
     chat_parser.set_defaults(func=chat)
@@ -260,6 +277,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mm-serve", description="Serve vision-language models; ask a server; benchmark."
     )
+    version = importlib.metadata.version("mm_serve")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version}")
     commands = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(commands, argv)
     add_chat_parser(commands)

@@ -73,7 +73,8 @@ class MediaResolver:
 
         Raises:
             APIError: (400) more than ``max_images`` images or ``max_videos`` videos, a
-                disallowed URL, a failed fetch, an item above ``max_bytes``.
+                ``data:`` URL of another media type, a disallowed URL, a failed fetch, an item
+                above ``max_bytes``.
         """
         limits = (("image", self.config.max_images), ("video", self.config.max_videos))
         for what, limit in limits:
@@ -91,7 +92,9 @@ class MediaResolver:
                 )
             for part in parts:
                 url = part[f"{what}_url"]["url"]
-                if not url.startswith("data:"):
+                if url.startswith("data:"):
+                    _check_data_url_type(url, what)
+                else:
                     item, uuid = await self.load(url, what), part.get("uuid")
                     part.clear()
                     part.update({"type": what, what: item, "uuid": uuid})
@@ -167,3 +170,12 @@ class MediaResolver:
     def _check_size(self, size: int, what: str) -> None:
         if size > self.config.max_bytes:
             raise _bad(f"The {what} is larger than the limit of {self.config.max_bytes} bytes.")
+
+
+def _check_data_url_type(url: str, what: str) -> None:
+    """Raises APIError (400) when the ``data:`` URL names a media type other than ``what``'s
+    (``image/*`` for an image); an unnamed or ``application/octet-stream`` one leaves it to the
+    decoder."""
+    media_type = url[len("data:") :].split(",", 1)[0].split(";", 1)[0].strip().lower()
+    if media_type not in ("", "application/octet-stream") and not media_type.startswith(f"{what}/"):
+        raise _bad(f"A {what}_url data: URL must have a {what}/* media type, not {media_type!r}.")

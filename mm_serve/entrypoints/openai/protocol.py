@@ -20,6 +20,7 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     model_serializer,
+    model_validator,
 )
 
 
@@ -127,6 +128,13 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool's answer: to which call
 
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        # OpenAI's: only an assistant's message (e.g. one of tool calls) may have no content.
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content is required in a {self.role!r} message (null given)")
+        return self
+
 
 # ---- requests ----------------------------------------------------------------------------
 
@@ -158,7 +166,9 @@ UNSUPPORTED_MESSAGE_FIELDS = frozenset({"audio", "function_call"})
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # Strict types at the top level, as OpenAI checks them: ``max_tokens: true`` or ``"10"``
+    # is a 400 naming the field, not 1 or 10 (an int still passes for a float).
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class JSONSchemaFormat(BaseModel):

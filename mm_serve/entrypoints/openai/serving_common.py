@@ -172,6 +172,7 @@ class ServingBase:
         """
         if self.llm.is_dead:
             raise engine_dead_error()
+        check_request_fields(request)
         self.admission.enter()
         try:
             result = await self.create(request, arrival_time)
@@ -207,7 +208,6 @@ class ServingBase:
         Raises:
             APIError: (400) a value out of range, naming the field.
         """
-        reject_undeclared_fields(request)
         if request.use_beam_search:
             check_beam_search(request)
         if request.prompt_logprobs is not None:
@@ -217,7 +217,8 @@ class ServingBase:
                 message = f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]."
                 raise bad_request(message, param="prompt_logprobs")
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-            raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}].", param="logprobs")
+            name = "top_logprobs" if hasattr(request, "top_logprobs") else "logprobs"  # chat's
+            raise bad_request(f"{name} must be in [0, {MAX_LOGPROBS}].", param=name)
         temperature = request.temperature
         if temperature is not None and not 0 <= temperature <= MAX_TEMPERATURE:
             message = f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature}."
@@ -380,6 +381,49 @@ async def collect(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
     assert last is not None, "generate() yields at least the finish of every completion"
     outputs_in_order = [merged[i] for i in sorted(merged)]
     return dataclasses.replace(last, outputs=outputs_in_order, prompt_logprobs=prompt_logprobs)
+
+
+def check_request_fields(request: BaseModel) -> None:
+    """Refuse an undeclared field (``reject_undeclared_fields``) or a text that is not valid
+    Unicode (``reject_invalid_text``), before anything reads the request.
+
+    Raises:
+        APIError: (400) naming the field.
+    """
+    reject_undeclared_fields(request)
+    reject_invalid_text(request)
+
+
+def reject_invalid_text(value: Any, param: str = "") -> None:
+    """Refuse the first string in ``value`` (a request model, or a list, dict or string it
+    holds) that is not valid Unicode: an unpaired surrogate, which JSON can spell
+    (``"\\ud800"``) but no tokenizer or image decoder takes.
+
+    Raises:
+        APIError: (400) naming the field (``messages[0].content``).
+    """
+    if isinstance(value, str):
+        if not value.isascii() and not _encodes(value):
+            where = param or "the body"
+            raise bad_request(f"{where} is not valid Unicode (an unpaired surrogate).", param)
+    elif isinstance(value, BaseModel):
+        for name in (*type(value).model_fields, *(value.model_extra or {})):
+            reject_invalid_text(getattr(value, name), f"{param}.{name}" if param else name)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            reject_invalid_text(key, param)
+            reject_invalid_text(item, f"{param}.{key}" if param else str(key))
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            reject_invalid_text(item, f"{param}[{index}]")
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def reject_undeclared_fields(request: BaseModel) -> None:

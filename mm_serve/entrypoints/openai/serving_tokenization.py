@@ -18,7 +18,7 @@ from mm_serve.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from mm_serve.entrypoints.openai.serving_chat import check_chat_template_options
-from mm_serve.entrypoints.openai.serving_common import ModelInfo, reject_undeclared_fields
+from mm_serve.entrypoints.openai.serving_common import ModelInfo, check_request_fields
 from mm_serve.frontend.async_llm import AsyncLLM
 
 
@@ -36,10 +36,10 @@ class ServingTokenization:
         """The prompt's token ids (and, with ``return_token_strs``, the tokens' strings).
 
         Raises:
-            APIError: 404 for a model not served; 400 for an undeclared field, messages the
-                chat template rejects, or an image that cannot be used.
+            APIError: 404 for a model not served; 400 for an undeclared field, invalid text,
+                messages the chat template rejects, or an image that cannot be used.
         """
-        reject_undeclared_fields(request)
+        check_request_fields(request)
         self.model.name_for(request.model)
         if isinstance(request, TokenizeChatRequest):
             tokens = await self._chat_tokens(request)
@@ -81,7 +81,7 @@ class ServingTokenization:
             APIError: 404 for a model not served; 400 for an undeclared field or a token id
                 outside the vocabulary.
         """
-        reject_undeclared_fields(request)
+        check_request_fields(request)
         self.model.name_for(request.model)
         vocab_size = self.llm.config.model.vocab_size
         if any(not 0 <= t < vocab_size for t in request.tokens):
