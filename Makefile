@@ -7,9 +7,10 @@ PYTHON ?= python3
 MODEL ?=
 ARGS ?=
 VENV := .venv
-# pytest-xdist (the test extra) runs test files on TEST_WORKERS processes, each file whole on
+# pytest-xdist (the test extra) runs test files on TEST_WORKERS processes (more than the cores:
+# many tests wait on the servers and engines they start), each file whole on
 # one of them, so that a module's server starts once; an offline host without it runs serially.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 TEST_XDIST := -n $(TEST_WORKERS) --dist loadfile
 # CPU build of torch, for hosts without one (a CUDA build would pull GBs of wheels).
 TORCH_VERSION ?= 2.13.0
