@@ -20,7 +20,7 @@ from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 # One intra-op CPU thread per test process and per server, engine core and worker it starts
 # (they inherit the variable), unless OMP_NUM_THREADS says otherwise: the tiny test models
-# gain nothing from a second thread, and with two pytest-xdist workers on two cores (``make
+# gain nothing from a second thread, and with several pytest-xdist workers on two cores (``make
 # test``) the threads of each would spin-wait for cores the other holds.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Each pytest-xdist worker gets its own temp folder (inherited by the processes its tests
