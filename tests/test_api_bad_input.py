@@ -200,6 +200,7 @@ CASES = [
     Bad("frequency_penalty_too_small", chat(frequency_penalty=-3.0), "frequency_penalty"),
     Bad("repetition_penalty_zero", chat(repetition_penalty=0.0), "repetition_penalty"),
     Bad("n_zero", chat(n=0), "n must|'n'|`n`"),
+    Bad("n_above_the_limit", chat(n=129), "at most 128", param="n"),
     Bad("top_logprobs_negative", chat(logprobs=True, top_logprobs=-1), "logprobs"),
     Bad(
         "top_logprobs_above_20",

@@ -20,6 +20,8 @@ import pytest
 from PIL import Image
 
 from mm_serve import LLM, SamplingParams
+from mm_serve.entrypoints.openai.errors import APIError
+from mm_serve.entrypoints.openai.serving_common import Admission
 from tests.fixtures.server import free_port, metric, serve_checked
 from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
@@ -372,6 +374,26 @@ def test_error_statuses(server, media_server, media_dir):
         response = post(server, "/v1/chat/completions", chat_body(user("x", url)))
         assert response.status_code == 200, response.text
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_admission_counts_each_requests_sequences() -> None:
+    """A request counts its ``n`` against the limit; ``n`` above ``max_n`` is a 400; a request
+    alone on the server is admitted whatever its ``n``."""
+    admission = Admission(limit=4, max_n=3)
+    admission.enter(3)
+    with pytest.raises(APIError) as refused:
+        admission.enter(2)
+    assert refused.value.status == 429 and refused.value.headers == {"Retry-After": "1"}
+    admission.enter(1)  # 4 in flight: at the limit
+    admission.leave(3)
+    admission.leave(1)
+    assert admission.in_flight == 0
+    with pytest.raises(APIError) as too_many:
+        admission.enter(4)
+    assert (too_many.value.status, too_many.value.param) == (400, "n")
+    alone = Admission(limit=2, max_n=8)
+    alone.enter(5)
+    assert alone.in_flight == 5
 
 
 def test_overload(server):

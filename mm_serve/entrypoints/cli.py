@@ -88,10 +88,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--max-concurrent-requests",
-        "Generation requests in flight beyond this get a 429.",
+        "Generation sequences in flight (a request's n count n) beyond this get a 429.",
         server.max_concurrent_requests,
         type=int,
     )
+    add("--max-n", "Most completions (n) or beams one request may ask for.", server.max_n, type=int)
     add(
         "--log-level",
         "Level of mm_serve's and uvicorn's loggers.",
@@ -158,6 +159,7 @@ def server_config_from(args: argparse.Namespace):
         media=media,
         max_request_body_bytes=args.max_request_body_bytes,
         max_concurrent_requests=args.max_concurrent_requests,
+        max_n=args.max_n,
         log_level=args.log_level,
     )
 

@@ -75,7 +75,8 @@ class ServerConfig:
 
     ``served_model_names``: names clients use in ``model`` (empty: the model as given; the
     first is reported in responses); ``max_request_body_bytes``: larger bodies get a 413;
-    ``max_concurrent_requests``: generation requests in flight beyond it get a 429;
+    ``max_concurrent_requests``: generation sequences (a request's ``n``) in flight beyond it
+    get a 429; ``max_n``: a larger ``n`` is a 400;
     ``web_dir``: served at ``/`` when it holds an ``index.html``; ``log_level``: uvicorn's
     (debug, info, warning, error).
     """
@@ -87,6 +88,7 @@ class ServerConfig:
     media: MediaConfig = MediaConfig()
     max_request_body_bytes: int = 64 << 20
     max_concurrent_requests: int = 1024
+    max_n: int = 128
     web_dir: Path = WEB_DIR
     log_level: str = "info"
 
@@ -97,7 +99,7 @@ def build_app(
     """The FastAPI app serving ``llm`` (which must outlive it)."""
     model_name = llm.config.model.model
     model = ModelInfo(config.served_model_names or (model_name,), model_name)
-    admission = Admission(config.max_concurrent_requests)
+    admission = Admission(config.max_concurrent_requests, config.max_n)
     chat = ServingChat(llm, model, admission, media)
     completion = ServingCompletion(llm, model, admission)
     tokenization = ServingTokenization(llm, model, media)

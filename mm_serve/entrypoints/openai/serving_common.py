@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -72,26 +73,37 @@ class ModelInfo:
 
 
 class Admission:
-    """Caps the generation requests in flight; beyond ``limit``, a 429."""
+    """Caps the sequences in flight (a request's ``n`` completions or beams count ``n``):
+    beyond ``limit``, a 429; and one request's ``n`` at ``max_n`` (OpenAI's bound is 128), so
+    that no single request holds the engine for everyone."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
+    def __init__(self, limit: int, max_n: int = 128) -> None:
+        self.limit, self.max_n = limit, max_n
         self.in_flight = 0
 
-    def enter(self) -> None:
-        """Raises APIError (429) when ``limit`` requests are in flight already."""
-        if self.in_flight >= self.limit:
+    def enter(self, n: int = 1) -> None:
+        """Admit a request of ``n`` sequences.
+
+        Raises:
+            APIError: 400 when ``n`` is above ``max_n``; 429 when the sequences in flight
+                would pass ``limit`` (a request alone on the server is always admitted).
+        """
+        if n > self.max_n:
+            message = f"n must be at most {self.max_n} (the server's --max-n), got {n}."
+            raise bad_request(message, param="n")
+        if self.in_flight and self.in_flight + n > self.limit:
             raise APIError(
                 429,
-                f"The server has {self.in_flight} requests in flight, its limit; retry later.",
+                f"The server has {self.in_flight} sequences in flight, near its limit of "
+                f"{self.limit}; retry later.",
                 "server_overloaded",
                 headers={"Retry-After": "1"},
             )
-        self.in_flight += 1
+        self.in_flight += n
 
-    def leave(self) -> None:
-        """One request in flight less (after each ``enter`` that did not raise)."""
-        self.in_flight -= 1
+    def leave(self, n: int = 1) -> None:
+        """``n`` sequences in flight less (after each ``enter(n)`` that did not raise)."""
+        self.in_flight -= n
 
 
 class EventStreamResponse(StreamingResponse):
@@ -173,16 +185,17 @@ class ServingBase:
         if self.llm.is_dead:
             raise engine_dead_error()
         check_request_fields(request)
-        self.admission.enter()
+        leave = functools.partial(self.admission.leave, request.n)
+        self.admission.enter(request.n)
         try:
             result = await self.create(request, arrival_time)
         except BaseException:
-            self.admission.leave()
+            leave()
             raise
         if isinstance(result, BaseModel):
-            self.admission.leave()
+            leave()
             return result
-        return EventStreamResponse(stream_with_errors(result), on_close=self.admission.leave)
+        return EventStreamResponse(stream_with_errors(result), on_close=leave)
 
     async def create(self, request: Any, arrival_time: float) -> BaseModel | AsyncIterator[str]:
         """The response model, or (``stream``) the SSE events of the streamed response (each
