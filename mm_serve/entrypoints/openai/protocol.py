@@ -3,9 +3,9 @@
 Requests check types and shapes only; the *values* (a negative temperature, ``max_tokens`` of
 0, a prompt beyond the context) are checked by the serving code and ``SamplingParams``, as vLLM
 does. Either violation is a 400 naming the field, as OpenAI answers; so is a parameter of
-OpenAI's API or a vLLM extension that this server does not implement (``UNSUPPORTED_FIELDS``),
-and so is a field unknown to both: no field a request asks for is silently ignored
-(``serving_common.reject_undeclared_fields``). The chat messages (OpenAI's content parts,
+OpenAI's API or a vLLM extension that this server does not implement (``UNSUPPORTED_FIELDS``);
+a field neither defines is accepted and its name logged once, as vLLM does
+(``serving_common.check_undeclared_fields``). The chat messages (OpenAI's content parts,
 vLLM's ``video_url`` part) and tool-calling shapes are here too.
 """
 
@@ -80,7 +80,7 @@ class DeltaToolCall(OmitNone):
 
 
 class _Part(BaseModel):
-    # Undeclared keys are kept for ``serving_common.reject_undeclared_fields`` to refuse.
+    # Undeclared keys are kept for ``serving_common.check_undeclared_fields`` to judge.
     model_config = ConfigDict(extra="allow")
 
 
@@ -119,7 +119,7 @@ ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart, Field(discrimina
 
 
 class ChatMessage(BaseModel):
-    # Undeclared fields are kept for ``serving_common.reject_undeclared_fields`` to refuse.
+    # Undeclared fields are kept for ``serving_common.check_undeclared_fields`` to judge.
     model_config = ConfigDict(extra="allow")
 
     role: str  # "system", "user", "assistant", "tool", ...: what the chat template accepts

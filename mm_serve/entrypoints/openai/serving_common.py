@@ -8,8 +8,9 @@ import dataclasses
 import functools
 import json
 import logging
+import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -397,13 +398,13 @@ async def collect(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
 
 
 def check_request_fields(request: BaseModel) -> None:
-    """Refuse an undeclared field (``reject_undeclared_fields``) or a text that is not valid
+    """Refuse an unsupported field (``check_undeclared_fields``) or a text that is not valid
     Unicode (``reject_invalid_text``), before anything reads the request.
 
     Raises:
         APIError: (400) naming the field.
     """
-    reject_undeclared_fields(request)
+    check_undeclared_fields(request)
     reject_invalid_text(request)
 
 
@@ -439,44 +440,49 @@ def _encodes(text: str) -> bool:
     return True
 
 
-def reject_undeclared_fields(request: BaseModel) -> None:
-    """Refuse the request's first undeclared field: at the top level, in a chat message
-    (``messages[i].name``), in a content part or its ``image_url`` / ``video_url``
-    (``messages[i].content[j].key``). A null value asks for nothing and passes (an SDK's dump
-    of an earlier reply), except a field of ``protocol.UNSUPPORTED_FIELDS``.
+def check_undeclared_fields(request: BaseModel) -> None:
+    """Refuse a field that OpenAI or vLLM defines and this server does not implement
+    (``protocol.UNSUPPORTED_FIELDS`` at the top level, ``UNSUPPORTED_MESSAGE_FIELDS`` in a chat
+    message); accept a field neither defines, logging its name once, as vLLM does. Undeclared
+    fields are looked for at the top level, in chat messages, in content parts and their
+    ``image_url`` / ``video_url``. A null value asks for nothing and passes (an SDK's dump of
+    an earlier reply), except an unsupported top-level field.
 
     Raises:
-        APIError: (400) naming the field.
+        APIError: (400) naming the unsupported field (``messages[0].audio``).
     """
+    for param, value, unsupported in _undeclared_fields(request):
+        if unsupported:
+            raise bad_request(f"Unsupported field {param!r}.", param=param)
+        if value is not None:
+            _log_ignored_once(re.sub(r"\[\d+\]", "[]", param))
+
+
+def _undeclared_fields(request: BaseModel) -> Iterator[tuple[str, Any, bool]]:
+    """``(param, value, unsupported)`` of each undeclared field of ``request``."""
     for name, value in sorted((request.model_extra or {}).items()):
-        if name in UNSUPPORTED_FIELDS or value is not None:
-            raise _undeclared(name, name in UNSUPPORTED_FIELDS)
+        yield name, value, name in UNSUPPORTED_FIELDS
     for index, message in enumerate(getattr(request, "messages", None) or ()):
         for name, value in sorted((message.model_extra or {}).items()):
-            if value is not None:
-                param = f"messages[{index}].{name}"
-                raise _undeclared(param, name in UNSUPPORTED_MESSAGE_FIELDS)
-        _reject_part_keys(index, message.content)
+            unsupported = value is not None and name in UNSUPPORTED_MESSAGE_FIELDS
+            yield f"messages[{index}].{name}", value, unsupported
+        content = message.content if isinstance(message.content, list) else ()
+        for j, part in enumerate(content):
+            objects = {"": part} | {
+                f"{k}.": v for k, v in vars(part).items() if isinstance(v, BaseModel)
+            }
+            for prefix, obj in objects.items():
+                for key, value in (obj.model_extra or {}).items():
+                    yield f"messages[{index}].content[{j}].{prefix}{key}", value, False
 
 
-def _undeclared(param: str, unsupported: bool) -> Exception:
-    if unsupported:
-        return bad_request(f"Unsupported field {param!r}.", param=param)
-    return bad_request(f"Unknown field {param!r}: not a parameter of this API.", param=param)
+_logged_fields: set[str] = set()
 
 
-def _reject_part_keys(index: int, content: str | list[BaseModel] | None) -> None:
-    """Raises APIError (400) naming the first non-null undeclared key of message ``index``'s
-    content parts or of their ``image_url`` / ``video_url`` objects."""
-    for j, part in enumerate(content if isinstance(content, list) else ()):
-        objects = {"": part} | {
-            f"{k}.": v for k, v in vars(part).items() if isinstance(v, BaseModel)
-        }
-        for prefix, obj in objects.items():
-            for key, value in (obj.model_extra or {}).items():
-                if value is not None:
-                    param = f"messages[{index}].content[{j}].{prefix}{key}"
-                    raise _undeclared(param, unsupported=False)
+def _log_ignored_once(field: str) -> None:
+    if field not in _logged_fields:
+        _logged_fields.add(field)
+        logger.warning("Ignoring the field %r: neither OpenAI's API nor vLLM's defines it.", field)
 
 
 # Fields beam search cannot honour, with the values that change nothing: another is a 400.
