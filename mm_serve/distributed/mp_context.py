@@ -103,8 +103,8 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
-def free_port() -> int:
-    """A TCP port free now on the loopback."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free now on ``host`` (default the loopback; ``""``: every interface)."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]

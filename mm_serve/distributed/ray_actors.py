@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import threading
 from typing import Any
 
@@ -43,13 +42,6 @@ def node_ip() -> str:
     import ray.util
 
     return ray.util.get_node_ip_address()
-
-
-def free_port() -> int:
-    """A TCP port free now on this host."""
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 class Placement:

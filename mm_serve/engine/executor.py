@@ -16,7 +16,6 @@ import collections
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import weakref
 from collections.abc import Callable
@@ -26,7 +25,7 @@ import msgspec
 import zmq
 
 from mm_serve.config import EngineConfig
-from mm_serve.distributed.mp_context import no_main_context
+from mm_serve.distributed.mp_context import free_port, no_main_context
 from mm_serve.sched.output import ModelRunnerOutput, SchedulerOutput
 from mm_serve.sched.structured_output import GrammarBitmask
 from mm_serve.worker.worker import run_worker
@@ -145,7 +144,7 @@ class MultiprocExecutor:
 
     def _start_workers(self, config: EngineConfig) -> None:
         """One spawned process per rank, on the ipc sockets."""
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         context = no_main_context("spawn")
         workers = self._workers
         for rank in range(self.size):
@@ -260,10 +259,3 @@ class MultiprocExecutor:
         logger.error("%s The engine stops.", reason)
         self._finalizer()  # the other ranks may wait in a collective for ever
         raise WorkerDiedError(reason)
-
-
-def _free_port() -> int:
-    """A TCP port free now on the loopback (the TP group's rendezvous)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -19,6 +19,7 @@ from typing import Any
 
 from mm_serve.config import EngineConfig
 from mm_serve.distributed import ray_actors
+from mm_serve.distributed.mp_context import free_port
 from mm_serve.engine.executor import MultiprocExecutor, WorkerDiedError, _Workers
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ class WorkerActor:
 
     def where(self) -> tuple[int, str, int]:
         """(pid, node address, a free port there): rank 0's is the group's rendezvous."""
-        return os.getpid(), ray_actors.node_ip(), ray_actors.free_port()
+        return os.getpid(), ray_actors.node_ip(), free_port("")
 
     def run(self, config: EngineConfig, rank: int, init_method: str, *addresses: str) -> int:
         """The worker's loop (``worker_main``) until the engine core shuts it down."""
