@@ -122,6 +122,9 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, GroupBlocks] = {}
         # Number of leading blocks of each request whose hashes were already registered.
         self.num_cached_blocks: dict[str, int] = {}
+        # The scheduler's decode fast path: request id -> the largest ``num_computed_tokens +
+        # num_new_tokens`` that ``allocate_slots`` serves with no work (``slot_limit``).
+        self.slot_limits: dict[str, int] = {}
 
     @property
     def num_groups(self) -> int:
@@ -232,7 +235,22 @@ class KVCacheManager:
         new = self._append_blocks(request.request_id, groups, hits, num_new_blocks)
         if self.enable_caching:
             self._cache_full_blocks(request, num_computed + num_new_tokens)
+        if not self._skipping:
+            self.slot_limits[request.request_id] = self.slot_limit(request.request_id)
         return [new[g][i] for i in range(num_new_blocks) for g in range(self.num_groups)]
+
+    def slot_limit(self, request_id: str) -> int:
+        """The largest ``num_computed_tokens + num_new_tokens`` up to which ``allocate_slots``
+        (without a prefix hit) neither allocates nor registers a block of the request: its
+        held slots, and with prefix caching one token short of filling its first unregistered
+        block. A lower bound: ``allocate_slots`` may also do nothing a little past it. Layouts
+        that skip blocks have none (0): their blocks change as the window moves."""
+        if self._skipping or request_id not in self.req_to_blocks:
+            return 0
+        held = len(self.req_to_blocks[request_id][0]) * self.block_size
+        if not self.enable_caching:
+            return held
+        return min(held, (self.num_cached_blocks[request_id] + 1) * self.block_size - 1)
 
     def _check_hit(self, num_new_computed_tokens: int, hits: GroupBlocks | None) -> None:
         """Raise ``ValueError`` if a prefix hit's token count does not match its blocks."""
@@ -307,6 +325,7 @@ class KVCacheManager:
         """
         groups = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
+        self.slot_limits.pop(request.request_id, None)
         for blocks in groups or ():
             self.block_pool.free_blocks(b for b in reversed(blocks) if b is not self.null_block)
 

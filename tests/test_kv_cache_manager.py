@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from mm_serve.cache import KVCacheBlock, KVCacheManager
+from mm_serve.cache.kv_cache_groups import KVCacheGroup, KVCacheLayout
 from mm_serve.messages.request import MultiModalFeature, PlaceholderRange, Request
 from mm_serve.messages.sampling_params import SamplingParams
 
@@ -372,3 +373,42 @@ def test_reset_prefix_cache_and_errors(manager: KVCacheManager) -> None:
         manager.allocate_slots(make_request("2", [1, 2]), 1, num_new_computed_tokens=4)
     with pytest.raises(ValueError, match="non-negative"):
         manager.allocate_slots(make_request("3", [1, 2]), -1)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_slot_limit_is_where_allocate_slots_has_work(caching: bool) -> None:
+    """Below ``slot_limit`` a one-token decode step allocates and registers nothing; at it,
+    the step allocates a block or registers a full one (the scheduler's fast path)."""
+    manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_caching=caching)
+    req = make_request("0", list(range(6)))
+    assert manager.slot_limit("0") == 0  # no blocks yet
+    schedule_prefill(manager, req)
+    fast_steps = 0
+    for token in range(100, 125):
+        req.append_output_token(token)
+        limit = manager.slot_limit("0")
+        assert manager.slot_limits["0"] == limit
+        before = (manager.get_block_ids("0"), manager.num_cached_blocks["0"])
+        blocks = manager.allocate_slots(req, 1)
+        after = (manager.get_block_ids("0"), manager.num_cached_blocks["0"])
+        if req.num_computed_tokens < limit:
+            fast_steps += 1
+            assert blocks == [] and after == before
+        else:
+            assert blocks or after != before
+        req.num_computed_tokens += 1
+    # Work: a new block at 9, 13, ..., 29 tokens; with caching, registering at 8, 12, ..., 28.
+    assert fast_steps == (13 if caching else 19)
+    manager.free(req)
+    assert "0" not in manager.slot_limits
+    assert manager.num_free_blocks == NUM_BLOCKS
+
+
+def test_no_slot_limit_where_blocks_are_skipped() -> None:
+    """A sliding-window group frees blocks as the window moves: no fast path."""
+    layout = KVCacheLayout((KVCacheGroup((0,)), KVCacheGroup((1,), sliding_window=4)))
+    manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, layout)
+    req = make_request("0", list(range(6)))
+    assert manager.allocate_slots(req, 6)
+    assert manager.slot_limit("0") == 0 and "0" not in manager.slot_limits
+    manager.free(req)

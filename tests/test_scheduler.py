@@ -178,3 +178,68 @@ def test_prompt_too_long_rejected():
     with pytest.raises(ValueError, match="KV blocks"):
         scheduler.add_request(make_request("big", 40))
     assert not scheduler.has_unfinished_requests()
+
+
+class _NoSlotLimits(dict):
+    """``KVCacheManager.slot_limits`` that never lets a request take the decode fast path."""
+
+    def get(self, key, default=None):
+        return 0
+
+
+def decisions_and_outputs(fast_path: bool, in_flight: int) -> tuple[list, int, int]:
+    """Run ten requests (chunked prompts, EOS, max_tokens, preemption in a small pool) with
+    ``in_flight`` steps launched ahead of their update; returns every step's decisions and
+    outputs, the number of ``allocate_slots`` calls and of preemptions."""
+    scheduler = make_scheduler(num_blocks=13, budget=12, max_seqs=6)
+    kv = scheduler.kv_cache_manager
+    if not fast_path:
+        kv.slot_limits = _NoSlotLimits()
+    calls = []
+    allocate = kv.allocate_slots
+    kv.allocate_slots = lambda *args: calls.append(args[1]) or allocate(*args)
+    for i in range(10):
+        request = make_request(
+            f"r{i}", 3 + 2 * i, first_token=10 * i, eos=1003, max_tokens=8 + 2 * i
+        )
+        scheduler.add_request(request)
+    trace, launched = [], []
+    for step in range(400):
+        placeholders = {i: r.num_output_placeholders for i, r in scheduler.requests.items()}
+        out = scheduler.schedule()
+        cached = out.scheduled_cached_reqs
+        trace.append(
+            (
+                dict(out.num_scheduled_tokens),
+                [n.req_id for n in out.scheduled_new_reqs],
+                list(zip(*vars(cached).values(), strict=True)),
+                sorted(out.finished_req_ids),
+            )
+        )
+        requests = [scheduler.requests[r] for r in out.num_scheduled_tokens]
+        sampled = [  # a window that reaches the end samples: the scheduler adds a placeholder
+            [1000 + (step + len(r.output_token_ids)) % 7]
+            if r.num_output_placeholders > placeholders[r.request_id]
+            else []
+            for r in requests
+        ]
+        req_ids = list(out.num_scheduled_tokens)
+        runner_output = ModelRunnerOutput(req_ids, sampled, [None] * len(requests), {})
+        launched.append((out, runner_output))
+        while len(launched) > in_flight:
+            outputs = scheduler.update_from_output(*launched.pop(0))
+            trace.append([(o.request_id, o.new_token_ids, o.finish_reason) for o in outputs])
+        if not scheduler.has_unfinished_requests() and not launched:
+            break
+    assert not scheduler.has_unfinished_requests()
+    assert_all_blocks_free(scheduler)
+    return trace, len(calls), scheduler.num_preemptions
+
+
+@pytest.mark.parametrize("in_flight", [0, 1])
+def test_decode_fast_path_decides_as_the_general_path(in_flight):
+    fast, fast_calls, preemptions = decisions_and_outputs(True, in_flight)
+    general, general_calls, _ = decisions_and_outputs(False, in_flight)
+    assert fast == general and preemptions > 0
+    # With 4-token blocks and prefix caching, half the decode steps allocate or register.
+    assert fast_calls < 0.75 * general_calls

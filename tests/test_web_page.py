@@ -117,6 +117,7 @@ def test_upload_ask_and_stream(server, browser, tmp_path):
     # so their words are not checked).
     page.click("#new-chat")
     page.set_input_files("#file-input", [save(photo("coffee.png"), tmp_path / "coffee.png")])
+    expect(page.locator("#previews img")).to_have_count(1)  # read before it is sent
     assert ask(page, "Describe the image.", 0)[0] not in ("", "…")
     assert ask(page, "What colour is it?", 1)[0] not in ("", "…")
     assert page.locator(".message.user img").count() == 1  # the photo, shown once
@@ -137,12 +138,14 @@ def test_cache_label_follows_the_images_not_the_prefix(server, browser, tmp_path
     page.click("#new-chat")
     scene = scenes.generate_scene(random.Random(12))
     page.set_input_files("#file-input", [save(scene.image, tmp_path / "new.png")])
+    expect(page.locator("#previews img")).to_have_count(1)  # read before it is sent
     _, stats = ask(page, "What is in the picture?", 0)
     assert prefix_hit(stats) > 0 and "image from cache: no" in stats
     # The same picture after other text: its embeddings come from the encoder cache.
     page.click("#new-chat")
     ask(page, "How many stars are there?", 0)
     page.set_input_files("#file-input", [save(scene.image, tmp_path / "same.png")])
+    expect(page.locator("#previews img")).to_have_count(1)  # read before it is sent
     _, stats = ask(page, "What is in the picture?", 1)
     assert "image from cache: yes" in stats
     page.close()

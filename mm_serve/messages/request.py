@@ -129,6 +129,9 @@ class Request:
     # Structured outputs: its grammar and matcher (``sched/structured_output.RequestGrammar``).
     grammar: Any = field(default=None, init=False)
     max_num_tokens: int = field(init=False)  # see __post_init__
+    # The tokens after which the scheduler checks its stop conditions (``stop_token_ids`` and
+    # the EOS token unless ignored); the length and a grammar are checked apart.
+    stop_check_token_ids: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -138,6 +141,11 @@ class Request:
         # length. One comparison per request per step.
         max_tokens = self.sampling_params.max_tokens
         self.max_num_tokens = len(self.prompt_token_ids) + max_tokens if max_tokens else sys.maxsize
+        params = self.sampling_params
+        stop_ids = set(params.stop_token_ids or ())
+        if self.eos_token_id is not None and not params.ignore_eos:
+            stop_ids.add(self.eos_token_id)
+        self.stop_check_token_ids = frozenset(stop_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

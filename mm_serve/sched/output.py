@@ -42,7 +42,8 @@ class CachedRequestData:
     """Diffs for requests the runner already holds, one entry per request (parallel lists).
 
     ``resumed_from_preemption[i]`` means the request lost its blocks: ``new_block_ids[i]``
-    replaces its block list instead of extending it.
+    replaces its block list instead of extending it. ``num_computed_tokens[i]``: its computed
+    tokens before the step.
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -50,11 +51,17 @@ class CachedRequestData:
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
-    def add(self, request: Request, new_block_ids: list[int], resumed: bool) -> None:
-        self.req_ids.append(request.request_id)
-        self.resumed_from_preemption.append(resumed)
-        self.new_block_ids.append(new_block_ids)
-        self.num_computed_tokens.append(request.num_computed_tokens)
+    @classmethod
+    def from_rows(cls, rows: list[CachedRow]) -> CachedRequestData:
+        """The columns of ``(req_id, resumed, new_block_ids, num_computed_tokens)`` rows."""
+        if not rows:
+            return cls()
+        req_ids, resumed, new_block_ids, num_computed = map(list, zip(*rows, strict=True))
+        return cls(req_ids, resumed, new_block_ids, num_computed)
+
+
+# One request's ``CachedRequestData`` entry: (req_id, resumed, new_block_ids, num_computed).
+CachedRow = tuple[str, bool, list[int], int]
 
 
 @dataclass
@@ -65,7 +72,7 @@ class StepDecisions:
     encoder_budget: int
     num_scheduled: dict[str, int] = field(default_factory=dict)
     new_reqs: list[NewRequestData] = field(default_factory=list)
-    cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    cached_rows: list[CachedRow] = field(default_factory=list)
     encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     structured_output_request_ids: list[str] = field(default_factory=list)
 

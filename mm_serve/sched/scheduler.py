@@ -31,7 +31,7 @@ from mm_serve.cache.kv_cache_groups import KVCacheLayout
 from mm_serve.cache.kv_cache_manager import KVCacheManager
 from mm_serve.config import CacheConfig, SchedulerConfig
 from mm_serve.messages.outputs import EngineCoreOutput
-from mm_serve.messages.request import FINISH_REASONS, Request, RequestStatus
+from mm_serve.messages.request import FINISH_REASONS, LAST_UNFINISHED, Request, RequestStatus
 from mm_serve.messages.stats import EngineStats
 from mm_serve.sched.encoder_inputs import (
     check_images_fit,
@@ -39,6 +39,7 @@ from mm_serve.sched.encoder_inputs import (
     schedule_encoder_inputs,
 )
 from mm_serve.sched.output import (
+    CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -142,7 +143,7 @@ class Scheduler:
             self._schedule_waiting(step)
         output = SchedulerOutput(
             scheduled_new_reqs=step.new_reqs,
-            scheduled_cached_reqs=step.cached_reqs,
+            scheduled_cached_reqs=CachedRequestData.from_rows(step.cached_rows),
             num_scheduled_tokens=step.num_scheduled,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - step.token_budget,
             finished_req_ids=self.finished_req_ids,
@@ -154,48 +155,74 @@ class Scheduler:
         return output
 
     def _schedule_running(self, step: StepDecisions) -> list[Request]:
-        """Schedule running requests; returns those preempted to make room."""
+        """Schedule running requests; returns those preempted to make room.
+
+        A request that decodes one token into slots it holds (``KVCacheManager.slot_limit``)
+        takes the fast path: no allocation, no image, no grammar, a few integer updates."""
         preempted: list[Request] = []
-        allocate_slots = self.kv_cache_manager.allocate_slots
+        slot_limits = self.kv_cache_manager.slot_limits
+        num_scheduled, cached_rows = step.num_scheduled, step.cached_rows
+        running = self.running
         index = 0
-        while index < len(self.running) and step.token_budget > 0:
-            request = self.running[index]
+        while index < len(running) and step.token_budget > 0:
+            request = running[index]
+            index += 1
             # Its tokens and the ones in flight (placeholders) against where it stops.
             num_tokens = len(request.all_token_ids) + request.num_output_placeholders
             if num_tokens >= request.max_num_tokens:
-                index += 1  # the step in flight samples its last token: no more work
-                continue
+                continue  # the step in flight samples its last token: no more work
             num_computed = request.num_computed_tokens
-            num_new = min(num_tokens - num_computed, step.token_budget)
-            to_encode: list[int] = []
-            if request.mm_features and num_computed < len(request.prompt_token_ids):
-                to_encode, num_new = schedule_encoder_inputs(
-                    self.encoder_cache_manager,
-                    request,
-                    num_computed,
-                    num_new,
-                    step.encoder_budget,
-                    self.config.whole_images,
-                )
-            if num_new == 0:  # its next image waits for encoder budget or cache space
-                index += 1
+            if (
+                num_tokens - num_computed == 1
+                and num_computed < slot_limits.get(request.request_id, 0)
+                and request.grammar is None
+                and num_computed >= len(request.prompt_token_ids)
+            ):
+                # A decode step (``_commit`` of one token whose window reaches the end).
+                num_scheduled[request.request_id] = 1
+                step.token_budget -= 1
+                cached_rows.append((request.request_id, False, [], num_computed))
+                request.num_computed_tokens = num_tokens
+                request.num_output_placeholders += 1
                 continue
-            new_blocks = allocate_slots(request, num_new)
-            while new_blocks is None:
-                # Out of KV blocks: preempt the newest running request and retry.
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-                new_blocks = allocate_slots(request, num_new)
-            if new_blocks is None:
+            if not self._schedule_one_running(step, request, num_tokens, preempted):
                 break
-            block_ids = [b.block_id for b in new_blocks] if new_blocks else []
-            step.cached_reqs.add(request, block_ids, resumed=False)
-            self._commit(step, request, num_new, to_encode)
-            index += 1
         return preempted
+
+    def _schedule_one_running(
+        self, step: StepDecisions, request: Request, num_tokens: int, preempted: list[Request]
+    ) -> bool:
+        """Schedule a running request's next chunk (prompt, images, new blocks), preempting
+        the newest running requests while the KV pool is short (into ``preempted``). Returns
+        False when the request itself had to be preempted or got no blocks."""
+        num_computed = request.num_computed_tokens
+        num_new = min(num_tokens - num_computed, step.token_budget)
+        to_encode: list[int] = []
+        if request.mm_features and num_computed < len(request.prompt_token_ids):
+            to_encode, num_new = schedule_encoder_inputs(
+                self.encoder_cache_manager,
+                request,
+                num_computed,
+                num_new,
+                step.encoder_budget,
+                self.config.whole_images,
+            )
+        if num_new == 0:  # its next image waits for encoder budget or cache space
+            return True
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        new_blocks = allocate_slots(request, num_new)
+        while new_blocks is None:
+            # Out of KV blocks: preempt the newest running request and retry.
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return False
+            new_blocks = allocate_slots(request, num_new)
+        block_ids = [b.block_id for b in new_blocks] if new_blocks else []
+        step.cached_rows.append((request.request_id, False, block_ids, num_computed))
+        self._commit(step, request, num_new, to_encode)
+        return True
 
     def _schedule_waiting(self, step: StepDecisions) -> None:
         kv = self.kv_cache_manager
@@ -233,7 +260,7 @@ class Scheduler:
                 request.num_cached_tokens, request.scheduled_time = num_computed, time.monotonic()
             block_ids = kv.get_block_ids(request.request_id)
             if request.status == RequestStatus.PREEMPTED:
-                step.cached_reqs.add(request, block_ids, resumed=True)
+                step.cached_rows.append((request.request_id, True, block_ids, num_computed))
             else:
                 step.new_reqs.append(NewRequestData.from_request(request, block_ids))
             request.status = RequestStatus.RUNNING
@@ -301,13 +328,18 @@ class Scheduler:
             strict=True,
         ):
             request = requests.get(req_id)
-            if request is None or request.is_finished:
+            if request is None or request.status > LAST_UNFINISHED:
                 continue  # aborted while the step ran
             request.num_output_placeholders -= len(new_token_ids)
             finished = False
             for count, token_id in enumerate(new_token_ids, start=1):
-                request.append_output_token(token_id)
-                if self._check_stop(request, token_id):
+                request.output_token_ids.append(token_id)
+                request.all_token_ids.append(token_id)
+                if (
+                    token_id in request.stop_check_token_ids
+                    or len(request.all_token_ids) >= request.max_num_tokens
+                    or request.grammar is not None
+                ) and self._check_stop(request, token_id):
                     del new_token_ids[count:]
                     finished = True
                     break
@@ -322,7 +354,8 @@ class Scheduler:
         return outputs
 
     def _check_stop(self, request: Request, last: int) -> bool:
-        """Whether ``last``, the token just appended, finishes ``request`` (its status set)."""
+        """Whether ``last``, the token just appended, finishes ``request`` (its status set).
+        Only a grammar, a token of ``request.stop_check_token_ids`` or the length can."""
         params = request.sampling_params
         if request.grammar is not None and self.structured_output.accept_token(request, last):
             request.status = RequestStatus.FINISHED_STOPPED  # the output is complete
@@ -343,16 +376,16 @@ class Scheduler:
     def _make_output(self, request, new_token_ids, logprobs, prompt_logprobs) -> EngineCoreOutput:
         """Its output of the step; ``new_token_ids`` goes in as it is (read only from here on)."""
         num_cached_tokens, num_cached_images = request.num_cached_tokens, request.num_cached_images
-        return EngineCoreOutput(
-            request_id=request.request_id,
-            new_token_ids=new_token_ids,
-            new_logprobs=[logprobs] if logprobs is not None and new_token_ids else None,
-            new_prompt_logprobs=prompt_logprobs,
-            finish_reason=FINISH_REASONS.get(request.status),
-            stop_reason=request.stop_reason,
-            num_cached_tokens=num_cached_tokens if num_cached_tokens > 0 else 0,
-            num_cached_images=num_cached_images if num_cached_images > 0 else 0,
-            scheduled_time=request.scheduled_time,
+        return EngineCoreOutput(  # positional: one per request per step
+            request.request_id,
+            new_token_ids,
+            [logprobs] if logprobs is not None and new_token_ids else None,
+            prompt_logprobs,
+            FINISH_REASONS.get(request.status),
+            request.stop_reason,
+            num_cached_tokens if num_cached_tokens > 0 else 0,
+            num_cached_images if num_cached_images > 0 else 0,
+            request.scheduled_time,
         )
 
     def _free_request(self, request: Request) -> None:

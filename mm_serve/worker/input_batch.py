@@ -32,6 +32,7 @@ class CachedRequestState:
     generator: torch.Generator | None
     eos_token_id: int | None
     block_ids: list[int]
+    # As of its last entry into the batch; while in it, ``InputBatch.num_computed_tokens``.
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens sampled by launched steps whose ids have not reached the host yet.

@@ -21,7 +21,7 @@ from mm_serve.kernels.attention_metadata import AttentionMetadata
 from mm_serve.kernels.config import configure_kernels
 from mm_serve.models.interface import LanguageModel
 from mm_serve.models.loader import load_model
-from mm_serve.sched.output import SchedulerOutput
+from mm_serve.sched.output import CachedRequestData, SchedulerOutput
 from mm_serve.sched.structured_output import GrammarBitmask
 from mm_serve.utils.transfer import StepUpload
 from mm_serve.worker.compile import LMForward, lm_forward
@@ -261,21 +261,34 @@ class ModelRunner:
             self.requests[new.req_id] = state
             batch.add_request(state)
 
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            state = self.requests[req_id]
-            state.num_computed_tokens = cached.num_computed_tokens[i]
-            if cached.resumed_from_preemption[i]:
-                state.block_ids = list(cached.new_block_ids[i])
+        self._update_cached_states(scheduler_output.scheduled_cached_reqs)
+
+    def _update_cached_states(self, cached: CachedRequestData) -> None:
+        """Apply the diffs of requests the runner holds: their computed tokens in one vector
+        write; new blocks, resumption and re-adding to the batch one by one (few per step).
+        A state's ``num_computed_tokens`` is brought up to date when it enters the batch."""
+        batch = self.input_batch
+        row_of = batch.req_id_to_index
+        rows = [row_of.get(req_id, -1) for req_id in cached.req_ids]
+        num_computed = cached.num_computed_tokens
+        in_batch = np.array(rows, dtype=np.int64)
+        kept = in_batch >= 0
+        batch.num_computed_tokens[in_batch[kept]] = np.array(num_computed, dtype=np.int32)[kept]
+        for i, (row, resumed, new_block_ids) in enumerate(
+            zip(rows, cached.resumed_from_preemption, cached.new_block_ids, strict=True)
+        ):
+            if row >= 0 and not resumed and not new_block_ids:
+                continue  # a decode step within its blocks: done above
+            state = self.requests[cached.req_ids[i]]
+            state.num_computed_tokens = num_computed[i]
+            if resumed:
+                state.block_ids = list(new_block_ids)
             else:
-                state.block_ids.extend(cached.new_block_ids[i])
-            row = batch.req_id_to_index.get(req_id)
-            if row is None:  # preempted, or skipped a step (waiting for the encoder)
+                state.block_ids.extend(new_block_ids)
+            if row < 0:  # preempted, or skipped a step (waiting for the encoder)
                 batch.add_request(state)
-                continue
-            batch.num_computed_tokens[row] = state.num_computed_tokens
-            if cached.new_block_ids[i]:  # most decode steps fill the last block they have
-                batch.append_block_ids(row, cached.new_block_ids[i])
+            elif new_block_ids:  # most decode steps fill the last block they have
+                batch.append_block_ids(row, new_block_ids)
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         """Flatten the batch: token ids, positions, slot mapping, block table (vectorised)."""
@@ -380,15 +393,12 @@ class ModelRunner:
     def _record_tokens(self, sampled: SampledTokens, tokens: list[int]) -> None:
         """The sampled ids have reached the host: write them into the request states and the
         batch rows (wherever the requests are now; finished ones are gone)."""
-        batch = self.input_batch
-        for req_id, position, token in zip(
-            sampled.req_ids, sampled.positions.tolist(), tokens, strict=True
-        ):
-            state = self.requests.get(req_id)
-            if state is None:
-                continue
-            state.output_token_ids.append(token)
-            state.num_pending_outputs -= 1
-            row = batch.req_id_to_index.get(req_id)
-            if row is not None:
-                batch.token_ids[row, position] = token
+        batch, requests = self.input_batch, self.requests
+        row_of = batch.req_id_to_index
+        for state, token in zip(map(requests.get, sampled.req_ids), tokens, strict=True):
+            if state is not None:
+                state.output_token_ids.append(token)
+                state.num_pending_outputs -= 1
+        rows = np.array([row_of.get(req_id, -1) for req_id in sampled.req_ids], dtype=np.int64)
+        kept = rows >= 0
+        batch.token_ids[rows[kept], sampled.positions[kept]] = np.asarray(tokens)[kept]

@@ -66,6 +66,16 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     return host.copy_(tensor, non_blocking=True)
 
 
+def _per_row(tokens: list[int], rows: list[int], num_reqs: int) -> list[list[int]]:
+    """``[num_reqs]`` lists: ``[tokens[i]]`` at ``rows[i]``, empty for the other rows."""
+    if len(rows) == num_reqs:  # every row sampled (rows are increasing): a decode step
+        return [[token] for token in tokens]
+    per_row: list[list[int]] = [[] for _ in range(num_reqs)]
+    for row, token in zip(rows, tokens, strict=True):
+        per_row[row] = [token]
+    return per_row
+
+
 class PendingOutput:
     """One step's ``ModelRunnerOutput`` on its way to the host: the batch ``req_ids`` in row
     order, the ``sampled`` tokens (None when every request was mid-prompt), the sampled rows'
@@ -107,15 +117,15 @@ class PendingOutput:
         if self._output is not None:
             return self._output
         num_reqs = len(self.req_ids)
-        sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
         logprobs: list = [None] * num_reqs
         sampled = self.sampled
-        if sampled is not None:
+        if sampled is None:
+            sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
+        else:
             if self._event is not None:
                 self._event.synchronize()
             tokens = self._host[0].tolist()
-            for row, token in zip(sampled.rows, tokens, strict=True):
-                sampled_token_ids[row] = [token]
+            sampled_token_ids = _per_row(tokens, sampled.rows, num_reqs)
             if len(self._host) > 1:  # some row asked for logprobs
                 ids, values, ranks = (t.tolist() for t in self._host[1:])
                 for i, (row, k) in enumerate(zip(sampled.rows, sampled.num_logprobs, strict=True)):
