@@ -132,9 +132,10 @@ class LlamaDecoderLayer(nn.Module):
             self.input_layernorm, attn.qkv_proj, hidden_states, residual
         )
         hidden_states = attn(positions, qkv, attn_metadata)
-        if hidden_states.shape[0] > 1:  # the activation in gate_up's GEMM (large steps, Hopper)
+        proj = mlp.gate_up_proj
+        if hidden_states.shape[0] > 1 and proj.quant_method is None:
+            # The activation in gate_up's GEMM (large steps, Hopper).
             normed, residual = self.post_attention_layernorm(hidden_states, residual)
-            proj = mlp.gate_up_proj
             return mlp.down_proj(linear_silu_and_mul(normed, proj.weight, proj.bias)), residual
         gate_up, residual = rms_norm_then_linear(
             self.post_attention_layernorm, mlp.gate_up_proj, hidden_states, residual
@@ -235,6 +236,11 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"Got {len(kv_caches)} KV caches for {len(layers)} layers.")
         for attn, kv_cache in zip(layers, kv_caches, strict=True):
             attn.kv_cache = kv_cache
+
+    def param_name(self, ckpt_name: str) -> str:
+        """Our parameter name of a checkpoint tensor (its fused projection's, for q/k/v, gate
+        and up)."""
+        return _param_name(ckpt_name)[0]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF checkpoint tensors (full, unsharded) into this rank's parameters.

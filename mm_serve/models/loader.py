@@ -14,7 +14,7 @@ import glob
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -26,6 +26,12 @@ from mm_serve.checkpoint.families import get_family, resolve
 from mm_serve.checkpoint.hub import ModelLoadError
 from mm_serve.config import ModelConfig
 from mm_serve.models.interface import LanguageModel
+from mm_serve.models.layers.quantization import (
+    QUANTIZED_LAYER_SUFFIXES,
+    canonical_weights,
+    quant_scheme,
+    quantize_layers,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -95,14 +101,23 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modu
             f"{', '.join(LOAD_FORMATS)} (dummy: random weights, no weight files read)."
         )
     model_cls = get_model_class(model_config.hf_config)
+    scheme = quant_scheme(model_config.hf_config)
     if model_config.load_format == "dummy":
+        if scheme is not None:
+            raise ValueError("load_format='dummy' does not make quantized weights yet.")
         model = build_empty_model(model_cls, model_config, device)
         initialize_dummy_weights(model, model_config.seed)
         return model.eval()
     files = safetensors_files(model_config.path)
-    model = build_empty_model(model_cls, model_config, device)
+    quantize = None
+    if scheme is not None:
+        quantize = lambda model: quantize_layers(model, scheme, quantized_layers(model, files))  # noqa: E731
+    model = build_empty_model(model_cls, model_config, device, quantize)
+    weights = iterate_weights(files)
     with torch.no_grad():
-        loaded = model.load_weights(iterate_weights(files))
+        loaded = model.load_weights(
+            weights if scheme is None else canonical_weights(weights, scheme)
+        )
     missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
     if missing:
         raise ModelLoadError(
@@ -112,13 +127,31 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modu
     return model.eval()
 
 
+def quantized_layers(model: nn.Module, files: list[str]) -> set[str]:
+    """Our names of the linear layers the checkpoint quantized: those with a weight scale
+    (``quantization.QUANTIZED_LAYER_SUFFIXES``), read from the shards' headers."""
+    names = set()
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if key.endswith(QUANTIZED_LAYER_SUFFIXES):
+                    names.add(model.param_name(key).rpartition(".")[0])
+    return names
+
+
 def build_empty_model(
-    model_cls: type[nn.Module], model_config: ModelConfig, device: torch.device | str
+    model_cls: type[nn.Module],
+    model_config: ModelConfig,
+    device: torch.device | str,
+    quantize: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
-    """``model_cls`` built on ``meta`` and materialised on ``device`` in the model dtype, its
-    parameters uninitialised, tied embeddings re-tied and rotary tables recomputed."""
+    """``model_cls`` built on ``meta`` (then ``quantize``d there: its quantized layers get
+    their parameters) and materialised on ``device`` in the model dtype, its parameters
+    uninitialised, tied embeddings re-tied and rotary tables recomputed."""
     with _default_dtype(model_config.dtype), torch.device("meta"):
         model = model_cls(model_config.hf_config)
+        if quantize is not None:
+            quantize(model)
     model.to_empty(device=device)
     if getattr(model, "tie_word_embeddings", False):  # to_empty gives each module its tensor
         model.lm_head.weight = model.model.embed_tokens.weight

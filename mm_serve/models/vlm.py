@@ -96,6 +96,9 @@ class VisionLanguageModelBase(LlamaForCausalLM):
                 return new + ckpt_name[len(old) :]
         return ckpt_name
 
+    def param_name(self, ckpt_name: str) -> str:
+        return super().param_name(self.rename(ckpt_name))
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load the vision tensors here and pass the LM's to ``LlamaForCausalLM.load_weights``.
 

@@ -38,5 +38,11 @@ def rms_norm_then_linear(
     norm: RMSNorm, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(linear(norm(x + residual)), x + residual)`` (``x`` alone when ``residual`` is None)
-    for a column-parallel ``linear`` (no all-reduce): one kernel for one token."""
+    for a column-parallel ``linear`` (no all-reduce): one kernel for one token (two for a
+    quantized ``linear``)."""
+    if getattr(linear, "quant_method", None) is not None:
+        if residual is None:
+            return linear(norm(x)), x
+        normed, residual = norm(x, residual)
+        return linear(normed), residual
     return rms_norm_linear(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from mm_serve.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
-from mm_serve.kernels import linear, silu_and_mul_linear
+from mm_serve.kernels import linear, silu_and_mul, silu_and_mul_linear
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -33,7 +33,11 @@ def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 class LinearBase(nn.Module):
-    """``y = x @ W.T + b`` with ``W: [output_size, input_size]`` of this rank's shard."""
+    """``y = x @ W.T + b`` with ``W: [output_size, input_size]`` of this rank's shard.
+
+    A quantized layer (``quantization.quantize_layers``) has a ``quant_method`` and its
+    parameters: every one has a row per output feature, so the weight loaders shard them all
+    as the weight."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
@@ -43,6 +47,7 @@ class LinearBase(nn.Module):
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
         else:
             self.register_parameter("bias", None)
+        self.quant_method = None  # a quantization.QuantLinearMethod when quantized
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
@@ -50,6 +55,8 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, self.bias)
         return linear(x, self.weight, self.bias)
 
 
@@ -137,8 +144,8 @@ class RowParallelLinear(LinearBase):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
-        if param.dim() == 1:  # bias: replicated
-            copy_weight(param.data, loaded_weight)
+        if param.dim() == 1 or param.shape[1] == loaded_weight.shape[1] == 1:
+            copy_weight(param.data, loaded_weight)  # bias, per-row scales: replicated
             return
         size = param.shape[1]
         copy_weight(param.data, loaded_weight.narrow(1, self.tp_rank * size, size))
@@ -146,5 +153,8 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
         """``gated``: ``x = [gate | up]`` and the input is ``silu(gate) * up`` (the gated MLP's
         activation, fused into the GEMV for one token)."""
-        y = tp_all_reduce((silu_and_mul_linear if gated else linear)(x, self.weight))
+        if self.quant_method is not None:
+            y = tp_all_reduce(self.quant_method.apply(self, silu_and_mul(x) if gated else x, None))
+        else:
+            y = tp_all_reduce((silu_and_mul_linear if gated else linear)(x, self.weight))
         return y if self.bias is None else y + self.bias
