@@ -127,8 +127,11 @@ def test_matches_llmcompressor_oneshot(tmp_path):
         model = _load(base)
         recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=IGNORE)
         oneshot(model=model, recipe=recipe)
-        model.save_pretrained(tmp_path / f"{scheme}-oneshot", save_compressed=True)
-        theirs, mine = _tensors(tmp_path / f"{scheme}-oneshot"), _tensors(ours)
+        oneshot_path = tmp_path / f"{scheme}-oneshot"
+        model.save_pretrained(oneshot_path, save_compressed=True)
+        theirs, mine = _tensors(oneshot_path), _tensors(ours)
         assert theirs.keys() == mine.keys()
         for name, tensor in mine.items():
             assert torch.equal(tensor, theirs[name]), name
+        configs = [json.loads((Path(p) / "config.json").read_text()) for p in (ours, oneshot_path)]
+        assert configs[0]["quantization_config"] == configs[1]["quantization_config"]
