@@ -9,14 +9,9 @@ import pytest
 import torch
 
 import mm_serve  # noqa: F401 - before transformers (a CPU torch beside a CUDA torchvision)
+from mm_serve.config.quantization import QuantScheme, UnsupportedQuantization, quant_scheme
 from mm_serve.kernels.quant_linear import dequantize_int4, fp8_linear_ref, quantize_fp8_per_token
-from mm_serve.models.layers.quantization import (
-    QuantScheme,
-    UnsupportedQuantization,
-    canonical_weights,
-    quant_scheme,
-    unpack_int4_rows,
-)
+from mm_serve.models.layers.quantization import canonical_weights, unpack_int4_rows
 
 ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32  # noqa: E402

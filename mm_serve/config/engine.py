@@ -29,6 +29,7 @@ from mm_serve.config.compilation import (
     cuda_graph_num_tokens,
 )
 from mm_serve.config.parallel import ParallelConfig, check_tensor_parallel
+from mm_serve.config.quantization import QuantScheme, quant_scheme
 from mm_serve.kernels.config import KernelConfig
 
 
@@ -45,6 +46,14 @@ class ModelConfig:
     seed: int = 0
     load_format: str = "auto"  # "auto": the checkpoint's safetensors; "dummy": random weights
     chat_template: str | None = None  # Jinja text overriding the tokenizer's template
+
+    def __post_init__(self) -> None:
+        quant_scheme(self.hf_config)  # a quantization not loaded fails here, in the front end
+
+    @property
+    def quantization(self) -> QuantScheme | None:
+        """The checkpoint's quantization (``models.layers.quantization``), None if none."""
+        return quant_scheme(self.hf_config)
 
     @property
     def text_config(self) -> Any:

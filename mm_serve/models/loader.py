@@ -29,7 +29,6 @@ from mm_serve.models.interface import LanguageModel
 from mm_serve.models.layers.quantization import (
     QUANTIZED_LAYER_SUFFIXES,
     canonical_weights,
-    quant_scheme,
     quantize_layers,
 )
 
@@ -101,7 +100,7 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modu
             f"{', '.join(LOAD_FORMATS)} (dummy: random weights, no weight files read)."
         )
     model_cls = get_model_class(model_config.hf_config)
-    scheme = quant_scheme(model_config.hf_config)
+    scheme = model_config.quantization
     if model_config.load_format == "dummy":
         if scheme is not None:
             raise ValueError("load_format='dummy' does not make quantized weights yet.")

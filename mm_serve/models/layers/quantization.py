@@ -1,22 +1,13 @@
-"""Quantized checkpoints: the scheme a checkpoint's ``quantization_config`` names, the linear
-layers it quantized, and its tensors in our layout.
+"""Quantized linear layers: the layers a checkpoint quantized get their parameters and
+method (``quantize_layers``), and its tensors arrive in our layout (``canonical_weights``).
+The scheme comes from ``config.quantization``.
 
-Loaded: compressed-tensors checkpoints (llmcompressor's) of one config group targeting
-``Linear`` layers, and transformers' fine-grained FP8 (``quant_method: fp8``):
-
-- FP8 (``format: float-quantized``): float8_e4m3fn ``weight`` with a per-channel
-  ``weight_scale`` and activations quantized per token at run time (``dynamic``, strategy
-  ``token``) or not at all; or 128 x 128 blocks (``weight_scale``, fine-grained FP8's
-  ``weight_scale_inv``: ``[N / 128, K / 128]``) with activations quantized per token and group
-  of 128;
-- W4A16 (``format: pack-quantized``): int4 weights packed eight to an int32
-  (``weight_packed``, ``weight_shape``), a ``weight_scale`` per row and group of input
-  features, and, asymmetric, a ``weight_zero_point`` packed along the rows.
-
-Anything else (another ``quant_method``, static activation scales, per-tensor or block
-weight scales, other bit widths) raises ``UnsupportedQuantization`` naming it: a checkpoint is
-never loaded as something it is not. Layers the checkpoint left unquantized (its ``ignore``
-list: usually the vision tower and ``lm_head``) keep their float weights.
+Checkpoint tensors per quantized layer: FP8 float8_e4m3fn ``weight`` with ``weight_scale``
+(per channel ``[N, 1]``, or per 128 x 128 block ``[N / 128, K / 128]``, fine-grained FP8's
+``weight_scale_inv``); W4A16 int4 ``weight_packed`` (eight to an int32), ``weight_shape``,
+``weight_scale`` per row and group of input features and, asymmetric, ``weight_zero_point``
+packed along the rows. Layers the checkpoint left unquantized (its ``ignore`` list: usually the
+vision tower and ``lm_head``) keep their float weights.
 
 Our layout of a quantized linear layer, rows = output features, so every tensor shards with
 the layer's weight (``layers.linear``):
@@ -26,7 +17,7 @@ the layer's weight (``layers.linear``):
 - INT4: ``weight`` int8 ``[N, K]`` (-8..7), ``weight_scale`` ``[N, K / group]``, asymmetric
   also ``weight_zero_point`` int8 ``[N, K / group]``.
 
-Kernels: ``kernels.quant_linear``. Source of the checkpoint format: compressed-tensors
+Kernels: ``kernels.quant_linear``. Source of the packed format: compressed-tensors
 (``compressors/pack_quantized``: values stored with a +8 offset, element ``i`` of a row at bit
 ``4 i`` of the packed row).
 """
@@ -34,118 +25,15 @@ Kernels: ``kernels.quant_linear``. Source of the checkpoint format: compressed-t
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from mm_serve.kernels.quant_linear import FP8_DTYPE, fp8_linear_ref, int4_linear_ref
 
-
-class UnsupportedQuantization(ValueError):
-    """The checkpoint's quantization is one this engine does not load."""
-
-
-SUPPORTED = (
-    "compressed-tensors FP8 (per-channel weights with dynamic per-token or no activation "
-    "quantization; 128 x 128 blocks with dynamic per-group activations) and W4A16 "
-    "(pack-quantized, group-wise, symmetric or asymmetric), and transformers' fine-grained FP8 "
-    "(quant_method 'fp8', weight blocks, dynamic activations)"
-)
-
-
-@dataclass(frozen=True)
-class QuantScheme:
-    """How a checkpoint's quantized linear layers hold their weights.
-
-    ``weight_type``: "fp8" or "int4". ``group_size``: input features per weight scale (None:
-    one scale per row). ``block_rows``: output features per row of the checkpoint's scales
-    (FP8 blocks: 128; our layout repeats each over its rows). ``symmetric``: no zero point.
-    ``input_group_size``: FP8 activations left as they are (0), quantized per token (None) or
-    per token and group of that many features."""
-
-    weight_type: str
-    group_size: int | None = None
-    block_rows: int = 1
-    symmetric: bool = True
-    input_group_size: int | None = 0
-
-    def make_method(self) -> QuantLinearMethod:
-        return Fp8LinearMethod(self) if self.weight_type == "fp8" else Int4LinearMethod(self)
-
-
-def quant_scheme(hf_config: Any) -> QuantScheme | None:
-    """The scheme of ``hf_config.quantization_config``; None when the checkpoint has none.
-
-    Raises:
-        UnsupportedQuantization: a method, format or scheme outside ``SUPPORTED``.
-    """
-    config = getattr(hf_config, "quantization_config", None)
-    if config is None:
-        return None
-    if not isinstance(config, dict):
-        config = config.to_dict()
-    method = getattr(config.get("quant_method"), "value", config.get("quant_method"))  # enums
-    if method == "compressed-tensors":
-        return _compressed_tensors_scheme(config)
-    if method == "fp8":
-        return _fine_grained_fp8_scheme(config)
-    raise UnsupportedQuantization(
-        f"Quantization method {method!r} is not supported; this engine loads {SUPPORTED}."
-    )
-
-
-def _fine_grained_fp8_scheme(config: dict) -> QuantScheme:
-    """transformers' fine-grained FP8 (Qwen's and DeepSeek's FP8 releases): 128 x 128 weight
-    blocks, activations quantized per token and group of 128 at run time."""
-    block, activations = config.get("weight_block_size"), config.get("activation_scheme")
-    if block is None or len(block) != 2 or activations != "dynamic":
-        raise UnsupportedQuantization(
-            f"FP8 with weight_block_size {block} and activation_scheme {activations!r} is not "
-            f"supported; this engine loads {SUPPORTED}."
-        )
-    return QuantScheme("fp8", group_size=block[1], block_rows=block[0], input_group_size=block[1])
-
-
-def _compressed_tensors_scheme(config: dict) -> QuantScheme:
-    groups = list((config.get("config_groups") or {}).values())
-    if len(groups) != 1 or groups[0].get("targets") != ["Linear"]:
-        raise UnsupportedQuantization(
-            "compressed-tensors checkpoints with other than one config group targeting "
-            f"Linear layers are not supported; this one has {len(groups)}: {groups}."
-        )
-    fmt, weights = groups[0].get("format") or config.get("format"), groups[0].get("weights") or {}
-    activations = groups[0].get("input_activations")
-    kind = (weights.get("type"), weights.get("num_bits"), weights.get("strategy"))
-    if fmt == "float-quantized" and kind[:2] == ("float", 8):
-        scheme = _fp8_scheme(weights, activations)
-        if scheme is not None:
-            return scheme
-    if fmt == "pack-quantized" and kind == ("int", 4, "group") and activations is None:
-        return QuantScheme("int4", weights["group_size"], symmetric=bool(weights["symmetric"]))
-    raise UnsupportedQuantization(
-        f"compressed-tensors format {fmt!r} with weights {weights} and input activations "
-        f"{activations} is not supported; this engine loads {SUPPORTED}."
-    )
-
-
-def _fp8_scheme(weights: dict, activations: dict | None) -> QuantScheme | None:
-    """compressed-tensors' FP8 weights per channel or per 2-D block, with activations left
-    alone or quantized dynamically per token (channel) or per token group (block)."""
-    dynamic = activations is not None and activations.get("dynamic") is True
-    strategy = activations and activations.get("strategy")
-    if weights.get("strategy") == "channel":
-        if activations is None:
-            return QuantScheme("fp8")
-        if dynamic and strategy == "token":
-            return QuantScheme("fp8", input_group_size=None)
-    block = weights.get("block_structure")
-    if weights.get("strategy") == "block" and dynamic and strategy == "group":
-        group = activations["group_size"]
-        if block is not None and block[1] == group:
-            return QuantScheme("fp8", group_size=group, block_rows=block[0], input_group_size=group)
-    return None
+if TYPE_CHECKING:
+    from mm_serve.config.quantization import QuantScheme
 
 
 # ---- the layers ------------------------------------------------------------------------------
@@ -215,17 +103,18 @@ def quantize_layers(model: nn.Module, scheme: QuantScheme, layer_names: Iterable
     method (``layer.quant_method``), before its weights are loaded.
 
     Raises:
-        UnsupportedQuantization: a name that is not one of our tensor-parallel linear layers
-            (e.g. a quantized vision tower).
+        ValueError: a name that is not one of our tensor-parallel linear layers (e.g. a
+            quantized vision tower).
     """
     for name in sorted(layer_names):
         layer = model.get_submodule(name) if name else None
         if not hasattr(layer, "quant_method"):  # layers.linear.LinearBase
-            raise UnsupportedQuantization(
+            raise ValueError(
                 f"The checkpoint quantizes {name!r}, which this engine keeps in floating point "
                 "(only the language model's linear layers may be quantized)."
             )
-        layer.quant_method = scheme.make_method()
+        method = Fp8LinearMethod if scheme.weight_type == "fp8" else Int4LinearMethod
+        layer.quant_method = method(scheme)
         layer.quant_method.create_weights(layer)
 
 

@@ -1,0 +1,94 @@
+"""Quantized checkpoints through the engine: greedy tokens equal the format's reference forward
+(compressed-tensors' fake-quant model, ``tests/fixtures/quantized_checkpoints``) on the same
+weights, whole and chunked with the prefix cache on, the weights held quantized."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("compressed_tensors")
+
+from mm_serve import LLM, SamplingParams  # noqa: E402
+from mm_serve.config.quantization import UnsupportedQuantization  # noqa: E402
+from tests.fixtures.images import TEXT_ONLY, generated  # noqa: E402
+from tests.fixtures.leaks import assert_llm_idle  # noqa: E402
+from tests.fixtures.quantized_checkpoints import (  # noqa: E402
+    REFUSED_SCHEMES,
+    SCHEMES,
+    build_quantized_checkpoint,
+    reference_greedy,
+    reference_model,
+)
+
+IMAGE_PROMPT = "<|vision_start|><|image_pad|><|vision_end|>What is in the image?"
+TWO_IMAGES = (
+    "Compare <|vision_start|><|image_pad|><|vision_end|> with "
+    "<|vision_start|><|image_pad|><|vision_end|>, please."
+)
+CASES = [
+    (TEXT_ONLY, []),
+    (IMAGE_PROMPT, [generated(64, 48, seed=1)]),
+    (TWO_IMAGES, [generated(56, 84, seed=2), generated(96, 40, seed=3)]),
+]
+MAX_NEW_TOKENS = 10
+CHECKPOINTS = [("qwen2_vl", scheme) for scheme in SCHEMES] + [
+    ("qwen2_5_vl", "W4A16"),
+    ("qwen3_vl", "FP8_DYNAMIC"),
+    ("qwen3_vl", "W4A16_ASYM"),
+]
+WEIGHT_DTYPES = {"FP8_DYNAMIC": torch.float8_e4m3fn, "FP8_BLOCK": torch.float8_e4m3fn}
+
+
+@pytest.fixture(scope="module", params=CHECKPOINTS, ids=lambda c: f"{c[0]}-{c[1]}")
+def quantized(request, tmp_path_factory):
+    """(scheme, folder, the reference's (prompt ids, greedy ids) per case)."""
+    family, scheme = request.param
+    path = build_quantized_checkpoint(tmp_path_factory.mktemp(f"{family}-{scheme}"), family, scheme)
+    reference = reference_greedy(reference_model(family, scheme), path, CASES, MAX_NEW_TOKENS)
+    return scheme, path, [(prompt_ids, tokens) for prompt_ids, tokens, _ in reference]
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [{}, {"max_num_batched_tokens": 16, "block_size": 4, "enable_prefix_caching": True}],
+    ids=["whole", "chunked"],
+)
+def test_greedy_tokens_equal_the_reference(quantized, engine_args):
+    scheme, path, expected = quantized
+    llm = LLM(path, multiprocess=False, **engine_args)
+    layer = llm.engine_core.model_runner.model.model.layers[0].mlp.gate_up_proj
+    assert layer.quant_method is not None
+    assert layer.weight.dtype == WEIGHT_DTYPES.get(scheme, torch.int8)
+    prompts = [{"prompt": text, "multi_modal_data": {"image": images}} for text, images in CASES]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+    for _ in range(2):  # the second round hits the prefix cache
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        got = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outputs]
+        assert got == expected
+    assert_llm_idle(llm)
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("scheme", REFUSED_SCHEMES)
+def test_a_scheme_not_served_is_refused_by_name(scheme, tmp_path):
+    """Never loaded as something else: an int8 checkpoint is an error naming its format."""
+    path = build_quantized_checkpoint(tmp_path, "qwen2_vl", scheme)
+    with pytest.raises(UnsupportedQuantization, match="compressed-tensors format '[a-z-]+'"):
+        LLM(path, multiprocess=False)
+
+
+@pytest.mark.parametrize("scheme", ["FP8_BLOCK", "W4A16_ASYM"])
+def test_two_tensor_parallel_ranks_give_the_reference_tokens(scheme, tmp_path):
+    """Each rank holds its shard of the quantized rows, groups, blocks and zero points (gloo)."""
+    path = build_quantized_checkpoint(tmp_path, "qwen2_vl", scheme)
+    reference = reference_greedy(reference_model("qwen2_vl", scheme), path, CASES, MAX_NEW_TOKENS)
+    llm = LLM(path, tensor_parallel_size=2, device="cpu", max_model_len=512)
+    try:
+        prompts = [{"prompt": t, "multi_modal_data": {"image": images}} for t, images in CASES]
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == [tokens for _, tokens, _ in reference]
+        assert_llm_idle(llm)
+    finally:
+        llm.shutdown()
