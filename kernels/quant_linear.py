@@ -22,12 +22,13 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 _MIN_SCALE = torch.finfo(torch.float32).eps
 
 
-def quantize_fp8_per_token(
+def quantize_fp8_rows(
     x: torch.Tensor, group_size: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x_q, scale)``: ``x`` ``[..., K]`` as float8_e4m3fn and its float32 scale per token
-    ``[..., 1]`` (or per token and group of ``group_size`` features, ``[..., K / group_size]``):
-    ``scale = max|x| / 448`` over the token (group), at least float32 eps; ``x ~ x_q * scale``."""
+    """``(x_q, scale)``: ``x`` ``[..., K]`` as float8_e4m3fn and its float32 scale per row (a
+    token; a weight's output channel) ``[..., 1]``, or per row and group of ``group_size``
+    features ``[..., K / group_size]``: ``scale = max|x| / 448`` over the row (group), at least
+    float32 eps; ``x ~ x_q * scale``."""
     xf = x.float()
     groups = xf.unflatten(-1, (-1, group_size or xf.shape[-1]))  # [..., G, K / G]
     scale = (groups.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
@@ -48,7 +49,7 @@ def fp8_linear_ref(
     features (W8A8; blocks). Returns ``[..., N]`` in ``x.dtype``."""
     xf = x.float()
     if input_group_size != 0:
-        x_q, scale = quantize_fp8_per_token(x, input_group_size)
+        x_q, scale = quantize_fp8_rows(x, input_group_size)
         xf = (x_q.float().unflatten(-1, (scale.shape[-1], -1)) * scale.unsqueeze(-1)).flatten(-2)
     repeats = weight.shape[1] // weight_scale.shape[1]
     w = weight.float() * weight_scale.float().repeat_interleave(repeats, dim=1)

@@ -10,7 +10,7 @@ import torch
 
 import mm_serve  # noqa: F401 - before transformers (a CPU torch beside a CUDA torchvision)
 from mm_serve.config.quantization import QuantScheme, UnsupportedQuantization, quant_scheme
-from mm_serve.kernels.quant_linear import dequantize_int4, fp8_linear_ref, quantize_fp8_per_token
+from mm_serve.kernels.quant_linear import dequantize_int4, fp8_linear_ref, quantize_fp8_rows
 from mm_serve.models.layers.quantization import canonical_weights, unpack_int4_rows
 
 ct = pytest.importorskip("compressed_tensors")
@@ -98,7 +98,7 @@ def test_int4_dequantize_is_q_minus_z_times_s_per_group():
 
 def test_fp8_linear_quantizes_each_token_to_its_own_range():
     x = torch.tensor([[1.0, -448.0, 3.0], [0.001, 0.002, -0.003]])
-    x_q, scale = quantize_fp8_per_token(x)
+    x_q, scale = quantize_fp8_rows(x)
     assert x_q.dtype == torch.float8_e4m3fn and scale.shape == (2, 1)
     assert torch.allclose(scale.squeeze(1), torch.tensor([1.0, 0.003 / 448]))
     assert torch.allclose(x_q.float() * scale, x, rtol=0.07)  # e4m3: 3 mantissa bits
@@ -109,7 +109,7 @@ def test_fp8_linear_quantizes_each_token_to_its_own_range():
 
 def test_fp8_groups_quantize_and_scale_their_own_features():
     x = torch.tensor([[1.0, 2.0, 100.0, -300.0]])
-    x_q, scale = quantize_fp8_per_token(x, group_size=2)
+    x_q, scale = quantize_fp8_rows(x, group_size=2)
     assert scale.shape == (1, 2) and torch.allclose(scale, torch.tensor([[2 / 448, 300 / 448]]))
     weight = torch.ones(1, 4).to(torch.float8_e4m3fn)
     block_scale = torch.tensor([[1.0, 0.5]])  # features 0-1 and 2-3

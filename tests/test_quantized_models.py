@@ -16,10 +16,12 @@ from tests.fixtures.leaks import assert_llm_idle  # noqa: E402
 from tests.fixtures.quantized_checkpoints import (  # noqa: E402
     REFUSED_SCHEMES,
     SCHEMES,
+    TEXT_OVERRIDES,
     build_quantized_checkpoint,
     reference_greedy,
     reference_model,
 )
+from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint  # noqa: E402
 
 IMAGE_PROMPT = "<|vision_start|><|image_pad|><|vision_end|>What is in the image?"
 TWO_IMAGES = (
@@ -92,3 +94,28 @@ def test_two_tensor_parallel_ranks_give_the_reference_tokens(scheme, tmp_path):
         assert_llm_idle(llm)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_online_fp8_is_compressed_tensors_fp8_dynamic(family, tmp_path):
+    """``quantization="fp8"`` on a float checkpoint: the tokens of compressed-tensors'
+    FP8_DYNAMIC (per-channel weights, per-token activations) on the same weights."""
+    path = build_tiny_vlm_checkpoint(tmp_path, family, 0, text_overrides=TEXT_OVERRIDES[family])
+    model = reference_model(family, "FP8_DYNAMIC")
+    reference = reference_greedy(model, path, CASES, MAX_NEW_TOKENS)
+    llm = LLM(path, multiprocess=False, quantization="fp8")
+    layer = llm.engine_core.model_runner.model.model.layers[0].self_attn.qkv_proj
+    assert layer.weight.dtype == torch.float8_e4m3fn
+    prompts = [{"prompt": t, "multi_modal_data": {"image": images}} for t, images in CASES]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [tokens for _, tokens, _ in reference]
+    llm.shutdown()
+
+
+def test_online_quantization_of_a_quantized_checkpoint_is_refused(tmp_path):
+    path = build_quantized_checkpoint(tmp_path, "qwen2_vl", "W4A16")
+    with pytest.raises(ValueError, match="quantized already"):
+        LLM(path, multiprocess=False, quantization="fp8")
+    with pytest.raises(ValueError, match="quantization='int8' is not supported"):
+        LLM(path, multiprocess=False, quantization="int8")

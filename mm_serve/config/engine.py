@@ -29,7 +29,7 @@ from mm_serve.config.compilation import (
     cuda_graph_num_tokens,
 )
 from mm_serve.config.parallel import ParallelConfig, check_tensor_parallel
-from mm_serve.config.quantization import QuantScheme, quant_scheme
+from mm_serve.config.quantization import QuantScheme, resolve_quantization
 from mm_serve.kernels.config import KernelConfig
 
 
@@ -46,14 +46,16 @@ class ModelConfig:
     seed: int = 0
     load_format: str = "auto"  # "auto": the checkpoint's safetensors; "dummy": random weights
     chat_template: str | None = None  # Jinja text overriding the tokenizer's template
+    quantization: str | None = None  # "fp8": quantize a float checkpoint's weights at load
 
     def __post_init__(self) -> None:
-        quant_scheme(self.hf_config)  # a quantization not loaded fails here, in the front end
+        # A quantization the engine does not load fails here, in the front end, naming it.
+        resolve_quantization(self.hf_config, self.quantization)
 
     @property
-    def quantization(self) -> QuantScheme | None:
-        """The checkpoint's quantization (``models.layers.quantization``), None if none."""
-        return quant_scheme(self.hf_config)
+    def quant_scheme(self) -> QuantScheme | None:
+        """How the weights are quantized (``config.quantization``), None if they are not."""
+        return resolve_quantization(self.hf_config, self.quantization)
 
     @property
     def text_config(self) -> Any:
@@ -214,6 +216,7 @@ class EngineArgs:
     enforce_eager: bool = False  # compilation level 0 (always eager on CPU)
     compilation_level: int = 2  # 0 eager, 1 CUDA graphs, 2 torch.compile + graphs
     load_format: str = "auto"
+    quantization: str | None = None
     async_scheduling: bool | None = None  # on with CUDA (where it overlaps), off on CPU
     chat_template: str | None = None  # a Jinja file or the template text (vLLM's flag)
     kernel_mode: str | None = None  # None: $MM_SERVE_KERNELS, else auto

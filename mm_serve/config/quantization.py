@@ -36,13 +36,15 @@ class QuantScheme:
     one scale per row). ``block_rows``: output features per row of the checkpoint's scales
     (FP8 blocks: 128; our layout repeats each over its rows). ``symmetric``: no zero point.
     ``input_group_size``: FP8 activations left as they are (0), quantized per token (None) or
-    per token and group of that many features."""
+    per token and group of that many features. ``online``: the checkpoint is float and the
+    engine quantizes its weights as it loads them (``--quantization``)."""
 
     weight_type: str
     group_size: int | None = None
     block_rows: int = 1
     symmetric: bool = True
     input_group_size: int | None = 0
+    online: bool = False  # quantized at load from the checkpoint's float weights
 
 
 def quant_scheme(hf_config: Any) -> QuantScheme | None:
@@ -116,3 +118,28 @@ def _fp8_scheme(weights: dict, activations: dict | None) -> QuantScheme | None:
         if block is not None and block[1] == group:
             return QuantScheme("fp8", group_size=group, block_rows=block[0], input_group_size=group)
     return None
+
+
+ONLINE_METHODS = ("fp8",)
+
+
+def resolve_quantization(hf_config: Any, method: str | None) -> QuantScheme | None:
+    """The checkpoint's scheme, or with ``method`` ("fp8", vLLM's ``--quantization fp8``) a
+    float checkpoint's weights quantized at load: FP8 per output channel, activations per
+    token at run time.
+
+    Raises:
+        UnsupportedQuantization: the checkpoint's quantization is not loaded (``quant_scheme``).
+        ValueError: ``method`` is not one of ``ONLINE_METHODS``, or the checkpoint is
+            quantized already.
+    """
+    scheme = quant_scheme(hf_config)
+    if method is None:
+        return scheme
+    if method not in ONLINE_METHODS:
+        raise ValueError(f"quantization={method!r} is not supported; choose from {ONLINE_METHODS}.")
+    if scheme is not None:
+        raise ValueError(
+            f"The checkpoint is quantized already ({scheme.weight_type}); leave quantization unset."
+        )
+    return QuantScheme("fp8", input_group_size=None, online=True)

@@ -84,6 +84,8 @@ _ENGINE_ARG_HELP = {
     "enforce_eager": "No CUDA graphs, no compile: run every step eagerly (compilation level 0).",
     "compilation_level": "0: eager; 1: CUDA graphs; 2: torch.compile and CUDA graphs (CUDA only).",
     "load_format": "auto (the checkpoint's weights) or dummy (random weights, for benchmarks).",
+    "quantization": "fp8: quantize a bf16 checkpoint's linear layers to FP8 as they load (per "
+    "output channel; activations per token). A quantized checkpoint needs no flag.",
     "async_scheduling": "Schedule the next step while the GPU runs this one.",
     "chat_template": "Chat template for chat requests: a Jinja file, or the template text.",
     "kernel_mode": "Kernels of the forward: auto, triton (Triton alone) or ref (pure torch).",
@@ -104,6 +106,7 @@ _UNSET_DEFAULTS = {
     "async_scheduling": "on with CUDA, off on CPU",
     "distributed_executor_backend": "uni at one rank, else mp",
     "chat_template": "the checkpoint's",
+    "quantization": "the checkpoint's",
     "kernel_mode": "$MM_SERVE_KERNELS, else auto",
     "pdl": "on, off with MM_SERVE_PDL=0",
 }

@@ -30,6 +30,7 @@ from mm_serve.models.layers.quantization import (
     QUANTIZED_LAYER_SUFFIXES,
     canonical_weights,
     quantize_layers,
+    quantize_loaded_layers,
 )
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modu
             f"{', '.join(LOAD_FORMATS)} (dummy: random weights, no weight files read)."
         )
     model_cls = get_model_class(model_config.hf_config)
-    scheme = model_config.quantization
+    scheme = model_config.quant_scheme
     if model_config.load_format == "dummy":
         if scheme is not None:
             raise ValueError("load_format='dummy' does not make quantized weights yet.")
@@ -108,21 +109,22 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modu
         initialize_dummy_weights(model, model_config.seed)
         return model.eval()
     files = safetensors_files(model_config.path)
+    stored = scheme is not None and not scheme.online  # the checkpoint holds quantized tensors
     quantize = None
-    if scheme is not None:
+    if stored:
         quantize = lambda model: quantize_layers(model, scheme, quantized_layers(model, files))  # noqa: E731
     model = build_empty_model(model_cls, model_config, device, quantize)
     weights = iterate_weights(files)
     with torch.no_grad():
-        loaded = model.load_weights(
-            weights if scheme is None else canonical_weights(weights, scheme)
-        )
+        loaded = model.load_weights(canonical_weights(weights, scheme) if stored else weights)
     missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
     if missing:
         raise ModelLoadError(
             f"{len(missing)} parameters of {model_cls.__name__} were not found in the "
             f"checkpoint {model_config.path!r}: {', '.join(missing)}"
         )
+    if scheme is not None and scheme.online:
+        quantize_loaded_layers(model, scheme)
     return model.eval()
 
 

@@ -30,7 +30,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from mm_serve.kernels.quant_linear import FP8_DTYPE, fp8_linear_ref, int4_linear_ref
+from mm_serve.kernels.quant_linear import (
+    FP8_DTYPE,
+    fp8_linear_ref,
+    int4_linear_ref,
+    quantize_fp8_rows,
+)
 
 if TYPE_CHECKING:
     from mm_serve.config.quantization import QuantScheme
@@ -116,6 +121,19 @@ def quantize_layers(model: nn.Module, scheme: QuantScheme, layer_names: Iterable
         method = Fp8LinearMethod if scheme.weight_type == "fp8" else Int4LinearMethod
         layer.quant_method = method(scheme)
         layer.quant_method.create_weights(layer)
+
+
+@torch.no_grad()
+def quantize_loaded_layers(model: nn.Module, scheme: QuantScheme) -> None:
+    """Quantize the loaded float weight of every language-model linear layer (ours under
+    ``model.``; not the vision tower, not ``lm_head``) to FP8 per output channel, ``scheme``
+    (online FP8, as vLLM's ``--quantization fp8``): each rank its own rows."""
+    for name, layer in model.named_modules():
+        if name.startswith("model.") and hasattr(layer, "quant_method"):
+            weight, scale = quantize_fp8_rows(layer.weight.data)
+            layer.weight = nn.Parameter(weight, requires_grad=False)
+            layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+            layer.quant_method = Fp8LinearMethod(scheme)
 
 
 # ---- checkpoint tensors -> our layout ----------------------------------------------------------
