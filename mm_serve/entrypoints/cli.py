@@ -3,6 +3,7 @@
 ``mm-serve serve [MODEL] [flags]`` runs the OpenAI-compatible server. Its engine flags are made
 from the fields of ``EngineArgs`` (``cli_flags.py``) and its server flags from ``ServerConfig``,
 defaults included, so that ``--help`` shows the real ones.
+``mm-serve run-batch [MODEL] -i FILE -o FILE`` answers a file of OpenAI batch requests offline.
 ``mm-serve chat [IMAGE] QUESTION`` asks a running server a question, about an image or not.
 ``mm-serve bench COMMAND`` runs a benchmark (``BENCH_COMMANDS``, ``mm_serve/benchmarks/``).
 """
@@ -137,12 +138,11 @@ def _add_media_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def server_config_from(args: argparse.Namespace):
-    """The ``ServerConfig`` of parsed ``serve`` flags."""
-    from mm_serve.entrypoints.openai.api_server import ServerConfig
+def media_config_from(args: argparse.Namespace):
+    """The ``MediaConfig`` of parsed media flags (``_add_media_args``)."""
     from mm_serve.entrypoints.openai.media import MediaConfig
 
-    media = MediaConfig(
+    return MediaConfig(
         allowed_domains=tuple(args.allowed_media_domains),
         allowed_local_path=args.allowed_local_media_path,
         max_bytes=args.max_media_bytes,
@@ -150,13 +150,25 @@ def server_config_from(args: argparse.Namespace):
         max_images=args.limit_mm_per_prompt.get("image", MediaConfig.max_images),
         max_videos=args.limit_mm_per_prompt.get("video", MediaConfig.max_videos),
     )
+
+
+def served_model_names(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--served-model-name``, else the demo model's name when serving it, else none."""
+    return tuple(args.served_model_name) or (
+        (DEMO_MODEL_NAME,) if args.model == str(DEMO_MODEL) else ()
+    )
+
+
+def server_config_from(args: argparse.Namespace):
+    """The ``ServerConfig`` of parsed ``serve`` flags."""
+    from mm_serve.entrypoints.openai.api_server import ServerConfig
+
     return ServerConfig(
         host=args.host,
         port=args.port,
         api_key=args.api_key,
-        served_model_names=tuple(args.served_model_name)
-        or ((DEMO_MODEL_NAME,) if args.model == str(DEMO_MODEL) else ()),
-        media=media,
+        served_model_names=served_model_names(args),
+        media=media_config_from(args),
         max_request_body_bytes=args.max_request_body_bytes,
         max_concurrent_requests=args.max_concurrent_requests,
         max_n=args.max_n,
@@ -258,6 +270,58 @@ def add_serve_parser(commands, argv: list[str]) -> None:
         add_engine_args(serve_parser)
 
 
+def add_run_batch_parser(commands, argv: list[str]) -> None:
+    """``run-batch``; its flags only when ``argv`` names it (they import the web stack)."""
+    parser = commands.add_parser(
+        "run-batch", help="Answer a file of OpenAI batch requests offline (vLLM's run-batch)."
+    )
+    parser.add_argument("model", nargs="?", default=str(DEMO_MODEL), help="As for serve.")
+    parser.set_defaults(func=run_batch)
+    if argv[:1] != ["run-batch"]:
+        return
+    from mm_serve.entrypoints.openai.api_server import ServerConfig
+
+    server = ServerConfig()
+    batch = parser.add_argument_group("batch")
+    batch.add_argument(
+        "-i", "--input-file", required=True, help="Requests, one per line; -: stdin."
+    )
+    batch.add_argument("-o", "--output-file", required=True, help="Results file; -: stdout.")
+    add = functools.partial(add_flag, batch)
+    add("--served-model-name", "Names the requests' model may give.", [], nargs="+",
+        shown="the model as given")  # fmt: skip
+    add("--max-concurrent-requests", "Lines in the engine at once.", 256, type=int)
+    add("--max-n", "Most completions (n) or beams one request may ask for.", server.max_n,
+        type=int)  # fmt: skip
+    add("--log-level", "Level of mm_serve's loggers.", "warning", choices=LOG_LEVELS)
+    _add_media_args(parser)
+    add_engine_args(parser)
+
+
+def run_batch(args: argparse.Namespace) -> int:
+    """``mm-serve run-batch``: 0 when every line was answered, 1 when some lines got an error
+    (their error lines are written) or the engine could not start."""
+    from mm_serve.entrypoints.openai.api_server import ServerConfig
+    from mm_serve.entrypoints.openai.run_batch import run_batch as answer_file
+    from mm_serve.frontend.exceptions import EngineStartupError
+
+    config = ServerConfig(
+        served_model_names=served_model_names(args),
+        media=media_config_from(args),
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_n=args.max_n,
+    )
+    try:
+        coroutine = answer_file(engine_args_from(args), config, args.input_file, args.output_file)
+        failed = asyncio.run(coroutine)
+    except (ValueError, OSError, EngineStartupError) as e:
+        logger.error("Cannot run the batch: %s", e)
+        return 1
+    if failed:
+        logger.warning("%d lines got an error (see their error field).", failed)
+    return 1 if failed else 0
+
+
 def add_chat_parser(commands) -> None:
     """``chat [IMAGE] QUESTION``: one argument is the question, two are image and question."""
     chat_parser = commands.add_parser("chat", help="Ask a running server (about an image).")
@@ -272,9 +336,9 @@ def add_chat_parser(commands) -> None:
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """The ``mm-serve`` parser with its ``serve``, ``chat`` and ``bench`` subcommands (the
-    flags of ``serve`` and of ``bench X`` are added only when ``argv``, default
-    ``sys.argv[1:]``, names them)."""
+    """The ``mm-serve`` parser with its ``serve``, ``run-batch``, ``chat`` and ``bench``
+    subcommands (the flags of ``serve``, ``run-batch`` and ``bench X`` are added only when
+    ``argv``, default ``sys.argv[1:]``, names them)."""
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
         prog="mm-serve", description="Serve vision-language models; ask a server; benchmark."
@@ -283,6 +347,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {version}")
     commands = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(commands, argv)
+    add_run_batch_parser(commands, argv)
     add_chat_parser(commands)
     add_bench_parser(commands, argv)
     return parser

@@ -93,16 +93,32 @@ class ServerConfig:
     log_level: str = "info"
 
 
+def served_model(llm: AsyncLLM, config: ServerConfig) -> ModelInfo:
+    """The names clients may give in ``model``, and the checkpoint as given."""
+    model_name = llm.config.model.model
+    return ModelInfo(config.served_model_names or (model_name,), model_name)
+
+
+def serving_handlers(
+    llm: AsyncLLM, config: ServerConfig, media: MediaResolver
+) -> tuple[ServingChat, ServingCompletion, ServingTokenization]:
+    """The handlers of chat, completions and tokenization (one admission limit for the
+    first two), as the routes and ``run-batch`` use them."""
+    model = served_model(llm, config)
+    admission = Admission(config.max_concurrent_requests, config.max_n)
+    return (
+        ServingChat(llm, model, admission, media),
+        ServingCompletion(llm, model, admission),
+        ServingTokenization(llm, model, media),
+    )
+
+
 def build_app(
     llm: AsyncLLM, config: ServerConfig, metrics: ServerMetrics, media: MediaResolver
 ) -> FastAPI:
     """The FastAPI app serving ``llm`` (which must outlive it)."""
-    model_name = llm.config.model.model
-    model = ModelInfo(config.served_model_names or (model_name,), model_name)
-    admission = Admission(config.max_concurrent_requests, config.max_n)
-    chat = ServingChat(llm, model, admission, media)
-    completion = ServingCompletion(llm, model, admission)
-    tokenization = ServingTokenization(llm, model, media)
+    model = served_model(llm, config)
+    chat, completion, tokenization = serving_handlers(llm, config, media)
     app = FastAPI(title="mm_serve", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
 
