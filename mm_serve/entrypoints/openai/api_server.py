@@ -50,9 +50,11 @@ from mm_serve.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+from mm_serve.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest
 from mm_serve.entrypoints.openai.serving_chat import ServingChat
 from mm_serve.entrypoints.openai.serving_common import Admission, ModelInfo
 from mm_serve.entrypoints.openai.serving_completion import ServingCompletion
+from mm_serve.entrypoints.openai.serving_responses import ServingResponses
 from mm_serve.entrypoints.openai.serving_tokenization import ServingTokenization
 from mm_serve.frontend.async_llm import AsyncLLM
 from mm_serve.frontend.engine_process import EngineProcess
@@ -99,17 +101,25 @@ def served_model(llm: AsyncLLM, config: ServerConfig) -> ModelInfo:
     return ModelInfo(config.served_model_names or (model_name,), model_name)
 
 
-def serving_handlers(
-    llm: AsyncLLM, config: ServerConfig, media: MediaResolver
-) -> tuple[ServingChat, ServingCompletion, ServingTokenization]:
-    """The handlers of chat, completions and tokenization (one admission limit for the
-    first two), as the routes and ``run-batch`` use them."""
+@dataclass(frozen=True)
+class Handlers:
+    """The request handlers of the routes and of ``run-batch`` (one admission limit)."""
+
+    chat: ServingChat
+    completion: ServingCompletion
+    tokenization: ServingTokenization
+    responses: ServingResponses
+
+
+def serving_handlers(llm: AsyncLLM, config: ServerConfig, media: MediaResolver) -> Handlers:
     model = served_model(llm, config)
     admission = Admission(config.max_concurrent_requests, config.max_n)
-    return (
-        ServingChat(llm, model, admission, media),
+    chat = ServingChat(llm, model, admission, media)
+    return Handlers(
+        chat,
         ServingCompletion(llm, model, admission),
         ServingTokenization(llm, model, media),
+        ServingResponses(llm, model, admission, chat),
     )
 
 
@@ -118,7 +128,8 @@ def build_app(
 ) -> FastAPI:
     """The FastAPI app serving ``llm`` (which must outlive it)."""
     model = served_model(llm, config)
-    chat, completion, tokenization = serving_handlers(llm, config, media)
+    handlers = serving_handlers(llm, config, media)
+    chat, completion, tokenization = handlers.chat, handlers.completion, handlers.tokenization
     app = FastAPI(title="mm_serve", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
 
@@ -129,6 +140,14 @@ def build_app(
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request):
         return await until_disconnected(request, completion.handle(body, time.monotonic()))
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request):
+        return await until_disconnected(request, handlers.responses.handle(body, time.monotonic()))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> ResponseObject:
+        return ResponseObject(**handlers.responses.store.get(response_id)[0])
 
     def card(name: str) -> ModelCard:
         return ModelCard(id=name, root=model.root, max_model_len=llm.max_model_len)

@@ -148,8 +148,8 @@ async def run_batch(
     try:
         # Lines wait at the gate instead of getting a 429; n stays capped at max_n.
         unlimited = dataclasses.replace(config, max_concurrent_requests=sys.maxsize)
-        chat, completion, _ = serving_handlers(llm, unlimited, media)
-        handlers = {"/v1/chat/completions": chat, "/v1/completions": completion}
+        served = serving_handlers(llm, unlimited, media)
+        handlers = {"/v1/chat/completions": served.chat, "/v1/completions": served.completion}
         outputs = await answer_all(lines, handlers, config.max_concurrent_requests)
     finally:
         await media.aclose()

@@ -66,8 +66,23 @@ class ServingChat(ServingBase):
     async def create(
         self, request: ChatCompletionRequest, arrival_time: float
     ) -> ChatCompletionResponse | AsyncIterator[str]:
-        model = self.model.name_for(request.model)
         include_usage = stream_usage(request)
+        outputs, reply = await self.start(request, arrival_time)
+        if request.stream:
+            return _stream(outputs, reply, include_usage)
+        with user_errors():
+            return _response(await collect(outputs), reply)
+
+    async def start(
+        self, request: ChatCompletionRequest, arrival_time: float
+    ) -> tuple[AsyncIterator[RequestOutput], _Reply]:
+        """Check the request, render and process the chat, and start generating: the outputs
+        (each a delta) and the settings of the reply (``create``'s, the Responses API's).
+
+        Raises:
+            APIError: the request's error (see ``errors``).
+        """
+        model = self.model.name_for(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true.", param="top_logprobs")
         num_top = (request.top_logprobs or 0) if request.logprobs else None
@@ -107,11 +122,7 @@ class ServingChat(ServingBase):
             echo=_echo(request.messages[-1], role) if request.echo else "",
             tools=tools,
         )
-        outputs = self.generate(request, processed, params, reply.request_id, arrival_time)
-        if request.stream:
-            return _stream(outputs, reply, include_usage)
-        with user_errors():
-            return _response(await collect(outputs), reply)
+        return self.generate(request, processed, params, reply.request_id, arrival_time), reply
 
 
 def check_chat_template_options(
