@@ -97,8 +97,10 @@ def test_answers_equal_the_servers(batch, vlm_server):
             assert output["response"]["status_code"] == served.status_code
             if served.status_code == 200:
                 expected = served.json()
-                assert body["choices"] == expected["choices"]
-                assert body["usage"] == expected["usage"] and body["model"] == expected["model"]
+                assert body["choices"] == expected["choices"] and body["model"] == expected["model"]
+                # The shared server's prefix cache holds other tests' prompts: cached counts differ.
+                counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+                assert [body["usage"][k] for k in counts] == [expected["usage"][k] for k in counts]
                 assert output["response"]["request_id"] == body["id"]
             else:
                 assert body == served.json()

@@ -194,7 +194,7 @@ class Scheduler:
     ) -> bool:
         """Schedule a running request's next chunk (prompt, images, new blocks), preempting
         the newest running requests while the KV pool is short (into ``preempted``). Returns
-        False when the request itself had to be preempted or got no blocks."""
+        False when the request itself was preempted: no blocks were left for it."""
         num_computed = request.num_computed_tokens
         num_new = min(num_tokens - num_computed, step.token_budget)
         to_encode: list[int] = []
