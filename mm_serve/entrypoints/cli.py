@@ -100,6 +100,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         server.log_level,
         choices=LOG_LEVELS,
     )
+    add(
+        "--otlp-traces-endpoint",
+        "OTLP/HTTP collector (http://host:4318/v1/traces) that gets a span per request; "
+        "needs pip install 'mm_serve[otel]'.",
+        shown="no tracing",
+    )
     _add_media_args(parser)
 
 
@@ -173,6 +179,7 @@ def server_config_from(args: argparse.Namespace):
         max_concurrent_requests=args.max_concurrent_requests,
         max_n=args.max_n,
         log_level=args.log_level,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
 

@@ -344,6 +344,7 @@ class AsyncLLM(FrontEnd):
                 arrival_time=arrival_time,
                 finished_time=now,
                 times=child.times,
+                request_id=parent.request_id,
             )
             self.on_request_finished(stats)
 

@@ -134,6 +134,7 @@ class RequestStats:
     arrival_time: float
     finished_time: float
     times: RequestTimes = field(default_factory=RequestTimes)
+    request_id: str = ""  # the request's (its completions share it)
 
     @property
     def ttft(self) -> float | None:

@@ -59,6 +59,7 @@ from mm_serve.entrypoints.openai.serving_tokenization import ServingTokenization
 from mm_serve.frontend.async_llm import AsyncLLM
 from mm_serve.frontend.engine_process import EngineProcess
 from mm_serve.frontend.exceptions import EngineDeadError
+from mm_serve.messages.stats import RequestStats
 from mm_serve.utils.profiler import DIR_ENV as PROFILER_DIR_ENV
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,8 @@ class ServerConfig:
     ``max_concurrent_requests``: generation sequences (a request's ``n``) in flight beyond it
     get a 429; ``max_n``: a larger ``n`` is a 400;
     ``web_dir``: served at ``/`` when it holds an ``index.html``; ``log_level``: uvicorn's
-    (debug, info, warning, error).
+    (debug, info, warning, error); ``otlp_traces_endpoint``: an OTLP/HTTP collector that gets
+    a span per request (``tracing``), None: no tracing.
     """
 
     host: str = "127.0.0.1"
@@ -93,6 +95,7 @@ class ServerConfig:
     max_n: int = 128
     web_dir: Path = WEB_DIR
     log_level: str = "info"
+    otlp_traces_endpoint: str | None = None
 
 
 def served_model(llm: AsyncLLM, config: ServerConfig) -> ModelInfo:
@@ -180,6 +183,10 @@ def build_app(
         max_body_bytes=config.max_request_body_bytes,
         metrics=metrics,
     )
+    if config.otlp_traces_endpoint:
+        from mm_serve.entrypoints.openai.tracing import TraceContext
+
+        app.add_middleware(TraceContext)
     return app
 
 
@@ -255,10 +262,20 @@ async def run_server(
         EngineStartupError: the engine core failed to start.
     """
     metrics = ServerMetrics()
+    on_request_finished, tracer = metrics.observe_request, None
+    if config.otlp_traces_endpoint:
+        from mm_serve.entrypoints.openai.tracing import RequestTracer
+
+        tracer = RequestTracer.otlp(config.otlp_traces_endpoint)
+
+        def on_request_finished(stats: RequestStats) -> None:
+            metrics.observe_request(stats)
+            tracer.record(stats)
+
     llm = await AsyncLLM.create(
         engine_args,
         engine_process=engine_process,
-        on_request_finished=metrics.observe_request,
+        on_request_finished=on_request_finished,
         on_inter_token_latency=metrics.observe_inter_token_latency,
     )
     media = MediaResolver(config.media)
@@ -288,6 +305,8 @@ async def run_server(
     finally:
         await media.aclose()
         llm.shutdown()
+        if tracer is not None:
+            tracer.shutdown()
     if engine_died and not stop_signals:
         logger.error("Exiting: the engine core died.")
         return 1
