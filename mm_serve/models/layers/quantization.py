@@ -112,7 +112,10 @@ def quantize_layers(model: nn.Module, scheme: QuantScheme, layer_names: Iterable
             quantized vision tower).
     """
     for name in sorted(layer_names):
-        layer = model.get_submodule(name) if name else None
+        try:
+            layer = model.get_submodule(name)
+        except AttributeError:
+            layer = None  # a module of the checkpoint's that this model names otherwise
         if not hasattr(layer, "quant_method"):  # layers.linear.LinearBase
             raise ValueError(
                 f"The checkpoint quantizes {name!r}, which this engine keeps in floating point "
