@@ -47,6 +47,7 @@ from mm_serve.messages.wire import (
     RequestError,
     UtilityRequest,
 )
+from mm_serve.utils import quiet_exit
 from mm_serve.worker.worker import limit_cpu_threads
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ def run_engine_core(
     end is gone, or closed the pipe, before sending the config.
     """
     imported = time.monotonic()
+    quiet_exit.install()
     # Ctrl-C in a terminal reaches the whole process group; the front end decides to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # SIGTERM (the front end's shutdown) unwinds the main thread, so that exit handlers run.
@@ -88,7 +90,10 @@ def run_engine_core(
         os.getpid(),
         time.monotonic() - imported,
     )
-    sys.exit(proc.serve(config))
+    exit_code = proc.serve(config)
+    if exit_code == 0:
+        quiet_exit.mark_clean()
+    sys.exit(exit_code)
 
 
 def apply_log_setup(log_setup: tuple[str, int, int] | None) -> None:
@@ -123,6 +128,7 @@ def _raise_system_exit(signum: int, frame: Any) -> None:
     # Once: a second SIGTERM (the server's process group and the client both send one) must
     # not interrupt the exit handlers the first one started.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    quiet_exit.mark_clean()  # the front end's way to stop this process
     raise SystemExit(128 + signum)
 
 

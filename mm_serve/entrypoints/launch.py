@@ -13,6 +13,9 @@ import sys
 
 
 def main() -> int:
+    from mm_serve.utils import quiet_exit
+
+    quiet_exit.install()
     argv = sys.argv[1:]
     engine_process = None
     if argv[:1] == ["serve"] and not {"-h", "--help"} & set(argv):
@@ -24,7 +27,10 @@ def main() -> int:
     try:
         from mm_serve.entrypoints.cli import main as cli_main
 
-        return cli_main(argv, engine_process)
+        exit_code = cli_main(argv, engine_process)
+        if exit_code == 0:
+            quiet_exit.mark_clean()
+        return exit_code
     finally:  # a no-op once the engine core client took the process over and shut it down
         if engine_process is not None:
             engine_process.stop()

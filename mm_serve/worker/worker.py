@@ -27,6 +27,7 @@ import zmq
 
 from mm_serve.config import EngineConfig
 from mm_serve.distributed.mp_context import PARENT_CHECK_INTERVAL_MS
+from mm_serve.utils import quiet_exit
 from mm_serve.utils.profiler import TorchProfiler
 from mm_serve.worker.model_runner import ModelRunner
 from mm_serve.worker.step_output import PendingOutput
@@ -89,9 +90,13 @@ def run_worker(
     parent_pid: int,
 ) -> None:
     """Entry point of the worker process of ``rank`` (``worker_main``); exits with its code."""
+    quiet_exit.install()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when to stop
     signal.signal(signal.SIGTERM, _raise_system_exit)
-    sys.exit(worker_main(config, rank, init_method, input_address, output_address, parent_pid))
+    exit_code = worker_main(config, rank, init_method, input_address, output_address, parent_pid)
+    if exit_code == 0:
+        quiet_exit.mark_clean()
+    sys.exit(exit_code)
 
 
 def worker_main(
@@ -199,4 +204,5 @@ def call(
 
 
 def _raise_system_exit(signum: int, frame: Any) -> None:
+    quiet_exit.mark_clean()  # the engine's way to stop this worker
     raise SystemExit(128 + signum)
