@@ -74,7 +74,7 @@ class ResponseStore:
         return self._items[response_id]
 
 
-def chat_messages(message: InputMessage, index: int) -> dict[str, Any]:
+def chat_message(message: InputMessage, index: int) -> dict[str, Any]:
     """One input message as a chat message.
 
     Raises:
@@ -125,7 +125,9 @@ class ServingResponses(ServingBase):
         if request.previous_response_id is not None:
             _, history = self.store.get(request.previous_response_id, "previous_response_id")
         conversation = [*history, *self._input(request)]
-        system = [{"role": "system", "content": request.instructions}] * bool(request.instructions)
+        system = (
+            [{"role": "system", "content": request.instructions}] if request.instructions else []
+        )
         chat_request = self._chat_request(request, [*system, *conversation])
         outputs, reply = await self.chat.start(chat_request, arrival_time)
         answer = _Answer(request, reply.model, conversation, self.store)
@@ -140,7 +142,7 @@ class ServingResponses(ServingBase):
     def _input(request: ResponsesRequest) -> list[dict]:
         if isinstance(request.input, str):
             return [{"role": "user", "content": request.input}]
-        return [chat_messages(message, i) for i, message in enumerate(request.input)]
+        return [chat_message(message, i) for i, message in enumerate(request.input)]
 
     @staticmethod
     def _chat_request(request: ResponsesRequest, messages: list[dict]) -> ChatCompletionRequest:
