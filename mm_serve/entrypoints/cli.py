@@ -101,6 +101,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         choices=LOG_LEVELS,
     )
     add(
+        "--shutdown-timeout",
+        "Seconds the requests in flight at SIGTERM get to finish (new connections are refused "
+        "meanwhile); then the rest are cut and the server exits.",
+        server.shutdown_timeout,
+        type=float,
+    )
+    add(
         "--otlp-traces-endpoint",
         "OTLP/HTTP collector (http://host:4318/v1/traces) that gets a span per request; "
         "needs pip install 'mm_serve[otel]'.",
@@ -180,6 +187,7 @@ def server_config_from(args: argparse.Namespace):
         max_n=args.max_n,
         log_level=args.log_level,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        shutdown_timeout=args.shutdown_timeout,
     )
 
 

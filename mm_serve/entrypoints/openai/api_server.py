@@ -66,7 +66,6 @@ logger = logging.getLogger(__name__)
 
 ENGINE_DEAD_GRACE_S = 1.0  # /health says 503 this long after the engine died, then exit
 ENGINE_WATCH_INTERVAL_S = 0.1
-GRACEFUL_SHUTDOWN_S = 5.0  # in-flight responses get this long after SIGTERM
 STATS_TIMEOUT_S = 5.0
 WEB_DIR = Path(str(importlib.resources.files("mm_serve.web")))  # the repository's web/
 API_PATHS = ("/v1/", "/health", "/metrics", "/tokenize", "/detokenize", "/version")
@@ -82,7 +81,9 @@ class ServerConfig:
     get a 429; ``max_n``: a larger ``n`` is a 400;
     ``web_dir``: served at ``/`` when it holds an ``index.html``; ``log_level``: uvicorn's
     (debug, info, warning, error); ``otlp_traces_endpoint``: an OTLP/HTTP collector that gets
-    a span per request (``tracing``), None: no tracing.
+    a span per request (``tracing``), None: no tracing; ``shutdown_timeout``: seconds the
+    requests in flight at SIGTERM get to finish (new connections are refused), then the rest
+    are cut and the engine stops.
     """
 
     host: str = "127.0.0.1"
@@ -96,6 +97,7 @@ class ServerConfig:
     web_dir: Path = WEB_DIR
     log_level: str = "info"
     otlp_traces_endpoint: str | None = None
+    shutdown_timeout: float = 5.0
 
 
 def served_model(llm: AsyncLLM, config: ServerConfig) -> ModelInfo:
@@ -287,7 +289,7 @@ async def run_server(
             host=config.host,
             port=config.port,
             lifespan="off",
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            timeout_graceful_shutdown=config.shutdown_timeout,
             log_level=config.log_level,
         )
         server = uvicorn.Server(uvicorn_config)
