@@ -117,6 +117,9 @@ class CacheConfig:
     num_kv_blocks: int | None = None
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """The per-step budgets: tokens (prompt and output alike), sequences, and encoder work.
@@ -138,6 +141,16 @@ class SchedulerConfig:
     whole_images: bool = False
     # Schedule step n+1 while step n runs on the device (its sampled tokens stay there).
     async_scheduling: bool = False
+    # "fcfs": requests in arrival order; "priority": by (priority, arrival), the lowest
+    # priority's newest request preempted first (vLLM's --scheduling-policy).
+    scheduling_policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, not "
+                f"{self.scheduling_policy!r}."
+            )
 
 
 @dataclass(frozen=True)
@@ -200,6 +213,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"  # or "priority" (vLLM's)
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1  # engine core replicas behind one front end
     distributed_executor_backend: str | None = None  # "uni" (in the core), "mp", "ray"

@@ -62,6 +62,8 @@ _ENGINE_ARG_HELP = {
     "max_num_batched_tokens": "Token budget of one engine step; longer prompts are chunked.",
     "max_num_seqs": "Most requests in one engine step.",
     "enable_chunked_prefill": "Split long prompts over several steps.",
+    "scheduling_policy": "fcfs (arrival order) or priority (a request's priority field, lower "
+    "first; the lowest priority's newest request is preempted first).",
     "tensor_parallel_size": "Tensor-parallel ranks (GPUs) per model, one worker process each.",
     "data_parallel_size": "Engine core replicas behind the one server, each a whole engine "
     "(on CUDA with mp: its own tensor_parallel_size GPUs); requests go by load and cache "

@@ -232,6 +232,7 @@ class AsyncLLM(FrontEnd):
         request_id: str,
         arrival_time: float | None = None,
         data_parallel_rank: int | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Run one request; yields deltas until every one of its ``n`` completions finished.
 
@@ -244,7 +245,8 @@ class AsyncLLM(FrontEnd):
 
         ``arrival_time``: ``time.monotonic()`` when the request arrived (TTFT is measured from
         it); now when None. ``data_parallel_rank``: the replica to run it (None: the router's
-        choice, by load and cache affinity).
+        choice, by load and cache affinity). ``priority``: lower runs first under
+        ``--scheduling-policy priority``.
 
         Raises:
             ValueError: ``request_id`` is already in flight (raised before the first output).
@@ -254,6 +256,8 @@ class AsyncLLM(FrontEnd):
         """
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         parent, requests = self.make_requests(request_id, prompt, params, stream=True)
+        for request in requests:
+            request.priority = priority
         outcome = ""
         try:
             engine_outputs = await self.engine_core.add_requests(requests, data_parallel_rank)

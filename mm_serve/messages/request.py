@@ -110,6 +110,7 @@ class Request:
     mm_features: list[MultiModalFeature] = field(default_factory=list)
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower first, with --scheduling-policy priority (vLLM's convention)
 
     output_token_ids: list[int] = field(default_factory=list, init=False)
     all_token_ids: list[int] = field(init=False)

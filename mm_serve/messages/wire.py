@@ -87,6 +87,7 @@ class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
     cache_salt: str | None = None
     mm_features: list[MultiModalFeatureWire] = []
     siblings: list[Sibling] = []
+    priority: int = 0
 
     @property
     def request_ids(self) -> list[str]:
@@ -236,6 +237,7 @@ def requests_to_wire(requests: Sequence[Request]) -> tuple[AddRequest, list[memo
         cache_salt=request.cache_salt,
         mm_features=features,
         siblings=[Sibling(s.request_id, s.sampling_params) for s in siblings],
+        priority=request.priority,
     )
     return message, buffers
 
@@ -275,6 +277,7 @@ def requests_from_wire(message: AddRequest, frames: Sequence[Buffer]) -> list[Re
         children += [(s.request_id, s.sampling_params) for s in message.siblings]
         shared = {"mm_features": features, "cache_salt": message.cache_salt}
         shared["arrival_time"] = message.arrival_time
+        shared["priority"] = message.priority
         prompt, eos = message.prompt_token_ids, message.eos_token_id
         return [
             Request(request_id, prompt, params, eos, **shared) for request_id, params in children

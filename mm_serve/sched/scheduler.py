@@ -4,7 +4,9 @@ Pure CPU bookkeeping (no torch), after vLLM V1's scheduler: no prefill and decod
 step gives each request ``num_tokens - num_computed_tokens`` new tokens within the step's token
 budget, so long prompts are chunked and decodes ride along. Running requests go first; when the
 KV pool runs out, the newest running request is preempted (blocks freed, recomputed later);
-waiting requests are admitted only if no request was preempted this step.
+waiting requests are admitted only if no request was preempted this step. Under the
+"priority" policy (vLLM's) the waiting queue is ordered by ``(priority, arrival_time)``, lower
+first, and the running request of the largest such key is the one preempted.
 
 An image whose placeholder range enters a request's window is encoded this step unless its
 embeddings are cached or its range is covered by computed (or prefix-cached) KV. Encoding spends
@@ -112,13 +114,17 @@ class Scheduler:
                 f"{self.kv_cache_manager.num_blocks}; raise the KV cache size."
             )
         check_images_fit(self.config, request)
+        if request.priority and self.config.scheduling_policy != "priority":
+            raise ValueError(
+                "priority needs the priority scheduling policy (--scheduling-policy priority)."
+            )
         request.max_num_tokens = min(request.max_num_tokens, max_len)
         if request.sampling_params.structured_outputs is not None:
             if self.structured_output is None:
                 raise ValueError("This engine does not serve structured outputs.")
             self.structured_output.add_request(request)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._queue(request, first=False)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         """Finish (usually abort) requests wherever they are; unknown ids are ignored."""
@@ -212,8 +218,8 @@ class Scheduler:
         allocate_slots = self.kv_cache_manager.allocate_slots
         new_blocks = allocate_slots(request, num_new)
         while new_blocks is None:
-            # Out of KV blocks: preempt the newest running request and retry.
-            victim = self.running.pop()
+            # Out of KV blocks: preempt the newest (lowest priority) running request, retry.
+            victim = self._preemption_victim()
             self._preempt(victim)
             preempted.append(victim)
             if victim is request:
@@ -301,6 +307,28 @@ class Scheduler:
         if request.num_cached_images < 0:
             request.count_cached_images()
 
+    def _queue(self, request: Request, first: bool) -> None:
+        """Put a request in the waiting queue: first (a preempted one) or last under "fcfs";
+        by ``(priority, arrival_time)`` under "priority"."""
+        if self.config.scheduling_policy == "fcfs":
+            (self.waiting.appendleft if first else self.waiting.append)(request)
+            return
+        key = (request.priority, request.arrival_time)
+        index = next(
+            (i for i, r in enumerate(self.waiting) if (r.priority, r.arrival_time) > key),
+            len(self.waiting),
+        )
+        self.waiting.insert(index, request)
+
+    def _preemption_victim(self) -> Request:
+        """Take out of ``running`` the request to preempt: the newest, or under "priority" the
+        one of the largest ``(priority, arrival_time)``."""
+        if self.config.scheduling_policy == "fcfs":
+            return self.running.pop()
+        victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        self.running.remove(victim)
+        return victim
+
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: drop the KV and start the request over later."""
         self.kv_cache_manager.free(request)
@@ -309,7 +337,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._queue(request, first=True)
         logger.debug("preempted %s", request.request_id)
 
     # ---- after the forward pass -----------------------------------------------------------

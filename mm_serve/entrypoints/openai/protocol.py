@@ -154,7 +154,7 @@ UNSUPPORTED_FIELDS = frozenset(
         "chat_template", "chat_template_kwargs", "continue_final_message", "documents",
         "guided_choice", "guided_decoding_backend", "guided_grammar", "guided_json",
         "guided_regex", "guided_whitespace_pattern", "kv_transfer_params",
-        "logits_processors", "mm_processor_kwargs", "priority", "prompt_embeds",
+        "logits_processors", "mm_processor_kwargs", "prompt_embeds",
         "request_id", "echo", "suffix",
         "spaces_between_special_tokens", "truncate_prompt_tokens",
         "vllm_xargs",
@@ -245,6 +245,8 @@ class SamplingRequest(_Request):
     # best first; length_penalty weighs a finished sequence's length in its score.
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # vLLM's: lower runs first, with --scheduling-policy priority.
+    priority: int = 0
 
 
 class ChatCompletionRequest(SamplingRequest):

@@ -258,7 +258,8 @@ class ServingBase:
         beams, ``max_tokens`` rounds), which yields the finished output only (as vLLM's server
         does; a stream sends it as one chunk per choice and token at the end)."""
         if not request.use_beam_search:
-            return self.llm.generate(prompt, params, request_id, arrival_time)
+            priority = request.priority
+            return self.llm.generate(prompt, params, request_id, arrival_time, priority=priority)
         beam_params = beam_search_params(request, params)
         return self.llm.beam_search(prompt, beam_params, request_id, params.logprobs or 0)
 
@@ -277,6 +278,11 @@ class ServingBase:
         seed, n = request.seed, request.n
         if seed is not None and not -(2**63) <= seed <= 2**63 - 1 - max(n, 1):
             raise bad_request("seed must be a signed 64-bit integer.", param="seed")
+        if request.priority and self.llm.config.scheduler.scheduling_policy != "priority":
+            raise bad_request(
+                "priority needs the server started with --scheduling-policy priority.",
+                param="priority",
+            )
 
     def fit_to_context(self, params: SamplingParams, prompt: ProcessedPrompt) -> SamplingParams:
         """``params`` with ``max_tokens`` set to the room left in the context when unset.
