@@ -370,7 +370,11 @@ class ModelRunner:
             self.last_sampled = None
             return PendingOutput(req_ids, prompt_logprobs=prompt_logprobs)
         rows = sample_rows.tolist()
-        states = [batch.states[row] for row in rows]
+        if len(rows) == len(req_ids):  # every row samples (rows are 0..n-1): a decode step
+            states, sampled_ids = batch.states[: len(rows)], req_ids
+        else:
+            states = [batch.states[row] for row in rows]
+            sampled_ids = [req_ids[row] for row in rows]
         for state in states:
             state.num_pending_outputs += 1
         num_logprobs = None
@@ -379,7 +383,7 @@ class ModelRunner:
         sampled = SampledTokens(
             token_ids=sampler_output.sampled_token_ids,
             rows=rows,
-            req_ids=[req_ids[row] for row in rows],
+            req_ids=sampled_ids,
             positions=batch.num_tokens[sample_rows].astype(np.int64),
             num_logprobs=num_logprobs,
         )
