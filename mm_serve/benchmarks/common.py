@@ -209,6 +209,17 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def as_engine_core_process() -> None:
+    """Run this process's in-process engine core as the engine core process runs: one
+    intra-op CPU thread (``limit_cpu_threads``), and what start-up made frozen out of the
+    garbage collector's walks (after the warm-up)."""
+    from mm_serve.worker.worker import limit_cpu_threads  # zmq: not for the other benchmarks
+
+    limit_cpu_threads()
+    gc.collect()
+    gc.freeze()
+
+
 def free_device_memory() -> None:
     """Collect garbage and give cached CUDA blocks back, so the next model sees the memory."""
     gc.collect()

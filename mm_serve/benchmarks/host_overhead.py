@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import pstats
 import statistics
 import tempfile
@@ -53,8 +52,7 @@ def host_only_engine(max_num_seqs: int, vocab: int):
     logits = torch.randn(max_num_seqs * 8, vocab, generator=torch.Generator().manual_seed(0))
     runner._forward = lambda inputs: torch.zeros(len(inputs.input_ids), hidden_size)
     runner.model.compute_logits = lambda hidden: logits[: len(hidden)]
-    gc.collect()  # what the engine core process does after its start-up warm-up
-    gc.freeze()
+    common.as_engine_core_process()
     return llm
 
 
@@ -126,7 +124,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> list[dict[str, float]]:
     """Time the steps at each batch size and print the table; returns its rows."""
-    torch.set_num_threads(1)
     llm = host_only_engine(max(args.batch_sizes), args.vocab)
     print("batch | ms per step (median) | us per request per step | front end ms per step")
     rows = []

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import io
 import itertools
 import pstats
@@ -26,10 +25,10 @@ import time
 import torch
 
 from mm_serve import LLM
+from mm_serve.benchmarks import common
 from mm_serve.benchmarks.architectures import ARCHITECTURES, write_architecture
 from mm_serve.messages.request import Request
 from mm_serve.messages.sampling_params import SamplingParams
-from mm_serve.worker.worker import limit_cpu_threads
 
 
 def host_phases(core, steps: int) -> dict[str, float]:
@@ -143,7 +142,6 @@ def throughput_breakdown(llm, num_prompts: int) -> str:
     """Run ``num_prompts`` 448x448 image requests (128 tokens out) through ``llm.generate`` and
     sum the engine steps' wall time by kind: steps that encode images, other steps with
     prompt tokens, decode-only steps; the rest of the wall time is outside ``step()``."""
-    from mm_serve.benchmarks import common
     from mm_serve.benchmarks.datasets import random_image_dataset
 
     core = llm.engine_core
@@ -186,7 +184,6 @@ def encode_step_table(llm, num_images: int = 32, rows: int = 30) -> str:
     (vision encoder and prompt prefill), by device time."""
     from torch.profiler import ProfilerActivity, profile
 
-    from mm_serve.benchmarks import common
     from mm_serve.benchmarks.datasets import random_image_dataset
 
     requests = random_image_dataset(num_images, 50, 1, (448, 448), seed=2)
@@ -237,11 +234,7 @@ def main(args: argparse.Namespace) -> dict[str, float]:
         compilation_level=args.compilation_level,
     )
     core = llm.engine_core
-    # As the engine core process on CUDA: one intra-op CPU thread; after the warm-up, what
-    # start-up made is frozen out of the garbage collector's walks.
-    limit_cpu_threads()
-    gc.collect()
-    gc.freeze()
+    common.as_engine_core_process()
     timed_steps = args.steps * (2 if args.cprofile else 1)
     params = SamplingParams(temperature=0.0, max_tokens=timed_steps + 64, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)

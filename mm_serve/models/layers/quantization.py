@@ -159,7 +159,7 @@ def canonical_weights(
         elif name.endswith(".weight_zero_point") and tensor.dtype == torch.int32:
             yield name, unpack_int4_rows(tensor.T.contiguous()).T.contiguous()
         elif name.endswith(QUANTIZED_LAYER_SUFFIXES) and scheme.weight_type == "fp8":
-            scale = tensor.float().reshape(tensor.shape[0] if tensor.dim() else 1, -1)
+            scale = tensor.float().reshape(tensor.shape[0], -1)  # [N] or [N, 1]: [N, 1]
             yield name.removesuffix("_inv"), scale.repeat_interleave(scheme.block_rows, dim=0)
         else:
             yield name, tensor
