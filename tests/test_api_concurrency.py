@@ -102,6 +102,18 @@ async def wait_idle(client: httpx.AsyncClient, timeout_s: float = 10.0) -> str:
         await asyncio.sleep(0.2)
 
 
+async def wait_counted(
+    client: httpx.AsyncClient, name: str, value: float, timeout_s: float = 10.0
+) -> str:
+    """The metrics text once the counter ``name`` reached ``value`` (or the timeout passed)."""
+    deadline = time.monotonic() + timeout_s
+    text = (await client.get("/metrics")).text
+    while metric(text, name) < value and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        text = (await client.get("/metrics")).text
+    return text
+
+
 async def wait_running(client: httpx.AsyncClient, num: int, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while metric((await client.get("/metrics")).text, "mm_serve_num_requests_running") < num:
@@ -132,13 +144,18 @@ def test_concurrent_streams_with_cancellations(server):
             await asyncio.sleep(0.2)
             for task in given_up:
                 task.cancel()
-            return before, await streams, await wait_idle(client)
+            results = await streams
+            await wait_idle(client)
+            # A cancelled request's handler records its abort when it unwinds, which can
+            # trail the engine going idle: wait for the front end's count too.
+            after = await wait_counted(client, aborted, metric(before, aborted) + num_aborted)
+            return before, results, after
 
+    aborted = 'mm_serve_request_success_total{finished_reason="abort"}'
+    num_aborted = sum(cancelled) + num_given_up
     before, results, after = asyncio.run(run())
     for result, cancel in zip(results, cancelled, strict=True):
         assert result == (None if cancel else "length")
-    aborted = 'mm_serve_request_success_total{finished_reason="abort"}'
-    num_aborted = sum(cancelled) + num_given_up
     assert metric(after, aborted) - metric(before, aborted) == num_aborted
     length = 'mm_serve_request_success_total{finished_reason="length"}'
     assert metric(after, length) - metric(before, length) == NUM_REQUESTS - sum(cancelled)
