@@ -119,3 +119,18 @@ def test_online_quantization_of_a_quantized_checkpoint_is_refused(tmp_path):
         LLM(path, multiprocess=False, quantization="fp8")
     with pytest.raises(ValueError, match="quantization='int8' is not supported"):
         LLM(path, multiprocess=False, quantization="int8")
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_random_weights_for_a_quantized_config(scheme, tmp_path):
+    """``load_format="dummy"`` (the benchmarks' published configs): random float weights,
+    quantized as the config says, held in its layout, and served."""
+    path = build_quantized_checkpoint(tmp_path, "qwen2_vl", scheme)
+    llm = LLM(path, multiprocess=False, load_format="dummy")
+    layer = llm.engine_core.model_runner.model.model.layers[0].self_attn.qkv_proj
+    assert layer.weight.dtype == WEIGHT_DTYPES.get(scheme, torch.int8)
+    assert hasattr(layer, "weight_zero_point") == scheme.endswith("ASYM")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    (output,) = llm.generate([TEXT_ONLY], params, use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 4
+    llm.shutdown()

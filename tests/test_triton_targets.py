@@ -16,6 +16,11 @@ pytest.importorskip("triton.backends.nvidia")
 
 KERNELS_DIR = Path(__file__).parents[1] / "kernels"
 TARGETS = ("80", "86", "89", "90")
+FP8_KERNELS = {
+    "_quantize_fp8_kernel",
+    "_fp8_gemm_kernel",
+    "_fp8_gemv_kernel",
+}  # FP8 tensor cores: sm_89+
 
 
 def launched_kernels() -> set[str]:
@@ -37,7 +42,7 @@ def test_every_kernel_compiles_for_each_target():
     for target in TARGETS:
         compiled, failed = report[target]
         assert failed == {}, (target, failed)
-        assert set(compiled) == expected, target
+        assert set(compiled) == (expected if target >= "89" else expected - FP8_KERNELS), target
         with_pdl = {name for name, pdl in compiled.items() if pdl}
         if target == "90":
             assert {"_paged_attention_kernel", "_gemv_kernel", "_norm_kernel"} <= with_pdl

@@ -135,6 +135,48 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 # InternVL3, LLaVA-OneVision, Qwen3-VL, Gemma 3 and SmolVLM (configs beside their writers).
 ARCHITECTURES.update(FAMILY_ARCHITECTURES)
 
+# Quantized releases' quantization_config: fine-grained FP8 as Qwen publishes its -FP8
+# checkpoints, and compressed-tensors W4A16 as RedHatAI's llm-compressor releases (the tower
+# and lm_head left in bf16).
+QUANTIZATION_CONFIGS: dict[str, dict[str, Any]] = {
+    "fp8": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["visual", "lm_head"],
+    },
+    "w4a16": {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "ignore": ["lm_head", "re:visual.*"],
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "format": "pack-quantized",
+                "weights": {
+                    "num_bits": 4,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "group",
+                    "group_size": 128,
+                    "dynamic": False,
+                    "observer": "minmax",
+                },
+                "input_activations": None,
+                "output_activations": None,
+            }
+        },
+    },
+}
+for _name in ("qwen2-vl-2b", "qwen2.5-vl-7b"):
+    for _method, _config in QUANTIZATION_CONFIGS.items():
+        ARCHITECTURES[f"{_name}-{_method}"] = {
+            **ARCHITECTURES[_name],
+            "quantization_config": _config,
+        }
+
 # Qwen2-VL's and Qwen2.5-VL's preprocessor_config.json settings: 14-pixel patches, 2x2 merge
 # (28x28 pixels per image token), images resized into [min_pixels, max_pixels], CLIP
 # normalisation. (Its "processor_class" is not a setting: transformers 5 no longer writes it,

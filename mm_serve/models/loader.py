@@ -29,6 +29,7 @@ from mm_serve.models.interface import LanguageModel
 from mm_serve.models.layers.quantization import (
     QUANTIZED_LAYER_SUFFIXES,
     canonical_weights,
+    process_quantized_weights,
     quantize_layers,
     quantize_loaded_layers,
 )
@@ -103,10 +104,11 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modu
     model_cls = get_model_class(model_config.hf_config)
     scheme = model_config.quant_scheme
     if model_config.load_format == "dummy":
-        if scheme is not None:
-            raise ValueError("load_format='dummy' does not make quantized weights yet.")
         model = build_empty_model(model_cls, model_config, device)
         initialize_dummy_weights(model, model_config.seed)
+        if scheme is not None:  # random float weights, quantized as the config says
+            quantize_loaded_layers(model, scheme)
+            process_quantized_weights(model)
         return model.eval()
     files = safetensors_files(model_config.path)
     stored = scheme is not None and not scheme.online  # the checkpoint holds quantized tensors
@@ -125,6 +127,7 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modu
         )
     if scheme is not None and scheme.online:
         quantize_loaded_layers(model, scheme)
+    process_quantized_weights(model)
     return model.eval()
 
 

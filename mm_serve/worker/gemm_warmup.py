@@ -28,11 +28,12 @@ MAX_COUNTS = 1024  # at most this many token counts (bounds the warm-up's share 
 
 def lm_gemm_shapes(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """``(weight [N, K], bias [N] or None)`` of each distinct GEMM the LM's linear layers run
-    (``LinearBase``; the vision tower's ``nn.Linear`` layers run in CUDA graphs). A layer with
-    a bias gives the GEMM with it and without it: compiled code may add the bias apart."""
+    (``LinearBase``; the vision tower's ``nn.Linear`` layers run in CUDA graphs; quantized
+    layers run their own kernels). A layer with a bias gives the GEMM with it and without it:
+    compiled code may add the bias apart."""
     gemms: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
     for module in model.modules():
-        if not isinstance(module, LinearBase):
+        if not isinstance(module, LinearBase) or module.quant_method is not None:
             continue
         weight = module.weight
         biases = [None]

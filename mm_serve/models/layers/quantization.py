@@ -30,12 +30,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from mm_serve.kernels.quant_linear import (
-    FP8_DTYPE,
-    fp8_linear_ref,
-    int4_linear_ref,
-    quantize_fp8_rows,
-)
+from mm_serve.kernels.dispatch_quant import fp8_linear, int4_linear
+from mm_serve.kernels.quant_linear import FP8_DTYPE, pack_int4, quantize_weight
 
 if TYPE_CHECKING:
     from mm_serve.config.quantization import QuantScheme
@@ -57,6 +53,9 @@ class QuantLinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def process_weights(self, layer: nn.Module) -> None:
+        """Bring the loaded tensors into the kernels' layout (nothing by default)."""
+
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=like.device), requires_grad=False)
@@ -77,7 +76,17 @@ class Fp8LinearMethod(QuantLinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         group = self.scheme.input_group_size
-        return fp8_linear_ref(x, layer.weight, layer.weight_scale, bias, group)
+        blocks = getattr(layer, "weight_scale_blocks", None)
+        return fp8_linear(x, layer.weight, layer.weight_scale, bias, group, blocks)
+
+    def process_weights(self, layer: nn.Module) -> None:
+        """On CUDA, 128 x 128 blocks' scales once each, ``weight_scale_blocks`` ``[N / 128,
+        K / 128]``, for cuBLASLt's block-scaled GEMM (when both sides are whole blocks)."""
+        rows, cols = layer.weight.shape
+        blocks = self.scheme.block_rows == self.scheme.group_size == 128
+        if layer.weight.is_cuda and blocks and rows % 128 == 0 and cols % 128 == 0:
+            compact = layer.weight_scale.data[::128].contiguous()
+            layer.weight_scale_blocks = nn.Parameter(compact, requires_grad=False)
 
 
 class Int4LinearMethod(QuantLinearMethod):
@@ -100,7 +109,14 @@ class Int4LinearMethod(QuantLinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         zero_point = getattr(layer, "weight_zero_point", None)
         group = self.scheme.group_size
-        return int4_linear_ref(x, layer.weight, layer.weight_scale, zero_point, group, bias)
+        return int4_linear(x, layer.weight, layer.weight_scale, zero_point, group, bias)
+
+    def process_weights(self, layer: nn.Module) -> None:
+        """On CUDA, the weight packed two values to a byte for the Triton GEMM
+        (``pack_int4``)."""
+        if layer.weight.is_cuda:
+            packed = pack_int4(layer.weight.data, self.scheme.group_size)
+            layer.weight = nn.Parameter(packed, requires_grad=False)
 
 
 def quantize_layers(model: nn.Module, scheme: QuantScheme, layer_names: Iterable[str]) -> None:
@@ -121,22 +137,40 @@ def quantize_layers(model: nn.Module, scheme: QuantScheme, layer_names: Iterable
                 f"The checkpoint quantizes {name!r}, which this engine keeps in floating point "
                 "(only the language model's linear layers may be quantized)."
             )
-        method = Fp8LinearMethod if scheme.weight_type == "fp8" else Int4LinearMethod
-        layer.quant_method = method(scheme)
+        layer.quant_method = _method(scheme)
         layer.quant_method.create_weights(layer)
+
+
+def _method(scheme: QuantScheme) -> QuantLinearMethod:
+    return (Fp8LinearMethod if scheme.weight_type == "fp8" else Int4LinearMethod)(scheme)
 
 
 @torch.no_grad()
 def quantize_loaded_layers(model: nn.Module, scheme: QuantScheme) -> None:
     """Quantize the loaded float weight of every language-model linear layer (ours under
-    ``model.``; not the vision tower, not ``lm_head``) to FP8 per output channel, ``scheme``
-    (online FP8, as vLLM's ``--quantization fp8``): each rank its own rows."""
+    ``model.``; not the vision tower, not ``lm_head``) as ``scheme`` says
+    (``quant_linear.quantize_weight``), each rank its own rows: online FP8 (vLLM's
+    ``--quantization fp8``) and random weights for a quantized config (``load_format
+    dummy``)."""
     for name, layer in model.named_modules():
         if name.startswith("model.") and hasattr(layer, "quant_method"):
-            weight, scale = quantize_fp8_rows(layer.weight.data)
-            layer.weight = nn.Parameter(weight, requires_grad=False)
-            layer.weight_scale = nn.Parameter(scale, requires_grad=False)
-            layer.quant_method = Fp8LinearMethod(scheme)
+            tensors = quantize_weight(
+                layer.weight.data,
+                scheme.weight_type,
+                scheme.group_size,
+                scheme.block_rows,
+                scheme.symmetric,
+            )
+            for key, tensor in tensors.items():
+                setattr(layer, key, nn.Parameter(tensor, requires_grad=False))
+            layer.quant_method = _method(scheme)
+
+
+def process_quantized_weights(model: nn.Module) -> None:
+    """Every quantized layer's tensors into its kernels' layout, once loaded."""
+    for layer in model.modules():
+        if getattr(layer, "quant_method", None) is not None:
+            layer.quant_method.process_weights(layer)
 
 
 # ---- checkpoint tensors -> our layout ----------------------------------------------------------
