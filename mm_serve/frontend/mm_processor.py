@@ -36,6 +36,7 @@ from mm_serve.cache.mm_hash import MultiModalHasher
 from mm_serve.cache.processor_cache import ProcessorCache
 from mm_serve.config import ModelConfig, MultiModalConfig
 from mm_serve.encoders.base import ImageProcessor, ProcessedImage
+from mm_serve.encoders.image_io import declared_pixels
 from mm_serve.encoders.processors import get_image_processor, image_kwargs
 from mm_serve.encoders.video_io import as_video_source
 from mm_serve.encoders.video_processors import VideoProcessor, get_video_processor, video_kwargs
@@ -133,6 +134,7 @@ class MultiModalProcessor:
         self.image_token_id = model_config.image_token_id
         self.video_token_id = model_config.video_token_id
         self.max_image_tokens = mm_config.max_image_tokens
+        self.max_pixels_per_request = mm_config.max_pixels_per_request
         self.processor = get_image_processor(
             model_config.path,
             model_config.hf_config,
@@ -204,6 +206,7 @@ class MultiModalProcessor:
     ) -> list[tuple[str, Callable[[], Future[PreprocessResult]]]]:
         """(mm_hash, what queues it in the pool) of each image; see ``submit``."""
         uuids = _checked(token_ids, self.image_token_id, images, uuids, "image")
+        self._check_pixel_budget(images)
         details = [None] * len(images) if details is None else list(details)
         if len(details) != len(images):
             raise ValueError(f"Got {len(details)} image details for {len(images)} images.")
@@ -216,6 +219,17 @@ class MultiModalProcessor:
             )
             for image, uuid, detail in zip(images, uuids, details, strict=True)
         ]
+
+    def _check_pixel_budget(self, images: list[Any]) -> None:
+        """Raises InvalidParamError (``messages``) when the images' declared pixels add up to
+        more than ``max_pixels_per_request``: one request must not hold the pool for long."""
+        total = sum(map(declared_pixels, images))
+        if total > self.max_pixels_per_request:
+            raise InvalidParamError(
+                "messages",
+                f"The request's {len(images)} images have {total} pixels together, above the "
+                f"limit of {self.max_pixels_per_request} per request (max_pixels_per_request).",
+            )
 
     def _start_image(self, image: Any, processor: ImageProcessor | None) -> Future:
         """The pool's future of ``image`` preprocessed by ``processor`` (None: the server's);
