@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import logging
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,24 @@ def load_image(source: ImageSource, max_pixels: int | None = None) -> Image.Imag
     image = _apply_exif_orientation(image)
     check_image_size(image)
     return image
+
+
+def declared_pixels(source: ImageSource) -> int:
+    """Width x height as the source's header declares it (a PIL image: its size), read
+    without decoding a pixel; 0 when the header cannot be read (decoding reports why)."""
+    if isinstance(source, Image.Image):
+        return source.width * source.height
+    try:
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            source = io.BytesIO(source)
+        elif not isinstance(source, (str, Path)):
+            return 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(source) as image:  # reads the header only
+                return image.width * image.height
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        return 0
 
 
 def _apply_exif_orientation(image: Image.Image) -> Image.Image:

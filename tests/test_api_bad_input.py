@@ -31,6 +31,7 @@ from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 MAX_MODEL_LEN = 256
 LIMIT_IMAGES = 2
 MAX_PIXELS = 2_000_000
+MAX_PIXELS_PER_REQUEST = 3_000_000
 MAX_BODY_BYTES = 1_000_000
 ALLOWED_DOMAIN = "images.allowed.test"
 SERVED = "<served model>"  # replaced by the server's model id when sent
@@ -182,6 +183,12 @@ CASES = [
         chat(with_image(data_url(png_bytes(Image.new("RGB", (1500, 1500)))))),
         PIXELS,
     ),
+    Bad(
+        "images_above_max_pixels_per_request",
+        chat([image(data_url(png_declaring(1600, 1000)))] * LIMIT_IMAGES),
+        "max_pixels_per_request",
+        param="messages",
+    ),
     Bad("zero_by_zero_image", chat(with_image(data_url(png_declaring(0, 0)))), "image"),
     Bad("too_many_images", chat([image(_png)] * (LIMIT_IMAGES + 1)), "at most|limit|too many"),
     Bad("stream_with_bad_image", chat(with_image(_png[:30] + "%%%"), stream=True), "base64"),
@@ -281,6 +288,7 @@ def server(tmp_path_factory, media_root):
     path = build_tiny_vlm_checkpoint(tmp_path_factory.mktemp("bad_vlm"), "qwen2_vl", seed=6)
     args = ["--max-model-len", str(MAX_MODEL_LEN), "--limit-mm-per-prompt", str(LIMIT_IMAGES)]
     args += ["--max-pixels", str(MAX_PIXELS), "--max-request-body-bytes", str(MAX_BODY_BYTES)]
+    args += ["--max-pixels-per-request", str(MAX_PIXELS_PER_REQUEST)]
     args += ["--allowed-media-domains", ALLOWED_DOMAIN]
     args += ["--allowed-local-media-path", str(media_root)]
     args += ["--num-kv-blocks", "64", "--mm-preprocess-workers", "1"]

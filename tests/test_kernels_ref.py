@@ -16,7 +16,7 @@ from mm_serve.kernels import (
     rms_norm_ref,
     silu_and_mul_ref,
 )
-from mm_serve.kernels.attention_metadata import AttentionMetadata
+from mm_serve.kernels.attention_metadata import AttentionMetadata, paged_metadata
 
 
 def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -78,6 +78,27 @@ def test_paged_attention_matches_dense_causal(num_heads: int, num_kv_heads: int)
     )
     out = paged_attention_ref(torch.cat(queries), kv_cache, metadata, scale)
     torch.testing.assert_close(out.double(), torch.cat(expected), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_rows_are_batch_invariant() -> None:
+    """A decode request's attention is bit for bit the same alone and batched beside longer
+    requests (the batched decode path pads to the longest): a served request's tokens do not
+    depend on what else runs."""
+    torch.manual_seed(1)
+    block_size, num_blocks, num_heads, num_kv_heads, head_dim = 4, 64, 8, 2, 16
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim)
+    tables = [list(range(b, b + 16)) for b in (0, 16, 32, 48)]
+    reqs = [(6, 1), (60, 1), (0, 5), (33, 1)]  # (cached, new): three decodes and a prefill
+    query = torch.randn(sum(n for _, n in reqs), num_heads, head_dim)
+    batched = paged_attention_ref(
+        query, kv_cache, paged_metadata(reqs, tables, block_size, "cpu"), 0.3
+    )
+    start = 0
+    for (cached, new), table in zip(reqs, tables, strict=True):
+        alone = paged_metadata([(cached, new)], [table], block_size, "cpu")
+        rows = slice(start, start + new)
+        assert torch.equal(batched[rows], paged_attention_ref(query[rows], kv_cache, alone, 0.3))
+        start += new
 
 
 def test_reshape_and_cache_writes_slots_and_skips_padding() -> None:

@@ -156,6 +156,41 @@ def test_pool_errors_are_value_errors_and_the_pool_keeps_working(config):
         pool.shutdown()
 
 
+def test_a_request_of_many_images_takes_turns_with_the_next(config):
+    """One worker; request A queues six large images, then request B one small image: B's
+    image is handed over after A's second (groups take turns), not after A's sixth (FIFO)."""
+    multimodal = dataclasses.replace(
+        config.multimodal, mm_preprocess_workers=1, max_pixels=2000 * 2000
+    )
+    pool = PreprocessPool(config.model, multimodal)
+    large = [jpeg(noise(2000, 1500, seed)) for seed in range(6)]
+    done: list[str] = []
+    try:
+        pool.start()[0].result()  # the worker is warm: A's first job starts at once
+        group_a, group_b = object(), object()
+        futures = [pool.submit(image, group=group_a) for image in large]
+        futures.append(pool.submit(jpeg(noise(64, 48, 9)), group=group_b))
+        for name, future in zip(["a"] * 6 + ["b"], futures, strict=True):
+            future.add_done_callback(lambda _, name=name: done.append(name))
+        assert all(future.result().num_tokens > 0 for future in futures)
+    finally:
+        pool.shutdown()
+    assert done == ["a", "a", "b", "a", "a", "a", "a"]
+
+
+def test_shutdown_cancels_queued_jobs(config):
+    multimodal = dataclasses.replace(
+        config.multimodal, mm_preprocess_workers=1, max_pixels=2000 * 2000
+    )
+    pool = PreprocessPool(config.model, multimodal)
+    futures = [pool.submit(jpeg(noise(2000, 1500, seed))) for seed in range(4)]
+    pool.shutdown()
+    assert all(future.done() for future in futures)
+    assert any(future.cancelled() for future in futures)
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.submit(jpeg(noise(64, 48, 9)))
+
+
 def image_prompt(image) -> dict:
     return {"prompt": f"{TAG}What is it?", "multi_modal_data": {"image": [image]}}
 
@@ -174,8 +209,8 @@ def test_engine_steps_while_the_last_prompt_preprocesses(qwen2_vl_path, monkeypa
     pool = llm.input_processor.mm_processor.pool
     real_submit = pool.submit
 
-    def gated_submit(source, processor=None):
-        future = real_submit(source, processor)
+    def gated_submit(source, processor=None, group=None):
+        future = real_submit(source, processor, group)
         if source is not last:
             return future
         gated: Future = Future()

@@ -109,7 +109,9 @@ def test_same_image_in_one_batch_goes_to_the_pool_once(llm, monkeypatch):
     monkeypatch.setattr(
         pool,
         "submit",
-        lambda source, processor=None: submitted.append(source) or real_submit(source, processor),
+        lambda source, processor=None, group=None: (
+            submitted.append(source) or real_submit(source, processor, group)
+        ),
     )
     image = jpeg(photo("rocket.jpg"))
     outputs = llm.generate([image_prompt(image)] * 3, GREEDY, use_tqdm=False)
@@ -128,7 +130,9 @@ def test_decoded_image_at_its_size_skips_the_pool(llm, monkeypatch):
     monkeypatch.setattr(
         mm_processor.pool,
         "submit",
-        lambda source, processor=None: submitted.append(source) or real_submit(source, processor),
+        lambda source, processor=None, group=None: (
+            submitted.append(source) or real_submit(source, processor, group)
+        ),
     )
     factor = mm_processor.processor.factor
     at_size = photo("astronaut.png").convert("RGB").resize((8 * factor, 6 * factor))
@@ -137,7 +141,7 @@ def test_decoded_image_at_its_size_skips_the_pool(llm, monkeypatch):
     assert not any(mm_processor.processor.copies_only(image) for image in pooled[:2])
     here = llm.generate(image_prompt(at_size), GREEDY, use_tqdm=False)
     assert submitted == []
-    inline = mm_processor._start_image(at_size, None).result()
+    inline = mm_processor._start_image(at_size, None, None).result()
     pool = real_submit(at_size).result()
     assert inline.pid == os.getpid() != pool.pid
     assert np.array_equal(inline.pixel_values, pool.pixel_values)

@@ -158,7 +158,9 @@ class MultiModalConfig:
     """Image limits and preprocessing.
 
     ``max_pixels`` caps an input image's width x height (larger ones are rejected);
-    ``processor_max_pixels`` overrides the processor's resize target, then
+    ``max_pixels_per_request`` caps the sum over one prompt's images (as their headers declare
+    them; larger: rejected before any is decoded); ``processor_max_pixels`` overrides the
+    processor's resize target, then
     ``mm_processor_kwargs`` (vLLM's, e.g. Qwen2-VL's ``{"max_pixels": ...}``) apply to every
     image (a request's own apply on top); ``max_image_tokens`` is
     the most placeholder tokens one image can expand to (0 for a text-only model).
@@ -170,6 +172,7 @@ class MultiModalConfig:
     """
 
     max_pixels: int = 8192 * 8192
+    max_pixels_per_request: int = 4 * 8192 * 8192
     processor_max_pixels: int | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
     max_image_tokens: int = 0
@@ -220,6 +223,7 @@ class EngineArgs:
     data_parallel_backend: str = "mp"  # DP engine cores: "mp" processes or "ray" actors
     device: str = "auto"
     max_pixels: int = 8192 * 8192
+    max_pixels_per_request: int = 4 * 8192 * 8192  # the sum over a prompt's images
     processor_max_pixels: int | None = None
     mm_processor_kwargs: dict[str, Any] | None = None  # JSON on the command line (vLLM's flag)
     mm_processor_cache_gb: float = 4.0
@@ -308,6 +312,8 @@ class EngineArgs:
             raise ValueError("mm_preprocess_workers must be at least 1.")
         if self.max_video_frames < 1:
             raise ValueError("max_video_frames must be at least 1.")
+        if self.max_pixels_per_request < 1:
+            raise ValueError("max_pixels_per_request must be at least 1.")
         return self._config(
             MultiModalConfig,
             max_image_tokens=max_image_tokens,

@@ -75,6 +75,8 @@ _ENGINE_ARG_HELP = {
     "actors on the cluster's nodes (ray).",
     "device": "auto, cpu or cuda.",
     "max_pixels": "Largest input image accepted, in pixels (width x height); larger: 400.",
+    "max_pixels_per_request": "Most pixels of all of one request's images together (as their "
+    "headers declare them, checked before any is decoded); more: 400.",
     "processor_max_pixels": "Override of the image processor's resize target, in pixels.",
     "mm_processor_kwargs": "Image processor settings as JSON (vLLM's), e.g. "
     "'{\"max_pixels\": 802816}' for Qwen2-VL; a request's own mm_processor_kwargs apply on top.",

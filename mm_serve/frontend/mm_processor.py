@@ -36,6 +36,7 @@ from mm_serve.cache.mm_hash import MultiModalHasher
 from mm_serve.cache.processor_cache import ProcessorCache
 from mm_serve.config import ModelConfig, MultiModalConfig
 from mm_serve.encoders.base import ImageProcessor, ProcessedImage
+from mm_serve.encoders.image_io import declared_pixels
 from mm_serve.encoders.processors import get_image_processor, image_kwargs
 from mm_serve.encoders.video_io import as_video_source
 from mm_serve.encoders.video_processors import VideoProcessor, get_video_processor, video_kwargs
@@ -133,6 +134,7 @@ class MultiModalProcessor:
         self.image_token_id = model_config.image_token_id
         self.video_token_id = model_config.video_token_id
         self.max_image_tokens = mm_config.max_image_tokens
+        self.max_pixels_per_request = mm_config.max_pixels_per_request
         self.processor = get_image_processor(
             model_config.path,
             model_config.hf_config,
@@ -183,7 +185,8 @@ class MultiModalProcessor:
         jobs = self._image_jobs(token_ids, images, uuids, kwargs, details)
         num_images = len(jobs)
         jobs += self._video_jobs(token_ids, videos or [], video_uuids, kwargs)
-        items = [self._lookup_or_submit(mm_hash, start) for mm_hash, start in jobs]
+        group = object()  # the prompt's items take turns with other prompts' in the pool
+        items = [self._lookup_or_submit(mm_hash, start, group) for mm_hash, start in jobs]
         return PendingImages(
             self.image_token_id,
             token_ids,
@@ -201,9 +204,11 @@ class MultiModalProcessor:
         uuids: list[str | None] | None,
         kwargs: dict[str, Any],
         details: list[str | None] | None,
-    ) -> list[tuple[str, Callable[[], Future[PreprocessResult]]]]:
-        """(mm_hash, what queues it in the pool) of each image; see ``submit``."""
+    ) -> list[tuple[str, Callable[[object], Future[PreprocessResult]]]]:
+        """(mm_hash, what queues it in the pool given its group) of each image; see
+        ``submit``."""
         uuids = _checked(token_ids, self.image_token_id, images, uuids, "image")
+        self._check_pixel_budget(images)
         details = [None] * len(images) if details is None else list(details)
         if len(details) != len(images):
             raise ValueError(f"Got {len(details)} image details for {len(images)} images.")
@@ -217,13 +222,24 @@ class MultiModalProcessor:
             for image, uuid, detail in zip(images, uuids, details, strict=True)
         ]
 
-    def _start_image(self, image: Any, processor: ImageProcessor | None) -> Future:
-        """The pool's future of ``image`` preprocessed by ``processor`` (None: the server's);
-        a decoded image whose preprocessing only copies its pixels
+    def _check_pixel_budget(self, images: list[Any]) -> None:
+        """Raises InvalidParamError (``messages``) when the images' declared pixels add up to
+        more than ``max_pixels_per_request``: one request must not hold the pool for long."""
+        total = sum(map(declared_pixels, images))
+        if total > self.max_pixels_per_request:
+            raise InvalidParamError(
+                "messages",
+                f"The request's {len(images)} images have {total} pixels together, above the "
+                f"limit of {self.max_pixels_per_request} per request (max_pixels_per_request).",
+            )
+
+    def _start_image(self, image: Any, processor: ImageProcessor | None, group: object) -> Future:
+        """The pool's future of ``image`` preprocessed by ``processor`` (None: the server's),
+        in ``group``'s turn; a decoded image whose preprocessing only copies its pixels
         (``ImageProcessor.copies_only``) is preprocessed here instead, its future done."""
         own = processor or self.processor
         if not (isinstance(image, Image.Image) and own.copies_only(image)):
-            return self.pool.submit(image, processor)
+            return self.pool.submit(image, processor, group)
         future: Future[PreprocessResult] = Future()
         try:
             future.set_result(preprocess_image(image, own, self.pool.max_pixels))
@@ -237,8 +253,9 @@ class MultiModalProcessor:
         videos: list[Any],
         uuids: list[str | None] | None,
         kwargs: dict[str, Any],
-    ) -> list[tuple[str, Callable[[], Future[PreprocessResult]]]]:
-        """(mm_hash, what queues it in the pool) of each video; see ``submit``."""
+    ) -> list[tuple[str, Callable[[object], Future[PreprocessResult]]]]:
+        """(mm_hash, what queues it in the pool given its group) of each video; see
+        ``submit``."""
         if self.video_processor is None:
             if videos:
                 raise ValueError("This model takes no videos.")
@@ -285,10 +302,10 @@ class MultiModalProcessor:
         self.pool.shutdown()
 
     def _lookup_or_submit(
-        self, mm_hash: str, start: Callable[[], Future[PreprocessResult]]
+        self, mm_hash: str, start: Callable[[object], Future[PreprocessResult]], group: object
     ) -> ProcessedImage | Future[PreprocessResult]:
-        """The cached item of ``mm_hash``, else its future in the pool (``start()`` queues it
-        unless it is in flight already)."""
+        """The cached item of ``mm_hash``, else its future in the pool (``start(group)``
+        queues it unless it is in flight already)."""
         with self._lock:
             item = self.cache.get(mm_hash)
             if item is not None:
@@ -296,7 +313,7 @@ class MultiModalProcessor:
             future = self._in_flight.get(mm_hash)
             if future is not None:
                 return future
-            future = start()
+            future = start(group)
             self._in_flight[mm_hash] = future
         future.add_done_callback(functools.partial(self._on_done, mm_hash))
         return future

@@ -10,7 +10,9 @@ become tensors in the caller (``PreprocessResult.to_processed_image``)."""
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import contextlib
 import functools
 import io
 import logging
@@ -19,6 +21,8 @@ import multiprocessing.connection
 import os
 import threading
 import weakref
+from collections.abc import Hashable
+from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
@@ -191,6 +195,10 @@ class PreprocessPool:
     never starts them), and stop on ``shutdown()``, when the pool is garbage-collected, or at
     interpreter exit; they exit when the owner dies.
 
+    Jobs are handed to the workers no more than one per worker at a time, from their
+    ``group`` (a request's images) in turn, oldest first within a group: a request of a
+    dozen huge images holds one worker's turn, not the whole queue ahead of the next request.
+
     Raises (from ``submit``'s future):
         ValueError: the image is undecodable, missing, or above ``mm_config.max_pixels``;
             the message is the worker's.
@@ -214,33 +222,88 @@ class PreprocessPool:
         self._finalizer: weakref.finalize | None = None
         self._closed = False
         self._lock = threading.Lock()  # guards starting and stopping the executor
+        # Jobs not yet handed to the executor, per group in turn order; the jobs handed over.
+        self._queued: collections.OrderedDict[Hashable, collections.deque] = (
+            collections.OrderedDict()
+        )
+        self._running = 0
+        # Guards the two above; never held while waiting for the executor (its callbacks
+        # take it).
+        self._queue_lock = threading.RLock()
 
     def submit(
-        self, source: Any, processor: ImageProcessor | None = None
+        self, source: Any, processor: ImageProcessor | None = None, group: Hashable = None
     ) -> concurrent.futures.Future[PreprocessResult]:
         """Queue one image (encoded bytes, a file path or a PIL image) for preprocessing, by
         ``processor`` (a request's variant of the checkpoint's: ``ImageProcessor.with_kwargs``,
-        ``low_detail``) or else the workers' own.
+        ``low_detail``) or else the workers' own, in ``group``'s turn (None: a group of its
+        own).
 
         Raises:
             RuntimeError: the pool was shut down.
         """
-        return self._submit(_run_job, source, processor)
+        return self._enqueue(group, _run_job, source, processor)
 
     def submit_video(
-        self, source: Any, processor: VideoProcessor
+        self, source: Any, processor: VideoProcessor, group: Hashable = None
     ) -> concurrent.futures.Future[PreprocessResult]:
         """Queue one video (``video_io.VideoSource``: encoded bytes, a file path or decoded
-        frames) for ``processor`` (the checkpoint's video processor, or a request's variant).
+        frames) for ``processor`` (the checkpoint's video processor, or a request's variant),
+        in ``group``'s turn.
 
         Raises:
             RuntimeError: the pool was shut down.
         """
-        return self._submit(_run_video_job, source, processor)
+        return self._enqueue(group, _run_video_job, source, processor)
 
-    def _submit(self, job: Any, source: Any, processor: Any) -> concurrent.futures.Future:
+    def _enqueue(self, group: Hashable, job: Any, source: Any, processor: Any) -> Future:
         if isinstance(source, memoryview):
             source = source.tobytes()  # memoryviews do not pickle
+        future: Future = Future()
+        with self._queue_lock:
+            if self._closed:
+                raise RuntimeError("The preprocessing pool has been shut down.")
+            key = object() if group is None else group
+            self._queued.setdefault(key, collections.deque()).append(
+                (future, job, source, processor)
+            )
+            self._dispatch()
+        return future
+
+    def _dispatch(self) -> None:
+        """Hand queued jobs to the executor while fewer than ``num_workers`` run: the oldest
+        of the first group, which then goes to the back of the turn (under ``_queue_lock``)."""
+        while self._running < self.num_workers and self._queued and not self._closed:
+            group, jobs = next(iter(self._queued.items()))
+            future, job, source, processor = jobs.popleft()
+            if jobs:
+                self._queued.move_to_end(group)
+            else:
+                del self._queued[group]
+            if future.cancelled():
+                continue
+            try:
+                inner = self._submit(job, source, processor)
+            except Exception as e:  # a pool that cannot start: the job fails, not the caller
+                future.set_exception(e)
+                continue
+            self._running += 1
+            inner.add_done_callback(functools.partial(self._on_job_done, future))
+
+    def _on_job_done(self, future: Future, inner: Future) -> None:
+        """In the executor's thread: pass the job's outcome on, then hand over the next job."""
+        with self._queue_lock:
+            self._running -= 1
+            self._dispatch()
+        with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled by its owner
+            if inner.cancelled():
+                future.cancel()
+            elif inner.exception() is not None:
+                future.set_exception(inner.exception())
+            else:
+                future.set_result(inner.result())
+
+    def _submit(self, job: Any, source: Any, processor: Any) -> concurrent.futures.Future:
         with self._lock:
             try:
                 return self._get_executor().submit(job, source, processor)
@@ -282,8 +345,13 @@ class PreprocessPool:
     def shutdown(self) -> None:
         """Stop the workers and wait for them to exit; queued images are cancelled. Safe to
         call more than once; ``submit`` raises afterwards."""
-        with self._lock:
+        with self._queue_lock:
             self._closed = True
+            queued = [item[0] for jobs in self._queued.values() for item in jobs]
+            self._queued.clear()
+        for future in queued:
+            future.cancel()
+        with self._lock:
             self._stop_executor(wait=True)
 
     def _get_executor(self) -> concurrent.futures.ProcessPoolExecutor:

@@ -5,8 +5,9 @@ Ctrl-C, or until the engine core dies: then in-flight requests fail at once (503
 error event), ``/health`` answers 503 for ``ENGINE_DEAD_GRACE_S``, and the server exits with
 code 1. Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics``, vLLM's ``POST /tokenize``,
-``POST /detokenize``, ``GET /version`` and, while ``MM_SERVE_TORCH_PROFILER_DIR`` is set,
-``POST /start_profile`` and ``/stop_profile``; and the web page ``web/`` at ``/`` when it exists.
+``POST /detokenize``, ``GET /version``, ``GET /openapi.json`` (the OpenAPI schema) and, while
+``MM_SERVE_TORCH_PROFILER_DIR`` is set, ``POST /start_profile`` and ``/stop_profile``; and the
+web page ``web/`` at ``/`` when it exists.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ ENGINE_WATCH_INTERVAL_S = 0.1
 STATS_TIMEOUT_S = 5.0
 WEB_DIR = Path(str(importlib.resources.files("mm_serve.web")))  # the repository's web/
 API_PATHS = ("/v1/", "/health", "/metrics", "/tokenize", "/detokenize", "/version")
+API_PATHS += ("/openapi.json",)
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,8 @@ def build_app(
     model = served_model(llm, config)
     handlers = serving_handlers(llm, config, media)
     chat, completion, tokenization = handlers.chat, handlers.completion, handlers.tokenization
-    app = FastAPI(title="mm_serve", docs_url=None, redoc_url=None, openapi_url=None)
+    # The OpenAPI schema at /openapi.json (vLLM's); no /docs: its page loads from a CDN.
+    app = FastAPI(title="mm_serve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     install_error_handlers(app)
 
     @app.post("/v1/chat/completions")
