@@ -111,4 +111,3 @@ def sentence_transformers_pooling(path: Path) -> dict[str, Any]:
         )
     normalize = any(m.get("type") == _ST_NORMALIZE for m in modules)
     return {"pooling_type": _ST_MODES[modes[0]], "normalize": normalize}
-

@@ -95,7 +95,7 @@ _ENGINE_ARG_HELP = {
     "runner": "generate, or pooling: serve embeddings (/v1/embeddings, LLM.embed) of the "
     "prompts' final hidden states, e.g. for GME-Qwen2-VL (vLLM's); auto: generate.",
     "pooler_config": "The pooling runner's settings as JSON (vLLM's), e.g. "
-    "'{\"pooling_type\": \"MEAN\", \"normalize\": true}'; LAST or MEAN.",
+    '\'{"pooling_type": "MEAN", "normalize": true}\'; LAST or MEAN.',
 }
 # What an EngineArgs field whose default is None resolves to, shown as its default.
 _UNSET_DEFAULTS = {

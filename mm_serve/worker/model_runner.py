@@ -34,7 +34,6 @@ from mm_serve.worker.cuda_graphs import (
 )
 from mm_serve.worker.input_batch import CachedRequestState, InputBatch
 from mm_serve.worker.kv_cache import allocate_kv_caches, bind_kv_caches, determine_num_kv_blocks
-from mm_serve.worker.pooler import PoolingStep, pool
 from mm_serve.worker.mm_inputs import (
     encode_images,
     gather_image_embeddings,
@@ -42,6 +41,7 @@ from mm_serve.worker.mm_inputs import (
     mrope_positions,
     scheduled_slices,
 )
+from mm_serve.worker.pooler import PoolingStep, pool
 from mm_serve.worker.prompt_logprobs import (
     PromptLogprobsJob,
     compute_prompt_logprobs,
@@ -210,7 +210,8 @@ class ModelRunner:
         states = batch.states[: batch.num_reqs]
         step = PoolingStep(states, inputs.attn_metadata.query_start_loc_cpu, inputs.sample_rows)
         self.last_sampled = None
-        return PendingOutput(list(batch.req_ids[: batch.num_reqs]), pooled=pool(hidden_states, step))
+        req_ids = list(batch.req_ids[: batch.num_reqs])
+        return PendingOutput(req_ids, pooled=pool(hidden_states, step))
 
     def _needs_output_ids(self) -> bool:
         return self.input_batch.any_penalties(slice(0, self.input_batch.num_reqs))

@@ -4,9 +4,10 @@
 Ctrl-C, or until the engine core dies: then in-flight requests fail at once (503 / an SSE
 error event), ``/health`` answers 503 for ``ENGINE_DEAD_GRACE_S``, and the server exits with
 code 1. Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics``, vLLM's ``POST /tokenize``,
-``POST /detokenize``, ``GET /version`` and, while ``MM_SERVE_TORCH_PROFILER_DIR`` is set,
-``POST /start_profile`` and ``/stop_profile``; and the web page ``web/`` at ``/`` when it exists.
+``GET /v1/models/{model}``, ``POST /v1/embeddings`` (the pooling runner), ``GET /health``,
+``GET /metrics``, vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` and, while
+``MM_SERVE_TORCH_PROFILER_DIR`` is set, ``POST /start_profile`` and ``/stop_profile``; and the
+web page ``web/`` at ``/`` when it exists.
 """
 
 from __future__ import annotations
@@ -50,10 +51,12 @@ from mm_serve.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+from mm_serve.entrypoints.openai.protocol_embeddings import EmbeddingRequest, EmbeddingResponse
 from mm_serve.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest
 from mm_serve.entrypoints.openai.serving_chat import ServingChat
 from mm_serve.entrypoints.openai.serving_common import Admission, ModelInfo
 from mm_serve.entrypoints.openai.serving_completion import ServingCompletion
+from mm_serve.entrypoints.openai.serving_embeddings import ServingEmbedding
 from mm_serve.entrypoints.openai.serving_responses import ServingResponses
 from mm_serve.entrypoints.openai.serving_tokenization import ServingTokenization
 from mm_serve.frontend.async_llm import AsyncLLM
@@ -114,6 +117,7 @@ class Handlers:
     completion: ServingCompletion
     tokenization: ServingTokenization
     responses: ServingResponses
+    embedding: ServingEmbedding
 
 
 def serving_handlers(llm: AsyncLLM, config: ServerConfig, media: MediaResolver) -> Handlers:
@@ -125,6 +129,7 @@ def serving_handlers(llm: AsyncLLM, config: ServerConfig, media: MediaResolver) 
         ServingCompletion(llm, model, admission),
         ServingTokenization(llm, model, media),
         ServingResponses(llm, model, admission, chat),
+        ServingEmbedding(llm, model, admission, media),
     )
 
 
@@ -149,6 +154,10 @@ def build_app(
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
         return await until_disconnected(request, handlers.responses.handle(body, time.monotonic()))
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(body: EmbeddingRequest, request: Request) -> EmbeddingResponse:
+        return await until_disconnected(request, handlers.embedding.handle(body, time.monotonic()))
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> ResponseObject:
