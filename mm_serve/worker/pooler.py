@@ -50,8 +50,8 @@ def pool(hidden_states: torch.Tensor, step: PoolingStep) -> dict[str, torch.Tens
         state = step.states[row]
         if state.pooling_params.pooling_type == "MEAN":
             pooled = state.hidden_states_sum / len(state.prompt_token_ids)
-        else:  # LAST
-            pooled = hidden_states[starts[row + 1] - 1].float()
+        else:  # LAST; a copy: a CUDA graph's output buffer is rewritten by the next replay
+            pooled = hidden_states[starts[row + 1] - 1].to(torch.float32, copy=True)
         embeddings[state.req_id] = finish_embedding(pooled, state)
     return embeddings
 
