@@ -106,8 +106,10 @@ def cosine(a, b) -> float:
 @pytest.mark.parametrize("pooling", ["LAST", "MEAN"])
 def test_embeddings_match_hf(checkpoint, mean_checkpoint, pooling, chunked):
     path = checkpoint if pooling == "LAST" else mean_checkpoint
-    # Chunked: 8-token steps cut the prompts, and their images, over several steps.
-    chunking = {"max_num_batched_tokens": 8, "block_size": 4} if chunked else {}
+    # Chunked: 8-token steps cut the prompts, and their images, over several steps, each
+    # scheduled while the one before runs (async scheduling).
+    chunking = {"max_num_batched_tokens": 8, "block_size": 4, "async_scheduling": True}
+    chunking = chunking if chunked else {}
     llm = LLM(path, runner="pooling", **ENGINE, **chunking)
     prompts = [*TEXTS, *image_prompts()]
     outputs = llm.embed(prompts, use_tqdm=False)
