@@ -155,10 +155,6 @@ def build_app(
     async def create_response(body: ResponsesRequest, request: Request):
         return await until_disconnected(request, handlers.responses.handle(body, time.monotonic()))
 
-    @app.post("/v1/embeddings")
-    async def create_embedding(body: EmbeddingRequest, request: Request) -> EmbeddingResponse:
-        return await until_disconnected(request, handlers.embedding.handle(body, time.monotonic()))
-
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> ResponseObject:
         return ResponseObject(**handlers.responses.store.get(response_id)[0])
@@ -182,6 +178,7 @@ def build_app(
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         return await tokenization.detokenize(body)
 
+    add_embeddings_route(app, handlers.embedding)
     add_operational_routes(app, llm, metrics)
     if os.environ.get(PROFILER_DIR_ENV):
         add_profiler_routes(app, llm)
@@ -199,6 +196,14 @@ def build_app(
 
         app.add_middleware(TraceContext)
     return app
+
+
+def add_embeddings_route(app: FastAPI, embedding: ServingEmbedding) -> None:
+    """``POST /v1/embeddings``: the pooling runner's (a generating server answers a 400)."""
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(body: EmbeddingRequest, request: Request) -> EmbeddingResponse:
+        return await until_disconnected(request, embedding.handle(body, time.monotonic()))
 
 
 def add_profiler_routes(app: FastAPI, llm: AsyncLLM) -> None:
