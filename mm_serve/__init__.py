@@ -5,9 +5,13 @@ from mm_serve.utils._compat import ensure_torchvision_importable_on_import
 # Before anything imports torchvision (transformers' image processors do): see _compat.
 ensure_torchvision_importable_on_import()
 
+from mm_serve.messages.pooling_params import PoolingParams  # noqa: E402
 from mm_serve.messages.sampling_params import BeamSearchParams, SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM", "SamplingParams", "BeamSearchParams", "PoolingParams", "RequestOutput",
+    "CompletionOutput", "EmbeddingRequestOutput",
+]  # fmt: skip
 
 
 def __getattr__(name: str):
@@ -16,7 +20,7 @@ def __getattr__(name: str):
         from mm_serve.entrypoints.llm import LLM
 
         return LLM
-    if name in ("RequestOutput", "CompletionOutput"):
+    if name in ("RequestOutput", "CompletionOutput", "EmbeddingRequestOutput"):
         from mm_serve.messages import outputs
 
         return getattr(outputs, name)

@@ -9,6 +9,7 @@ explicitly; they are never written back into the config.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -29,8 +30,11 @@ from mm_serve.config.compilation import (
     cuda_graph_num_tokens,
 )
 from mm_serve.config.parallel import ParallelConfig, check_tensor_parallel
+from mm_serve.config.pooler import PoolerConfig, resolve_pooler_config, resolve_runner
 from mm_serve.config.quantization import QuantScheme, resolve_quantization
 from mm_serve.kernels.config import KernelConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,9 @@ class ModelConfig:
     load_format: str = "auto"  # "auto": the checkpoint's safetensors; "dummy": random weights
     chat_template: str | None = None  # Jinja text overriding the tokenizer's template
     quantization: str | None = None  # "fp8": quantize a float checkpoint's weights at load
+    # "generate", or "pooling": requests are embeddings of their prompts (``config.pooler``).
+    runner: str = "generate"
+    pooler_config: PoolerConfig | None = None  # set with the pooling runner
 
     def __post_init__(self) -> None:
         # A quantization the engine does not load fails here, in the front end, naming it.
@@ -239,6 +246,8 @@ class EngineArgs:
     chat_template: str | None = None  # a Jinja file or the template text (vLLM's flag)
     kernel_mode: str | None = None  # None: $MM_SERVE_KERNELS, else auto
     pdl: bool | None = None  # None: on unless MM_SERVE_PDL=0
+    runner: str = "auto"  # vLLM's --runner: auto (generate), generate or pooling (embeddings)
+    pooler_config: dict[str, Any] | None = None  # vLLM's: {"pooling_type", "normalize"}
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the arguments (download, read config.json, pick dtype and lengths) once."""
@@ -248,6 +257,7 @@ class EngineArgs:
         check_tensor_parallel(hf_config, self.tensor_parallel_size)
         text_config = getattr(hf_config, "text_config", None) or hf_config
         max_model_len = resolve_max_model_len(text_config, self.max_model_len)
+        runner = resolve_runner(self.runner)
         model = self._config(
             ModelConfig,
             path=path,
@@ -256,8 +266,15 @@ class EngineArgs:
             max_model_len=max_model_len,
             tokenizer=resolve_model_path(self.tokenizer, self.revision) if self.tokenizer else path,
             chat_template=load_chat_template(self.chat_template),
+            runner=runner,
+            pooler_config=self._pooler_config(runner, path, hf_config),
         )
         cache = self._config(CacheConfig)
+        if runner == "pooling" and cache.enable_prefix_caching:
+            # A prompt found in the prefix cache is not computed again, so its hidden states,
+            # which the embedding is pooled from, would be missing (as vLLM long did).
+            logger.info("The pooling runner turns prefix caching off.")
+            cache = replace(cache, enable_prefix_caching=False)
         multimodal = self._multimodal_config(path, hf_config)
         batched_tokens = self._resolve_batched_tokens(max_model_len)
         encoder_budget, encoder_cache_size = self._resolve_encoder_budgets(
@@ -291,6 +308,15 @@ class EngineArgs:
         return EngineConfig(
             model, cache, scheduler, parallel, device, multimodal, compilation, kernels
         )
+
+    def _pooler_config(self, runner: str, path: str, hf_config: Any) -> PoolerConfig | None:
+        """The pooling runner's settings (``config.pooler``); None for the generate runner,
+        which takes no ``pooler_config`` (a ValueError)."""
+        if runner == "pooling":
+            return resolve_pooler_config(path, hf_config, self.pooler_config)
+        if self.pooler_config is not None:
+            raise ValueError("pooler_config needs the pooling runner (--runner pooling).")
+        return None
 
     def _multimodal_config(self, path: str, hf_config: Any) -> MultiModalConfig:
         """Image limits; for a VLM, the largest image's token count from its processor."""

@@ -94,6 +94,10 @@ _ENGINE_ARG_HELP = {
     "chat_template": "Chat template for chat requests: a Jinja file, or the template text.",
     "kernel_mode": "Kernels of the forward: auto, triton (Triton alone) or ref (pure torch).",
     "pdl": "Programmatic dependent launch of the Triton kernels (Hopper and newer).",
+    "runner": "generate, or pooling: serve embeddings (/v1/embeddings, LLM.embed) of the "
+    "prompts' final hidden states, e.g. for GME-Qwen2-VL (vLLM's); auto: generate.",
+    "pooler_config": "The pooling runner's settings as JSON (vLLM's), e.g. "
+    '\'{"pooling_type": "MEAN", "normalize": true}\'; LAST or MEAN.',
 }
 # What an EngineArgs field whose default is None resolves to, shown as its default.
 _UNSET_DEFAULTS = {
@@ -113,6 +117,7 @@ _UNSET_DEFAULTS = {
     "quantization": "the checkpoint's",
     "kernel_mode": "$MM_SERVE_KERNELS, else auto",
     "pdl": "on, off with MM_SERVE_PDL=0",
+    "pooler_config": "the checkpoint's sentence-transformers files, else LAST, normalized",
 }
 
 

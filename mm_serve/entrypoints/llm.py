@@ -1,4 +1,4 @@
-"""The offline API in vLLM's shape: ``LLM(model=...).generate(...)`` and ``.chat(...)``."""
+"""The offline API in vLLM's shape: ``LLM(model=...)`` with ``generate``, ``chat``, ``embed``."""
 
 from __future__ import annotations
 
@@ -19,12 +19,13 @@ from mm_serve.frontend.base import FrontEnd
 from mm_serve.frontend.beam_search import BeamSearch, BeamSearchOutput
 from mm_serve.frontend.processor import PendingPrompt, ProcessedPrompt, PromptType
 from mm_serve.frontend.warm_up import (
-    WARM_UP_PARAMS,
     warm_up_batch_size,
     warm_up_image_size,
+    warm_up_params,
     warm_up_prompt,
 )
-from mm_serve.messages.outputs import RequestOutput
+from mm_serve.messages.outputs import EmbeddingRequestOutput, RequestOutput
+from mm_serve.messages.pooling_params import PoolingParams
 from mm_serve.messages.sampling_params import BeamSearchParams, SamplingParams
 from mm_serve.messages.stats import EngineStats
 
@@ -100,7 +101,7 @@ class LLM(FrontEnd):
         prompts = [first] + [
             warm_up_prompt(self.input_processor, size) for _ in range(num_prompts - 1)
         ]
-        self.generate(prompts, WARM_UP_PARAMS, use_tqdm=False)
+        self._run(prompts, warm_up_params(self.config), use_tqdm=False)
         self.engine_core.reset()
         logger.info("Warmed up: %d requests, %.1f s", num_prompts, time.perf_counter() - start)
 
@@ -146,6 +147,25 @@ class LLM(FrontEnd):
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         return self._run(list(prompts), sampling_params, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """The embedding of each prompt (vLLM's ``LLM.embed``; needs ``runner="pooling"``), in
+        the prompts' order: ``output.outputs.embedding``, pooled from the prompt's final
+        hidden states as the model's pooler config says (``mm_serve.config.pooler``). Prompts
+        as ``generate`` takes them, images included.
+
+        Raises:
+            ValueError: on a bad prompt (see ``generate``), a model that generates, or
+                ``dimensions`` the model does not allow.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        return self._run(list(prompts), pooling_params or PoolingParams(), use_tqdm)
 
     def chat(
         self,
@@ -202,10 +222,12 @@ class LLM(FrontEnd):
                 bar.update(sum(search.done for search in live))
         return [search.output(self.tokenizer) for search in searches]
 
-    def _run(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts, sampling_params, use_tqdm: bool) -> list:
+        """The outputs of ``prompts`` in order; ``sampling_params`` (one, or one per prompt)
+        may be ``PoolingParams``: embeddings."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
+        if isinstance(sampling_params, (SamplingParams, PoolingParams)):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(
@@ -223,7 +245,7 @@ class LLM(FrontEnd):
         return [outputs[r] for r in request_ids]
 
     def _add_request(
-        self, prompt: ProcessedPrompt, params: SamplingParams, added: list[str]
+        self, prompt: ProcessedPrompt, params: SamplingParams | PoolingParams, added: list[str]
     ) -> str:
         """Queue one prompt (``n`` engine requests); their ids are appended to ``added``."""
         request_id = str(next(self._request_counter))
@@ -244,7 +266,7 @@ class LLM(FrontEnd):
     def _run_engine(
         self,
         prompts: list[PromptType],
-        sampling_params: Sequence[SamplingParams],
+        sampling_params: Sequence[SamplingParams | PoolingParams],
         added: list[str],
         use_tqdm: bool,
     ) -> tuple[list[str], list[RequestOutput]]:

@@ -26,12 +26,13 @@ from mm_serve.frontend.engine_process import EngineProcess
 from mm_serve.frontend.output_processor import ParentRequest
 from mm_serve.frontend.processor import PendingPrompt, ProcessedPrompt, PromptType
 from mm_serve.frontend.warm_up import (
-    WARM_UP_PARAMS,
     warm_up_batch_size,
     warm_up_image_size,
+    warm_up_params,
     warm_up_prompt,
 )
-from mm_serve.messages.outputs import Logprob, RequestOutput
+from mm_serve.messages.outputs import EmbeddingRequestOutput, Logprob, RequestOutput
+from mm_serve.messages.pooling_params import PoolingParams
 from mm_serve.messages.request import Request
 from mm_serve.messages.sampling_params import BeamSearchParams, SamplingParams
 from mm_serve.messages.stats import EngineStats, RequestStats
@@ -117,7 +118,8 @@ class AsyncLLM(FrontEnd):
 
         async def run(prompt: ProcessedPrompt, replica: int) -> None:
             request_id = f"warm-up-{uuid.uuid4()}"
-            async for _ in self.generate(prompt, WARM_UP_PARAMS, request_id, None, replica):
+            params = warm_up_params(self.config)
+            async for _ in self.generate(prompt, params, request_id, None, replica):
                 pass
 
         first = await one_prompt()
@@ -228,7 +230,7 @@ class AsyncLLM(FrontEnd):
     async def generate(
         self,
         prompt: ProcessedPrompt,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         request_id: str,
         arrival_time: float | None = None,
         data_parallel_rank: int | None = None,
@@ -243,13 +245,17 @@ class AsyncLLM(FrontEnd):
         early (the client went away; ``asyncio.CancelledError``) aborts the request in the
         engine core, which frees its KV blocks and encoder-cache references.
 
+        With ``PoolingParams`` (the pooling runner; see ``encode``) it yields one
+        ``EmbeddingRequestOutput`` once the embedding is computed.
+
         ``arrival_time``: ``time.monotonic()`` when the request arrived (TTFT is measured from
         it); now when None. ``data_parallel_rank``: the replica to run it (None: the router's
         choice, by load and cache affinity). ``priority``: lower runs first under
         ``--scheduling-policy priority``.
 
         Raises:
-            ValueError: ``request_id`` is already in flight (raised before the first output).
+            ValueError: ``request_id`` is already in flight, or the engine's runner does not
+                serve the request (``FrontEnd.check_runner``; raised before the first output).
             EngineRequestError: the engine refused the request (a ``ValueError``: a 4xx unless
                 its ``kind`` is "internal").
             EngineDeadError: the engine core process is gone (within ~0.1 s of its death).
@@ -279,6 +285,24 @@ class AsyncLLM(FrontEnd):
             raise
         finally:
             await self._finish(requests, parent, arrival_time, outcome)
+
+    async def encode(
+        self,
+        prompt: ProcessedPrompt,
+        params: PoolingParams,
+        request_id: str,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> EmbeddingRequestOutput:
+        """The embedding of one prompt (vLLM's ``encode``, the pooling runner): ``generate``
+        with ``params``, its one output. Cancelling it aborts the request.
+
+        Raises:
+            as ``generate``; ``InvalidParamError`` naming ``dimensions``
+            (``resolve_pooling_params``).
+        """
+        outputs = self.generate(prompt, params, request_id, arrival_time, priority=priority)
+        return [output async for output in outputs][-1]
 
     async def beam_search(
         self,

@@ -12,6 +12,7 @@ from mm_serve.checkpoint.hub import load_generation_config
 from mm_serve.config import EngineArgs
 from mm_serve.frontend.output_processor import OutputProcessor, ParentRequest
 from mm_serve.frontend.processor import InputProcessor, ProcessedPrompt, load_tokenizer
+from mm_serve.messages.pooling_params import PoolingParams
 from mm_serve.messages.request import Request
 from mm_serve.messages.sampling_params import SamplingParams
 from mm_serve.messages.stats import EngineStats
@@ -79,20 +80,47 @@ class FrontEnd:
             stats.processor_cache_hits = mm_processor.cache.hits
         return stats
 
+    def check_runner(self, pooling: bool) -> None:
+        """Raises ValueError unless the engine runs the kind of request asked for: pooling
+        (embeddings) under ``runner="pooling"``, generation otherwise."""
+        runner = self.config.model.runner
+        if pooling and runner != "pooling":
+            raise ValueError(
+                "This model generates; start it with runner='pooling' (--runner pooling) to "
+                "serve embeddings."
+            )
+        if not pooling and runner == "pooling":
+            raise ValueError(
+                "This model serves embeddings (runner='pooling'); it does not generate."
+            )
+
     def make_requests(
-        self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, stream: bool
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams | PoolingParams,
+        stream: bool,
     ) -> tuple[ParentRequest, list[Request]]:
-        """The engine requests of one user request (``n`` of them), tracked by the output
-        processor as the children of the returned parent (see ``InputProcessor.make_requests``).
+        """The engine requests of one user request (``n`` of them; one embedding request for
+        ``PoolingParams``), tracked by the output processor as the children of the returned
+        parent (see ``InputProcessor.make_requests``, ``make_pooling_request``).
 
         Raises:
-            ValueError: an engine request id is already tracked (in flight).
+            ValueError: an engine request id is already tracked (in flight), or the request
+                is not of the engine's runner (``check_runner``).
         """
-        requests = self.input_processor.make_requests(request_id, prompt, params)
+        pooling = isinstance(params, PoolingParams)
+        self.check_runner(pooling)
+        if pooling:
+            requests = [self.input_processor.make_pooling_request(request_id, prompt, params)]
+        else:
+            requests = self.input_processor.make_requests(request_id, prompt, params)
         in_flight = [r.request_id for r in requests if r.request_id in self.output_processor.states]
         if in_flight:
             raise ValueError(f"Request id {in_flight[0]!r} is already in flight.")
-        parent = ParentRequest(request_id, prompt.text, prompt.token_ids, params.n, stream=stream)
+        parent = ParentRequest(
+            request_id, prompt.text, prompt.token_ids, len(requests), stream, pooling=pooling
+        )
         for index, request in enumerate(requests):
             self.output_processor.add_request(
                 request.request_id, parent, index, request.sampling_params

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from mm_serve.frontend.detokenizer import IncrementalDetokenizer
 from mm_serve.messages.outputs import (
     CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
     EngineCoreOutput,
     Logprob,
     PromptLogprobs,
@@ -30,7 +32,8 @@ class ParentRequest:
     """A user request; with ``n > 1`` it fans out into ``n`` engine requests (its children).
 
     ``stream``: its outputs are deltas (see ``RequestState.take_delta``), else one whole output
-    once every child finished.
+    once every child finished. ``pooling``: an embedding request (one child), whose one output
+    is an ``EmbeddingRequestOutput``.
     """
 
     request_id: str
@@ -43,6 +46,7 @@ class ParentRequest:
     prompt_logprobs_sent: bool = False  # streamed: with the first output that has tokens
     num_cached_tokens: int = 0
     num_cached_images: int = 0
+    pooling: bool = False
 
     @property
     def finished(self) -> bool:
@@ -57,9 +61,14 @@ class ParentRequest:
         if index == 0:
             self.num_cached_images = max(self.num_cached_images, output.num_cached_images)
 
-    def make_output(self) -> RequestOutput | None:
+    def make_output(self) -> RequestOutput | EmbeddingRequestOutput | None:
         """Whole: the final output once every child finished, else None. Streamed: the children's
         deltas (None when none has news); ``finished`` on the last one."""
+        if self.pooling:
+            if not self.finished:
+                return None
+            embedding = EmbeddingOutput(self.children[0].embedding or [])
+            return EmbeddingRequestOutput(self.request_id, embedding, self.prompt_token_ids)
         if self.stream:
             completions = [d for c in self.children if (d := c.take_delta()) is not None]
             prompt_logprobs = None
@@ -104,6 +113,7 @@ class RequestState:
         self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.embedding: list[float] | None = None  # a pooling request's, as it finishes
         self.times = RequestTimes()
         # Streaming: what was sent, and how much text to hold back while it may still become
         # the start of a stop string (streamed text is never taken back).
@@ -126,6 +136,8 @@ class RequestState:
             self.cumulative_logprob += entry[1][0]
         for entry in output.new_prompt_logprobs or []:
             self.prompt_logprobs.append(self._to_logprob_dict(entry))
+        if output.pooling_output is not None:
+            self.embedding = output.pooling_output
         stop_string = self.detokenizer.update(output.new_token_ids)
         self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
         if stop_string is None:
@@ -203,7 +215,7 @@ class OutputProcessor:
 
     def process_outputs(
         self, outputs: list[EngineCoreOutput], now: float = 0.0
-    ) -> tuple[list[RequestOutput], list[str]]:
+    ) -> tuple[list[RequestOutput | EmbeddingRequestOutput], list[str]]:
         """Returns the request outputs these engine outputs make (see
         ``ParentRequest.make_output``), and the engine requests to abort (stop strings).
         ``now``: the outputs' arrival time (``time.monotonic()``), for ``RequestState.times``."""

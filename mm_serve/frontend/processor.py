@@ -18,11 +18,15 @@ from mm_serve.config import ModelConfig, MultiModalConfig
 from mm_serve.frontend.chat_media import split_chat_media
 from mm_serve.frontend.exceptions import InvalidParamError
 from mm_serve.frontend.mm_processor import MultiModalProcessor, PendingImages
+from mm_serve.messages.pooling_params import PoolingParams
 from mm_serve.messages.request import MultiModalFeature, Request, check_image_tokens
 from mm_serve.messages.sampling_params import SamplingParams
 from mm_serve.messages.structured_outputs import check_grammar
 
 logger = logging.getLogger(__name__)
+
+# A pooling request's (``Request``): one step past its prompt for the length bookkeeping.
+POOLING_SAMPLING_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 # A prompt as users give it (vLLM's forms): text, {"prompt": text}, or {"prompt_token_ids":
 # [...]}; VLMs add "multi_modal_data": {"image": [...], "video": [...]} and optionally
@@ -185,6 +189,32 @@ def check_sampling_params(params: SamplingParams, vocab_size: int) -> None:
             check_grammar(params.structured_outputs)
         except ValueError as e:
             raise InvalidParamError("structured_outputs", str(e)) from None
+
+
+def resolve_pooling_params(params: PoolingParams, model_config: ModelConfig) -> PoolingParams:
+    """``params`` completed from the model's pooler config (``pooling_type``, and
+    ``normalize`` unless set), after vLLM's checks of ``dimensions``.
+
+    Raises:
+        InvalidParamError: naming ``dimensions``: set for a model not trained for Matryoshka
+            truncation, not one of its ``matryoshka_dimensions``, or outside
+            ``[1, hidden_size]``.
+    """
+    config, dimensions = model_config.pooler_config, params.dimensions
+    if dimensions is not None:
+        hidden_size = model_config.text_config.hidden_size
+        if not config.is_matryoshka:
+            message = "the model does not support Matryoshka dimensions; leave dimensions unset."
+        elif config.matryoshka_dimensions and dimensions not in config.matryoshka_dimensions:
+            message = f"dimensions must be one of {list(config.matryoshka_dimensions)}."
+        elif not 1 <= dimensions <= hidden_size:
+            message = f"dimensions must be in [1, {hidden_size}]."
+        else:
+            message = None
+        if message is not None:
+            raise InvalidParamError("dimensions", f"Invalid dimensions {dimensions}: {message}")
+    normalize = config.normalize if params.normalize is None else params.normalize
+    return dataclasses.replace(params, normalize=normalize, pooling_type=config.pooling_type)
 
 
 def load_tokenizer(path: str):
@@ -362,3 +392,17 @@ class InputProcessor:
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             requests.append(Request(child_id, prompt.token_ids, child, self.eos_token_id, **shared))
         return requests
+
+    def make_pooling_request(
+        self, request_id: str, prompt: ProcessedPrompt, params: PoolingParams
+    ) -> Request:
+        """The engine request of one embedding (the pooling runner), ``params`` completed by
+        ``resolve_pooling_params`` (an ``InvalidParamError`` naming ``dimensions``)."""
+        return Request(
+            request_id,
+            prompt.token_ids,
+            POOLING_SAMPLING_PARAMS,
+            mm_features=prompt.mm_features,
+            cache_salt=prompt.cache_salt,
+            pooling_params=resolve_pooling_params(params, self.model_config),
+        )

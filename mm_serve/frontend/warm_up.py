@@ -18,6 +18,7 @@ from typing import Any
 
 from mm_serve.config import EngineConfig
 from mm_serve.frontend.processor import InputProcessor
+from mm_serve.messages.pooling_params import PoolingParams
 from mm_serve.messages.sampling_params import SamplingParams
 from mm_serve.preprocess.pool import warm_up_image
 
@@ -26,6 +27,11 @@ WARM_UP_PARAMS = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 WARM_UP_QUESTION = "Describe the image."
 # On CUDA the warm-up is a batch of photo-sized images (448x448: 256 Qwen2-VL tokens).
 BATCH_IMAGE_SIZE = 448
+
+
+def warm_up_params(config: EngineConfig) -> SamplingParams | PoolingParams:
+    """``WARM_UP_PARAMS``; under the pooling runner, an embedding (its prompt's steps)."""
+    return PoolingParams() if config.model.runner == "pooling" else WARM_UP_PARAMS
 
 
 def warm_up_image_size(config: EngineConfig) -> int:

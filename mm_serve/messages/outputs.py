@@ -55,6 +55,28 @@ class RequestOutput:
     num_cached_images: int = 0
 
 
+@dataclass
+class EmbeddingOutput:
+    """The embedding of one prompt (vLLM's): float32 values, ``hidden_size`` of them unless
+    truncated (``PoolingParams.dimensions``)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The result of one embedding request (vLLM's, ``LLM.embed``): ``outputs.embedding``."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
 # One position's log-probs: (token ids: the sampled token, then the top-k; their log-probs;
 # the rank of the sampled token).
 LogprobsEntry = tuple[list[int], list[float], int]
@@ -83,6 +105,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     num_cached_images: int = 0  # see Request.num_cached_images
     scheduled_time: float | None = None
     timestamp: float | None = None
+    pooling_output: list[float] | None = None  # a pooling request's embedding, as it finishes
 
     @property
     def finished(self) -> bool:

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from mm_serve.messages.pooling_params import PoolingParams
 from mm_serve.messages.sampling_params import SamplingParams
 
 
@@ -101,6 +102,11 @@ class Request:
     (tokens whose KV is in the cache, or is being written by a step in flight) against
     ``num_tokens`` (prompt + output so far) plus ``num_output_placeholders`` (tokens a step in
     flight will sample, whose ids the scheduler does not know yet).
+
+    A pooling request (``pooling_params`` set; the pooling runner) carries ``max_tokens=1``
+    sampling parameters for this length bookkeeping but samples nothing: the step that
+    computes its last prompt token returns its embedding in place of a token, which
+    finishes it.
     """
 
     request_id: str
@@ -111,6 +117,7 @@ class Request:
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower first, with --scheduling-policy priority (vLLM's convention)
+    pooling_params: PoolingParams | None = None
 
     output_token_ids: list[int] = field(default_factory=list, init=False)
     all_token_ids: list[int] = field(init=False)

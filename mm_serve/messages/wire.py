@@ -22,6 +22,7 @@ import torch
 
 from mm_serve.encoders.base import ProcessedImage
 from mm_serve.messages.outputs import EngineCoreOutput
+from mm_serve.messages.pooling_params import PoolingParams
 from mm_serve.messages.request import MultiModalFeature, PlaceholderRange, Request
 from mm_serve.messages.sampling_params import SamplingParams
 from mm_serve.messages.stats import EngineStats
@@ -88,6 +89,7 @@ class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
     mm_features: list[MultiModalFeatureWire] = []
     siblings: list[Sibling] = []
     priority: int = 0
+    pooling_params: PoolingParams | None = None
 
     @property
     def request_ids(self) -> list[str]:
@@ -238,6 +240,7 @@ def requests_to_wire(requests: Sequence[Request]) -> tuple[AddRequest, list[memo
         mm_features=features,
         siblings=[Sibling(s.request_id, s.sampling_params) for s in siblings],
         priority=request.priority,
+        pooling_params=request.pooling_params,
     )
     return message, buffers
 
@@ -278,6 +281,7 @@ def requests_from_wire(message: AddRequest, frames: Sequence[Buffer]) -> list[Re
         shared = {"mm_features": features, "cache_salt": message.cache_salt}
         shared["arrival_time"] = message.arrival_time
         shared["priority"] = message.priority
+        shared["pooling_params"] = message.pooling_params
         prompt, eos = message.prompt_token_ids, message.eos_token_id
         return [
             Request(request_id, prompt, params, eos, **shared) for request_id, params in children

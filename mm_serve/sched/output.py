@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mm_serve.messages.pooling_params import PoolingParams
 from mm_serve.messages.request import MultiModalFeature, Request
 from mm_serve.messages.sampling_params import SamplingParams
 
@@ -23,6 +24,7 @@ class NewRequestData:
     eos_token_id: int | None
     block_ids: list[int]
     num_computed_tokens: int
+    pooling_params: PoolingParams | None = None
 
     @classmethod
     def from_request(cls, request: Request, block_ids: list[int]) -> NewRequestData:
@@ -34,6 +36,7 @@ class NewRequestData:
             eos_token_id=request.eos_token_id,
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
+            pooling_params=request.pooling_params,
         )
 
 
@@ -103,9 +106,11 @@ class ModelRunnerOutput:
     ``logprobs[i]`` is ``(token_ids, logprobs, rank)`` of the sampled token and the top-k, as
     python lists, or None. ``prompt_logprobs`` maps a request id to this step's chunk of prompt
     logprobs, one ``(token_ids, logprobs, rank)`` per prompt position predicted.
+    ``pooler_output`` maps a pooling request whose prompt ended this step to its embedding.
     """
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[tuple[list[int], list[float], int] | None]
     prompt_logprobs: dict[str, list[tuple[list[int], list[float], int]]]
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)

@@ -18,6 +18,9 @@ its end gets an output placeholder; ``update_from_output`` replaces it with the 
 applies the stop conditions. A request whose last allowed token is in flight gets no more work;
 one preempted with a token in flight waits for it.
 
+Pooling (embedding) requests run their prompt like any other and finish in the step whose
+output holds their embedding (``ModelRunnerOutput.pooler_output``).
+
 Structured outputs: a request with a grammar waits until it is compiled
 (``StructuredOutputManager``); its matcher follows every appended token, and the manager's
 ``grammar_bitmask`` gives the tokens it may sample next."""
@@ -379,7 +382,23 @@ class Scheduler:
                 outputs.append(self._make_output(request, new_token_ids, logprobs, chunk_logprobs))
             if finished:
                 self._free_request(request)
+        for req_id, embedding in runner_output.pooler_output.items():
+            self._finish_pooling(requests.get(req_id), embedding, outputs)
         return outputs
+
+    def _finish_pooling(
+        self, request: Request | None, embedding: list[float], outputs: list[EngineCoreOutput]
+    ) -> None:
+        """A pooling request's prompt is computed: its embedding finishes it (the token its
+        placeholder stood for is never sampled)."""
+        if request is None or request.is_finished:
+            return  # aborted while the step ran
+        request.num_output_placeholders -= 1
+        request.status = RequestStatus.FINISHED_STOPPED
+        output = self._make_output(request, [], None, None)
+        output.pooling_output = embedding
+        outputs.append(output)
+        self._free_request(request)
 
     def _check_stop(self, request: Request, last: int) -> bool:
         """Whether ``last``, the token just appended, finishes ``request`` (its status set).

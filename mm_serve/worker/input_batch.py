@@ -15,6 +15,7 @@ import torch
 
 from mm_serve.kernels.attention_metadata import AttentionMetadata
 from mm_serve.kernels.varlen_attention import plan_prefill_split, worth_splitting
+from mm_serve.messages.pooling_params import PoolingParams
 from mm_serve.messages.request import MultiModalFeature
 from mm_serve.messages.sampling_params import SamplingParams
 from mm_serve.utils.transfer import StepUpload
@@ -34,6 +35,9 @@ class CachedRequestState:
     block_ids: list[int]
     # As of its last entry into the batch; while in it, ``InputBatch.num_computed_tokens``.
     num_computed_tokens: int
+    pooling_params: PoolingParams | None = None
+    # MEAN pooling: [hidden] float32 sum of the prompt's hidden states computed so far.
+    hidden_states_sum: torch.Tensor | None = None
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens sampled by launched steps whose ids have not reached the host yet.
     num_pending_outputs: int = 0

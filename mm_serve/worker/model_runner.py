@@ -41,6 +41,7 @@ from mm_serve.worker.mm_inputs import (
     mrope_positions,
     scheduled_slices,
 )
+from mm_serve.worker.pooler import PoolingStep, pool
 from mm_serve.worker.prompt_logprobs import (
     PromptLogprobsJob,
     compute_prompt_logprobs,
@@ -78,6 +79,8 @@ class ModelRunner:
         self.device = config.device
         self.block_size = config.cache.block_size
         self.max_model_len = config.model.max_model_len
+        # Every request is an embedding request: pooled, never sampled (``worker.pooler``).
+        self.pooling = config.model.runner == "pooling"
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_cache_layout = kv_cache_layout(config.model.hf_config)
         self.input_batch = InputBatch(
@@ -185,6 +188,8 @@ class ModelRunner:
         if self._launched is None:
             return PendingOutput([])
         (inputs, hidden_states), self._launched = self._launched, None
+        if self.pooling:  # its sample rows, whose prompts end, are pooled instead
+            return self._pooling_output(hidden_states, inputs)
         sampler_output = None
         if len(inputs.sample_rows):  # none while every request is mid-prompt
             logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
@@ -197,6 +202,16 @@ class ModelRunner:
             self.model, hidden_states, inputs.prompt_logprobs_jobs
         )
         return self._launch_output(inputs.sample_rows, sampler_output, prompt_logprobs)
+
+    def _pooling_output(self, hidden_states: torch.Tensor, inputs: StepInputs) -> PendingOutput:
+        """The embeddings of the requests whose prompts end this step (``worker.pooler``), on
+        their way to the host; the pooling runner samples nothing."""
+        batch = self.input_batch
+        states = batch.states[: batch.num_reqs]
+        step = PoolingStep(states, inputs.attn_metadata.query_start_loc_cpu, inputs.sample_rows)
+        self.last_sampled = None
+        req_ids = list(batch.req_ids[: batch.num_reqs])
+        return PendingOutput(req_ids, pooled=pool(hidden_states, step))
 
     def _needs_output_ids(self) -> bool:
         return self.input_batch.any_penalties(slice(0, self.input_batch.num_reqs))
@@ -283,6 +298,7 @@ class ModelRunner:
             state.num_computed_tokens = num_computed[i]
             if resumed:
                 state.block_ids = list(new_block_ids)
+                state.hidden_states_sum = None  # its prompt is computed again from the start
             else:
                 state.block_ids.extend(new_block_ids)
             if row < 0:  # preempted, or skipped a step (waiting for the encoder)

@@ -79,9 +79,10 @@ def _per_row(tokens: list[int], rows: list[int], num_reqs: int) -> list[list[int
 class PendingOutput:
     """One step's ``ModelRunnerOutput`` on its way to the host: the batch ``req_ids`` in row
     order, the ``sampled`` tokens (None when every request was mid-prompt), the sampled rows'
-    top-k ``logprobs`` (device tensors, or None) and the step's ``prompt_logprobs`` (on the host
-    already). ``on_tokens(sampled, token ids as a list)`` runs once when they arrive: the runner
-    records them in its request states."""
+    top-k ``logprobs`` (device tensors, or None), the step's ``prompt_logprobs`` (on the host
+    already) and the pooling runner's embeddings (``pooled``: request id -> ``[d]`` float32 on
+    the device). ``on_tokens(sampled, token ids as a list)`` runs once when they arrive: the
+    runner records them in its request states."""
 
     def __init__(
         self,
@@ -90,22 +91,24 @@ class PendingOutput:
         logprobs: LogprobsTensors | None = None,
         prompt_logprobs: dict | None = None,
         on_tokens: Callable[[SampledTokens, list[int]], None] | None = None,
+        pooled: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.req_ids = req_ids
         self.sampled = sampled
         self.prompt_logprobs = prompt_logprobs or {}
         self.on_tokens = on_tokens
         self._output: ModelRunnerOutput | None = None
-        self._host: list[torch.Tensor] = []
-        self._event = None
+        device_tensors = []
         if sampled is not None:
             device_tensors = [sampled.token_ids]
             if logprobs is not None:
                 device_tensors += [logprobs.token_ids, logprobs.logprobs, logprobs.ranks]
-            self._host = [_to_host(t) for t in device_tensors]
-            if sampled.token_ids.device.type == "cuda":
-                self._event = torch.cuda.Event()
-                self._event.record()
+        self._host = [_to_host(t) for t in device_tensors]
+        self._pooled = {req_id: _to_host(t) for req_id, t in (pooled or {}).items()}
+        self._event = None
+        if any(t.device.type == "cuda" for t in [*device_tensors, *(pooled or {}).values()]):
+            self._event = torch.cuda.Event()
+            self._event.record()
 
     @property
     def done(self) -> bool:
@@ -119,11 +122,11 @@ class PendingOutput:
         num_reqs = len(self.req_ids)
         logprobs: list = [None] * num_reqs
         sampled = self.sampled
+        if self._event is not None:
+            self._event.synchronize()
         if sampled is None:
             sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
         else:
-            if self._event is not None:
-                self._event.synchronize()
             tokens = self._host[0].tolist()
             sampled_token_ids = _per_row(tokens, sampled.rows, num_reqs)
             if len(self._host) > 1:  # some row asked for logprobs
@@ -133,7 +136,8 @@ class PendingOutput:
                         logprobs[row] = (ids[i][: k + 1], values[i][: k + 1], ranks[i])
             if self.on_tokens is not None:
                 self.on_tokens(sampled, tokens)
+        pooled = {req_id: t.tolist() for req_id, t in self._pooled.items()}
         self._output = ModelRunnerOutput(
-            self.req_ids, sampled_token_ids, logprobs, self.prompt_logprobs
+            self.req_ids, sampled_token_ids, logprobs, self.prompt_logprobs, pooled
         )
         return self._output

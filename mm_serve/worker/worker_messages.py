@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import msgspec
 
+from mm_serve.messages.pooling_params import PoolingParams
 from mm_serve.messages.sampling_params import SamplingParams
 from mm_serve.messages.wire import (
     Buffer,
@@ -42,6 +43,7 @@ class NewRequestWire(msgspec.Struct, array_like=True):
     eos_token_id: int | None
     block_ids: list[int]
     num_computed_tokens: int
+    pooling_params: PoolingParams | None = None
 
 
 class GrammarBitmaskWire(msgspec.Struct, array_like=True):

@@ -4,8 +4,9 @@
 Ctrl-C, or until the engine core dies: then in-flight requests fail at once (503 / an SSE
 error event), ``/health`` answers 503 for ``ENGINE_DEAD_GRACE_S``, and the server exits with
 code 1. Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics``, vLLM's ``POST /tokenize``,
-``POST /detokenize``, ``GET /version``, ``GET /openapi.json`` (the OpenAPI schema) and, while
+``GET /v1/models/{model}``, ``POST /v1/embeddings`` (the pooling runner), ``GET /health``,
+``GET /metrics``, vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /version``,
+``GET /openapi.json`` (the OpenAPI schema) and, while
 ``MM_SERVE_TORCH_PROFILER_DIR`` is set, ``POST /start_profile`` and ``/stop_profile``; and the
 web page ``web/`` at ``/`` when it exists.
 """
@@ -51,10 +52,12 @@ from mm_serve.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+from mm_serve.entrypoints.openai.protocol_embeddings import EmbeddingRequest, EmbeddingResponse
 from mm_serve.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest
 from mm_serve.entrypoints.openai.serving_chat import ServingChat
 from mm_serve.entrypoints.openai.serving_common import Admission, ModelInfo
 from mm_serve.entrypoints.openai.serving_completion import ServingCompletion
+from mm_serve.entrypoints.openai.serving_embeddings import ServingEmbedding
 from mm_serve.entrypoints.openai.serving_responses import ServingResponses
 from mm_serve.entrypoints.openai.serving_tokenization import ServingTokenization
 from mm_serve.frontend.async_llm import AsyncLLM
@@ -69,8 +72,7 @@ ENGINE_DEAD_GRACE_S = 1.0  # /health says 503 this long after the engine died, t
 ENGINE_WATCH_INTERVAL_S = 0.1
 STATS_TIMEOUT_S = 5.0
 WEB_DIR = Path(str(importlib.resources.files("mm_serve.web")))  # the repository's web/
-API_PATHS = ("/v1/", "/health", "/metrics", "/tokenize", "/detokenize", "/version")
-API_PATHS += ("/openapi.json",)
+API_PATHS = ("/v1/", "/health", "/metrics", "/tokenize", "/detokenize", "/version", "/openapi.json")
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ class Handlers:
     completion: ServingCompletion
     tokenization: ServingTokenization
     responses: ServingResponses
+    embedding: ServingEmbedding
 
 
 def serving_handlers(llm: AsyncLLM, config: ServerConfig, media: MediaResolver) -> Handlers:
@@ -127,6 +130,7 @@ def serving_handlers(llm: AsyncLLM, config: ServerConfig, media: MediaResolver) 
         ServingCompletion(llm, model, admission),
         ServingTokenization(llm, model, media),
         ServingResponses(llm, model, admission, chat),
+        ServingEmbedding(llm, model, admission, media),
     )
 
 
@@ -176,6 +180,7 @@ def build_app(
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         return await tokenization.detokenize(body)
 
+    add_embeddings_route(app, handlers.embedding)
     add_operational_routes(app, llm, metrics)
     if os.environ.get(PROFILER_DIR_ENV):
         add_profiler_routes(app, llm)
@@ -193,6 +198,14 @@ def build_app(
 
         app.add_middleware(TraceContext)
     return app
+
+
+def add_embeddings_route(app: FastAPI, embedding: ServingEmbedding) -> None:
+    """``POST /v1/embeddings``: the pooling runner's (a generating server answers a 400)."""
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(body: EmbeddingRequest, request: Request) -> EmbeddingResponse:
+        return await until_disconnected(request, embedding.handle(body, time.monotonic()))
 
 
 def add_profiler_routes(app: FastAPI, llm: AsyncLLM) -> None:

@@ -2,16 +2,17 @@
 (vLLM's ``vllm run-batch``).
 
 Input: one request per line in OpenAI's batch format, ``{"custom_id", "method": "POST", "url",
-"body"}``, ``url`` one of ``URLS``. Output: one line per input line, in input order, as OpenAI's
-batch output: ``{"id", "custom_id", "response": {"status_code", "request_id", "body"},
-"error"}``; ``error`` is null when the status is 200, else ``{"code", "message"}`` beside the
-error body the server would have answered. A line that is not a batch request (not JSON, a
-field missing, a streamed request) gets its error line and the others go on.
+"body"}``, ``url`` one of ``URLS`` (``/v1/embeddings`` with ``--runner pooling``, the others
+without). Output: one line per input line, in input order, as OpenAI's batch output: ``{"id",
+"custom_id", "response": {"status_code", "request_id", "body"}, "error"}``; ``error`` is null
+when the status is 200, else ``{"code", "message"}`` beside the error body the server would
+have answered. A line that is not a batch request (not JSON, a field missing, a streamed
+request) gets its error line and the others go on.
 
-Each line goes through the server's own handlers (``ServingChat``, ``ServingCompletion``)
-without HTTP, the engine core in its own process as under ``mm-serve serve``: a line's
-response body is what the server answers to the same body, ids and timestamps aside. At most
-``max_concurrent_requests`` lines are in the engine at once.
+Each line goes through the server's own handlers (``ServingChat``, ``ServingCompletion``,
+``ServingEmbedding``) without HTTP, the engine core in its own process as under ``mm-serve
+serve``: a line's response body is what the server answers to the same body, ids and
+timestamps aside. At most ``max_concurrent_requests`` lines are in the engine at once.
 """
 
 from __future__ import annotations
@@ -35,10 +36,17 @@ from mm_serve.entrypoints.openai.errors import APIError, bad_request, to_api_err
 from mm_serve.entrypoints.openai.errors import validation_error as schema_error
 from mm_serve.entrypoints.openai.media import MediaResolver
 from mm_serve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from mm_serve.entrypoints.openai.protocol_embeddings import EmbeddingRequest
 from mm_serve.entrypoints.openai.serving_common import ServingBase
+from mm_serve.entrypoints.openai.serving_embeddings import ServingEmbedding
 from mm_serve.frontend.async_llm import AsyncLLM
 
-URLS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+URLS = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+    "/v1/embeddings": EmbeddingRequest,
+}
+Handler = ServingBase | ServingEmbedding
 
 
 class BatchRequest(BaseModel):
@@ -75,7 +83,7 @@ def _custom_id(line: str) -> str | None:
     return None
 
 
-async def answer(line: str, handlers: dict[str, ServingBase]) -> dict[str, Any]:
+async def answer(line: str, handlers: dict[str, Handler]) -> dict[str, Any]:
     """The output line of one input line (errors included: never raises)."""
     try:
         item = BatchRequest.model_validate_json(line)
@@ -87,7 +95,7 @@ async def answer(line: str, handlers: dict[str, ServingBase]) -> dict[str, Any]:
                 f"url {item.url!r} is not served in a batch; use one of {sorted(URLS)}.", "url"
             )
         request = URLS[item.url].model_validate(item.body)
-        if request.stream:
+        if getattr(request, "stream", False):  # (embeddings have no stream)
             raise bad_request("A batch request cannot be streamed.", "body.stream")
         return output_line(
             item.custom_id, await handlers[item.url].handle(request, time.monotonic())
@@ -99,7 +107,7 @@ async def answer(line: str, handlers: dict[str, ServingBase]) -> dict[str, Any]:
 
 
 async def answer_all(
-    lines: list[str], handlers: dict[str, ServingBase], max_in_flight: int
+    lines: list[str], handlers: dict[str, Handler], max_in_flight: int
 ) -> list[dict[str, Any]]:
     """The output lines of ``lines`` in their order, at most ``max_in_flight`` lines at once in
     the engine, with a progress bar."""
@@ -149,7 +157,7 @@ async def run_batch(
         # Lines wait at the gate instead of getting a 429; n stays capped at max_n.
         unlimited = dataclasses.replace(config, max_concurrent_requests=sys.maxsize)
         served = serving_handlers(llm, unlimited, media)
-        handlers = {"/v1/chat/completions": served.chat, "/v1/completions": served.completion}
+        handlers = dict(zip(URLS, (served.chat, served.completion, served.embedding), strict=True))
         outputs = await answer_all(lines, handlers, config.max_concurrent_requests)
     finally:
         await media.aclose()

@@ -3,6 +3,7 @@ context-length fitting, usage, and the SSE response (logprobs: ``logprobs.py``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -10,7 +11,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -135,6 +136,7 @@ def sse_event(data: BaseModel | dict) -> str:
 
 SSE_DONE = "data: [DONE]\n\n"
 R = TypeVar("R", bound=BaseModel)
+T = TypeVar("T")
 
 
 @dataclass
@@ -186,6 +188,7 @@ class ServingBase:
         if self.llm.is_dead:
             raise engine_dead_error()
         check_request_fields(request)
+        check_runner(self.llm, pooling=False)
         leave = functools.partial(self.admission.leave, request.n)
         self.admission.enter(request.n)
         try:
@@ -306,6 +309,42 @@ class ServingBase:
             return params
         with user_errors():
             return dataclasses.replace(params, max_tokens=room)
+
+
+def check_runner(llm: AsyncLLM, pooling: bool) -> None:
+    """Raises APIError (400) naming ``model`` when the served model does not run this kind of
+    request: embeddings under the pooling runner only, generation under the others."""
+    try:
+        llm.check_runner(pooling)
+    except ValueError as e:
+        raise bad_request(str(e), param="model") from None
+
+
+def prompt_dicts(value: str | list[str] | list[int] | list[list[int]], param: str) -> list[dict]:
+    """OpenAI's ``prompt`` (completions) or ``input`` (embeddings): a text, texts, token ids or
+    lists of token ids, as prompt dicts, one per prompt.
+
+    Raises:
+        APIError: (400) naming ``param``: an empty list.
+    """
+    if isinstance(value, str):
+        return [{"prompt": value}]
+    if not value:
+        raise bad_request(f"{param} must not be empty.", param=param)
+    if isinstance(value[0], int):
+        return [{"prompt_token_ids": value}]
+    key = "prompt" if isinstance(value[0], str) else "prompt_token_ids"
+    return [{key: p} for p in value]
+
+
+async def gather_or_cancel(awaitables: Iterable[Awaitable[T]]) -> list[T]:
+    """Every result, in order; on the first error the others are cancelled."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def stream_usage(request: SamplingRequest) -> bool:

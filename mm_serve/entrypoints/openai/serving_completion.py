@@ -96,7 +96,7 @@ class ServingCompletion(serving_common.ServingBase):
             params = dataclasses.replace(params, prompt_logprobs=num)
         processed = []
         with user_errors():
-            for prompt in _prompts(request.prompt):
+            for prompt in serving_common.prompt_dicts(request.prompt, "prompt"):
                 if request.cache_salt is not None:
                     prompt["cache_salt"] = request.cache_salt
                 processed.append(await self.llm.process(prompt, request.add_special_tokens))
@@ -121,7 +121,8 @@ class ServingCompletion(serving_common.ServingBase):
         if request.stream:
             return _stream(streams, reply, include_usage)
         with user_errors():
-            return _response(await _collect_all(streams), reply)
+            outputs = await serving_common.gather_or_cancel(map(serving_common.collect, streams))
+            return _response(outputs, reply)
 
     async def _prompt_text(self, prompt: ProcessedPrompt) -> str:
         """The prompt as ``echo`` repeats it: its text, or its token ids decoded."""
@@ -129,27 +130,6 @@ class ServingCompletion(serving_common.ServingBase):
             return prompt.text
         token_ids = prompt.token_ids
         return await self.llm.with_tokenizer(lambda tokenizer: tokenizer.decode(token_ids))
-
-
-def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[dict]:
-    if isinstance(prompt, str):
-        return [{"prompt": prompt}]
-    if not prompt:
-        raise bad_request("prompt must not be empty.", param="prompt")
-    if isinstance(prompt[0], int):
-        return [{"prompt_token_ids": prompt}]
-    key = "prompt" if isinstance(prompt[0], str) else "prompt_token_ids"
-    return [{key: p} for p in prompt]
-
-
-async def _collect_all(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
-    """Every prompt's whole output; on the first error the others are cancelled."""
-    tasks = [asyncio.ensure_future(serving_common.collect(s)) for s in streams]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
 
 
 def _response(outputs: list[RequestOutput], reply: _Reply) -> CompletionResponse:
