@@ -67,7 +67,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     the experts in order; an expert no slot chose has no block."""
     flat = topk_ids.flatten().long()
     num_slots = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add_, not bincount: bincount's output size is read back from the device.
+    counts = flat.new_zeros(num_experts).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_size - 1) // block_size * block_size
     ends = padded.cumsum(0)
     order = flat.argsort(stable=True)  # slots grouped by expert, in slot order within
