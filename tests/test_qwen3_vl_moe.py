@@ -157,3 +157,26 @@ def test_tensor_parallel_matches_hf(path, reference):
     with checks.running_llm(path, **args) as llm:
         assert llm.config.parallel.tensor_parallel_size == 2
         checks.assert_matches_hf(llm, reference, cases())
+
+
+def test_published_architecture_has_hfs_parameters(tmp_path):
+    """``bench``'s weightless Qwen3-VL-30B-A3B folder: 128 experts of width 768, 8 per token,
+    in each of 48 layers; our model (on the meta device) has HF's 31.07 billion parameters;
+    the engine splits it over 2 ranks but not over 5 (32 heads, 768-wide experts)."""
+    from transformers import Qwen3VLMoeForConditionalGeneration as HFModel
+
+    from mm_serve.config.parallel import check_tensor_parallel
+    from mm_serve.models.qwen3_vl_moe import Qwen3VLMoeForConditionalGeneration
+    from tests.fixtures.checkpoints import write_architecture
+
+    config = checks.hf_config(write_architecture("qwen3-vl-30b-a3b", tmp_path))
+    text = config.text_config
+    moe = (text.num_experts, text.num_experts_per_tok, text.moe_intermediate_size)
+    assert moe == (128, 8, 768) and text.num_hidden_layers == 48
+    counts = checks.meta_parameter_counts(config, HFModel, Qwen3VLMoeForConditionalGeneration)
+    assert counts[0] == counts[1] == 31_070_754_032
+    check_tensor_parallel(config, 2)
+    # Heads and the dense width that 5 ranks divide: only the experts' width fails.
+    text.num_attention_heads, text.num_key_value_heads, text.intermediate_size = 40, 5, 6000
+    with pytest.raises(ValueError, match="moe_intermediate_size=768"):
+        check_tensor_parallel(config, 5)
