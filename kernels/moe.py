@@ -99,24 +99,27 @@ def fused_experts_ref(
     block_size: int = 16,
 ) -> torch.Tensor:
     """The experts' outputs summed with their routing weights, ``[T, H]`` in ``x``'s dtype: the
-    Triton kernel's computation in torch, over ``moe_align_block_size``'s blocks (one batched
-    GEMM per projection, each block against its expert's weight). Reads the number of blocks in
-    use back to the host."""
+    Triton kernel's computation in torch, over ``moe_align_block_size``'s blocks (each run of
+    blocks of one expert is one GEMM per projection against that expert's weight; padding rows
+    are computed and dropped). Reads the blocks' experts back to the host."""
     num_tokens, top_k = topk_ids.shape
     blocks = moe_align_block_size(topk_ids, block_size, w13.shape[0])
     used = int(blocks.num_tokens_post_padded) // block_size
-    slots = blocks.sorted_token_ids[: used * block_size].view(used, block_size).long()
-    experts = blocks.expert_ids[:used].long()
+    experts, runs = blocks.expert_ids[:used].unique_consecutive(return_counts=True)
     num_slots = num_tokens * top_k
+    slots = blocks.sorted_token_ids[: used * block_size].long()
     real = slots < num_slots
     slots = torch.where(real, slots, 0)  # padding rows compute slot 0's row, then are dropped
-    rows = x[slots // top_k]  # [used, block_size, H]
-    hidden = silu_and_mul_ref(torch.bmm(rows, w13[experts].transpose(1, 2)))
-    out = torch.bmm(hidden, w2[experts].transpose(1, 2))  # [used, block_size, H]
+    sizes = (runs * block_size).tolist()  # rows of each run of one expert's blocks
+    pieces = [
+        silu_and_mul_ref(x[rows // top_k] @ w13[expert].T) @ w2[expert].T  # [rows, H]
+        for expert, rows in zip(experts.tolist(), slots.split(sizes), strict=True)
+    ]
+    out = torch.cat(pieces) if pieces else x.new_zeros(0, x.shape[1])
     out = out * topk_weights.flatten()[slots].unsqueeze(-1)
     per_slot = out.new_zeros(num_slots, x.shape[1])
     per_slot[slots[real]] = out[real]
-    return per_slot.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+    return per_slot.view(num_tokens, top_k, x.shape[1]).sum(dim=1).to(x.dtype)
 
 
 def fused_experts_loop_ref(

@@ -109,4 +109,4 @@ def fused_experts_triton(
     _grouped_gemm(x, w13, hidden, weights, blocks, top_k, True, config)
     out = x.new_empty(num_tokens * top_k, x.shape[1])
     _grouped_gemm(hidden, w2, out, weights, blocks, 1, False, config)
-    return out.view(num_tokens, top_k, -1).sum(dim=1)
+    return out.view(num_tokens, top_k, x.shape[1]).sum(dim=1)

@@ -102,10 +102,13 @@ def test_topk_softmax_renormalizes_and_orders():
 
 
 def test_dispatch_runs_the_torch_path_on_cpu():
+    """The CPU runs ``fused_experts_ref``; a step of no tokens gives no rows."""
     x, w13, w2, weights, ids = moe_inputs(SHAPES[0], torch.float32)
     assert torch.equal(
         moe.fused_experts(x, w13, w2, weights, ids), moe.fused_experts_ref(x, w13, w2, weights, ids)
     )
+    none = moe.fused_experts(x[:0], w13, w2, weights[:0], ids[:0])
+    assert none.shape == (0, x.shape[1])
 
 
 @pytest.mark.skipif(not HAS_TRITON or ON_GPU or INTERPRET, reason="runs the kernels here")
