@@ -2,13 +2,15 @@
 
 A sparse MoE MLP of ``E`` experts, each a gated MLP of width ``I``, over ``T`` tokens:
 
-1. routing (``topk_softmax``): each token's ``top_k`` experts and their weights;
+1. routing (``topk_softmax``, Llama 4's ``topk_sigmoid``): each token's ``top_k`` experts and
+   their weights;
 2. the token-to-expert sort with block alignment (``moe_align_block_size``): the ``T * top_k``
    (token, choice) slots grouped by expert, each expert's group padded to a multiple of the
    GEMM's row block, so every row block belongs to one expert;
 3. two grouped GEMMs, one per projection, each row block against its expert's weight, with
    SiLU-and-mul after the first;
-4. the weighted reduction: each slot's output times its routing weight, summed per token.
+4. the weighted reduction: each slot's output times its routing weight (or, with
+   ``weights_on_input``, Llama 4's, the slot's input row), summed per token.
 
 Weights are stacked over experts in ``F.linear``'s layout, as transformers holds them
 (``Qwen3VLMoeTextExperts``) and vLLM's ``w13``/``w2``: ``w13 [E, 2 I, H]`` (each expert's
@@ -44,6 +46,17 @@ def topk_softmax(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids.to(torch.int32)
+
+
+def topk_sigmoid(
+    router_logits: torch.Tensor,  # [T, E]
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama 4's routing (HF ``Llama4Router``): the ``top_k`` largest logits' experts (int32
+    ``[T, top_k]``) and the sigmoid of those logits as weights (float32 ``[T, top_k]``), which
+    scale the experts' inputs (``weights_on_input``)."""
+    logits, ids = router_logits.topk(top_k, dim=-1)
+    return torch.sigmoid(logits.float()), ids.to(torch.int32)
 
 
 @dataclass(frozen=True)
@@ -96,12 +109,15 @@ def fused_experts_ref(
     w2: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, top_k] float32
     topk_ids: torch.Tensor,  # [T, top_k] int32
+    weights_on_input: bool = False,
     block_size: int = 16,
 ) -> torch.Tensor:
     """The experts' outputs summed with their routing weights, ``[T, H]`` in ``x``'s dtype: the
     Triton kernel's computation in torch, over ``moe_align_block_size``'s blocks (each run of
     blocks of one expert is one GEMM per projection against that expert's weight; padding rows
-    are computed and dropped). Reads the blocks' experts back to the host."""
+    are computed and dropped). ``weights_on_input``: a slot's weight scales its input row
+    (rounded to ``x``'s dtype, as HF's ``Llama4TextMoe``), not its output. Reads the blocks'
+    experts back to the host."""
     num_tokens, top_k = topk_ids.shape
     blocks = moe_align_block_size(topk_ids, block_size, w13.shape[0])
     used = int(blocks.num_tokens_post_padded) // block_size
@@ -110,13 +126,18 @@ def fused_experts_ref(
     slots = blocks.sorted_token_ids[: used * block_size].long()
     real = slots < num_slots
     slots = torch.where(real, slots, 0)  # padding rows compute slot 0's row, then are dropped
+    weights = topk_weights.flatten()[slots].unsqueeze(-1)  # [rows, 1]
+    rows = x[slots // top_k]
+    if weights_on_input:
+        rows = (rows * weights).to(x.dtype)
     sizes = (runs * block_size).tolist()  # rows of each run of one expert's blocks
     pieces = [
-        silu_and_mul_ref(x[rows // top_k] @ w13[expert].T) @ w2[expert].T  # [rows, H]
-        for expert, rows in zip(experts.tolist(), slots.split(sizes), strict=True)
+        silu_and_mul_ref(part @ w13[expert].T) @ w2[expert].T  # [rows, H]
+        for expert, part in zip(experts.tolist(), rows.split(sizes), strict=True)
     ]
     out = torch.cat(pieces) if pieces else x.new_zeros(0, x.shape[1])
-    out = out * topk_weights.flatten()[slots].unsqueeze(-1)
+    if not weights_on_input:
+        out = out * weights
     per_slot = out.new_zeros(num_slots, x.shape[1])
     per_slot[slots[real]] = out[real]
     return per_slot.view(num_tokens, top_k, x.shape[1]).sum(dim=1).to(x.dtype)
@@ -128,6 +149,7 @@ def fused_experts_loop_ref(
     w2: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, top_k]
     topk_ids: torch.Tensor,  # [T, top_k]
+    weights_on_input: bool = False,
 ) -> torch.Tensor:
     """``fused_experts_ref``'s result by the plain loop over experts (HF's
     ``Qwen3VLMoeTextExperts.forward``), in float32: ``[T, H]`` float32."""
@@ -136,8 +158,10 @@ def fused_experts_loop_ref(
         token, choice = (topk_ids == expert).nonzero(as_tuple=True)
         if token.numel() == 0:
             continue
-        hidden = silu_and_mul_ref(x[token] @ w13[expert].float().T) @ w2[expert].float().T
-        out.index_add_(0, token, hidden * topk_weights[token, choice, None].float())
+        weight = topk_weights[token, choice, None].float()
+        rows = x[token] * weight if weights_on_input else x[token]
+        hidden = silu_and_mul_ref(rows @ w13[expert].float().T) @ w2[expert].float().T
+        out.index_add_(0, token, hidden if weights_on_input else hidden * weight)
     return out
 
 
@@ -147,18 +171,20 @@ def fused_experts(
     w2: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, top_k] float32
     topk_ids: torch.Tensor,  # [T, top_k] int32
+    weights_on_input: bool = False,
 ) -> torch.Tensor:
     """``[T, H]``, see ``fused_experts_ref``: the Triton grouped GEMMs (``triton_moe``) for
     CUDA tensors of one dtype, else the reference. Under ``torch.compile`` on CUDA it is the
     opaque ``mm_serve::fused_experts`` (the kernel's launch sizes depend on the routing)."""
+    args = (x, w13, w2, topk_weights, topk_ids, weights_on_input)
     if torch.compiler.is_compiling() and x.is_cuda and kernel_mode() != "ref":
-        return torch.ops.mm_serve.fused_experts(x, w13, w2, topk_weights, topk_ids)
+        return torch.ops.mm_serve.fused_experts(*args)
     same = w13.dtype == w2.dtype == x.dtype
     if same and x.shape[0] > 0 and use_kernels(x, w13, w2):
         from mm_serve.kernels.triton_moe import fused_experts_triton
 
-        return fused_experts_triton(x, w13, w2, topk_weights, topk_ids)
-    return fused_experts_ref(x, w13, w2, topk_weights, topk_ids)
+        return fused_experts_triton(*args)
+    return fused_experts_ref(*args)
 
 
 @torch.library.custom_op("mm_serve::fused_experts", mutates_args=())
@@ -168,10 +194,11 @@ def _fused_experts_op(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    weights_on_input: bool,
 ) -> torch.Tensor:
-    return fused_experts(x, w13, w2, topk_weights, topk_ids)
+    return fused_experts(x, w13, w2, topk_weights, topk_ids, weights_on_input)
 
 
 @_fused_experts_op.register_fake
-def _(x, w13, w2, topk_weights, topk_ids):
+def _(x, w13, w2, topk_weights, topk_ids, weights_on_input):
     return torch.empty_like(x)

@@ -8,8 +8,12 @@ launches of one kernel:
 1. ``GATED``: rows gathered from ``x`` (slot // top_k), against the expert's gate and up rows
    of ``w13`` in one pass (two accumulators), ``silu(gate) * up`` written per slot
    (``[T * top_k, I]``), rounded as ``silu_and_mul_triton``;
-2. ``MUL_ROUTED_WEIGHT``: those rows against ``w2``, times the slot's routing weight, written
-   per slot (``[T * top_k, H]``); the launcher sums each token's ``top_k`` rows.
+2. those rows against ``w2``, written per slot (``[T * top_k, H]``); the launcher sums each
+   token's ``top_k`` rows.
+
+``MUL_ROUTED_WEIGHT`` scales a launch's accumulators by the slot's routing weight: the second
+launch's (the output weighted), or with the weight on the input (Llama 4) the first's, before
+the activation (``(w x) W = w (x W)``).
 
 Blocks past ``num_tokens_post_padded`` return at once; padding rows are masked.
 """
@@ -57,12 +61,13 @@ def _fused_moe_kernel(
             acc_up = tl.dot(a, tl.load(b_ptrs + N * stride_bn, mask=b_mask, other=0.0), acc_up)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if MUL_ROUTED_WEIGHT:
+        weight = tl.load(topk_weights_ptr + slots, mask=real, other=0.0)[:, None]
+        acc, acc_up = acc * weight, acc_up * weight
     dtype = c_ptr.dtype.element_ty
     y = acc.to(dtype).to(tl.float32)  # rounded as the reference's GEMM output
     if GATED:  # silu_and_mul_triton's roundings
         y = (y / (1.0 + tl.exp(-y))).to(dtype).to(tl.float32) * acc_up.to(dtype).to(tl.float32)
-    if MUL_ROUTED_WEIGHT:
-        y = y * tl.load(topk_weights_ptr + slots, mask=real, other=0.0)[:, None]
     c_ptrs = c_ptr + slots.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, y.to(dtype), mask=real[:, None] & (offs_n < N)[None, :])
 
@@ -77,7 +82,7 @@ def moe_config(num_slots: int, num_experts: int) -> dict[str, int]:
 
 def _grouped_gemm(
     a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor,
-    blocks: ExpertBlocks, top_k: int, gated: bool, config: dict[str, int],
+    blocks: ExpertBlocks, top_k: int, gated: bool, weighted: bool, config: dict[str, int],
 ) -> None:  # fmt: skip
     """One launch of ``_fused_moe_kernel`` writing ``c`` ``[num_slots, N]``."""
     n, k = c.shape[1], a.shape[1]
@@ -87,18 +92,18 @@ def _grouped_gemm(
         a, b, c, topk_weights, blocks.sorted_token_ids, blocks.expert_ids,
         blocks.num_tokens_post_padded, n, k, num_rows, c.shape[0],
         a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-        TOP_K=top_k, GATED=gated, MUL_ROUTED_WEIGHT=not gated, **config,
+        TOP_K=top_k, GATED=gated, MUL_ROUTED_WEIGHT=weighted, **config,
     )  # fmt: skip
 
 
 def fused_experts_triton(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor, config: dict[str, int] | None = None,
+    topk_ids: torch.Tensor, weights_on_input: bool = False, config: dict[str, int] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``[T, H]`` in ``x``'s dtype, as ``moe.fused_experts_ref`` (same shapes: ``x [T, H]``,
     ``w13 [E, 2 I, H]``, ``w2 [E, H, I]``, float32 ``topk_weights`` and int ``topk_ids``
-    ``[T, top_k]``); ``x``, ``w13`` and ``w2`` of one dtype. ``config``: ``moe_config``'s
-    keys."""
+    ``[T, top_k]``, ``weights_on_input``); ``x``, ``w13`` and ``w2`` of one dtype.
+    ``config``: ``moe_config``'s keys."""
     num_tokens, top_k = topk_ids.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     config = config or moe_config(num_tokens * top_k, num_experts)
@@ -106,7 +111,7 @@ def fused_experts_triton(
     weights = topk_weights.float().contiguous()
     x, w13, w2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, w13, w2))
     hidden = x.new_empty(num_tokens * top_k, inter)
-    _grouped_gemm(x, w13, hidden, weights, blocks, top_k, True, config)
+    _grouped_gemm(x, w13, hidden, weights, blocks, top_k, True, weights_on_input, config)
     out = x.new_empty(num_tokens * top_k, x.shape[1])
-    _grouped_gemm(hidden, w2, out, weights, blocks, 1, False, config)
+    _grouped_gemm(hidden, w2, out, weights, blocks, 1, False, not weights_on_input, config)
     return out.view(num_tokens, top_k, x.shape[1]).sum(dim=1)

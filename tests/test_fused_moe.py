@@ -77,10 +77,11 @@ def test_align_block_size_two_choices_per_token():
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("block_size", [16, 64])
-def test_torch_path_matches_the_loop(shape, block_size):
+@pytest.mark.parametrize("on_input", [False, True], ids=["weighted_output", "weighted_input"])
+def test_torch_path_matches_the_loop(shape, block_size, on_input):
     x, w13, w2, weights, ids = moe_inputs(shape, torch.float32)
-    out = moe.fused_experts_ref(x, w13, w2, weights, ids, block_size)
-    ref = moe.fused_experts_loop_ref(x, w13, w2, weights, ids)
+    out = moe.fused_experts_ref(x, w13, w2, weights, ids, on_input, block_size)
+    ref = moe.fused_experts_loop_ref(x, w13, w2, weights, ids, on_input)
     assert out.shape == x.shape and out.dtype == x.dtype
     assert relative_error(out, ref) <= TOLERANCE[torch.float32]
 
@@ -90,6 +91,14 @@ def test_torch_path_in_bfloat16():
     out = moe.fused_experts_ref(x, w13, w2, weights, ids)
     assert out.dtype == torch.bfloat16
     assert relative_error(out, moe.fused_experts_loop_ref(x, w13, w2, weights, ids)) <= 2e-2
+
+
+def test_topk_sigmoid_is_llama4s_router():
+    """The top logits' experts, their sigmoids as weights (HF ``Llama4Router``'s scores)."""
+    logits = torch.tensor([[0.5, -1.0, 2.0], [-3.0, -2.0, -4.0]])
+    weights, ids = moe.topk_sigmoid(logits, 1)
+    assert ids.tolist() == [[2], [1]]
+    torch.testing.assert_close(weights, torch.sigmoid(torch.tensor([[2.0], [-2.0]])))
 
 
 def test_topk_softmax_renormalizes_and_orders():
@@ -118,21 +127,56 @@ def test_kernel_in_triton_interpreter() -> None:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "kernel_matches"]
     result = subprocess.run([*cmd, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert f"{2 * len(SHAPES)} passed" in result.stdout, result.stdout[-3000:]
+    assert f"{4 * len(SHAPES)} passed" in result.stdout, result.stdout[-3000:]
 
 
 @pytest.mark.skipif(not (ON_GPU or INTERPRET), reason="needs a GPU or Triton's interpreter")
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if ON_GPU else [torch.float32])
 @pytest.mark.parametrize("config", ["default", "small"])
-def test_triton_kernel_matches_the_loop(shape, dtype, config):
+@pytest.mark.parametrize("on_input", [False, True], ids=["weighted_output", "weighted_input"])
+def test_triton_kernel_matches_the_loop(shape, dtype, config, on_input):
     from mm_serve.kernels import triton_moe
 
     x, w13, w2, weights, ids = moe_inputs(shape, dtype, DEVICE)
     tiles = None
     if config == "small":  # 16-row blocks, tiles narrower than N and K: every edge masked
         tiles = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4}
-    out = triton_moe.fused_experts_triton(x, w13, w2, weights, ids, tiles)
-    ref = moe.fused_experts_loop_ref(x, w13, w2, weights, ids)
+    out = triton_moe.fused_experts_triton(x, w13, w2, weights, ids, on_input, tiles)
+    ref = moe.fused_experts_loop_ref(x, w13, w2, weights, ids, on_input)
     assert out.shape == x.shape and out.dtype == dtype
     assert relative_error(out, ref) <= TOLERANCE[dtype]
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_llama4_block_matches_hf(top_k):
+    """``SharedExpertMoeBlock`` loaded from HF's ``Llama4TextMoe`` (experts stacked ``[E, H,
+    2 I]`` and ``[E, I, H]``, the router, the shared expert's three projections) gives its
+    output: sigmoid routing, each token scaled before its experts, the shared expert added."""
+    from transformers.models.llama4.configuration_llama4 import Llama4TextConfig
+    from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+
+    from mm_serve.models.layers.fused_moe import SharedExpertMoeBlock
+
+    config = Llama4TextConfig(
+        hidden_size=64, intermediate_size=24, num_local_experts=8, num_experts_per_tok=top_k
+    )
+    torch.manual_seed(top_k)
+    hf = Llama4TextMoe(config).eval()
+    for param in hf.parameters():
+        param.normal_(0.0, 0.2)
+    ours = SharedExpertMoeBlock(64, 8, top_k, 24)
+    for name, tensor in hf.state_dict().items():
+        if name.startswith("experts."):
+            ours.experts.weight_loader(getattr(ours.experts, name[len("experts.") :]), tensor)
+        elif name == "router.weight":
+            ours.router.weight.copy_(tensor)
+        elif name.startswith("shared_expert.down_proj"):
+            ours.shared_expert.down_proj.weight_loader(ours.shared_expert.down_proj.weight, tensor)
+        else:
+            merged = ours.shared_expert.gate_up_proj
+            merged.weight_loader(merged.weight, tensor, int("up_proj" in name))
+    x = torch.randn(37, 64)
+    expected, _ = hf(x)
+    torch.testing.assert_close(ours(x), expected, atol=1e-5, rtol=1e-5)

@@ -1,5 +1,6 @@
-"""The sparse mixture-of-experts MLP: a top-k softmax router and the experts' weights stacked
-for the fused MoE kernels (``mm_serve.kernels.moe``).
+"""The sparse mixture-of-experts MLP: a top-k router (softmax, or Llama 4's sigmoid) and the
+experts' weights stacked for the fused MoE kernels (``mm_serve.kernels.moe``); Llama 4's block
+adds a shared expert.
 
 Under tensor parallelism every rank holds every expert, each cut along its intermediate
 dimension (as the dense MLP: gate and up by output rows, down by input columns); the partial
@@ -13,23 +14,39 @@ from torch import nn
 
 from mm_serve.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
 from mm_serve.kernels import linear
-from mm_serve.kernels.moe import fused_experts, topk_softmax
-from mm_serve.models.layers.linear import copy_weight, divide
+from mm_serve.kernels.moe import fused_experts, topk_sigmoid, topk_softmax
+from mm_serve.models.layers.linear import (
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    copy_weight,
+    divide,
+)
 
 
 class TopKRouter(nn.Module):
-    """``weight [E, H]`` (replicated): each token's ``top_k`` experts by a softmax over
-    ``x @ weight.T`` (``kernels.moe.topk_softmax``, ``renormalize`` as the checkpoint's
-    ``norm_topk_prob``)."""
+    """``weight [E, H]`` (replicated): each token's ``top_k`` experts by the logits
+    ``x @ weight.T``: a softmax over them (``kernels.moe.topk_softmax``, ``renormalize`` as
+    the checkpoint's ``norm_topk_prob``), or, ``sigmoid``, the largest logits' sigmoids
+    (``topk_sigmoid``, Llama 4)."""
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool = False,
+        sigmoid: bool = False,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
-        self.top_k, self.renormalize = top_k, renormalize
+        self.top_k, self.renormalize, self.sigmoid = top_k, renormalize, sigmoid
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, H]`` -> ``(topk_weights float32 [T, top_k], topk_ids int32 [T, top_k])``."""
-        return topk_softmax(linear(x, self.weight), self.top_k, self.renormalize)
+        logits = linear(x, self.weight)
+        if self.sigmoid:
+            return topk_sigmoid(logits, self.top_k)
+        return topk_softmax(logits, self.top_k, self.renormalize)
 
 
 def _checkpoint_layout(tensor: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
@@ -94,10 +111,12 @@ class FusedMoE(nn.Module):
         x: torch.Tensor,  # [T, H]
         topk_weights: torch.Tensor,  # [T, top_k] float32
         topk_ids: torch.Tensor,  # [T, top_k] int32
+        weights_on_input: bool = False,
     ) -> torch.Tensor:
-        """``[T, H]``: the routed experts' outputs weighted and summed (all ranks')."""
-        out = fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
-        return tp_all_reduce(out)
+        """``[T, H]``: the routed experts' outputs weighted (their inputs, with
+        ``weights_on_input``) and summed, all ranks' added."""
+        w13, w2 = self.gate_up_proj, self.down_proj
+        return tp_all_reduce(fused_experts(x, w13, w2, topk_weights, topk_ids, weights_on_input))
 
 
 class SparseMoeBlock(nn.Module):
@@ -119,3 +138,34 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, *self.gate(x))
+
+
+class GatedMLP(nn.Module):
+    """``down_proj(silu(gate) * up)`` with ``[gate | up]`` from ``gate_up_proj`` (the dense
+    MLP's layout and sharding; HF names ``gate_proj``, ``up_proj``, ``down_proj``)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj(x), gated=True)
+
+
+class SharedExpertMoeBlock(nn.Module):
+    """Llama 4's MoE MLP (HF ``Llama4TextMoe``): ``router`` (``TopKRouter``, sigmoid: the top
+    logits' sigmoids), ``experts`` (``FusedMoE``) fed each token scaled by its weight, plus
+    ``shared_expert`` (``GatedMLP``), which every token goes through; ``[T, H] -> [T, H]``."""
+
+    def __init__(
+        self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int
+    ) -> None:
+        super().__init__()
+        self.router = TopKRouter(hidden_size, num_experts, top_k, sigmoid=True)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
+        self.shared_expert = GatedMLP(hidden_size, intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routed = self.experts(x, *self.router(x), weights_on_input=True)
+        return self.shared_expert(x) + routed
