@@ -8,7 +8,8 @@ LM's MoE layers equal HF's; the hub's transposed layout loads to the same parame
 tensor-parallel rank holds its slice of every expert. The engine: greedy tokens (and top
 log-probs) equal HF's ``generate`` for a batch mixing a text-only prompt, a photograph and
 several odd-sized images, whole and chunked (a budget smaller than every image), through the
-prefix cache, and with two tensor-parallel ranks (gloo) as with one.
+prefix cache, and with two tensor-parallel ranks (gloo) as with one; for Qwen3-VL's video
+batch, chunked.
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ from mm_serve.models.layers.fused_moe import FusedMoE, SparseMoeBlock
 from mm_serve.models.loader import safetensors_files
 from tests.fixtures import family_checks as checks
 from tests.fixtures.images import generated, mixed_batch, photo
+from tests.fixtures.qwen_video_cases import (
+    assert_matches_hf,
+    clip_fixture,
+    mixed_video_batch,
+    qwen3_hf_greedy,
+)
 
 TAG = "<|vision_start|><|image_pad|><|vision_end|>"
 SMALL_BUDGET = 5  # tokens per step: below every test image's 6 or more image tokens
@@ -29,6 +36,7 @@ LAYER = "model.language_model.layers.{}.mlp."
 EXPERTS, HIDDEN, MOE_INTER = 8, 64, 24
 
 path, reference = checks.checkpoint_fixtures("qwen3_vl_moe", seed=3, nested_images=False)
+clip = clip_fixture()
 
 
 def cases():
@@ -138,6 +146,13 @@ def test_greedy_matches_hf(path, reference, engine_args):
     assert min(sizes) > SMALL_BUDGET
     with checks.running_llm(path, **engine_args) as llm:
         checks.assert_matches_hf(llm, reference, cases())
+
+
+def test_videos_match_hf(path, reference, clip):
+    """Qwen3-VL's video batch (a clip by path and as bytes beside an image, decoded frames, a
+    real clip), chunked by 8 tokens a step: HF's greedy tokens and top log-probs."""
+    with checks.running_llm(path, max_num_batched_tokens=8, block_size=4) as llm:
+        assert_matches_hf(llm, reference, mixed_video_batch(clip), qwen3_hf_greedy)
 
 
 def test_prefix_cache_hits_match_hf(path, reference):
