@@ -174,14 +174,13 @@ def fused_experts(
     weights_on_input: bool = False,
 ) -> torch.Tensor:
     """``[T, H]``, see ``fused_experts_ref``: the Triton grouped GEMMs (``triton_moe``) for
-    fp16/bf16 CUDA tensors of one dtype, else the reference (float32 too: ``tl.dot`` would
-    round its operands to TF32). Under ``torch.compile`` on CUDA it is the opaque
-    ``mm_serve::fused_experts`` (the kernel's launch sizes depend on the routing)."""
+    CUDA tensors of one dtype, else the reference. Under ``torch.compile`` on CUDA it is the
+    opaque ``mm_serve::fused_experts`` (the kernel's launch sizes depend on the routing)."""
     args = (x, w13, w2, topk_weights, topk_ids, weights_on_input)
     if torch.compiler.is_compiling() and x.is_cuda and kernel_mode() != "ref":
         return torch.ops.mm_serve.fused_experts(*args)
-    half = x.dtype in (torch.float16, torch.bfloat16) and w13.dtype == w2.dtype == x.dtype
-    if half and x.shape[0] > 0 and use_kernels(x, w13, w2):
+    same = w13.dtype == w2.dtype == x.dtype
+    if same and x.shape[0] > 0 and use_kernels(x, w13, w2):
         from mm_serve.kernels.triton_moe import fused_experts_triton
 
         return fused_experts_triton(*args)
