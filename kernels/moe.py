@@ -174,7 +174,8 @@ def fused_experts(
     weights_on_input: bool = False,
 ) -> torch.Tensor:
     """``[T, H]``, see ``fused_experts_ref``: the Triton grouped GEMMs (``triton_moe``) for
-    CUDA tensors of one dtype, else the reference. Under ``torch.compile`` on CUDA it is the
+    CUDA tensors of one dtype (nothing read back: CUDA graphs capture them), else the
+    reference. Under ``torch.compile`` on CUDA it is the
     opaque ``mm_serve::fused_experts`` (the kernel's launch sizes depend on the routing)."""
     args = (x, w13, w2, topk_weights, topk_ids, weights_on_input)
     if torch.compiler.is_compiling() and x.is_cuda and kernel_mode() != "ref":

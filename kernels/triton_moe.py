@@ -34,11 +34,13 @@ def _fused_moe_kernel(
     num_tokens_post_padded_ptr, N, K, num_rows, num_slots,
     stride_am, stride_be, stride_bn, stride_cm,
     TOP_K: tl.constexpr, GATED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """``c[slot, :N] = act(a[slot // TOP_K] @ b[expert].T)`` for the slots of one row block;
     ``b`` is ``[E, N, K]`` (``[E, 2 N, K]`` when ``GATED``: gate rows, then up rows), ``a``,
-    ``b`` and ``c`` contiguous along K and N."""
+    ``b`` and ``c`` contiguous along K and N. ``PRECISION``: ``tl.dot``'s input precision
+    ("ieee" keeps float32 operands float32, where TF32 would round them)."""
     num_pid_m, num_pid_n = tl.cdiv(num_rows, BLOCK_M), tl.cdiv(N, BLOCK_N)
     off_m, off_n = tile_offsets(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N)
     if off_m >= tl.load(num_tokens_post_padded_ptr):
@@ -56,9 +58,11 @@ def _fused_moe_kernel(
         k_in = offs_k < K - k
         a = tl.load(a_ptrs, mask=real[:, None] & k_in[None, :], other=0.0)
         b_mask = k_in[:, None] & (offs_n < N)[None, :]
-        acc = tl.dot(a, tl.load(b_ptrs, mask=b_mask, other=0.0), acc)
+        b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
         if GATED:  # the up rows are N rows below the gate rows
-            acc_up = tl.dot(a, tl.load(b_ptrs + N * stride_bn, mask=b_mask, other=0.0), acc_up)
+            b_up = tl.load(b_ptrs + N * stride_bn, mask=b_mask, other=0.0)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if MUL_ROUTED_WEIGHT:
@@ -92,7 +96,8 @@ def _grouped_gemm(
         a, b, c, topk_weights, blocks.sorted_token_ids, blocks.expert_ids,
         blocks.num_tokens_post_padded, n, k, num_rows, c.shape[0],
         a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-        TOP_K=top_k, GATED=gated, MUL_ROUTED_WEIGHT=weighted, **config,
+        TOP_K=top_k, GATED=gated, MUL_ROUTED_WEIGHT=weighted,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", **config,
     )  # fmt: skip
 
 

@@ -132,7 +132,9 @@ def test_kernel_in_triton_interpreter() -> None:
 
 @pytest.mark.skipif(not (ON_GPU or INTERPRET), reason="needs a GPU or Triton's interpreter")
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if ON_GPU else [torch.float32])
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32] if ON_GPU else [torch.float32]
+)
 @pytest.mark.parametrize("config", ["default", "small"])
 @pytest.mark.parametrize("on_input", [False, True], ids=["weighted_output", "weighted_input"])
 def test_triton_kernel_matches_the_loop(shape, dtype, config, on_input):
