@@ -1,8 +1,9 @@
 """The fused mixture-of-experts MLP (``kernels/moe.py``, ``kernels/triton_moe.py``): the block
 alignment by hand, the torch path and the Triton grouped GEMM against the plain per-expert
-loop in float32 (``fused_experts_loop_ref``), and the routing.
+loop in float32 (``fused_experts_loop_ref``), with the routing weights on the outputs and on
+the inputs (Llama 4), the routing, and Llama 4's MoE block against HF's ``Llama4TextMoe``.
 
-The Triton kernel runs compiled on a CUDA host in bf16 and fp16; on a CPU host it runs in
+The Triton kernel runs compiled on a CUDA host in bf16, fp16 and fp32; on a CPU host it runs in
 Triton's interpreter in fp32 at small shapes, in a child pytest of this file started with
 ``TRITON_INTERPRET=1`` (which must be set before triton is imported). Every case routes some
 experts no token and gives others more slots than a block holds.
