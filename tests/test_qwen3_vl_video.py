@@ -37,8 +37,9 @@ from tests.fixtures.qwen_video_cases import (
     assert_encoder_cache_hit,
     assert_matches_hf,
     clip_fixture,
-    hf_videos,
     mixed_video_batch,
+    qwen3_hf_greedy,
+    qwen3_hf_inputs,
     real_clip,
     turn,
 )
@@ -57,24 +58,6 @@ def ours(path):
     return get_video_processor(path, checks.hf_config(path))
 
 
-def hf_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    """Our ``mm_processor_kwargs`` as HF's processor takes them: ``num_frames`` replaces the
-    checkpoint's ``fps`` (HF refuses both)."""
-    kwargs = dict(kwargs or {})
-    if "num_frames" in kwargs:
-        kwargs["fps"] = None
-    return kwargs
-
-
-def hf_inputs(reference: checks.HFReference, case: dict[str, Any]) -> Any:
-    return reference.inputs(
-        case["prompt"],
-        case.get("images") or [],
-        **hf_videos(case, stack_frames=True),
-        **hf_kwargs(case.get("kwargs")),
-    )
-
-
 @pytest.mark.parametrize(
     "kwargs",
     [{}, {"fps": 4}, {"fps": 1}, {"num_frames": 6}, {"num_frames": 14}],
@@ -84,7 +67,7 @@ def test_clip_matches_hf(reference, ours, clip, kwargs):
     """Pixels, grid and placeholder tokens equal HF's; the uint8 frames the pool sends give
     the same patches on the device."""
     case = {"prompt": VIDEO, "videos": [str(clip)], "kwargs": kwargs}
-    expected = hf_inputs(reference, case)
+    expected = qwen3_hf_inputs(reference, case)
     processor = ours.with_kwargs(kwargs)
     item = processor.preprocess(str(clip), VideoLimits())
     assert_item_matches(item, expected)
@@ -108,10 +91,10 @@ def test_real_clip_and_decoded_frames_match_hf(reference, ours):
     for kwargs in ({}, {"fps": 5}):
         case = {"prompt": VIDEO, "videos": [str(real_clip())], "kwargs": kwargs}
         item = ours.with_kwargs(kwargs).preprocess(str(real_clip()), VideoLimits())
-        assert_item_matches(item, hf_inputs(reference, case))
+        assert_item_matches(item, qwen3_hf_inputs(reference, case))
     frames = [Image.fromarray(f) for f in moving_shapes(5, 41, 66, seed=2)]
     item = ours.preprocess(as_video_source(frames), VideoLimits())
-    assert_item_matches(item, hf_inputs(reference, {"prompt": VIDEO, "videos": [frames]}))
+    assert_item_matches(item, qwen3_hf_inputs(reference, {"prompt": VIDEO, "videos": [frames]}))
 
 
 def test_cap_pixels_per_frame_matches_hf(reference, ours):
@@ -143,7 +126,7 @@ def test_mrope_positions_match_hf(reference, ours, clip):
         "videos": [str(clip)],
         "kwargs": {"fps": 4},
     }
-    hf = hf_inputs(reference, case)
+    hf = qwen3_hf_inputs(reference, case)
     video = ours.with_kwargs({"fps": 4}).preprocess(str(clip), VideoLimits())
     assert video.image_grid_thw[0] == 3
     image_grid = tuple(hf["image_grid_thw"][0].tolist())
@@ -158,16 +141,10 @@ def test_mrope_positions_match_hf(reference, ours, clip):
     assert torch.equal(positions, expected[:, 0]) and delta == int(hf_delta)
 
 
-def hf_greedy(reference: checks.HFReference, case: dict[str, Any]) -> checks.HFGreedy:
-    from tests.fixtures.hf_reference import hf_greedy_generate
-
-    return hf_greedy_generate(reference.model, hf_inputs(reference, case), MAX_NEW_TOKENS)
-
-
 @checks.whole_and_chunked(budget=8)
 def test_greedy_matches_hf(path, reference, clip, engine_args):
     with checks.running_llm(path, **engine_args) as llm:
-        assert_matches_hf(llm, reference, mixed_video_batch(clip), hf_greedy)
+        assert_matches_hf(llm, reference, mixed_video_batch(clip), qwen3_hf_greedy)
 
 
 def test_repeated_video_hits_the_encoder_cache(path, reference, clip):
@@ -175,7 +152,7 @@ def test_repeated_video_hits_the_encoder_cache(path, reference, clip):
     encoder cache, and the tokens are still HF's."""
     with checks.running_llm(path, block_size=4, multiprocess=False) as llm:
         encoded = checks.record_encoded_images(llm)
-        assert_encoder_cache_hit(llm, reference, clip, hf_greedy)
+        assert_encoder_cache_hit(llm, reference, clip, qwen3_hf_greedy)
         assert len(encoded) == 1
 
 
@@ -193,6 +170,6 @@ def test_chat_with_video_part(path, reference, clip):
             llm,
             messages,
             reference.processor,
-            lambda text: hf_greedy(reference, {"prompt": text, "videos": videos}),
+            lambda text: qwen3_hf_greedy(reference, {"prompt": text, "videos": videos}),
             MAX_NEW_TOKENS,
         )

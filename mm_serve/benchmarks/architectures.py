@@ -230,13 +230,14 @@ def _build_config(name: str, token_ids: dict[str, int]) -> Any:
 
 def _build_image_processor(name: str) -> Any:
     """transformers' ``Qwen2VLImageProcessor`` with the published settings of architecture
-    ``name`` (Qwen2-VL's and Qwen2.5-VL's, or Qwen3-VL's, which loads the same class)."""
+    ``name`` (Qwen2-VL's and Qwen2.5-VL's, or Qwen3-VL's and Qwen3-VL-MoE's, which load the
+    same class)."""
     from mm_serve.utils._compat import ensure_torchvision_importable
 
     ensure_torchvision_importable()
     from transformers import Qwen2VLImageProcessor
 
-    qwen3 = ARCHITECTURES[name]["model_type"] == "qwen3_vl"
+    qwen3 = ARCHITECTURES[name]["model_type"] in ("qwen3_vl", "qwen3_vl_moe")
     return Qwen2VLImageProcessor(**(QWEN3_VL_PREPROCESSOR if qwen3 else QWEN2_VL_PREPROCESSOR))
 
 

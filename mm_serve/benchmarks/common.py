@@ -30,6 +30,7 @@ IMAGE_PLACEHOLDERS = {
     "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "llava": "<image>\n",
     "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen3_vl_moe": "<|vision_start|><|image_pad|><|vision_end|>",
     "idefics3": "<image>",
     "internvl": "<IMG_CONTEXT>\n",
     "llava_onevision": "<image>\n",

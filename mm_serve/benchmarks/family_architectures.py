@@ -1,7 +1,7 @@
 """Published configs and weightless-folder writers of the families whose folders differ from
 Qwen2-VL's: InternVL3, LLaVA-OneVision, Gemma 3 and Idefics3/SmolVLM (each its own image tokens,
-small tokenizer from ``mm_serve.checkpoint.dummy_processors`` and processor), and Qwen3-VL's
-config (its folder is Qwen2-VL's with ``QWEN3_VL_PREPROCESSOR``).
+small tokenizer from ``mm_serve.checkpoint.dummy_processors`` and processor), and Qwen3-VL's and
+Qwen3-VL-MoE's configs (their folders are Qwen2-VL's with ``QWEN3_VL_PREPROCESSOR``).
 
 ``FAMILY_ARCHITECTURES`` (name -> config.json values, token ids left out) joins
 ``architectures.ARCHITECTURES``; ``FAMILY_WRITERS`` (by ``model_type``) is what
@@ -326,6 +326,37 @@ FAMILY_ARCHITECTURES: dict[str, dict[str, Any]] = {
             "hidden_size": 1152,
             "intermediate_size": 4304,
             "out_hidden_size": 4096,
+            "deepstack_visual_indexes": [8, 16, 24],
+        },
+    },
+    # Qwen/Qwen3-VL-30B-A3B-Instruct: 48 layers of 128 experts (8 per token, width 768, every
+    # layer sparse), the -8B's tower with a 2048-wide output.
+    "qwen3-vl-30b-a3b": {
+        "architectures": ["Qwen3VLMoeForConditionalGeneration"],
+        "model_type": "qwen3_vl_moe",
+        "tie_word_embeddings": False,
+        "text_config": {
+            **_QWEN3_VL_TEXT,
+            "model_type": "qwen3_vl_moe_text",
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "num_hidden_layers": 48,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 768,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "norm_topk_prob": True,
+            "tie_word_embeddings": False,
+        },
+        "vision_config": {
+            **_QWEN3_VL_VISION,
+            "depth": 27,
+            "hidden_size": 1152,
+            "intermediate_size": 4304,
+            "out_hidden_size": 2048,
             "deepstack_visual_indexes": [8, 16, 24],
         },
     },

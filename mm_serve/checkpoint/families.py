@@ -85,6 +85,13 @@ FAMILIES = (
         "mm_serve.encoders.qwen3_vl_video_processor:qwen3_vl_video_processor",
     ),
     ModelFamily(
+        ("Qwen3VLMoeForConditionalGeneration",),
+        ("qwen3_vl_moe",),
+        "mm_serve.models.qwen3_vl_moe:Qwen3VLMoeForConditionalGeneration",
+        _QWEN2_VL_PROCESSOR,
+        "mm_serve.encoders.qwen3_vl_video_processor:qwen3_vl_video_processor",
+    ),
+    ModelFamily(
         ("Gemma3ForConditionalGeneration",),
         ("gemma3",),
         "mm_serve.models.gemma3:Gemma3ForConditionalGeneration",

@@ -66,10 +66,11 @@ class ParallelConfig:
 def check_tensor_parallel(hf_config: Any, tp_size: int) -> None:
     """Check that the LM of ``hf_config`` splits over ``tp_size`` ranks, at start-up.
 
-    Attention heads and the MLP's intermediate size are split evenly; KV heads are split, or
-    replicated when the ranks outnumber them (``tp_size`` a multiple of their count). The
-    vocabulary needs no check: each rank holds ``ceil(vocab / tp_size)`` rows, the last one
-    zero-padded (``models/layers/embedding.py``). A vision tower is replicated on each rank.
+    Attention heads and the MLP's intermediate size (each expert's too) are split evenly; KV
+    heads are split, or replicated when the ranks outnumber them (``tp_size`` a multiple of
+    their count). The vocabulary needs no check: each rank holds ``ceil(vocab / tp_size)``
+    rows, the last one zero-padded (``models/layers/embedding.py``). A vision tower is
+    replicated on each rank.
 
     Raises:
         ValueError: ``tp_size`` is below 1, or a count above does not divide as said.
@@ -84,9 +85,10 @@ def check_tensor_parallel(hf_config: Any, tp_size: int) -> None:
         problems.append(f"num_attention_heads={heads}")
     if kv_heads % tp_size and tp_size % kv_heads:
         problems.append(f"num_key_value_heads={kv_heads} (nor is the size a multiple of it)")
-    intermediate = getattr(text, "intermediate_size", None)
-    if intermediate is not None and intermediate % tp_size:
-        problems.append(f"intermediate_size={intermediate}")
+    for key in ("intermediate_size", "moe_intermediate_size"):  # each expert split too
+        size = getattr(text, key, None)
+        if size is not None and size % tp_size:
+            problems.append(f"{key}={size}")
     if problems:
         raise ValueError(
             f"tensor_parallel_size={tp_size} does not divide the model's "

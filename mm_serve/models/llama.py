@@ -10,7 +10,7 @@ Qwen3-VL's LM) only in an RMSNorm over each head of q and of k before RoPE (``q_
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -39,6 +39,8 @@ STACKED_PARAMS = (
     ("gate_up_proj", "up_proj", 1),
 )
 _SHARDS = {"qkv_proj": {"q", "k", "v"}, "gate_up_proj": {0, 1}}
+# A layer's MLP module, or None for the gated MLP: ``(text config, layer index) -> module``.
+MakeMLP = Callable[[Any, int], nn.Module | None]
 
 
 def _attention_biases(config: Any) -> tuple[bool, bool]:
@@ -110,10 +112,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding) -> None:
+    """``mlp``: the gated MLP of ``config`` (``LlamaMLP``) unless given, e.g. a sparse MoE block
+    (``[T, hidden] -> [T, hidden]``, after the post-attention norm)."""
+
+    def __init__(
+        self, config: Any, rotary_emb: RotaryEmbedding, mlp: nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary_emb)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config) if mlp is None else mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -132,6 +139,9 @@ class LlamaDecoderLayer(nn.Module):
             self.input_layernorm, attn.qkv_proj, hidden_states, residual
         )
         hidden_states = attn(positions, qkv, attn_metadata)
+        if not isinstance(mlp, LlamaMLP):  # a sparse MoE block: the norm, then the block
+            normed, residual = self.post_attention_layernorm(hidden_states, residual)
+            return mlp(normed), residual
         proj = mlp.gate_up_proj
         if hidden_states.shape[0] > 1 and proj.quant_method is None:
             # The activation in gate_up's GEMM (large steps, Hopper).
@@ -144,7 +154,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any) -> None:
+    """``make_mlp(config, layer_index)``: a layer's MLP module, or None for ``LlamaMLP``."""
+
+    def __init__(self, config: Any, make_mlp: MakeMLP | None = None) -> None:
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads
@@ -152,8 +164,10 @@ class LlamaModel(nn.Module):
         base, rope_scaling = rope_params_from_config(config)
         self.rotary_emb = get_rope(head_dim, config.max_position_embeddings, base, rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        make_mlp = make_mlp or (lambda config, index: None)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary_emb) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, self.rotary_emb, make_mlp(config, i))
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -200,11 +214,17 @@ class LlamaForCausalLM(nn.Module):
                 "sequences up to sliding_window=%d tokens.",
                 config.sliding_window,
             )
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_mlp(self, config: Any, layer_index: int) -> nn.Module | None:
+        """The MLP of decoder layer ``layer_index`` of the text ``config``: None, the gated
+        MLP (``LlamaMLP``); a mixture-of-experts model returns its sparse block. Called while
+        ``__init__`` builds the decoder."""
+        return None
 
     def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T] -> [T, hidden]`` token embeddings (a VLM merges image embeddings into them)."""
