@@ -5,9 +5,17 @@ from mm_serve.utils._compat import ensure_torchvision_importable_on_import
 # Before anything imports torchvision (transformers' image processors do): see _compat.
 ensure_torchvision_importable_on_import()
 
+from mm_serve.lora.request import LoRARequest  # noqa: E402
 from mm_serve.messages.sampling_params import BeamSearchParams, SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "BeamSearchParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "LoRARequest",
+]
 
 
 def __getattr__(name: str):

@@ -12,6 +12,7 @@ from mm_serve.checkpoint.hub import load_generation_config
 from mm_serve.config import EngineArgs
 from mm_serve.frontend.output_processor import OutputProcessor, ParentRequest
 from mm_serve.frontend.processor import InputProcessor, ProcessedPrompt, load_tokenizer
+from mm_serve.lora.request import LoRARequest
 from mm_serve.messages.request import Request
 from mm_serve.messages.sampling_params import SamplingParams
 from mm_serve.messages.stats import EngineStats
@@ -49,7 +50,11 @@ class FrontEnd:
             self.tokenizer = load_tokenizer(self.config.model.tokenizer)
             self.generation_config = load_generation_config(self.config.model.path)
             self.input_processor = InputProcessor(
-                self.config.model, self.config.multimodal, self.tokenizer, self.generation_config
+                self.config.model,
+                self.config.multimodal,
+                self.tokenizer,
+                self.generation_config,
+                self.config.lora,
             )
         except BaseException:
             if engine_process is not None:
@@ -80,15 +85,22 @@ class FrontEnd:
         return stats
 
     def make_requests(
-        self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, stream: bool
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        stream: bool,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[ParentRequest, list[Request]]:
-        """The engine requests of one user request (``n`` of them), tracked by the output
-        processor as the children of the returned parent (see ``InputProcessor.make_requests``).
+        """The engine requests of one user request (``n`` of them, with the adapter
+        ``lora_request``), tracked by the output processor as the children of the returned
+        parent (see ``InputProcessor.make_requests``).
 
         Raises:
-            ValueError: an engine request id is already tracked (in flight).
+            ValueError: an engine request id is already tracked (in flight); a
+                ``LoRAAdapterError`` for an adapter that cannot be served.
         """
-        requests = self.input_processor.make_requests(request_id, prompt, params)
+        requests = self.input_processor.make_requests(request_id, prompt, params, lora_request)
         in_flight = [r.request_id for r in requests if r.request_id in self.output_processor.states]
         if in_flight:
             raise ValueError(f"Request id {in_flight[0]!r} is already in flight.")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mm_serve.lora.request import LoRARequest
 from mm_serve.messages.request import MultiModalFeature, Request
 from mm_serve.messages.sampling_params import SamplingParams
 
@@ -23,6 +24,7 @@ class NewRequestData:
     eos_token_id: int | None
     block_ids: list[int]
     num_computed_tokens: int
+    lora_request: LoRARequest | None = None
 
     @classmethod
     def from_request(cls, request: Request, block_ids: list[int]) -> NewRequestData:
@@ -34,6 +36,7 @@ class NewRequestData:
             eos_token_id=request.eos_token_id,
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
+            lora_request=request.lora_request,
         )
 
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import msgspec
 
+from mm_serve.lora.request import LoRARequest
 from mm_serve.messages.sampling_params import SamplingParams
 from mm_serve.messages.wire import (
     Buffer,
@@ -42,6 +43,7 @@ class NewRequestWire(msgspec.Struct, array_like=True):
     eos_token_id: int | None
     block_ids: list[int]
     num_computed_tokens: int
+    lora_request: LoRARequest | None = None
 
 
 class GrammarBitmaskWire(msgspec.Struct, array_like=True):
