@@ -25,12 +25,12 @@ def _lora_shrink_kernel(
     token = tl.program_id(0)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     slot = tl.load(idx_ptr + token).to(tl.int64)
-    has_lora = slot >= 0
+    k_end = tl.where(slot >= 0, K, 0)  # no adapter: nothing loaded, zeros stored
     a_rows = a_ptr + tl.maximum(slot, 0) * stride_al + offs_r[:, None] * stride_ar
     acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
-        k_ok = (offs_k < K) & has_lora
+        k_ok = offs_k < k_end
         x = tl.load(x_ptr + token * stride_xt + offs_k, mask=k_ok, other=0.0)
         a_ok = (offs_r[:, None] < R) & k_ok[None, :]
         a = tl.load(a_rows + offs_k[None, :], mask=a_ok, other=0.0)
@@ -49,9 +49,8 @@ def _lora_expand_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
     slot = tl.load(idx_ptr + token).to(tl.int64)
-    has_lora = slot >= 0
-    r_ok = (offs_r < R) & has_lora
-    n_ok = (offs_n < N) & has_lora
+    r_ok = offs_r < tl.where(slot >= 0, R, 0)  # no adapter: nothing loaded or stored
+    n_ok = offs_n < tl.where(slot >= 0, N, 0)
     buf = tl.load(buf_ptr + token * stride_bt + offs_r, mask=r_ok, other=0.0).to(tl.float32)
     b_rows = b_ptr + tl.maximum(slot, 0) * stride_bl + offs_n[:, None] * stride_bn
     b = tl.load(b_rows + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
