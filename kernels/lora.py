@@ -67,11 +67,7 @@ def lora_shrink(
 
 
 def lora_expand(
-    buf: torch.Tensor,
-    lora_b: torch.Tensor,
-    indices: torch.Tensor,
-    y: torch.Tensor,
-    offset: int = 0,
+    buf: torch.Tensor, lora_b: torch.Tensor, indices: torch.Tensor, y: torch.Tensor, offset: int = 0
 ) -> None:
     """See ``lora_expand_ref``; the Triton kernel for CUDA tensors."""
     if use_kernels(buf, lora_b, y) and y.stride(-1) == 1 and lora_b.stride(-1) == 1:

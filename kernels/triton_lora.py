@@ -79,11 +79,7 @@ def lora_shrink_triton(
 
 
 def lora_expand_triton(
-    buf: torch.Tensor,
-    lora_b: torch.Tensor,
-    indices: torch.Tensor,
-    y: torch.Tensor,
-    offset: int = 0,
+    buf: torch.Tensor, lora_b: torch.Tensor, indices: torch.Tensor, y: torch.Tensor, offset: int = 0
 ) -> None:
     """``kernels.lora.lora_expand_ref`` on the GPU, in place: ``buf [T, R]`` (columns
     contiguous), ``lora_b [max_loras, N, R]`` (R contiguous), ``y [T, >= offset + N]``."""

@@ -92,9 +92,15 @@ _ENGINE_ARG_HELP = {
     "chat_template": "Chat template for chat requests: a Jinja file, or the template text.",
     "kernel_mode": "Kernels of the forward: auto, triton (Triton alone) or ref (pure torch).",
     "pdl": "Programmatic dependent launch of the Triton kernels (Hopper and newer).",
+    "enable_lora": "Serve PEFT LoRA adapters (lora_request=; runs the engine eagerly).",
+    "max_loras": "Most distinct LoRA adapters in one engine step (their GPU slots).",
+    "max_lora_rank": "Largest LoRA rank served (the slots' padding): 1, 8, 16, 32, 64, 128, "
+    "256, 320 or 512.",
+    "max_cpu_loras": "LoRA adapters kept in host memory (least recently used dropped).",
 }
 # What an EngineArgs field whose default is None resolves to, shown as its default.
 _UNSET_DEFAULTS = {
+    "max_cpu_loras": "max_loras",
     "tokenizer": "the model's",
     "revision": "the hub's main branch",
     "max_model_len": "the checkpoint's max_position_embeddings",
