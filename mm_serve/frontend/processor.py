@@ -19,7 +19,6 @@ from mm_serve.config.lora import LoRAConfig
 from mm_serve.frontend.chat_media import split_chat_media
 from mm_serve.frontend.exceptions import InvalidParamError
 from mm_serve.frontend.mm_processor import MultiModalProcessor, PendingImages
-from mm_serve.lora.registry import LoRARegistry
 from mm_serve.lora.request import LoRAAdapterError, LoRARequest
 from mm_serve.messages.request import MultiModalFeature, Request, check_image_tokens
 from mm_serve.messages.sampling_params import SamplingParams
@@ -232,8 +231,13 @@ class InputProcessor:
         lora_config: LoRAConfig | None = None,
     ) -> None:
         self.model_config = model_config
-        # Checks adapters before their first request (None: LoRA off).
-        self.lora = None if lora_config is None else LoRARegistry(model_config, lora_config)
+        # Checks adapters before their first request (None: LoRA off). Imported only with
+        # LoRA: it reads the model's layers (on meta), which a server without LoRA never loads.
+        self.lora = None
+        if lora_config is not None:
+            from mm_serve.lora.registry import LoRARegistry
+
+            self.lora = LoRARegistry(model_config, lora_config)
         self.tokenizer = tokenizer
         self.mm_processor = None
         if model_config.image_token_id is not None:
