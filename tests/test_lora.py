@@ -184,6 +184,12 @@ def test_engine_refuses_bad_adapter_and_keeps_serving(qwen2_vl, tmp_path):
     llm = LLM(path, enable_lora=True, max_lora_rank=16, max_num_batched_tokens=64)
     params = SamplingParams(temperature=0.0, max_tokens=4)
     good = LoRARequest("qv", 1, adapters["qv-r8"])
+
+    def tokens() -> list[int]:
+        return llm.generate("a", params, use_tqdm=False, lora_request=good)[0].outputs[0].token_ids
+
+    served = tokens()
+    assert len(served) == 4
     for name, (folder, _) in bad_adapters(adapters, tmp_path).items():
         with pytest.raises(LoRAAdapterError):
             llm.generate(
@@ -197,8 +203,7 @@ def test_engine_refuses_bad_adapter_and_keeps_serving(qwen2_vl, tmp_path):
         llm.generate(
             "a", params, use_tqdm=False, lora_request=LoRARequest("x", 1, adapters["lm-r16"])
         )
-    served = llm.generate("a", params, use_tqdm=False, lora_request=good)
-    assert len(served[0].outputs[0].token_ids) == 4
+    assert tokens() == served  # still served, the same
     llm.shutdown()
     base_only = LLM(path, max_num_batched_tokens=64)
     with pytest.raises(LoRAAdapterError, match="enable_lora"):

@@ -222,8 +222,9 @@ class LLM(FrontEnd):
             if len(values) != len(prompts):
                 raise ValueError(f"Got {len(values)} {name} for {len(prompts)} prompts.")
         # Every adapter checked before any request is added (LoRAAdapterError).
-        for lora in set(lora_request) - {None}:
-            self.input_processor.check_lora_request(lora)
+        for lora in dict.fromkeys(lora_request):  # in order, each once
+            if lora is not None:
+                self.input_processor.check_lora_request(lora)
         sampling_params = list(zip(sampling_params, lora_request, strict=True))
         # On any error, abort everything this call added: a bad prompt leaves nothing behind.
         added: list[str] = []
