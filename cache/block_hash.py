@@ -1,8 +1,9 @@
 """Prefix-cache hashes of full KV blocks, chained from the parent block's hash.
 
 A block's hash covers its parent's hash, its token ids and its *extra keys* (the mm_hash and
-offset of every image overlapping the block, and the request's cache_salt on the first block),
-so two different images behind identical placeholder tokens never share KV. The scheme follows
+offset of every image overlapping the block, and the request's cache_salt and LoRA adapter id on
+the first block), so two different images behind identical placeholder tokens never share KV,
+nor do two adapters (or an adapter and the base model) behind identical tokens. The scheme follows
 vLLM V1 (vllm/v1/core/kv_cache_utils.py); the hash is xxh3-128 over a type-tagged,
 length-framed encoding, seeded per process so collisions cannot be precomputed.
 """
@@ -75,8 +76,8 @@ def block_extra_keys(request: Request, start: int, end: int) -> ExtraKeys:
 
     One ``(mm_hash, start - placeholder.offset)`` pair per image whose placeholder range overlaps
     the block (the offset is negative when the image starts inside the block), then
-    ``request.cache_salt`` when ``start == 0``: the salt enters the first block only, and the
-    hash chain carries it to every later block.
+    ``request.cache_salt`` and ``("lora", lora_int_id)`` of its adapter when ``start == 0``:
+    they enter the first block only, and the hash chain carries them to every later block.
     """
     keys: list[object] = []
     for feature in request.mm_features:
@@ -85,6 +86,8 @@ def block_extra_keys(request: Request, start: int, end: int) -> ExtraKeys:
             keys.append((feature.mm_hash, start - placeholder.offset))
     if start == 0 and request.cache_salt is not None:
         keys.append(request.cache_salt)
+    if start == 0 and request.lora_request is not None:
+        keys.append(("lora", request.lora_request.lora_int_id))
     return tuple(keys)
 
 

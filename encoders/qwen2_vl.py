@@ -168,7 +168,9 @@ class VisionMlp(nn.Module):
         self.fc2 = nn.Linear(hidden_dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.hidden_act == "quick_gelu":  # one GEMM with the activation for large batches
+        # One GEMM with the activation for large batches; a LoRA-wrapped fc1 (not an
+        # nn.Linear: ``lora.layers.LoRAVisionLinear``) runs as its own module.
+        if self.hidden_act == "quick_gelu" and isinstance(self.fc1, nn.Linear):
             return self.fc2(linear_quick_gelu(x, self.fc1.weight, self.fc1.bias))
         return self.fc2(self.act(self.fc1(x)))
 

@@ -5,12 +5,13 @@ from mm_serve.utils._compat import ensure_torchvision_importable_on_import
 # Before anything imports torchvision (transformers' image processors do): see _compat.
 ensure_torchvision_importable_on_import()
 
+from mm_serve.lora.request import LoRARequest  # noqa: E402
 from mm_serve.messages.pooling_params import PoolingParams  # noqa: E402
 from mm_serve.messages.sampling_params import BeamSearchParams, SamplingParams  # noqa: E402
 
 __all__ = [
     "LLM", "SamplingParams", "BeamSearchParams", "PoolingParams", "RequestOutput",
-    "CompletionOutput", "EmbeddingRequestOutput",
+    "CompletionOutput", "EmbeddingRequestOutput", "LoRARequest",
 ]  # fmt: skip
 
 

@@ -29,6 +29,7 @@ from mm_serve.config.compilation import (
     cuda_graph_batch_sizes,
     cuda_graph_num_tokens,
 )
+from mm_serve.config.lora import LoRAConfig
 from mm_serve.config.parallel import ParallelConfig, check_tensor_parallel
 from mm_serve.config.pooler import PoolerConfig, resolve_pooler_config, resolve_runner
 from mm_serve.config.quantization import QuantScheme, resolve_quantization
@@ -203,6 +204,7 @@ class EngineConfig:
     multimodal: MultiModalConfig
     compilation: CompilationConfig = CompilationConfig(level=0)
     kernels: KernelConfig = KernelConfig()
+    lora: LoRAConfig | None = None  # None: LoRA off
 
 
 @dataclass
@@ -248,6 +250,10 @@ class EngineArgs:
     pdl: bool | None = None  # None: on unless MM_SERVE_PDL=0
     runner: str = "auto"  # vLLM's --runner: auto (generate), generate or pooling (embeddings)
     pooler_config: dict[str, Any] | None = None  # vLLM's: {"pooling_type", "normalize"}
+    enable_lora: bool = False  # serve LoRA adapters (vLLM's flags below)
+    max_loras: int = 1  # distinct adapters in one step (their GPU slots)
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept in host memory; None: max_loras
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the arguments (download, read config.json, pick dtype and lengths) once."""
@@ -298,7 +304,9 @@ class EngineArgs:
         parallel = self._config(ParallelConfig, data_parallel_rank=0)
         if self.compilation_level not in (0, 1, 2):
             raise ValueError(f"compilation_level must be 0, 1 or 2, not {self.compilation_level}.")
-        eager = self.enforce_eager or device.type != "cuda"
+        lora = self._lora_config()
+        # LoRA runs eagerly for now: its kernels are not captured in CUDA graphs yet.
+        eager = self.enforce_eager or device.type != "cuda" or lora is not None
         compilation = CompilationConfig(
             level=0 if eager else self.compilation_level,
             cuda_graph_batch_sizes=cuda_graph_batch_sizes(self.max_num_seqs),
@@ -306,7 +314,7 @@ class EngineArgs:
         )
         kernels = KernelConfig.from_env(self.kernel_mode, self.pdl)
         return EngineConfig(
-            model, cache, scheduler, parallel, device, multimodal, compilation, kernels
+            model, cache, scheduler, parallel, device, multimodal, compilation, kernels, lora
         )
 
     def _pooler_config(self, runner: str, path: str, hf_config: Any) -> PoolerConfig | None:
@@ -317,6 +325,18 @@ class EngineArgs:
         if self.pooler_config is not None:
             raise ValueError("pooler_config needs the pooling runner (--runner pooling).")
         return None
+
+    def _lora_config(self) -> LoRAConfig | None:
+        """The LoRA limits with ``enable_lora``, else None.
+
+        Raises:
+            ValueError: a bad limit (``LoRAConfig``), or LoRA with tensor parallelism.
+        """
+        if not self.enable_lora:
+            return None
+        if self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora does not run with tensor parallelism yet.")
+        return self._config(LoRAConfig)
 
     def _multimodal_config(self, path: str, hf_config: Any) -> MultiModalConfig:
         """Image limits; for a VLM, the largest image's token count from its processor."""

@@ -179,6 +179,12 @@ class EngineCore:
     def _make_scheduler(self) -> Scheduler:
         config = self.config
         layout = kv_cache_layout(config.model.hf_config)
+        max_loras = 0 if config.lora is None else config.lora.max_loras
         return Scheduler(
-            config.scheduler, config.cache, self.num_kv_blocks, self.structured_output, layout
+            config.scheduler,
+            config.cache,
+            self.num_kv_blocks,
+            self.structured_output,
+            layout,
+            max_loras,
         )

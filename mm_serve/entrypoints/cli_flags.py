@@ -98,9 +98,15 @@ _ENGINE_ARG_HELP = {
     "prompts' final hidden states, e.g. for GME-Qwen2-VL (vLLM's); auto: generate.",
     "pooler_config": "The pooling runner's settings as JSON (vLLM's), e.g. "
     '\'{"pooling_type": "MEAN", "normalize": true}\'; LAST or MEAN.',
+    "enable_lora": "Serve PEFT LoRA adapters (lora_request=; runs the engine eagerly).",
+    "max_loras": "Most distinct LoRA adapters in one engine step (their GPU slots).",
+    "max_lora_rank": "Largest LoRA rank served (the slots' padding): 1, 8, 16, 32, 64, 128, "
+    "256, 320 or 512.",
+    "max_cpu_loras": "LoRA adapters kept in host memory (least recently used dropped).",
 }
 # What an EngineArgs field whose default is None resolves to, shown as its default.
 _UNSET_DEFAULTS = {
+    "max_cpu_loras": "max_loras",
     "tokenizer": "the model's",
     "revision": "the hub's main branch",
     "max_model_len": "the checkpoint's max_position_embeddings",

@@ -24,6 +24,7 @@ from mm_serve.frontend.warm_up import (
     warm_up_params,
     warm_up_prompt,
 )
+from mm_serve.lora.request import LoRARequest
 from mm_serve.messages.outputs import EmbeddingRequestOutput, RequestOutput
 from mm_serve.messages.pooling_params import PoolingParams
 from mm_serve.messages.sampling_params import BeamSearchParams, SamplingParams
@@ -136,17 +137,21 @@ class LLM(FrontEnd):
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for each prompt; outputs come back in the prompts' order.
+        ``lora_request``: the adapter of every prompt, or one per prompt (None: the base
+        model; the engine needs ``enable_lora``).
 
         Raises:
             ValueError: on a bad prompt (too long, empty, images for a text model, an
-                undecodable image) or a list of sampling params whose length differs from the
-                prompts'. Every request the call started is aborted then.
+                undecodable image) or a list of sampling params (or adapters) whose length
+                differs from the prompts'; ``LoRAAdapterError`` for an adapter that cannot be
+                served. Every request the call started is aborted then.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        return self._run(list(prompts), sampling_params, use_tqdm)
+        return self._run(list(prompts), sampling_params, use_tqdm, lora_request)
 
     def embed(
         self,
@@ -176,8 +181,10 @@ class LLM(FrontEnd):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of conversations (OpenAI messages)."""
+        """Generate replies to one conversation or a list of conversations (OpenAI messages),
+        with ``lora_request`` as ``generate`` takes it."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [
             self.input_processor.apply_chat_template(
@@ -189,7 +196,7 @@ class LLM(FrontEnd):
             )
             for conversation in conversations
         ]
-        return self._run(prompts, sampling_params, use_tqdm)
+        return self._run(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(
         self,
@@ -222,17 +229,23 @@ class LLM(FrontEnd):
                 bar.update(sum(search.done for search in live))
         return [search.output(self.tokenizer) for search in searches]
 
-    def _run(self, prompts, sampling_params, use_tqdm: bool) -> list:
+    def _run(self, prompts, sampling_params, use_tqdm: bool, lora_request=None) -> list:
         """The outputs of ``prompts`` in order; ``sampling_params`` (one, or one per prompt)
-        may be ``PoolingParams``: embeddings."""
+        may be ``PoolingParams``: embeddings; ``lora_request`` one, or one per prompt."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, (SamplingParams, PoolingParams)):
             sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(
-                f"Got {len(sampling_params)} sampling params for {len(prompts)} prompts."
-            )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        for name, values in (("sampling params", sampling_params), ("LoRA requests", lora_request)):
+            if len(values) != len(prompts):
+                raise ValueError(f"Got {len(values)} {name} for {len(prompts)} prompts.")
+        # Every adapter checked before any request is added (LoRAAdapterError).
+        for lora in dict.fromkeys(lora_request):  # in order, each once
+            if lora is not None:
+                self.input_processor.check_lora_request(lora)
+        sampling_params = list(zip(sampling_params, lora_request, strict=True))
         # On any error, abort everything this call added: a bad prompt leaves nothing behind.
         added: list[str] = []
         try:
@@ -245,11 +258,18 @@ class LLM(FrontEnd):
         return [outputs[r] for r in request_ids]
 
     def _add_request(
-        self, prompt: ProcessedPrompt, params: SamplingParams | PoolingParams, added: list[str]
+        self,
+        prompt: ProcessedPrompt,
+        params: tuple[SamplingParams | PoolingParams, LoRARequest | None],
+        added: list[str],
     ) -> str:
-        """Queue one prompt (``n`` engine requests); their ids are appended to ``added``."""
+        """Queue one prompt (``n`` engine requests) with its sampling params and adapter; their
+        ids are appended to ``added``."""
         request_id = str(next(self._request_counter))
-        _, requests = self.make_requests(request_id, prompt, params, stream=False)
+        sampling_params, lora_request = params
+        _, requests = self.make_requests(
+            request_id, prompt, sampling_params, stream=False, lora_request=lora_request
+        )
         added.extend(request.request_id for request in requests)  # an abort ignores the others
         self.engine_core.add_requests(requests)
         return request_id

@@ -12,6 +12,7 @@ from mm_serve.checkpoint.hub import load_generation_config
 from mm_serve.config import EngineArgs
 from mm_serve.frontend.output_processor import OutputProcessor, ParentRequest
 from mm_serve.frontend.processor import InputProcessor, ProcessedPrompt, load_tokenizer
+from mm_serve.lora.request import LoRARequest
 from mm_serve.messages.pooling_params import PoolingParams
 from mm_serve.messages.request import Request
 from mm_serve.messages.sampling_params import SamplingParams
@@ -50,7 +51,11 @@ class FrontEnd:
             self.tokenizer = load_tokenizer(self.config.model.tokenizer)
             self.generation_config = load_generation_config(self.config.model.path)
             self.input_processor = InputProcessor(
-                self.config.model, self.config.multimodal, self.tokenizer, self.generation_config
+                self.config.model,
+                self.config.multimodal,
+                self.tokenizer,
+                self.generation_config,
+                self.config.lora,
             )
         except BaseException:
             if engine_process is not None:
@@ -100,21 +105,26 @@ class FrontEnd:
         prompt: ProcessedPrompt,
         params: SamplingParams | PoolingParams,
         stream: bool,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[ParentRequest, list[Request]]:
-        """The engine requests of one user request (``n`` of them; one embedding request for
-        ``PoolingParams``), tracked by the output processor as the children of the returned
-        parent (see ``InputProcessor.make_requests``, ``make_pooling_request``).
+        """The engine requests of one user request (``n`` of them, with the adapter
+        ``lora_request``; one embedding request for ``PoolingParams``), tracked by the output
+        processor as the children of the returned parent (see ``InputProcessor.make_requests``,
+        ``make_pooling_request``).
 
         Raises:
-            ValueError: an engine request id is already tracked (in flight), or the request
-                is not of the engine's runner (``check_runner``).
+            ValueError: an engine request id is already tracked (in flight), the request is not
+                of the engine's runner (``check_runner``), an adapter with an embedding
+                request; a ``LoRAAdapterError`` for an adapter that cannot be served.
         """
         pooling = isinstance(params, PoolingParams)
         self.check_runner(pooling)
+        if pooling and lora_request is not None:
+            raise ValueError("LoRA adapters are not served for embeddings.")
         if pooling:
             requests = [self.input_processor.make_pooling_request(request_id, prompt, params)]
         else:
-            requests = self.input_processor.make_requests(request_id, prompt, params)
+            requests = self.input_processor.make_requests(request_id, prompt, params, lora_request)
         in_flight = [r.request_id for r in requests if r.request_id in self.output_processor.states]
         if in_flight:
             raise ValueError(f"Request id {in_flight[0]!r} is already in flight.")

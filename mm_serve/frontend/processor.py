@@ -15,9 +15,11 @@ from typing import Any
 
 from mm_serve.checkpoint.hub import eos_token_ids
 from mm_serve.config import ModelConfig, MultiModalConfig
+from mm_serve.config.lora import LoRAConfig
 from mm_serve.frontend.chat_media import split_chat_media
 from mm_serve.frontend.exceptions import InvalidParamError
 from mm_serve.frontend.mm_processor import MultiModalProcessor, PendingImages
+from mm_serve.lora.request import LoRAAdapterError, LoRARequest
 from mm_serve.messages.pooling_params import PoolingParams
 from mm_serve.messages.request import MultiModalFeature, Request, check_image_tokens
 from mm_serve.messages.sampling_params import SamplingParams
@@ -251,9 +253,21 @@ class InputProcessor:
     """
 
     def __init__(
-        self, model_config: ModelConfig, mm_config: MultiModalConfig, tokenizer, generation_config
+        self,
+        model_config: ModelConfig,
+        mm_config: MultiModalConfig,
+        tokenizer,
+        generation_config,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self.model_config = model_config
+        # Checks adapters before their first request (None: LoRA off). Imported only with
+        # LoRA: it reads the model's layers (on meta), which a server without LoRA never loads.
+        self.lora = None
+        if lora_config is not None:
+            from mm_serve.lora.registry import LoRARegistry
+
+            self.lora = LoRARegistry(model_config, lora_config)
         self.tokenizer = tokenizer
         self.mm_processor = None
         if model_config.image_token_id is not None:
@@ -368,9 +382,14 @@ class InputProcessor:
         return kwargs
 
     def make_requests(
-        self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
     ) -> list[Request]:
-        """One engine request per completion (``n``); child ``i`` is ``{i}_{request_id}``.
+        """One engine request per completion (``n``); child ``i`` is ``{i}_{request_id}``,
+        all with the adapter ``lora_request`` (None: the base model).
 
         Children share the prompt's KV blocks through the prefix cache, and its cache_salt. A
         seeded request's child ``i`` uses seed ``seed + i`` so the ``n`` samples differ but are
@@ -379,12 +398,15 @@ class InputProcessor:
         Raises:
             ValueError: a ``logit_bias`` id outside the vocabulary, or a ``structured_outputs``
                 constraint that does not compile (the compiler's message).
+            LoRAAdapterError: the adapter cannot be served, or LoRA is off.
         """
         check_sampling_params(params, self.model_config.vocab_size)
+        features = self._features_for(prompt.mm_features, lora_request)
         stop_token_ids = params.stop_token_ids + [
             t for t in self.extra_stop_token_ids if t not in params.stop_token_ids
         ]
-        shared = {"mm_features": prompt.mm_features, "cache_salt": prompt.cache_salt}
+        shared = {"mm_features": features, "cache_salt": prompt.cache_salt}
+        shared["lora_request"] = lora_request
         requests = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
@@ -406,3 +428,19 @@ class InputProcessor:
             cache_salt=prompt.cache_salt,
             pooling_params=resolve_pooling_params(params, self.model_config),
         )
+
+    def _features_for(
+        self, features: list[MultiModalFeature], lora_request: LoRARequest | None
+    ) -> list[MultiModalFeature]:
+        """The request's images as its adapter sees them (``LoRARegistry.features_for``)."""
+        if lora_request is None:
+            return features
+        self.check_lora_request(lora_request)
+        return self.lora.features_for(features, lora_request)
+
+    def check_lora_request(self, lora_request: LoRARequest) -> None:
+        """Raises LoRAAdapterError when LoRA is off or the adapter cannot be served
+        (``LoRARegistry.check``; each adapter is read once)."""
+        if self.lora is None:
+            raise LoRAAdapterError("LoRA adapters need an engine started with enable_lora.")
+        self.lora.check(lora_request)

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from mm_serve.lora.request import LoRARequest
 from mm_serve.messages.pooling_params import PoolingParams
 from mm_serve.messages.sampling_params import SamplingParams
 
@@ -118,6 +119,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower first, with --scheduling-policy priority (vLLM's convention)
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None  # None: the base model
 
     output_token_ids: list[int] = field(default_factory=list, init=False)
     all_token_ids: list[int] = field(init=False)

@@ -21,6 +21,7 @@ import msgspec
 import torch
 
 from mm_serve.encoders.base import ProcessedImage
+from mm_serve.lora.request import LoRARequest
 from mm_serve.messages.outputs import EngineCoreOutput
 from mm_serve.messages.pooling_params import PoolingParams
 from mm_serve.messages.request import MultiModalFeature, PlaceholderRange, Request
@@ -90,6 +91,7 @@ class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
     siblings: list[Sibling] = []
     priority: int = 0
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None
 
     @property
     def request_ids(self) -> list[str]:
@@ -224,8 +226,8 @@ def requests_to_wire(requests: Sequence[Request]) -> tuple[AddRequest, list[memo
         if (
             sibling.prompt_token_ids is not request.prompt_token_ids
             or sibling.mm_features is not request.mm_features
-            or (sibling.eos_token_id, sibling.cache_salt)
-            != (request.eos_token_id, request.cache_salt)
+            or (sibling.eos_token_id, sibling.cache_salt, sibling.lora_request)
+            != (request.eos_token_id, request.cache_salt, request.lora_request)
         ):
             raise ValueError(f"Request {sibling.request_id!r} is no sibling of the first.")
     buffers: list[memoryview] = []
@@ -241,6 +243,7 @@ def requests_to_wire(requests: Sequence[Request]) -> tuple[AddRequest, list[memo
         siblings=[Sibling(s.request_id, s.sampling_params) for s in siblings],
         priority=request.priority,
         pooling_params=request.pooling_params,
+        lora_request=request.lora_request,
     )
     return message, buffers
 
@@ -282,6 +285,7 @@ def requests_from_wire(message: AddRequest, frames: Sequence[Buffer]) -> list[Re
         shared["arrival_time"] = message.arrival_time
         shared["priority"] = message.priority
         shared["pooling_params"] = message.pooling_params
+        shared["lora_request"] = message.lora_request
         prompt, eos = message.prompt_token_ids, message.eos_token_id
         return [
             Request(request_id, prompt, params, eos, **shared) for request_id, params in children

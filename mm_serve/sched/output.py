@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mm_serve.lora.request import LoRARequest
 from mm_serve.messages.pooling_params import PoolingParams
 from mm_serve.messages.request import MultiModalFeature, Request
 from mm_serve.messages.sampling_params import SamplingParams
@@ -25,6 +26,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None
 
     @classmethod
     def from_request(cls, request: Request, block_ids: list[int]) -> NewRequestData:
@@ -37,6 +39,7 @@ class NewRequestData:
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
             pooling_params=request.pooling_params,
+            lora_request=request.lora_request,
         )
 
 

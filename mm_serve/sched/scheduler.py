@@ -23,7 +23,11 @@ output holds their embedding (``ModelRunnerOutput.pooler_output``).
 
 Structured outputs: a request with a grammar waits until it is compiled
 (``StructuredOutputManager``); its matcher follows every appended token, and the manager's
-``grammar_bitmask`` gives the tokens it may sample next."""
+``grammar_bitmask`` gives the tokens it may sample next.
+
+LoRA: a step's requests use at most ``max_loras`` distinct adapters (the worker's slots). A
+waiting request whose adapter would be one too many is set aside, in order, while the queue
+behind it goes on (vLLM's rule); base-model requests never wait for slots."""
 
 from __future__ import annotations
 
@@ -64,6 +68,7 @@ class Scheduler:
         num_kv_blocks: size of the KV pool in blocks (``ModelRunner.determine_num_kv_blocks``).
         structured_output: compiles grammars; None refuses requests with ``structured_outputs``.
         kv_cache_layout: the model's KV-cache groups (``cache.kv_cache_groups``); None: one.
+        max_loras: distinct LoRA adapters per step; 0: LoRA off (adapter requests refused).
     """
 
     def __init__(
@@ -73,8 +78,10 @@ class Scheduler:
         num_kv_blocks: int,
         structured_output: StructuredOutputManager | None = None,
         kv_cache_layout: KVCacheLayout | None = None,
+        max_loras: int = 0,
     ) -> None:
         self.config = scheduler_config
+        self.max_loras = max_loras
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
             num_kv_blocks,
@@ -121,6 +128,8 @@ class Scheduler:
             raise ValueError(
                 "priority needs the priority scheduling policy (--scheduling-policy priority)."
             )
+        if request.lora_request is not None and not self.max_loras:
+            raise ValueError("LoRA adapters need an engine started with enable_lora.")
         request.max_num_tokens = min(request.max_num_tokens, max_len)
         if request.sampling_params.structured_outputs is not None:
             if self.structured_output is None:
@@ -235,7 +244,8 @@ class Scheduler:
 
     def _schedule_waiting(self, step: StepDecisions) -> None:
         kv = self.kv_cache_manager
-        compiling: list[Request] = []  # set aside while their grammars compile, order kept
+        # Set aside, order kept: grammars still compiling, adapters beyond max_loras.
+        set_aside: list[Request] = []
         while (
             self.waiting and step.token_budget > 0 and len(self.running) < self.config.max_num_seqs
         ):
@@ -244,7 +254,10 @@ class Scheduler:
                 break  # preempted with a token in flight: it resumes once the token is known
             if request.grammar is not None and not self._grammar_ready(request):
                 if not request.is_finished:  # (one that failed to compile is gone)
-                    compiling.append(self.waiting.popleft())
+                    set_aside.append(self.waiting.popleft())
+                continue
+            if request.lora_request is not None and not self._lora_fits(request):
+                set_aside.append(self.waiting.popleft())
                 continue
             computed_blocks, num_computed = kv.get_computed_blocks(request)
             num_wanted = request.num_tokens - num_computed
@@ -274,7 +287,12 @@ class Scheduler:
                 step.new_reqs.append(NewRequestData.from_request(request, block_ids))
             request.status = RequestStatus.RUNNING
             self._commit(step, request, num_new, to_encode)
-        self.waiting.extendleft(reversed(compiling))
+        self.waiting.extendleft(reversed(set_aside))
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether ``request``'s adapter is a running one, or there is room for another."""
+        running = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        return request.lora_request.lora_int_id in running or len(running) < self.max_loras
 
     def _grammar_ready(self, request: Request) -> bool:
         """Whether its grammar is compiled; one that failed to compile finishes the request."""

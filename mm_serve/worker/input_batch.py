@@ -15,6 +15,7 @@ import torch
 
 from mm_serve.kernels.attention_metadata import AttentionMetadata
 from mm_serve.kernels.varlen_attention import plan_prefill_split, worth_splitting
+from mm_serve.lora.request import LoRARequest
 from mm_serve.messages.pooling_params import PoolingParams
 from mm_serve.messages.request import MultiModalFeature
 from mm_serve.messages.sampling_params import SamplingParams
@@ -46,6 +47,7 @@ class CachedRequestState:
     # M-RoPE (Qwen2-VL): [3, num_prompt_tokens] prompt positions, and the decode offset.
     mrope_positions: np.ndarray | None = None
     mrope_delta: int = 0
+    lora_request: LoRARequest | None = None  # None: the base model
 
     @property
     def num_output_tokens(self) -> int:

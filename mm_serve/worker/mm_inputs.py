@@ -10,7 +10,9 @@ the next chunk takes the rest of the same cached embeddings.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -19,6 +21,9 @@ from mm_serve.messages.request import MultiModalFeature
 from mm_serve.models.interface import VisionLanguageModel
 from mm_serve.utils.transfer import StepUpload
 from mm_serve.worker.input_batch import CachedRequestState
+
+if TYPE_CHECKING:
+    from mm_serve.lora.manager import LoRAManager
 
 
 @dataclass
@@ -36,16 +41,22 @@ def encode_images(
     requests: dict[str, CachedRequestState],
     scheduled_encoder_inputs: dict[str, list[int]],
     encoder_cache: dict[str, torch.Tensor],
+    lora: LoRAManager | None = None,
 ) -> None:
-    """Run the vision encoder once over the images scheduled this step (one batched call) and
-    put each ``[num_tokens, hidden]`` result in ``encoder_cache`` under its mm_hash."""
-    items = {}
+    """Run the vision encoder over the images scheduled this step (one batched call per tower
+    adapter: ``lora``'s slot of the request's adapter when it targets the tower, else one
+    call) and put each ``[num_tokens, hidden]`` result in ``encoder_cache`` under its mm_hash
+    (an adapter on the tower is in the mm_hash: ``lora.registry``)."""
+    groups: dict[int, dict[str, Any]] = {}  # tower slot -> {mm_hash: item}
     for req_id, input_ids in scheduled_encoder_inputs.items():
-        features = requests[req_id].mm_features
+        state = requests[req_id]
+        slot = -1 if lora is None else lora.tower_slot_of(state.lora_request)
+        items = groups.setdefault(slot, {})
         for input_id in input_ids:
-            items.setdefault(features[input_id].mm_hash, features[input_id].data)
-    if items:
-        embeddings = model.embed_images(list(items.values()))
+            items.setdefault(state.mm_features[input_id].mm_hash, state.mm_features[input_id].data)
+    for slot, items in groups.items():
+        with nullcontext() if lora is None else lora.context.tower(slot):
+            embeddings = model.embed_images(list(items.values()))
         encoder_cache.update(zip(items, embeddings, strict=True))
 
 

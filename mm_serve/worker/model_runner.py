@@ -19,6 +19,7 @@ from mm_serve.config import EngineConfig
 from mm_serve.distributed.parallel_state import init_tensor_parallel
 from mm_serve.kernels.attention_metadata import AttentionMetadata
 from mm_serve.kernels.config import configure_kernels
+from mm_serve.lora.manager import LoRAManager
 from mm_serve.models.interface import LanguageModel
 from mm_serve.models.loader import load_model
 from mm_serve.sched.output import CachedRequestData, SchedulerOutput
@@ -95,6 +96,7 @@ class ModelRunner:
         capacity = self.input_batch.upload_capacity(config.scheduler.max_num_batched_tokens)
         self.upload = StepUpload(self.device, capacity)
         self.model: LanguageModel | None = None
+        self.lora_manager: LoRAManager | None = None  # set by load_model with enable_lora
         self.lm_forward: LMForward | None = None  # set by load_model (worker.compile)
         self.kv_caches: list[torch.Tensor] = []
         # mm_hash -> [num_tokens, hidden] image embeddings; what enters and leaves is decided
@@ -121,6 +123,9 @@ class ModelRunner:
         start = time.perf_counter()
         torch.manual_seed(model_config.seed)
         self.model = load_model(model_config, self.device)
+        if self.config.lora is not None:
+            max_tokens = self.config.scheduler.max_num_batched_tokens
+            self.lora_manager = LoRAManager(self.model, self.config.lora, max_tokens)
         self.lm_forward = lm_forward(self.model, self.config)
         logger.info("Loaded the weights in %.1f s", time.perf_counter() - start)
 
@@ -174,8 +179,14 @@ class ModelRunner:
             return
         if self.last_output is not None and self._needs_output_ids():
             self.last_output.get()  # penalties count the output ids: wait for the last ones
+        if self.lora_manager is not None:
+            self.lora_manager.activate(state.lora_request for state in self._batch_states())
         encode_images(
-            self.model, self.requests, scheduler_output.scheduled_encoder_inputs, self.encoder_cache
+            self.model,
+            self.requests,
+            scheduler_output.scheduled_encoder_inputs,
+            self.encoder_cache,
+            self.lora_manager,
         )
         inputs = self._prepare_inputs(scheduler_output)
         self._launched = (inputs, self._forward(inputs))
@@ -212,6 +223,9 @@ class ModelRunner:
         self.last_sampled = None
         req_ids = list(batch.req_ids[: batch.num_reqs])
         return PendingOutput(req_ids, pooled=pool(hidden_states, step))
+
+    def _batch_states(self) -> list[CachedRequestState]:
+        return self.input_batch.states[: self.input_batch.num_reqs]
 
     def _needs_output_ids(self) -> bool:
         return self.input_batch.any_penalties(slice(0, self.input_batch.num_reqs))
@@ -339,6 +353,10 @@ class ModelRunner:
         attn_metadata = batch.attention_metadata(
             slot_mapping, query_start_loc, seq_lens, self.upload, key_end
         )
+        if self.lora_manager is not None:
+            slot_of = self.lora_manager.slot_of
+            row_slots = np.array([slot_of(state.lora_request) for state in states], np.int64)
+            self.lora_manager.set_token_slots(row_slots, row_of_token)
         if self.model.uses_mrope:
             delta = batch.mrope_delta[:num_reqs]
             positions = mrope_positions(states, delta, positions, query_start_loc, prompt_rows)

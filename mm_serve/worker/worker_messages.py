@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import msgspec
 
+from mm_serve.lora.request import LoRARequest
 from mm_serve.messages.pooling_params import PoolingParams
 from mm_serve.messages.sampling_params import SamplingParams
 from mm_serve.messages.wire import (
@@ -44,6 +45,7 @@ class NewRequestWire(msgspec.Struct, array_like=True):
     block_ids: list[int]
     num_computed_tokens: int
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None
 
 
 class GrammarBitmaskWire(msgspec.Struct, array_like=True):

@@ -47,7 +47,9 @@ class LinearBase(nn.Module):
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
         else:
             self.register_parameter("bias", None)
-        self.quant_method = None  # a quantization.QuantLinearMethod when quantized
+        # A quantization.QuantLinearMethod when quantized; a lora.layers.LoRALinearMethod
+        # (wrapping the former) with LoRA. The fused norm/activation paths need it None.
+        self.quant_method = None
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
