@@ -16,8 +16,8 @@ Weights are stacked over experts in ``F.linear``'s layout, as transformers holds
 (``Qwen3VLMoeTextExperts``) and vLLM's ``w13``/``w2``: ``w13 [E, 2 I, H]`` (each expert's
 gate rows, then its up rows) and ``w2 [E, H, I]``.
 
-``fused_experts`` dispatches steps 2-4 to the Triton grouped GEMM (``triton_moe``) for CUDA
-tensors and to ``fused_experts_ref`` (the same block layout, in torch) otherwise;
+``dispatch_moe.fused_experts`` runs steps 2-4 with the Triton grouped GEMM (``triton_moe``) for
+CUDA tensors and with ``fused_experts_ref`` (the same block layout, in torch) otherwise;
 ``fused_experts_loop_ref`` is the plain per-expert loop in float32 that tests compare both
 with.
 """
@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 
 from mm_serve.kernels.activation import silu_and_mul_ref
-from mm_serve.kernels.dispatch import kernel_mode, use_kernels
 
 
 def topk_softmax(
@@ -163,43 +162,3 @@ def fused_experts_loop_ref(
         hidden = silu_and_mul_ref(rows @ w13[expert].float().T) @ w2[expert].float().T
         out.index_add_(0, token, hidden if weights_on_input else hidden * weight)
     return out
-
-
-def fused_experts(
-    x: torch.Tensor,  # [T, H]
-    w13: torch.Tensor,  # [E, 2 I, H]
-    w2: torch.Tensor,  # [E, H, I]
-    topk_weights: torch.Tensor,  # [T, top_k] float32
-    topk_ids: torch.Tensor,  # [T, top_k] int32
-    weights_on_input: bool = False,
-) -> torch.Tensor:
-    """``[T, H]``, see ``fused_experts_ref``: the Triton grouped GEMMs (``triton_moe``) for
-    CUDA tensors of one dtype (nothing read back: CUDA graphs capture them), else the
-    reference. Under ``torch.compile`` on CUDA it is the
-    opaque ``mm_serve::fused_experts`` (the kernel's launch sizes depend on the routing)."""
-    args = (x, w13, w2, topk_weights, topk_ids, weights_on_input)
-    if torch.compiler.is_compiling() and x.is_cuda and kernel_mode() != "ref":
-        return torch.ops.mm_serve.fused_experts(*args)
-    same = w13.dtype == w2.dtype == x.dtype
-    if same and x.shape[0] > 0 and use_kernels(x, w13, w2):
-        from mm_serve.kernels.triton_moe import fused_experts_triton
-
-        return fused_experts_triton(*args)
-    return fused_experts_ref(*args)
-
-
-@torch.library.custom_op("mm_serve::fused_experts", mutates_args=())
-def _fused_experts_op(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    weights_on_input: bool,
-) -> torch.Tensor:
-    return fused_experts(x, w13, w2, topk_weights, topk_ids, weights_on_input)
-
-
-@_fused_experts_op.register_fake
-def _(x, w13, w2, topk_weights, topk_ids, weights_on_input):
-    return torch.empty_like(x)

@@ -116,8 +116,8 @@ def test_compiling_does_not_hold_up_other_requests(qwen2_path, monkeypatch) -> N
     core = llm.engine_core
     grammar = SamplingParams(temperature=0, max_tokens=100, structured_outputs=JSON)
     prompt = llm.input_processor.process(PROMPTS[1]).result()
-    constrained = llm._add_request(prompt, grammar, [])
-    plain = llm._add_request(prompt, SamplingParams(temperature=0, max_tokens=5), [])
+    constrained = llm._add_request(prompt, (grammar, None), [])
+    plain = llm._add_request(prompt, (SamplingParams(temperature=0, max_tokens=5), None), [])
     finished = set()
     for _ in range(20):
         finished |= {o.request_id for o in core.step() if o.finish_reason}

@@ -14,7 +14,8 @@ from torch import nn
 
 from mm_serve.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
 from mm_serve.kernels import linear
-from mm_serve.kernels.moe import fused_experts, topk_sigmoid, topk_softmax
+from mm_serve.kernels.dispatch_moe import fused_experts
+from mm_serve.kernels.moe import topk_sigmoid, topk_softmax
 from mm_serve.models.layers.linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
