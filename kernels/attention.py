@@ -2,7 +2,10 @@
 
 These run on the CPU path and define what the Triton kernels must compute. The layout is the
 one of :class:`mm_serve.kernels.attention_metadata.AttentionMetadata`: one layer's cache is
-``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V).
+``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V). An FP8 cache
+(float8_e4m3fn, ``--kv-cache-dtype fp8``) holds K and V rounded to e4m3 and saturated at
++-448 (as the GPU's ``satfinite`` conversion does), with a scale of 1.0; attention reads them
+back as they are.
 """
 
 from __future__ import annotations
@@ -28,8 +31,16 @@ def reshape_and_cache_ref(
     slots = slot_mapping[valid]
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    flat[0, slots] = key[valid].to(kv_cache.dtype)
-    flat[1, slots] = value[valid].to(kv_cache.dtype)
+    flat[0, slots] = to_cache_dtype(key[valid], kv_cache.dtype)
+    flat[1, slots] = to_cache_dtype(value[valid], kv_cache.dtype)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in the cache's ``dtype``; FP8 saturates at its largest finite value."""
+    if dtype == torch.float8_e4m3fn:
+        limit = torch.finfo(dtype).max
+        x = x.float().clamp(-limit, limit)
+    return x.to(dtype)
 
 
 def gather_kv_ref(

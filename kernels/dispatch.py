@@ -52,6 +52,12 @@ def use_kernels(*tensors: torch.Tensor) -> bool:
     return kernel_mode() != "ref"
 
 
+def _cache_fits(kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
+    """A KV cache the kernels write and read beside ``dtype`` activations: on CUDA, in that
+    dtype or FP8 (e4m3)."""
+    return kv_cache.is_cuda and kv_cache.dtype in (dtype, torch.float8_e4m3fn)
+
+
 def reshape_and_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -59,7 +65,8 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
     """KV-cache write; see ``reshape_and_cache_ref``."""
-    if use_kernels(key, value, kv_cache) and kv_cache.is_contiguous():
+    fits = _cache_fits(kv_cache, key.dtype) and kv_cache.is_contiguous()
+    if fits and use_kernels(key, value):
         from mm_serve.kernels.triton_cache import reshape_and_cache_triton
 
         return reshape_and_cache_triton(key, value, kv_cache, slot_mapping)
@@ -82,8 +89,8 @@ def paged_attention(
     other requests through the Triton kernel (``varlen_attention.paged_attention_split``).
     A step with ``metadata.key_end`` (image tokens attending to each other) or a layer with a
     ``sliding_window`` runs the Triton kernel (or the reference), which alone masks both."""
-    fits = query.dtype == kv_cache.dtype and query.shape[-1] <= 256
-    if not (fits and use_kernels(query, kv_cache)):
+    fits = _cache_fits(kv_cache, query.dtype) and query.shape[-1] <= 256
+    if not (fits and use_kernels(query)):
         return paged_attention_ref(query, kv_cache, metadata, scale, sliding_window)
     from mm_serve.kernels.flash_attention import flash_attn_unusable_reason, paged_attention_flash
     from mm_serve.kernels.triton_attention import paged_attention_triton
@@ -97,6 +104,7 @@ def paged_attention(
         _log_once("Paged attention: flash_attn (flash_attn_varlen_func with block_table).")
         return paged_attention_flash(query, kv_cache, metadata, scale)
     split = metadata.prefill_split is not None and key is not None and not masked
+    split = split and kv_cache.dtype == query.dtype  # an FP8 cache: every key read from it
     if split and kernel_mode() == "auto":
         out = _prefill_split_attention(query, key, value, kv_cache, metadata, scale)
         if out is not None:
@@ -200,9 +208,11 @@ def apply_mrotary(
     chunked layout or Qwen3-VL's ``mrope_interleaved`` one; see ``apply_mrotary_ref``, and
     ``apply_rotary`` for ``kv_write``."""
     section = mrope_section if positions.ndim == 2 else None
-    extra = () if kv_write is None else (kv_write[0], kv_write[1])
+    extra = () if kv_write is None else (kv_write[0],)
     same = all(t.dtype == query.dtype for t in (key, *extra))
-    fused = kv_write is None or kv_write[1].is_contiguous()
+    fused = kv_write is None or (
+        kv_write[1].is_contiguous() and _cache_fits(kv_write[1], query.dtype)
+    )
     if same and fused and use_kernels(query, key, cos_sin_cache, *extra):
         from mm_serve.kernels.triton_rotary import apply_rotary_triton
 

@@ -98,12 +98,12 @@ def _attend_tiles(
             k_base + kv_offs[None, :] + offs_d[:, None],
             mask=d_ok[:, None] & n_ok[None, :],
             other=0.0,
-        )  # [HEAD_DIM_PAD, TILE_N]
+        ).to(q.dtype)  # [HEAD_DIM_PAD, TILE_N]; an FP8 cache read as it is (scale 1)
         v = tl.load(
             v_base + kv_offs[:, None] + offs_d[None, :],
             mask=n_ok[:, None] & d_ok[None, :],
             other=0.0,
-        )  # [TILE_N, HEAD_DIM_PAD]
+        ).to(q.dtype)  # [TILE_N, HEAD_DIM_PAD]
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
         visible = (offs_n[None, :] < q_end[:, None]) & n_ok[None, :]
         if SLIDING:
@@ -293,7 +293,7 @@ def paged_attention_triton(
     Request ``i``'s query rows ``query_start_loc[i]:query_start_loc[i+1]`` attend causally to its
     ``seq_lens[i]`` cached tokens (this step's K/V already written), found through
     ``block_table[i]``. ``query`` and ``kv_cache`` share one dtype (fp16, bf16 or fp32; fp32
-    dots in IEEE precision); ``head_dim`` <= 256 (any size: the tile is padded to a power of 2
+    dots in IEEE precision), or the cache is FP8 (e4m3, read in the query's dtype); ``head_dim`` <= 256 (any size: the tile is padded to a power of 2
     and masked). Rows past ``metadata.num_tokens`` are zero. ``config`` overrides the launch
     heuristics (``BLOCK_M``, ``TILE_N``, ``NUM_SEGMENTS``, ``ONE_QUERY`` (only true when every
     request has one query row), ``num_warps``, ``num_stages``); for benchmarks. Returns
@@ -304,7 +304,8 @@ def paged_attention_triton(
     """
     _, num_heads, head_dim = query.shape
     num_kv_heads, cache_head_dim = kv_cache.shape[3:]
-    fits = query.dtype == kv_cache.dtype and head_dim == cache_head_dim and head_dim <= 256
+    same = kv_cache.dtype in (query.dtype, torch.float8_e4m3fn)
+    fits = same and head_dim == cache_head_dim and head_dim <= 256
     if not fits or num_heads % num_kv_heads or kv_cache.stride(-1) != 1:
         raise ValueError(
             f"paged_attention_triton: query {tuple(query.shape)} {query.dtype} does not fit "

@@ -153,6 +153,24 @@ def test_paged_attention_tile_shapes(dtype) -> None:
         _check_attention(reqs, (8, 2, 64), dtype, block_size, seed=3, config=config)
 
 
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_fp8_cache(dtype) -> None:
+    """An FP8 (e4m3) cache (``--kv-cache-dtype fp8``), read in the query's dtype as the
+    reference reads it, for a mixed batch and split-KV decodes."""
+    reqs, block_size = (MIXED_GPU, 16) if ON_GPU else (MIXED, 4)
+    query, kv_cache, metadata = _paged_batch(reqs, 8, 2, 64, block_size, dtype, seed=11)
+    kv_cache = kv_cache.to(torch.float8_e4m3fn)
+    decodes = paged_metadata([(40, 1), (9, 1)], [list(range(11)), list(range(11, 14))], 4, DEVICE)
+    for step, config in ((metadata, None), (decodes, {"NUM_SEGMENTS": 3, "TILE_N": 16})):
+        q = query[: step.num_tokens + 2]
+        out = _attn.paged_attention_triton(
+            q, kv_cache, step, 0.125, out=_nan_like(q), config=config
+        )
+        ref = kernels.paged_attention_ref(q, kv_cache, step, 0.125)
+        assert _rel_err(out, ref) <= TOLERANCE[dtype]
+
+
 def test_paged_attention_split_is_selected_for_small_decode_batches() -> None:
     cfg = launch_config(7, 1, 4096, 4, 4, torch.device(DEVICE))
     assert cfg["NUM_SEGMENTS"] > 1 and cfg["BLOCK_M"] == 16 and cfg["ONE_QUERY"]
@@ -182,6 +200,13 @@ def test_reshape_and_cache(num_kv_heads, head_dim, dtype) -> None:
     _cache.reshape_and_cache_triton(key, value, kv_cache, slot_mapping)
     kernels.reshape_and_cache_ref(key, value, expected, slot_mapping)
     assert torch.equal(kv_cache, expected)
+    if not ON_GPU:
+        return  # Triton's interpreter rounds to FP8 wrongly (1.948 to 1.0), the GPU does not
+    fp8_cache = kv_cache.to(torch.float8_e4m3fn)  # --kv-cache-dtype fp8
+    fp8_expected = fp8_cache.clone()
+    _cache.reshape_and_cache_triton(key, value, fp8_cache, slot_mapping)
+    kernels.reshape_and_cache_ref(key, value, fp8_expected, slot_mapping)
+    assert torch.equal(fp8_cache.view(torch.uint8), fp8_expected.view(torch.uint8))
 
 
 # ---------------------------------------------------------------- RMSNorm, LayerNorm, SiLU-and-mul

@@ -115,7 +115,10 @@ class CacheConfig:
     the pool takes at most ``cpu_kv_cache_bytes``; on GPU ``gpu_memory_utilization`` of the
     device's memory minus what the process holds when the pool is sized (the weights) and the
     encoder cache's reserve; no forward pass is run to measure activations
-    (``worker.kv_cache.determine_num_kv_blocks``).
+    (``worker.kv_cache.determine_num_kv_blocks``). ``kv_cache_dtype``: "auto" (the model's
+    dtype) or "fp8" / "fp8_e4m3" (float8_e4m3fn, vLLM's names; half a bf16 cache's bytes).
+
+    Raises ``ValueError`` for another ``kv_cache_dtype``.
     """
 
     block_size: int = 16
@@ -123,6 +126,17 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_bytes: int = 2 << 30
     num_kv_blocks: int | None = None
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose from "
+                f"{', '.join(KV_CACHE_DTYPES)} (fp8 is e4m3)."
+            )
+
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -222,6 +236,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_bytes: int = 2 << 30
     num_kv_blocks: int | None = None
+    kv_cache_dtype: str = "auto"  # or "fp8" (e4m3), vLLM's --kv-cache-dtype
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True

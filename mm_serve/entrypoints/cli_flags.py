@@ -59,6 +59,8 @@ _ENGINE_ARG_HELP = {
     "cpu_kv_cache_bytes": "KV-cache budget on CPU (the pool holds at most max_num_seqs x "
     "max_model_len tokens), in bytes or with a unit (512MiB, 2GiB).",
     "num_kv_blocks": "KV-cache size in blocks.",
+    "kv_cache_dtype": "KV-cache dtype: auto (the model's) or fp8 (e4m3: twice the tokens in the "
+    "same memory; needs an sm_89+ GPU or the CPU).",
     "max_num_batched_tokens": "Token budget of one engine step; longer prompts are chunked.",
     "max_num_seqs": "Most requests in one engine step.",
     "enable_chunked_prefill": "Split long prompts over several steps.",

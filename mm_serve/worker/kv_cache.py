@@ -21,12 +21,24 @@ def kv_heads_per_rank(config: EngineConfig) -> int:
     return max(1, config.model.num_kv_heads // config.parallel.tensor_parallel_size)
 
 
+def kv_cache_dtype(config: EngineConfig) -> torch.dtype:
+    """The KV cache's dtype: the model's, or float8_e4m3fn for ``kv_cache_dtype`` "fp8".
+
+    Raises ``ValueError`` for FP8 on a CUDA device without FP8 support (before sm_89)."""
+    if config.cache.kv_cache_dtype == "auto":
+        return config.model.dtype
+    device = config.device
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"kv_cache_dtype='fp8' needs an sm_89+ GPU; {device} is older.")
+    return torch.float8_e4m3fn
+
+
 def kv_block_bytes(config: EngineConfig) -> int:
     """Bytes of one KV block over the layers of a KV-cache group (all layers when there is
     one group, ``cache.kv_cache_groups``), on one rank: 2 (K, V) x layers x block x the rank's
     kv heads x head dim."""
     model = config.model
-    element_size = torch.empty((), dtype=model.dtype).element_size()
+    element_size = torch.empty((), dtype=kv_cache_dtype(config)).element_size()
     kv_heads = kv_heads_per_rank(config)
     per_layer = 2 * config.cache.block_size * kv_heads * model.head_dim * element_size
     return per_layer * kv_cache_layout(model.hf_config).layers_per_group
@@ -107,10 +119,10 @@ def allocate_kv_caches(config: EngineConfig, num_blocks: int) -> list[torch.Tens
     model = config.model
     shape = (2, num_blocks, config.cache.block_size, kv_heads_per_rank(config), model.head_dim)
     num_tensors = kv_cache_layout(model.hf_config).layers_per_group
+    dtype = kv_cache_dtype(config)
     if config.device.type == "cpu":
-        return [_zeros_on_demand(shape, model.dtype) for _ in range(num_tensors)]
-    device, dtype = config.device, model.dtype
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_tensors)]
+        return [_zeros_on_demand(shape, dtype) for _ in range(num_tensors)]
+    return [torch.zeros(shape, dtype=dtype, device=config.device) for _ in range(num_tensors)]
 
 
 def bind_kv_caches(
