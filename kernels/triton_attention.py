@@ -293,11 +293,12 @@ def paged_attention_triton(
     Request ``i``'s query rows ``query_start_loc[i]:query_start_loc[i+1]`` attend causally to its
     ``seq_lens[i]`` cached tokens (this step's K/V already written), found through
     ``block_table[i]``. ``query`` and ``kv_cache`` share one dtype (fp16, bf16 or fp32; fp32
-    dots in IEEE precision), or the cache is FP8 (e4m3, read in the query's dtype); ``head_dim`` <= 256 (any size: the tile is padded to a power of 2
-    and masked). Rows past ``metadata.num_tokens`` are zero. ``config`` overrides the launch
-    heuristics (``BLOCK_M``, ``TILE_N``, ``NUM_SEGMENTS``, ``ONE_QUERY`` (only true when every
-    request has one query row), ``num_warps``, ``num_stages``); for benchmarks. Returns
-    ``out`` (allocated when None).
+    dots in IEEE precision), or the cache is FP8 (e4m3, read in the query's dtype);
+    ``head_dim`` <= 256 (any size: the tile is padded to a power of 2 and masked). Rows past
+    ``metadata.num_tokens`` are zero. ``config`` overrides the launch heuristics (``BLOCK_M``,
+    ``TILE_N``, ``NUM_SEGMENTS``, ``ONE_QUERY`` (only true when every request has one query
+    row), ``num_warps``, ``num_stages``); for benchmarks. Returns ``out`` (allocated when
+    None).
 
     Raises ``ValueError`` for mismatched dtypes or head counts/sizes, or a cache whose last dim
     is strided.
