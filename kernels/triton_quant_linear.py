@@ -305,7 +305,7 @@ def int4_gemv_triton(
     bias: torch.Tensor | None = None,  # [N]
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
-    """``[1, N]`` in ``x.dtype``: the W4A16 linear for one token, bound by the weight bytes."""
+    """``[1, N]`` in ``x.dtype``: the W4A16 linear for one token."""
     cols, out_features = x.shape[1], weight.shape[0]
     out = torch.empty((1, out_features), dtype=x.dtype, device=x.device)
     cfg = {**INT4_GEMV_CONFIG, **(config or {})}
