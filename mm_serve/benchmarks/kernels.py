@@ -12,7 +12,9 @@ medians of ``triton.testing.do_bench`` and writes every figure to ``DIR/kernels.
   query-key pair.
 - RMSNorm, SiLU-and-mul, rotary and the KV-cache write at a 4,096-token step of a 7B.
 - Workload 1's decode attention inside a CUDA graph (``time_calls``: no host launch time).
-- The vision towers' attention and cuDNN's plan cost (``vision_attention``)."""
+- The vision towers' attention and cuDNN's plan cost (``vision_attention``).
+- ``--layers``: only the quantized linear, fused MoE, LoRA and FP8-KV attention kernels
+  (``layer_kernels``)."""
 
 from __future__ import annotations
 
@@ -161,6 +163,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefill-only", action="store_true", help="only the prefill-attention comparison"
     )
+    parser.add_argument(
+        "--layers", action="store_true",
+        help="only the quantized linear, fused MoE, LoRA and FP8-KV attention kernels",
+    )  # fmt: skip
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for JSON")
 
 
@@ -224,6 +230,13 @@ def main(args: argparse.Namespace) -> dict:
     """Run the tables, print them, write ``kernels.json``; returns what it wrote."""
     copy_bw = copy_rate("cuda")
     result = {"device": torch.cuda.get_device_name(), "copy_GBps": copy_bw / 1e9}
+    if args.layers:
+        from mm_serve.benchmarks import layer_kernels
+
+        result |= layer_kernels.layer_kernel_rows()
+        write_json(os.path.join(args.out, "kernels.json"), result)
+        layer_kernels.print_layer_kernels(result)
+        return result
     if not args.prefill_only:
         result["attention"] = paged_attention_rows(args.sweep, copy_bw)
         result["sdpa_prefill_ms"] = sdpa_prefill_ms([(0, 2048)] * 4, (28, 4, 128))
