@@ -10,6 +10,7 @@ Qwen3-VL videos beside images (the default mode, "data").
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -92,16 +93,23 @@ def test_data_parallel_tower_equals_the_whole_tower_on_every_rank(tmp_path: Path
     assert [len(results[1][2]) for results in ranks] == [1, 0]
 
 
-def test_only_the_qwen_vl_towers_are_wrapped(tmp_path: Path, monkeypatch) -> None:
-    """At two ranks "data" wraps Qwen2-VL's tower and leaves LLaVA's (no ``tower_runner``);
-    "weights", or one rank, wraps nothing."""
+def test_only_the_qwen_vl_towers_are_wrapped(
+    tmp_path: Path, llama_path: str, monkeypatch, caplog
+) -> None:
+    """At two ranks "data" wraps Qwen2-VL's tower, leaves LLaVA's (no ``tower_runner``: it
+    says so) and a text model; "weights", or one rank, wraps nothing."""
     monkeypatch.setattr(parallel_state, "_TP", parallel_state.TensorParallelState(0, 2))
     models = {}
     for family in ("qwen2_vl", "llava"):
         path = build_tiny_vlm_checkpoint(tmp_path / family, family, seed=0)
         models[family] = load_model(EngineArgs(model=path).create_engine_config().model, "cpu")
+    text = load_model(EngineArgs(model=llama_path).create_engine_config().model, "cpu")
     assert not shard_tower_over_ranks(models["qwen2_vl"], "weights")
-    assert not shard_tower_over_ranks(models["llava"], "data")
+    with caplog.at_level(logging.INFO, logger="mm_serve.worker.encoder_dp"):
+        assert not shard_tower_over_ranks(text, "data")
+        assert caplog.records == []
+        assert not shard_tower_over_ranks(models["llava"], "data")
+        assert "LlavaForConditionalGeneration encodes every image" in caplog.text
     assert shard_tower_over_ranks(models["qwen2_vl"], "data")
     assert isinstance(models["qwen2_vl"].tower_runner, DataParallelTower)
     monkeypatch.setattr(parallel_state, "_TP", parallel_state.TensorParallelState(0, 1))

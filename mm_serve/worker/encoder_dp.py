@@ -94,8 +94,8 @@ def shard_tower_over_ranks(model: torch.nn.Module, mode: str) -> bool:
     tower); returns whether it did. Call it after ``capture_tower_graphs``, which sets the
     ``tower_runner`` it wraps. A model without a ``tower_runner`` keeps encoding every image
     on every rank (logged)."""
-    if mode != "data" or get_tp_size() == 1:
-        return False
+    if mode != "data" or get_tp_size() == 1 or not hasattr(model, "embed_images"):
+        return False  # a text model has no tower
     if not hasattr(model, "tower_runner"):
         logger.info(
             "%s encodes every image on every TP rank: mm_encoder_tp_mode='data' splits the "
