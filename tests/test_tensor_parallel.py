@@ -184,8 +184,9 @@ VLM_PLACEHOLDER = {"qwen2_vl": QWEN_TAG, "llava": "<image>", "qwen3_vl": QWEN_TA
 @two_ranks
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava", "qwen3_vl"])
 def test_tp2_vlm_matches_tp1(family, tmp_path) -> None:
-    """The vision tower is replicated on each rank, the LM sharded: the same greedy tokens
-    and top-5 logprobs as one rank (which ``test_vlm_vs_hf`` checks against HF)."""
+    """The vision tower is replicated on each rank (the Qwen-VL ones each encode a share of
+    the images, ``worker.encoder_dp``), the LM sharded: the same greedy tokens and top-5
+    logprobs as one rank (which ``test_vlm_vs_hf`` checks against HF)."""
     path = build_tiny_vlm_checkpoint(tmp_path, family=family, seed=3)
     tag = VLM_PLACEHOLDER[family]
     rng = np.random.default_rng(0)

@@ -191,6 +191,10 @@ class MultiModalConfig:
     A video may have at most ``max_video_frames`` frames after sampling, frames of at most
     ``max_pixels`` each, and expand to at most ``max_video_tokens`` placeholder tokens (the
     least of the encoder budget, the encoder cache and ``max_model_len - 1``; 0: no videos).
+    ``mm_encoder_tp_mode`` (vLLM's name) says how the tensor-parallel ranks share the vision
+    tower, which each holds whole: "weights", each rank encodes every image; "data", a
+    step's images are split across the ranks and the embeddings gathered
+    (``worker.encoder_dp``).
     """
 
     max_pixels: int = 8192 * 8192
@@ -202,9 +206,11 @@ class MultiModalConfig:
     mm_preprocess_workers: int = 1
     max_video_frames: int = 128
     max_video_tokens: int = 0
+    mm_encoder_tp_mode: str = "data"
 
 
 _C = TypeVar("_C")
+ENCODER_TP_MODES = ("weights", "data")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # EngineArgs.max_num_batched_tokens when unset
 
 
@@ -253,6 +259,7 @@ class EngineArgs:
     mm_processor_cache_gb: float = 4.0
     mm_preprocess_workers: int | None = None
     max_video_frames: int = 128  # sampled frames per video; more: 400
+    mm_encoder_tp_mode: str = "data"  # under TP: "data" splits a step's images, or "weights"
     max_num_encoder_input_tokens: int | None = None
     encoder_cache_size: int | None = None
     enforce_eager: bool = False  # compilation level 0 (always eager on CPU)
@@ -375,6 +382,10 @@ class EngineArgs:
             raise ValueError("max_video_frames must be at least 1.")
         if self.max_pixels_per_request < 1:
             raise ValueError("max_pixels_per_request must be at least 1.")
+        if self.mm_encoder_tp_mode not in ENCODER_TP_MODES:
+            raise ValueError(
+                f"mm_encoder_tp_mode is one of {ENCODER_TP_MODES}, not {self.mm_encoder_tp_mode!r}."
+            )
         return self._config(
             MultiModalConfig,
             max_image_tokens=max_image_tokens,

@@ -55,3 +55,23 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_TP.size)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=dim)
+
+
+def tp_all_gather_rows(x: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
+    """Every rank's rows, in rank order: ``x`` is this rank's ``[counts[rank], width]``, the
+    result rank ``r``'s ``[counts[r], width]`` (``counts`` the same on every rank, ``dtype``
+    and ``width`` too). The collective needs equal sizes, so each rank sends ``x`` padded to
+    ``max(counts)`` rows and the padding is cut off; ``[x]`` with one rank.
+
+    Raises:
+        ValueError: ``x`` has a row count other than ``counts[rank]``.
+    """
+    if x.shape[0] != counts[_TP.rank]:
+        raise ValueError(f"{x.shape[0]} rows on TP rank {_TP.rank}, {counts[_TP.rank]} expected.")
+    if _TP.size == 1:
+        return [x]
+    padded = x.new_zeros(max(counts), *x.shape[1:])
+    padded[: x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in range(_TP.size)]
+    dist.all_gather(parts, padded)
+    return [part[:count] for part, count in zip(parts, counts, strict=True)]

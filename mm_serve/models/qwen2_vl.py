@@ -80,7 +80,8 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModelBase):
         self.spatial_merge_size: int = config.vision_config.spatial_merge_size
         self.visual = self.tower_class(config.vision_config)
         # ``(pixel_values, grids) -> embeddings`` in place of ``visual``'s forward: the model
-        # runner sets it to run the tower through CUDA graphs (``worker.tower_graphs``).
+        # runner sets it to run the tower through CUDA graphs (``worker.tower_graphs``) and,
+        # under TP, to split the images over the ranks (``worker.encoder_dp``).
         self.tower_runner: Callable[[torch.Tensor, list[list[int]]], torch.Tensor] | None = None
 
     def embed_images(self, images: list[ProcessedImage]) -> list[torch.Tensor]:

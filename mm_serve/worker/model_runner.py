@@ -33,6 +33,7 @@ from mm_serve.worker.cuda_graphs import (
     capture_tower_graphs,
     is_decode_only,
 )
+from mm_serve.worker.encoder_dp import shard_tower_over_ranks
 from mm_serve.worker.input_batch import CachedRequestState, InputBatch
 from mm_serve.worker.kv_cache import allocate_kv_caches, bind_kv_caches, determine_num_kv_blocks
 from mm_serve.worker.mm_inputs import (
@@ -131,8 +132,10 @@ class ModelRunner:
 
     def determine_num_kv_blocks(self) -> int:
         """How many KV blocks fit (``worker.kv_cache``), counting the memory of the vision
-        tower's graphs, captured first (``capture_tower_graphs``)."""
+        tower's graphs, captured first (``capture_tower_graphs``); then, under TP with
+        ``mm_encoder_tp_mode`` "data", the tower is split over the ranks (``encoder_dp``)."""
         capture_tower_graphs(self.model, self.config)
+        shard_tower_over_ranks(self.model, self.config.multimodal.mm_encoder_tp_mode)
         return determine_num_kv_blocks(self.config, self.model)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
