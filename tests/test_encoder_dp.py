@@ -159,6 +159,6 @@ def test_tp2_encoder_data_parallel_qwen3_vl_videos_match_hf(tmp_path: Path) -> N
     reference = checks.HFReference.load(path, nested_images=False)
     batch = mixed_video_batch(shapes_clip(tmp_path))
     args = {"device": "cpu", "max_model_len": 2048, "num_kv_blocks": 512}
-    with checks.running_llm(path, tensor_parallel_size=2, **args) as llm:
+    with checks.running_llm(path, tensor_parallel_size=2, mm_encoder_tp_mode="data", **args) as llm:
         assert llm.config.multimodal.mm_encoder_tp_mode == "data"
         assert_video_batch_matches_hf(llm, reference, batch, qwen3_hf_greedy)

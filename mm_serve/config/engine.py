@@ -194,7 +194,8 @@ class MultiModalConfig:
     ``mm_encoder_tp_mode`` (vLLM's name) says how the tensor-parallel ranks share the vision
     tower, which each holds whole: "weights", each rank encodes every image; "data", a
     step's images are split across the ranks and the embeddings gathered
-    (``worker.encoder_dp``).
+    (``worker.encoder_dp``). "weights" stays the default until the two-GPU figures say which
+    is faster.
     """
 
     max_pixels: int = 8192 * 8192
@@ -206,7 +207,7 @@ class MultiModalConfig:
     mm_preprocess_workers: int = 1
     max_video_frames: int = 128
     max_video_tokens: int = 0
-    mm_encoder_tp_mode: str = "data"
+    mm_encoder_tp_mode: str = "weights"
 
 
 _C = TypeVar("_C")
@@ -259,7 +260,7 @@ class EngineArgs:
     mm_processor_cache_gb: float = 4.0
     mm_preprocess_workers: int | None = None
     max_video_frames: int = 128  # sampled frames per video; more: 400
-    mm_encoder_tp_mode: str = "data"  # under TP: "data" splits a step's images, or "weights"
+    mm_encoder_tp_mode: str = "weights"  # under TP: "weights", or "data" splits a step's images
     max_num_encoder_input_tokens: int | None = None
     encoder_cache_size: int | None = None
     enforce_eager: bool = False  # compilation level 0 (always eager on CPU)

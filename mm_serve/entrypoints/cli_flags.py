@@ -86,8 +86,8 @@ _ENGINE_ARG_HELP = {
     "mm_preprocess_workers": "Image and video preprocessing processes.",
     "max_video_frames": "Most frames of a video after sampling; more: 400.",
     "mm_encoder_tp_mode": "How tensor-parallel ranks run the vision tower (each holds all of "
-    "it): data, a step's images split across the ranks and the embeddings gathered; weights, "
-    "every rank encodes every image.",
+    "it): weights, every rank encodes every image; data, a step's images split across the "
+    "ranks and the embeddings gathered.",
     "max_num_encoder_input_tokens": "Image embedding tokens encoded per step.",
     "encoder_cache_size": "Encoder cache size in image embedding tokens.",
     "enforce_eager": "No CUDA graphs, no compile: run every step eagerly (compilation level 0).",
