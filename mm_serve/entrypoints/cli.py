@@ -192,8 +192,15 @@ def served_model_names(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def server_config_from(args: argparse.Namespace):
-    """The ``ServerConfig`` of parsed ``serve`` flags."""
+    """The ``ServerConfig`` of parsed ``serve`` flags.
+
+    Raises:
+        ValueError: ``--lora-modules`` without ``--enable-lora``.
+    """
     from mm_serve.entrypoints.openai.api_server import ServerConfig
+
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora.")
 
     return ServerConfig(
         host=args.host,
