@@ -235,3 +235,20 @@ def test_lora_modules_need_enable_lora():
     argv = ["serve", "m", "--lora-modules", "a=/x"]
     with pytest.raises(ValueError, match="--enable-lora"):
         server_config_from(build_parser(argv).parse_args(argv))
+
+
+def test_embeddings_refuse_an_adapter():
+    """A pooling server with adapters embeds with the base model only: an adapter's name is a
+    400 before anything runs (no engine needed to see it)."""
+    import asyncio
+
+    from mm_serve.entrypoints.openai.errors import APIError
+    from mm_serve.entrypoints.openai.protocol_embeddings import EmbeddingRequest
+    from mm_serve.entrypoints.openai.serving_common import Admission, ModelInfo
+    from mm_serve.entrypoints.openai.serving_embeddings import ServingEmbedding
+
+    info = ModelInfo((MODEL,), "/base", {"qv": LoRARequest("qv", 1, "/qv")})
+    embedding = ServingEmbedding(None, info, Admission(1), None)
+    with pytest.raises(APIError, match="not served for embeddings") as error:
+        asyncio.run(embedding.create(EmbeddingRequest(model="qv", input="a"), 0.0))
+    assert error.value.status == 400
