@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -23,7 +26,7 @@ from mm_serve.entrypoints.cli import build_parser, server_config_from
 from mm_serve.entrypoints.openai.serving_models import LoRAModulePath
 from tests.fixtures.images import photo
 from tests.fixtures.lora_adapters import build_lora_adapters
-from tests.fixtures.server import image_question, serve_checked
+from tests.fixtures.server import assert_group_gone, image_question, serve_checked
 from tests.fixtures.vlm_checkpoints import build_tiny_vlm_checkpoint
 
 MODEL = "tiny-vlm"
@@ -229,6 +232,20 @@ def test_lora_module_forms(text, module):
 def test_bad_lora_module_is_refused(text):
     with pytest.raises(ValueError):
         LoRAModulePath.parse(text)
+
+
+def test_bad_lora_module_stops_the_server(checkpoint, tmp_path):
+    """A ``--lora-modules`` adapter that cannot be served: exit 1 naming it, no process left."""
+    path, adapters = checkpoint
+    command = [sys.executable, "-m", "mm_serve.entrypoints.launch", "serve", path, "--port", "0"]
+    command += ["--enable-lora", "--max-lora-rank", "16", "--lora-modules"]
+    command += [f"qv={adapters['qv-r8']}", f"big={adapters['tower-r64']}"]
+    env = os.environ | {"TMPDIR": str(tmp_path)}  # where the engine core's ipc folder goes
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    assert proc.wait(120) == 1
+    log = proc.stderr.read().decode()
+    assert "--lora-modules big: The adapter's rank 64 is above max_lora_rank=16" in log, log
+    assert_group_gone(proc.pid)
 
 
 def test_lora_modules_need_enable_lora():

@@ -5,9 +5,8 @@ Ctrl-C, or until the engine core dies: then in-flight requests fail at once (503
 error event), ``/health`` answers 503 for ``ENGINE_DEAD_GRACE_S``, and the server exits with
 code 1. Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /v1/models/{model}`` (the base model and its LoRA adapters), ``POST /v1/embeddings`` (the
-pooling runner), ``GET /health``,
-``GET /metrics``, vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /version``,
-``GET /openapi.json`` (the OpenAPI schema) and, while
+pooling runner), ``GET /health``, ``GET /metrics``, vLLM's ``POST /tokenize``,
+``POST /detokenize``, ``GET /version``, ``GET /openapi.json`` (the OpenAPI schema) and, while
 ``MM_SERVE_TORCH_PROFILER_DIR`` is set, ``POST /start_profile`` and ``/stop_profile``; while
 ``MM_SERVE_ALLOW_RUNTIME_LORA_UPDATING`` is true, ``POST /v1/load_lora_adapter`` and
 ``/v1/unload_lora_adapter`` (``serving_models``); and the web page ``web/`` at ``/`` when it

@@ -104,11 +104,15 @@ class ServingModels:
         """Serve ``--lora-modules``, each checked now (it blocks: for start-up).
 
         Raises:
-            LoRAAdapterError: an adapter that cannot be served, LoRA off, or a name taken.
+            LoRAAdapterError: an adapter that cannot be served, LoRA off, or a name taken;
+                the message names the module.
         """
         for module in modules:
-            lora = self._new_request(module.name, module.path, module.base_model_name)
-            self.llm.input_processor.check_lora_request(lora)
+            try:
+                lora = self._new_request(module.name, module.path, module.base_model_name)
+                self.llm.input_processor.check_lora_request(lora)
+            except LoRAAdapterError as e:
+                raise LoRAAdapterError(f"--lora-modules {module.name}: {e}") from None
             self.info.loras[module.name] = lora
             logger.info("Serving LoRA adapter %r (id %d)", lora.lora_name, lora.lora_int_id)
 
