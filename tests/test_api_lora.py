@@ -151,6 +151,26 @@ def photo_url() -> str:
     return image_to_url(photo("grace_hopper.jpg"))
 
 
+def test_streamed_completion_and_response_with_an_adapter(http, offline):
+    """A streamed completion's tokens and a Responses API reply's text by an adapter's name
+    are the offline engine's with that adapter."""
+    body = {"model": "qv", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0}
+    body |= {"stream": True, "return_token_ids": True}
+    tokens = []
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                tokens += json.loads(line[6:])["choices"][0]["token_ids"] or []
+    assert tokens == offline_tokens(offline, "qv")[0]
+    body = {"model": "qv", "input": PROMPTS[0], "max_output_tokens": MAX_TOKENS, "temperature": 0}
+    reply = http.post("/v1/responses", json=body)
+    assert reply.status_code == 200 and reply.json()["model"] == "qv", reply.text
+    llm, loras = offline
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    (expected,) = llm.chat(messages, GREEDY, use_tqdm=False, lora_request=loras["qv"])
+    assert reply.json()["output"][0]["content"][0]["text"] == expected.outputs[0].text
+
+
 def test_unknown_model_is_404(http):
     for path, body in (
         ("/v1/completions", {"prompt": "a", "max_tokens": 2}),
