@@ -49,6 +49,16 @@ def _mm_limits(text: str) -> dict[str, int]:
     return limits
 
 
+def _lora_module(text: str):
+    """``--lora-modules``' ``name=path`` or JSON (``LoRAModulePath.parse``)."""
+    from mm_serve.entrypoints.openai.serving_models import LoRAModulePath
+
+    try:
+        return LoRAModulePath.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 # The API key's environment variables, ours first; vLLM's is read too, for its users.
 API_KEY_ENV = ("MM_SERVE_API_KEY", "VLLM_API_KEY")
 KEY_SHOWN = " or ".join(f"${name}" for name in API_KEY_ENV)  # the help never shows the key
@@ -106,6 +116,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "meanwhile); then the rest are cut and the server exits.",
         server.shutdown_timeout,
         type=float,
+    )
+    add(
+        "--lora-modules",
+        "LoRA adapters served beside the model (needs --enable-lora), each as name=path or "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; a request names one in model.',
+        [],
+        shown="none",
+        nargs="+",
+        type=_lora_module,
     )
     add(
         "--otlp-traces-endpoint",
@@ -173,8 +192,15 @@ def served_model_names(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def server_config_from(args: argparse.Namespace):
-    """The ``ServerConfig`` of parsed ``serve`` flags."""
+    """The ``ServerConfig`` of parsed ``serve`` flags.
+
+    Raises:
+        ValueError: ``--lora-modules`` without ``--enable-lora``.
+    """
     from mm_serve.entrypoints.openai.api_server import ServerConfig
+
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora.")
 
     return ServerConfig(
         host=args.host,
@@ -188,6 +214,7 @@ def server_config_from(args: argparse.Namespace):
         log_level=args.log_level,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         shutdown_timeout=args.shutdown_timeout,
+        lora_modules=tuple(args.lora_modules),
     )
 
 

@@ -31,6 +31,7 @@ from mm_serve.frontend.warm_up import (
     warm_up_params,
     warm_up_prompt,
 )
+from mm_serve.lora.request import LoRARequest
 from mm_serve.messages.outputs import EmbeddingRequestOutput, Logprob, RequestOutput
 from mm_serve.messages.pooling_params import PoolingParams
 from mm_serve.messages.request import Request
@@ -235,6 +236,7 @@ class AsyncLLM(FrontEnd):
         arrival_time: float | None = None,
         data_parallel_rank: int | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Run one request; yields deltas until every one of its ``n`` completions finished.
 
@@ -251,17 +253,21 @@ class AsyncLLM(FrontEnd):
         ``arrival_time``: ``time.monotonic()`` when the request arrived (TTFT is measured from
         it); now when None. ``data_parallel_rank``: the replica to run it (None: the router's
         choice, by load and cache affinity). ``priority``: lower runs first under
-        ``--scheduling-policy priority``.
+        ``--scheduling-policy priority``. ``lora_request``: the LoRA adapter (None: the base
+        model; the engine needs ``enable_lora``).
 
         Raises:
             ValueError: ``request_id`` is already in flight, or the engine's runner does not
-                serve the request (``FrontEnd.check_runner``; raised before the first output).
+                serve the request (``FrontEnd.check_runner``; raised before the first output);
+                a ``LoRAAdapterError`` for an adapter that cannot be served.
             EngineRequestError: the engine refused the request (a ``ValueError``: a 4xx unless
                 its ``kind`` is "internal").
             EngineDeadError: the engine core process is gone (within ~0.1 s of its death).
         """
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        parent, requests = self.make_requests(request_id, prompt, params, stream=True)
+        parent, requests = self.make_requests(
+            request_id, prompt, params, stream=True, lora_request=lora_request
+        )
         for request in requests:
             request.priority = priority
         outcome = ""
@@ -310,12 +316,14 @@ class AsyncLLM(FrontEnd):
         params: BeamSearchParams,
         request_id: str,
         num_logprobs: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Beam search over one prompt (``mm_serve.frontend.beam_search``): each round, one engine
         request per live beam, all at once (they share their prefix's KV blocks through the
         prefix cache). Yields one finished ``RequestOutput`` at the end, as vLLM's server does:
         completion ``i`` is the ``i``-th best sequence, with the per-token logprobs of its top
-        candidates (at least ``num_logprobs`` of them, for a response's top logprobs).
+        candidates (at least ``num_logprobs`` of them, for a response's top logprobs). Every
+        beam runs with the adapter ``lora_request`` (None: the base model).
 
         Raises:
             as ``generate``; an error in one beam's request cancels the round's others.
@@ -327,7 +335,9 @@ class AsyncLLM(FrontEnd):
         while not search.done:
             ids = [f"{request_id}-{round_index}-{i}" for i in range(len(search.running))]
             tasks = [
-                asyncio.ensure_future(self._next_logprobs(beam, sampling_params, beam_id))
+                asyncio.ensure_future(
+                    self._next_logprobs(beam, sampling_params, beam_id, lora_request)
+                )
                 for beam, beam_id in zip(search.requests(), ids, strict=True)
             ]
             try:
@@ -340,11 +350,15 @@ class AsyncLLM(FrontEnd):
         yield to_request_output(request_id, prompt, output)
 
     async def _next_logprobs(
-        self, prompt: ProcessedPrompt, params: SamplingParams, request_id: str
+        self,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        request_id: str,
+        lora_request: LoRARequest | None,
     ) -> dict[int, Logprob]:
         """The logprobs of the one token a ``max_tokens=1`` request generates."""
         logprobs: list[dict[int, Logprob]] = []
-        async for output in self.generate(prompt, params, request_id):
+        async for output in self.generate(prompt, params, request_id, lora_request=lora_request):
             for delta in output.outputs:
                 logprobs += delta.logprobs or []
         return logprobs[0]

@@ -4,11 +4,13 @@
 Ctrl-C, or until the engine core dies: then in-flight requests fail at once (503 / an SSE
 error event), ``/health`` answers 503 for ``ENGINE_DEAD_GRACE_S``, and the server exits with
 code 1. Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /v1/models/{model}``, ``POST /v1/embeddings`` (the pooling runner), ``GET /health``,
-``GET /metrics``, vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /version``,
-``GET /openapi.json`` (the OpenAPI schema) and, while
-``MM_SERVE_TORCH_PROFILER_DIR`` is set, ``POST /start_profile`` and ``/stop_profile``; and the
-web page ``web/`` at ``/`` when it exists.
+``GET /v1/models/{model}`` (the base model and its LoRA adapters), ``POST /v1/embeddings`` (the
+pooling runner), ``GET /health``, ``GET /metrics``, vLLM's ``POST /tokenize``,
+``POST /detokenize``, ``GET /version``, ``GET /openapi.json`` (the OpenAPI schema) and, while
+``MM_SERVE_TORCH_PROFILER_DIR`` is set, ``POST /start_profile`` and ``/stop_profile``; while
+``MM_SERVE_ALLOW_RUNTIME_LORA_UPDATING`` is true, ``POST /v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` (``serving_models``); and the web page ``web/`` at ``/`` when it
+exists.
 """
 
 from __future__ import annotations
@@ -58,6 +60,12 @@ from mm_serve.entrypoints.openai.serving_chat import ServingChat
 from mm_serve.entrypoints.openai.serving_common import Admission, ModelInfo
 from mm_serve.entrypoints.openai.serving_completion import ServingCompletion
 from mm_serve.entrypoints.openai.serving_embeddings import ServingEmbedding
+from mm_serve.entrypoints.openai.serving_models import (
+    LoRAModulePath,
+    ServingModels,
+    add_lora_routes,
+    runtime_lora_updating,
+)
 from mm_serve.entrypoints.openai.serving_responses import ServingResponses
 from mm_serve.entrypoints.openai.serving_tokenization import ServingTokenization
 from mm_serve.frontend.async_llm import AsyncLLM
@@ -82,7 +90,8 @@ class ServerConfig:
     ``served_model_names``: names clients use in ``model`` (empty: the model as given; the
     first is reported in responses); ``max_request_body_bytes``: larger bodies get a 413;
     ``max_concurrent_requests``: generation sequences (a request's ``n``) in flight beyond it
-    get a 429; ``max_n``: a larger ``n`` is a 400;
+    get a 429; ``max_n``: a larger ``n`` is a 400; ``lora_modules``: LoRA adapters served by
+    name beside the model (the engine needs ``enable_lora``);
     ``web_dir``: served at ``/`` when it holds an ``index.html``; ``log_level``: uvicorn's
     (debug, info, warning, error); ``otlp_traces_endpoint``: an OTLP/HTTP collector that gets
     a span per request (``tracing``), None: no tracing; ``shutdown_timeout``: seconds the
@@ -102,6 +111,7 @@ class ServerConfig:
     log_level: str = "info"
     otlp_traces_endpoint: str | None = None
     shutdown_timeout: float = 5.0
+    lora_modules: tuple[LoRAModulePath, ...] = ()
 
 
 def served_model(llm: AsyncLLM, config: ServerConfig) -> ModelInfo:
@@ -119,10 +129,18 @@ class Handlers:
     tokenization: ServingTokenization
     responses: ServingResponses
     embedding: ServingEmbedding
+    models: ServingModels
 
 
 def serving_handlers(llm: AsyncLLM, config: ServerConfig, media: MediaResolver) -> Handlers:
+    """The handlers of one served model and its ``config.lora_modules``.
+
+    Raises:
+        LoRAAdapterError: a LoRA module that cannot be served (or LoRA is off).
+    """
     model = served_model(llm, config)
+    models = ServingModels(llm, model)
+    models.add_static(config.lora_modules)
     admission = Admission(config.max_concurrent_requests, config.max_n)
     chat = ServingChat(llm, model, admission, media)
     return Handlers(
@@ -131,14 +149,18 @@ def serving_handlers(llm: AsyncLLM, config: ServerConfig, media: MediaResolver) 
         ServingTokenization(llm, model, media),
         ServingResponses(llm, model, admission, chat),
         ServingEmbedding(llm, model, admission, media),
+        models,
     )
 
 
 def build_app(
     llm: AsyncLLM, config: ServerConfig, metrics: ServerMetrics, media: MediaResolver
 ) -> FastAPI:
-    """The FastAPI app serving ``llm`` (which must outlive it)."""
-    model = served_model(llm, config)
+    """The FastAPI app serving ``llm`` (which must outlive it).
+
+    Raises:
+        LoRAAdapterError: see ``serving_handlers``.
+    """
     handlers = serving_handlers(llm, config, media)
     chat, completion, tokenization = handlers.chat, handlers.completion, handlers.tokenization
     # The OpenAPI schema at /openapi.json (vLLM's); no /docs: its page loads from a CDN.
@@ -161,16 +183,13 @@ def build_app(
     async def retrieve_response(response_id: str) -> ResponseObject:
         return ResponseObject(**handlers.responses.store.get(response_id)[0])
 
-    def card(name: str) -> ModelCard:
-        return ModelCard(id=name, root=model.root, max_model_len=llm.max_model_len)
-
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[card(name) for name in model.names])
+        return ModelList(data=handlers.models.cards())
 
     @app.get("/v1/models/{name:path}")
     async def retrieve_model(name: str) -> ModelCard:
-        return card(model.name_for(name))  # 404 for a model not served
+        return handlers.models.card(name)  # 404 for a model not served
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeChatRequest | TokenizeCompletionRequest) -> TokenizeResponse:
@@ -181,6 +200,8 @@ def build_app(
         return await tokenization.detokenize(body)
 
     add_embeddings_route(app, handlers.embedding)
+    if runtime_lora_updating():
+        add_lora_routes(app, handlers.models)
     add_operational_routes(app, llm, metrics)
     if os.environ.get(PROFILER_DIR_ENV):
         add_profiler_routes(app, llm)

@@ -456,7 +456,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "mm_serve"
-    root: str  # the checkpoint as given on the command line
+    root: str  # the checkpoint as given on the command line; a LoRA adapter's folder
+    parent: str | None = None  # a LoRA adapter's base model (its served name)
     max_model_len: int
 
 

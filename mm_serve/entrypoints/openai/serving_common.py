@@ -36,6 +36,7 @@ from mm_serve.entrypoints.openai.protocol import (
 )
 from mm_serve.frontend.async_llm import AsyncLLM
 from mm_serve.frontend.processor import ProcessedPrompt, check_sampling_params
+from mm_serve.lora.request import LoRARequest
 from mm_serve.messages.outputs import CompletionOutput, RequestOutput
 from mm_serve.messages.sampling_params import BeamSearchParams, SamplingParams
 from mm_serve.messages.structured_outputs import StructuredOutputsParams
@@ -55,23 +56,32 @@ _SAMPLING_FIELDS = (
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """The served model: its names (the first is reported) and the checkpoint as given."""
+    """The served model: its names (the first is reported), the checkpoint as given, and the
+    LoRA adapters served beside it by name (``serving_models.ServingModels`` adds and removes
+    them; a request names one in ``model``)."""
 
     names: tuple[str, ...]
     root: str
+    loras: dict[str, LoRARequest] = dataclasses.field(default_factory=dict)
 
     def name_for(self, requested: str | None) -> str:
-        """The name to report; raises APIError (404) for a model this server does not serve."""
+        """The name to report: the base model's or an adapter's; raises APIError (404) for a
+        model this server does not serve."""
         if requested is None:
             return self.names[0]
-        if requested not in self.names:
+        if requested not in self.names and requested not in self.loras:
+            served = [*self.names, *self.loras]
             raise APIError(
                 404,
-                f"The model {requested!r} does not exist; this server serves {list(self.names)}.",
+                f"The model {requested!r} does not exist; this server serves {served}.",
                 "model_not_found",
                 "model",
             )
         return requested
+
+    def lora_request(self, requested: str | None) -> LoRARequest | None:
+        """The adapter that ``model`` names; None for the base model."""
+        return None if requested is None else self.loras.get(requested)
 
 
 class Admission:
@@ -259,12 +269,21 @@ class ServingBase:
     ) -> AsyncIterator[RequestOutput]:
         """``AsyncLLM.generate``, or with ``use_beam_search`` its beam search (``params.n``
         beams, ``max_tokens`` rounds), which yields the finished output only (as vLLM's server
-        does; a stream sends it as one chunk per choice and token at the end)."""
+        does; a stream sends it as one chunk per choice and token at the end); with the LoRA
+        adapter that ``request.model`` names, if it names one."""
+        lora_request = self.model.lora_request(request.model)
         if not request.use_beam_search:
-            priority = request.priority
-            return self.llm.generate(prompt, params, request_id, arrival_time, priority=priority)
+            return self.llm.generate(
+                prompt,
+                params,
+                request_id,
+                arrival_time,
+                priority=request.priority,
+                lora_request=lora_request,
+            )
         beam_params = beam_search_params(request, params)
-        return self.llm.beam_search(prompt, beam_params, request_id, params.logprobs or 0)
+        num_logprobs = params.logprobs or 0
+        return self.llm.beam_search(prompt, beam_params, request_id, num_logprobs, lora_request)
 
     def _check_engine_limits(self, request: SamplingRequest) -> None:
         """What ``SamplingParams`` lets through but the engine cannot take: stop token ids

@@ -69,6 +69,8 @@ class ServingEmbedding:
 
     async def create(self, request: EmbeddingRequest, arrival_time: float) -> EmbeddingResponse:
         model = self.model.name_for(request.model)
+        if self.model.lora_request(model) is not None:
+            raise bad_request("LoRA adapters are not served for embeddings.", param="model")
         params = pooling_params(request)
         prompts = await self._prompts(request)
         request_id = f"embd-{uuid.uuid4().hex}"
