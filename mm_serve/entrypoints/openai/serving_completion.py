@@ -96,7 +96,9 @@ class ServingCompletion(serving_common.ServingBase):
             params = dataclasses.replace(params, prompt_logprobs=num)
         processed = []
         with user_errors():
-            for prompt in serving_common.prompt_dicts(request.prompt, "prompt"):
+            for prompt in serving_common.prompt_dicts(
+                request.prompt, "prompt", self.llm.config.model.vocab_size
+            ):
                 if request.cache_salt is not None:
                     prompt["cache_salt"] = request.cache_salt
                 processed.append(await self.llm.process(prompt, request.add_special_tokens))
