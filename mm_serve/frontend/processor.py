@@ -188,8 +188,8 @@ def check_sampling_params(params: SamplingParams, vocab_size: int) -> None:
     """
     if bad := [token for token in params.logit_bias or {} if not 0 <= token < vocab_size]:
         message = (
-            f"logit_bias token ids {bad} are out of vocabulary (vocabulary size {vocab_size}); "
-            f"ids must be in [0, {vocab_size})."
+            f"logit_bias token ids must be in [0, {vocab_size}): {bad} are out of vocabulary "
+            f"(vocabulary size {vocab_size})."
         )
         raise InvalidParamError("logit_bias", message)
     if params.structured_outputs is not None:
