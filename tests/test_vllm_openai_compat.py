@@ -23,6 +23,7 @@ Each section names the vLLM file whose checks it ports. Left out, with the reaso
   (the whole vocabulary): not implemented, each a 400 naming it.
 - A cached image sent again as ``{"image_url": {}, "uuid": ...}`` without its data
   (``test_vision.py``): not implemented (``image_url.url`` is required).
+- ``test_basic.py``'s ``/load`` (``--enable-server-load-tracking``): not implemented.
 - Multi-GPU, sleep mode, shutdown and metrics files: elsewhere in this suite
   (``test_api_server.py``, ``test_metrics.py``) or not applicable.
 """
@@ -130,7 +131,7 @@ def streamed(client: openai.OpenAI, **kwargs) -> tuple[dict[int, str], dict[int,
     return texts, finishes, chunks
 
 
-# ---- test_basic.py, test_models.py ------------------------------------------------------
+# ---- test_basic.py, test_models.py (the version: test_api_tokenize.py) ------------------
 
 
 def test_health_version_and_models(client, base_url, vlm_path):
@@ -140,6 +141,47 @@ def test_health_version_and_models(client, base_url, vlm_path):
     assert [m.id for m in models] == [MODEL]
     assert models[0].object == "model" and models[0].root == vlm_path
     assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_request_wrong_content_type(base_url):
+    """A JSON body sent as a form is a 400 that says so."""
+    body = json.dumps({"model": MODEL, "messages": MESSAGES, "max_tokens": 3})
+    for content_type in ("application/x-www-form-urlencoded", "text/plain"):
+        reply = httpx.post(
+            f"{base_url}/v1/chat/completions", content=body, headers={"Content-Type": content_type}
+        )
+        assert reply.status_code == 400
+        assert content_type in reply.json()["error"]["message"]
+
+
+def test_request_cancellation(base_url):
+    """Requests whose clients gave up (a 0.5 s timeout) are aborted: 40 of the longest the
+    context allows would take the engine many seconds (two fit in the KV cache at a time),
+    yet a request sent after them is answered within 5 s."""
+    import asyncio
+
+    async def run() -> None:
+        impatient = openai.AsyncOpenAI(
+            base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=0.5
+        )
+        story = [{"role": "user", "content": "Write a long story"}]
+        max_tokens = 440  # and a prompt of 55 tokens: nearly the 512 of the context
+        extra = {"min_tokens": max_tokens}
+        tasks = [
+            impatient.chat.completions.create(
+                model=MODEL, messages=story, max_tokens=max_tokens, extra_body=extra
+            )
+            for _ in range(40)
+        ]
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert all(isinstance(r, openai.APITimeoutError) for r in results), results
+        patient = openai.AsyncOpenAI(
+            base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=5
+        )
+        reply = await patient.chat.completions.create(model=MODEL, messages=story, max_tokens=10)
+        assert len(reply.choices) == 1
+
+    asyncio.run(run())
 
 
 # ---- test_chat.py -----------------------------------------------------------------------
