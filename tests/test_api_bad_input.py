@@ -221,12 +221,6 @@ CASES = [
         chat() | {"messages": [{"role": "user", "content": "Hi", "audio": {"id": "a1"}}]},
         "messages[0].audio",
     ),
-    Bad(
-        "unsupported_nested_field",
-        chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}),
-        "continuous_usage_stats",
-        param="stream_options.continuous_usage_stats",
-    ),
     Bad("unsupported_vllm_field", chat(thinking_token_budget=8), "thinking_token_budget"),
     Bad(
         "stop_beside_a_json_response_format",

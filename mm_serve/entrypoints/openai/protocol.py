@@ -205,11 +205,10 @@ class StructuredOutputsRequest(BaseModel):
 
 
 class StreamOptions(_Open):
-    # vLLM's usage in every chunk is not implemented.
-    unsupported_fields = frozenset({"continuous_usage_stats"})
-
     # One last chunk with the usage and no choices; null means false (OpenAI's reading).
     include_usage: bool | None = False
+    # vLLM's: with include_usage, every chunk has the usage so far too.
+    continuous_usage_stats: bool | None = False
 
 
 class SamplingRequest(_Request):

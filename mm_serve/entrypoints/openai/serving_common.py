@@ -354,18 +354,33 @@ async def gather_or_cancel(awaitables: Iterable[Awaitable[T]]) -> list[T]:
             task.cancel()
 
 
-def stream_usage(request: SamplingRequest) -> bool:
-    """Whether a stream ends with a usage chunk (``stream_options.include_usage``; null is
-    false).
+@dataclass(frozen=True)
+class StreamUsage:
+    """The usage a stream reports: a last chunk with it and no choices (``final``, OpenAI's
+    ``include_usage``), and in every chunk the usage so far (``continuous``, vLLM's
+    ``continuous_usage_stats``, only beside ``include_usage`` as vLLM has it)."""
+
+    final: bool = False
+    continuous: bool = False
+
+    def so_far(self, outputs: list[RequestOutput], num_completion: int) -> UsageInfo | None:
+        """A chunk's usage: ``usage_info`` when ``continuous``, else None."""
+        return usage_info(outputs, num_completion) if self.continuous and outputs else None
+
+
+def stream_usage(request: SamplingRequest) -> StreamUsage:
+    """The request's ``stream_options`` usage settings (null is false).
 
     Raises:
         APIError: (400) ``stream_options`` in a request that does not stream.
     """
-    if request.stream_options is not None and not request.stream:
+    options = request.stream_options
+    if options is not None and not request.stream:
         raise bad_request(
             "stream_options can only be set when stream is true.", param="stream_options"
         )
-    return bool(request.stream_options and request.stream_options.include_usage)
+    final = bool(options and options.include_usage)
+    return StreamUsage(final, final and bool(options.continuous_usage_stats))
 
 
 def per_token(delta: CompletionOutput) -> list[CompletionOutput]:
