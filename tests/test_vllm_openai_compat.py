@@ -720,6 +720,46 @@ def test_return_token_ids_streamed_and_not(client, base_url, tokenizer):
     assert streamed_ids == ids
 
 
+def test_completion_token_ids_agree_with_logprobs_and_echo(client, tokenizer):
+    """With echo, logprobs, prompt logprobs and ids as token names together: the logprob
+    entries are the prompt's tokens then the output's, and name the same ids as
+    ``prompt_token_ids`` and ``token_ids``; streamed, each chunk's ``token_ids`` are its
+    logprob entries' and the first chunk alone has the prompt's ids."""
+    prompt = "Hello, world! How are you today?"
+    extra = {"return_token_ids": True, "return_tokens_as_token_ids": True}
+    choice = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=8,
+        temperature=0,
+        echo=True,
+        logprobs=1,
+        extra_body=extra | {"prompt_logprobs": 1},
+    ).choices[0]
+    named = [int(token.removeprefix("token_id:")) for token in choice.logprobs.tokens]
+    assert named == choice.prompt_token_ids + choice.token_ids
+    assert choice.prompt_token_ids == tokenizer(prompt).input_ids
+    assert len(choice.prompt_logprobs) == len(choice.prompt_token_ids)
+    assert choice.text.startswith(prompt)
+
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            logprobs=1,
+            extra_body=extra,
+        )
+    )
+    assert chunks[0].choices[0].prompt_token_ids == choice.prompt_token_ids
+    assert all(chunk.choices[0].prompt_token_ids is None for chunk in chunks[1:])
+    for chunk in chunks:
+        tokens = chunk.choices[0].logprobs.tokens
+        assert [int(t.removeprefix("token_id:")) for t in tokens] == chunk.choices[0].token_ids
+
+
 # ---- test_vision.py ----------------------------------------------------------------------
 
 
