@@ -27,8 +27,8 @@ from pydantic import (
 class _Open(BaseModel):
     """A request object that keeps its undeclared keys for
     ``serving_common.check_undeclared_fields`` to judge: those in ``unsupported_fields`` (an
-    OpenAI or vLLM field this server does not implement) are a 400 unless null, any other is
-    accepted and logged once."""
+    OpenAI or vLLM field this server does not implement) are a 400 (in a nested object only
+    when not null), any other is accepted and logged once."""
 
     model_config = ConfigDict(extra="allow")
     unsupported_fields: ClassVar[frozenset[str]] = frozenset()
