@@ -221,6 +221,13 @@ CASES = [
         chat() | {"messages": [{"role": "user", "content": "Hi", "audio": {"id": "a1"}}]},
         "messages[0].audio",
     ),
+    Bad("unsupported_vllm_field", chat(thinking_token_budget=8), "thinking_token_budget"),
+    Bad(
+        "stop_beside_a_json_response_format",
+        chat(stop=["}"], response_format={"type": "json_object"}),
+        "stop",
+        param="stop",
+    ),
     Bad(
         "response_format_without_schema",
         chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
@@ -369,12 +376,13 @@ def test_wrong_method_is_405(http):
 
 def test_fields_neither_openai_nor_vllm_define_are_accepted_and_logged_once(server, http, model_id):
     """As vLLM: a field of neither API, at the top level, in a message, a content part or its
-    image_url, is served and its name logged once (per field, whatever the index)."""
+    image_url, or another object (``response_format``), is served and its name logged once
+    (per field, whatever the index)."""
     parts = [
         {"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}},
         {"type": "image_url", "image_url": {"url": data_url(SMALL_PNG), "resize": 2}},
     ]
-    body = chat(parts, no_such_field={"x": 1})
+    body = chat(parts, no_such_field={"x": 1}, response_format={"type": "text", "strictness": 1})
     body["messages"][0]["no_such_key"] = 1
     for _ in range(2):
         response = send(http, CHAT, body, model_id)
@@ -385,6 +393,7 @@ def test_fields_neither_openai_nor_vllm_define_are_accepted_and_logged_once(serv
         "messages[].no_such_key",
         "messages[].content[].cache_control",
         "messages[].content[].image_url.resize",
+        "response_format.strictness",
     ):
         assert log.count(f"Ignoring the field {field!r}") == 1, (field, log[-3000:])
 

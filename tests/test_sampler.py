@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mm_serve.worker.sampler import Sampler, apply_penalties, compute_topk_logprobs
-from mm_serve.worker.sampling_metadata import SamplingMetadata
+from mm_serve.worker.sampling_metadata import GrammarMask, SamplingMetadata
 
 
 def make_metadata(
@@ -124,6 +124,18 @@ def test_banned_tokens_never_chosen():
     assert sampled[:2].tolist() == [2, 0]
     assert not torch.isin(sampled[0::2], torch.tensor([0, 1])).any()
     assert torch.isin(sampled[1::2], torch.tensor([0, 1])).any()  # odd rows are unaffected
+
+
+def test_a_grammar_that_allows_only_stop_tokens_wins_over_min_tokens():
+    """Row 0's grammar allows only token 2, a stop token that min_tokens bans: the output is
+    complete, so the grammar wins (any other token would break it). Row 1's grammar allows 1
+    and 2: the ban holds. Row 2 has no grammar: the ban holds."""
+    logits = torch.tensor([[5.0, 4.0, 3.0, -2.0]] * 3)
+    banned = {0: [2], 1: [2], 2: [0]}
+    metadata = make_metadata(3, banned_token_ids=banned)
+    bitmask = torch.tensor([[0b0100], [0b0110]], dtype=torch.int32)  # bit j: token j allowed
+    metadata.grammar = GrammarMask(torch.tensor([0, 1]), bitmask, num_tokens=4)
+    assert Sampler()(logits, metadata).sampled_token_ids.tolist() == [2, 1, 1]
 
 
 # ---------------------------------------------------------------- sampled distributions

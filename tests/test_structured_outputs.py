@@ -13,7 +13,7 @@ import torch
 import xgrammar
 
 from mm_serve import LLM, SamplingParams
-from mm_serve.messages.structured_outputs import StructuredOutputsParams
+from mm_serve.messages.structured_outputs import StructuredOutputsParams, json_schema_grammar
 from mm_serve.sched.structured_output import StructuredOutputManager
 from mm_serve.worker.sampler import apply_logit_bias, apply_token_bitmask
 
@@ -44,6 +44,18 @@ def test_token_bitmask_matches_xgrammar() -> None:
     narrow = apply_token_bitmask(logits, rows, bitmask[rows, :2], 50)
     assert torch.equal(narrow[:, :50], expected[:, :50])
     assert (narrow[rows, 50:] == float("-inf")).all() and torch.equal(narrow[1], logits[1])
+
+
+def test_length_bound_json_strings_take_no_control_character() -> None:
+    """xgrammar lets a raw tab into a string with maxLength, which JSON forbids unescaped
+    (``json.loads`` refuses it); ``json_schema_grammar`` takes control characters out."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5}}}
+    grammar = json_schema_grammar(json.dumps(schema | {"required": ["name"]}))
+    assert accepts(grammar, '{"name": "ab c"}')
+    for text in ('{"name": "a\tb"}', '{"name": "a\x01"}', '{"name": "abcdef"}'):
+        assert not accepts(grammar, text)
 
 
 def test_logit_bias_adds_to_its_tokens() -> None:

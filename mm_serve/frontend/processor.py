@@ -173,8 +173,10 @@ def check_token_ids(token_ids: list[int], model_config: ModelConfig) -> None:
             f"{max_len} (prompt and at least one output token)."
         )
     vocab_size = model_config.vocab_size
-    if min(token_ids) < 0 or max(token_ids) >= vocab_size:
-        raise ValueError(f"Prompt token ids must be in [0, {vocab_size}).")
+    if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
+        raise ValueError(
+            f"Prompt token ids must be in [0, {vocab_size}): {bad} are out of vocabulary."
+        )
 
 
 def check_sampling_params(params: SamplingParams, vocab_size: int) -> None:
@@ -184,8 +186,12 @@ def check_sampling_params(params: SamplingParams, vocab_size: int) -> None:
     Raises:
         InvalidParamError: naming ``logit_bias`` or ``structured_outputs``.
     """
-    if any(not 0 <= token < vocab_size for token in params.logit_bias or {}):
-        raise InvalidParamError("logit_bias", f"logit_bias token ids must be in [0, {vocab_size}).")
+    if bad := [token for token in params.logit_bias or {} if not 0 <= token < vocab_size]:
+        message = (
+            f"logit_bias token ids must be in [0, {vocab_size}): {bad} are out of vocabulary "
+            f"(vocabulary size {vocab_size})."
+        )
+        raise InvalidParamError("logit_bias", message)
     if params.structured_outputs is not None:
         try:
             check_grammar(params.structured_outputs)

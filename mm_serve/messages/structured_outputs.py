@@ -17,6 +17,7 @@ import functools
 import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -83,6 +84,29 @@ def check_grammar(params: StructuredOutputsParams) -> None:
 JSON_SCHEMA_OPTIONS = {"any_whitespace": False, "strict_mode": True}
 
 
+# xgrammar writes a string with minLength or maxLength as characters of this class, which lets
+# control characters (a raw tab) through: JSON forbids them unescaped, so json.loads would
+# refuse the output. They are taken out of the class (escapes stay out, as xgrammar has it).
+_LENGTH_BOUND_CHARACTER = r"[^\"\\\r\n]"
+_JSON_STRING_CHARACTER = r"[^\0-\x1f\"\\]"
+
+
+def json_schema_grammar(schema: str) -> Any:
+    """The ``xgrammar.Grammar`` of a JSON schema (text) under ``JSON_SCHEMA_OPTIONS``, whose
+    every string is valid JSON (no unescaped control character).
+
+    Raises:
+        RuntimeError: xgrammar's, for a schema it cannot convert.
+    """
+    import xgrammar
+
+    grammar = xgrammar.Grammar.from_json_schema(schema, **JSON_SCHEMA_OPTIONS)
+    ebnf = str(grammar)
+    if _LENGTH_BOUND_CHARACTER not in ebnf:
+        return grammar
+    return xgrammar.Grammar.from_ebnf(ebnf.replace(_LENGTH_BOUND_CHARACTER, _JSON_STRING_CHARACTER))
+
+
 @functools.lru_cache(maxsize=256)
 def _check_key(key: tuple[str, str]) -> None:
     import xgrammar
@@ -90,7 +114,7 @@ def _check_key(key: tuple[str, str]) -> None:
     kind, text = key
     try:
         if kind == "json":
-            xgrammar.Grammar.from_json_schema(text, **JSON_SCHEMA_OPTIONS)
+            json_schema_grammar(text)
         elif kind == "regex":
             xgrammar.Grammar.from_regex(text)
         elif kind == "grammar":

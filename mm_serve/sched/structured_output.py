@@ -18,7 +18,7 @@ import torch
 from mm_serve.checkpoint.hub import eos_token_ids, load_generation_config
 from mm_serve.config import ModelConfig
 from mm_serve.messages.request import Request
-from mm_serve.messages.structured_outputs import JSON_SCHEMA_OPTIONS, compiler_message
+from mm_serve.messages.structured_outputs import compiler_message, json_schema_grammar
 from mm_serve.sched.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ class StructuredOutputManager:
         compiler = self._compiler or self._make_compiler()
         kind, text = key
         if kind == "json":
-            return compiler.compile_json_schema(text, **JSON_SCHEMA_OPTIONS)
+            return compiler.compile_grammar(json_schema_grammar(text))
         if kind == "regex":
             return compiler.compile_regex(text)
         return compiler.compile_grammar(text)

@@ -3,7 +3,7 @@
 Pipeline, in vLLM's order (documented on ``SamplingParams``):
 
     raw logprobs (reported) -> repetition / frequency / presence penalties -> logit bias
-    -> banned tokens -> grammar bitmask (structured outputs) -> greedy rows: argmax
+    -> grammar bitmask (structured outputs) -> banned tokens -> greedy rows: argmax
     -> random rows: temperature -> min-p -> top-k -> top-p -> exponential-race sample
 
 Every tensor stays on the logits' device. The only host round trip is in mixed greedy/random
@@ -47,9 +47,11 @@ class Sampler(nn.Module):
 
         logits = apply_penalties(logits, metadata)
         logits = apply_logit_bias(logits, metadata.logit_bias)
-        logits = apply_banned_tokens(logits, metadata.banned_token_ids)
         if (grammar := metadata.grammar) is not None:
             logits = apply_token_bitmask(logits, grammar.rows, grammar.bitmask, grammar.num_tokens)
+        # After the bitmask: a grammar that allows only stop tokens (its output is complete)
+        # wins over min_tokens, whose ban would leave the row nothing to sample.
+        logits = apply_banned_tokens(logits, metadata.banned_token_ids, grammar is not None)
         sampled = self._sample(logits, metadata)
 
         logprobs = None
@@ -131,15 +133,23 @@ def _token_counts(token_ids: torch.Tensor, vocab_size: int, dtype: torch.dtype) 
     return counts[:, :vocab_size]
 
 
-def apply_banned_tokens(logits: torch.Tensor, banned: dict[int, list[int]]) -> torch.Tensor:
-    """Set ``logits[row, token]`` to -inf for every banned ``(row, token)``; returns a copy."""
+def apply_banned_tokens(
+    logits: torch.Tensor, banned: dict[int, list[int]], keep_samplable: bool = False
+) -> torch.Tensor:
+    """Set ``logits[row, token]`` to -inf for every banned ``(row, token)``; returns a copy.
+    With ``keep_samplable``, a row the ban would leave all -inf keeps its logits (the tokens
+    a grammar allows are all banned: the grammar wins)."""
     if not banned:
         return logits
     rows = [row for row, ids in banned.items() for _ in ids]
     cols = [token for ids in banned.values() for token in ids]
     index = torch.tensor([rows, cols], dtype=torch.int64, device=logits.device)
     neg_inf = torch.tensor(_NEG_INF, dtype=logits.dtype, device=logits.device)
-    return logits.index_put((index[0], index[1]), neg_inf)
+    masked = logits.index_put((index[0], index[1]), neg_inf)
+    if not keep_samplable:
+        return masked
+    samplable = (masked > _NEG_INF).any(dim=-1, keepdim=True)  # [num_rows, 1]
+    return torch.where(samplable, masked, logits)
 
 
 def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, dict[int, float]]) -> torch.Tensor:

@@ -173,6 +173,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        content_type = request.headers.get("content-type", "")
+        media_type = content_type.split(";")[0].strip().lower()
+        if media_type and media_type != "application/json" and not media_type.endswith("+json"):
+            # FastAPI reads such a body as bytes: say why, not that the body is no object.
+            message = f"The body must be JSON sent as application/json, not {content_type!r}."
+            return bad_request(message, code="invalid_content_type").response()
         return validation_error(exc.errors()).response()
 
     @app.exception_handler(HTTPException)

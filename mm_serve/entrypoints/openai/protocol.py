@@ -12,7 +12,7 @@ vLLM's ``video_url`` part) and tool-calling shapes are here too.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -24,33 +24,43 @@ from pydantic import (
 )
 
 
-class FunctionDefinition(BaseModel):
+class _Open(BaseModel):
+    """A request object that keeps its undeclared keys for
+    ``serving_common.check_undeclared_fields`` to judge: those in ``unsupported_fields`` (an
+    OpenAI or vLLM field this server does not implement) are a 400 (in a nested object only
+    when not null), any other is accepted and logged once."""
+
+    model_config = ConfigDict(extra="allow")
+    unsupported_fields: ClassVar[frozenset[str]] = frozenset()
+
+
+class FunctionDefinition(_Open):
     name: str
     description: str | None = None
     parameters: dict | None = None  # a JSON schema of the arguments
     strict: bool | None = None  # the arguments always follow the schema exactly when enforced
 
 
-class ChatTool(BaseModel):
+class ChatTool(_Open):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class FunctionName(BaseModel):
+class FunctionName(_Open):
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(_Open):
     type: Literal["function"] = "function"
     function: FunctionName
 
 
-class FunctionCall(BaseModel):
+class FunctionCall(_Open):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCall(BaseModel):
+class ToolCall(_Open):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
@@ -79,35 +89,30 @@ class DeltaToolCall(OmitNone):
     function: DeltaFunctionCall
 
 
-class _Part(BaseModel):
-    # Undeclared keys are kept for ``serving_common.check_undeclared_fields`` to judge.
-    model_config = ConfigDict(extra="allow")
-
-
-class ImageURL(_Part):
+class ImageURL(_Open):
     url: str  # data:image/...;base64,..., http(s)://... (allowed hosts), file://... (allowed root)
     # OpenAI's: "low" preprocesses the image with a smaller pixel budget (Qwen2-VL: at most
     # 448 x 448 pixels, 256 tokens; mm_processor.IMAGE_DETAILS); "high" and "auto" as the server.
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class TextPart(_Part):
+class TextPart(_Open):
     type: Literal["text"]
     text: str
 
 
-class ImageURLPart(_Part):
+class ImageURLPart(_Open):
     type: Literal["image_url"]
     image_url: ImageURL
     # vLLM's extension: identifies the image in place of its content in the caches.
     uuid: str | None = None
 
 
-class VideoURL(_Part):
+class VideoURL(_Open):
     url: str  # data:video/...;base64,..., http(s)://... (allowed hosts), file://... (allowed root)
 
 
-class VideoURLPart(_Part):
+class VideoURLPart(_Open):
     """vLLM's video part: a video file (any container and codec FFmpeg decodes)."""
 
     type: Literal["video_url"]
@@ -118,9 +123,10 @@ class VideoURLPart(_Part):
 ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart, Field(discriminator="type")]
 
 
-class ChatMessage(BaseModel):
-    # Undeclared fields are kept for ``serving_common.check_undeclared_fields`` to judge.
-    model_config = ConfigDict(extra="allow")
+class ChatMessage(_Open):
+    # OpenAI's, refused unless null (the OpenAI SDK's dump of an earlier reply, which clients
+    # send back as it is, carries them as null).
+    unsupported_fields = frozenset({"audio", "function_call"})
 
     role: str  # "system", "user", "assistant", "tool", ...: what the chat template accepts
     content: str | list[ContentPart] | None = None
@@ -146,39 +152,39 @@ UNSUPPORTED_FIELDS = frozenset(
     {
         # OpenAI
         "audio", "best_of", "function_call", "functions", "metadata",
-        "modalities", "parallel_tool_calls", "prediction", "reasoning_effort",
-        "service_tier", "store", "tool_choice", "tools", "verbosity",
+        "modalities", "parallel_tool_calls", "prediction", "prompt_cache_retention",
+        "reasoning_effort", "service_tier", "store", "tool_choice", "tools", "verbosity",
         "web_search_options",
         # vLLM's extensions
         "add_generation_prompt", "add_special_tokens", "allowed_token_ids", "bad_words",
         "chat_template", "chat_template_kwargs", "continue_final_message", "documents",
-        "guided_choice", "guided_decoding_backend", "guided_grammar", "guided_json",
-        "guided_regex", "guided_whitespace_pattern", "kv_transfer_params",
-        "logits_processors", "mm_processor_kwargs", "prompt_embeds",
-        "request_id", "echo", "suffix",
-        "spaces_between_special_tokens", "truncate_prompt_tokens",
-        "vllm_xargs",
+        "ec_transfer_params", "guided_choice", "guided_decoding_backend", "guided_grammar",
+        "guided_json", "guided_regex", "guided_whitespace_pattern", "include_reasoning",
+        "kv_transfer_params", "logits_processors", "logprob_token_ids", "media_io_kwargs",
+        "mm_processor_kwargs", "prompt_embeds", "repetition_detection", "request_id",
+        "echo", "return_mm_kwargs", "return_prompt_text", "return_token_offsets",
+        "routed_experts_prompt_start", "suffix", "spaces_between_special_tokens",
+        "stream_interval", "thinking_token_budget", "truncate_prompt_tokens",
+        "truncation_side", "vllm_xargs", "watermarking",
     }
 )  # fmt: skip
-# The same for a chat message's fields: OpenAI's, refused unless null (the OpenAI SDK's dump of
-# an earlier reply, which clients send back as it is, carries them as null).
-UNSUPPORTED_MESSAGE_FIELDS = frozenset({"audio", "function_call"})
 
 
-class _Request(BaseModel):
+class _Request(_Open):
     # Strict types at the top level, as OpenAI checks them: ``max_tokens: true`` or ``"10"``
     # is a 400 naming the field, not 1 or 10 (an int still passes for a float).
     model_config = ConfigDict(extra="allow", strict=True)
+    unsupported_fields = UNSUPPORTED_FIELDS
 
 
-class JSONSchemaFormat(BaseModel):
+class JSONSchemaFormat(_Open):
     name: str
     description: str | None = None
     json_schema: dict | None = Field(default=None, alias="schema")
     strict: bool | None = None  # the schema is always enforced exactly (xgrammar's strict mode)
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(_Open):
     """OpenAI's ``response_format``: ``text``, ``json_object``, or ``json_schema``."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -198,9 +204,11 @@ class StructuredOutputsRequest(BaseModel):
     json_object: bool | None = None
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Open):
     # One last chunk with the usage and no choices; null means false (OpenAI's reading).
     include_usage: bool | None = False
+    # vLLM's: with include_usage, every chunk has the usage so far too.
+    continuous_usage_stats: bool | None = False
 
 
 class SamplingRequest(_Request):
@@ -220,6 +228,11 @@ class SamplingRequest(_Request):
     # OpenAI's end-user id, for abuse monitoring upstream: accepted for compatibility and
     # otherwise ignored. It does not salt the prefix cache; send cache_salt for that.
     user: str | None = None
+    # The same for OpenAI's successor of ``user``, OpenAI's prompt-cache routing hint (the
+    # prefix cache finds shared prefixes without one) and vLLM's session id (for routers).
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    session_id: str | None = None
     # vLLM's extensions.
     top_k: int | None = None
     min_p: float | None = None

@@ -27,6 +27,7 @@ from mm_serve.entrypoints.openai.serving_common import (
     ModelInfo,
     Reply,
     ServingBase,
+    StreamUsage,
     collect,
     per_token,
     stream_usage,
@@ -66,10 +67,10 @@ class ServingChat(ServingBase):
     async def create(
         self, request: ChatCompletionRequest, arrival_time: float
     ) -> ChatCompletionResponse | AsyncIterator[str]:
-        include_usage = stream_usage(request)
+        usage = stream_usage(request)
         outputs, reply = await self.start(request, arrival_time)
         if request.stream:
-            return _stream(outputs, reply, include_usage)
+            return _stream(outputs, reply, usage)
         with user_errors():
             return _response(await collect(outputs), reply)
 
@@ -188,13 +189,13 @@ def _response(output: RequestOutput, reply: _Reply) -> ChatCompletionResponse:
 
 
 async def _stream(
-    outputs: AsyncIterator[RequestOutput], reply: _Reply, include_usage: bool
+    outputs: AsyncIterator[RequestOutput], reply: _Reply, usage: StreamUsage
 ) -> AsyncIterator[str]:
     """One chunk per choice and token, as OpenAI streams: a choice's first chunk is its role
     alone (``{"role": "assistant", "content": ""}``), then with ``echo`` one chunk of the echoed
     text, then each token's chunk has ``content``
     (empty for a token without text of its own) and no role; the last token's chunk has the
-    finish reason."""
+    finish reason. ``usage``: a last chunk of the usage, and the usage so far in each."""
     started: set[int] = set()
     tool_streams: dict[int, ToolCallStream] = {}
     num_completion = 0
@@ -208,23 +209,29 @@ async def _stream(
                     role = DeltaMessage(role=reply.role, content="")
                     choice = ChatCompletionStreamChoice(index=delta.index, delta=role)
                     yield reply.event(
-                        ChatCompletionChunk, [choice], prompt_token_ids=prompt_token_ids
+                        ChatCompletionChunk,
+                        [choice],
+                        usage.so_far([last], num_completion),
+                        prompt_token_ids=prompt_token_ids,
                     )
                     if reply.echo:
                         choice = ChatCompletionStreamChoice(
                             index=delta.index, delta=DeltaMessage(content=reply.echo)
                         )
-                        yield reply.event(ChatCompletionChunk, [choice])
+                        yield reply.event(
+                            ChatCompletionChunk, [choice], usage.so_far([last], num_completion)
+                        )
                 for piece in per_token(delta):
+                    num_completion += len(piece.token_ids)
                     if reply.tools.choice == "none":
                         choices = [_stream_choice(piece, reply)]
                     else:
                         stream = tool_streams.setdefault(delta.index, ToolCallStream(reply.tools))
                         choices = _tool_stream_choices(piece, stream, reply)
                     for choice in choices:
-                        yield reply.event(ChatCompletionChunk, [choice])
-                num_completion += len(delta.token_ids)
-    if include_usage and last is not None:
+                        so_far = usage.so_far([last], num_completion)
+                        yield reply.event(ChatCompletionChunk, [choice], so_far)
+    if usage.final and last is not None:
         yield reply.event(ChatCompletionChunk, [], usage_info([last], num_completion))
 
 

@@ -28,8 +28,6 @@ from mm_serve.entrypoints.openai.errors import (
     user_errors,
 )
 from mm_serve.entrypoints.openai.protocol import (
-    UNSUPPORTED_FIELDS,
-    UNSUPPORTED_MESSAGE_FIELDS,
     PromptTokensDetails,
     SamplingRequest,
     UsageInfo,
@@ -339,20 +337,29 @@ def check_runner(llm: AsyncLLM, pooling: bool) -> None:
         raise bad_request(str(e), param="model") from None
 
 
-def prompt_dicts(value: str | list[str] | list[int] | list[list[int]], param: str) -> list[dict]:
+def prompt_dicts(
+    value: str | list[str] | list[int] | list[list[int]], param: str, vocab_size: int
+) -> list[dict]:
     """OpenAI's ``prompt`` (completions) or ``input`` (embeddings): a text, texts, token ids or
     lists of token ids, as prompt dicts, one per prompt.
 
     Raises:
-        APIError: (400) naming ``param``: an empty list.
+        APIError: (400) naming ``param``: an empty list, or a token id outside
+            ``[0, vocab_size)``.
     """
     if isinstance(value, str):
         return [{"prompt": value}]
     if not value:
         raise bad_request(f"{param} must not be empty.", param=param)
     if isinstance(value[0], int):
-        return [{"prompt_token_ids": value}]
+        value = [value]
     key = "prompt" if isinstance(value[0], str) else "prompt_token_ids"
+    for ids in value if key == "prompt_token_ids" else ():
+        if bad := [t for t in ids if not 0 <= t < vocab_size]:
+            message = (
+                f"{param} token ids {bad} are out of vocabulary (vocabulary size {vocab_size})."
+            )
+            raise bad_request(message, param=param)
     return [{key: p} for p in value]
 
 
@@ -366,18 +373,33 @@ async def gather_or_cancel(awaitables: Iterable[Awaitable[T]]) -> list[T]:
             task.cancel()
 
 
-def stream_usage(request: SamplingRequest) -> bool:
-    """Whether a stream ends with a usage chunk (``stream_options.include_usage``; null is
-    false).
+@dataclass(frozen=True)
+class StreamUsage:
+    """The usage a stream reports: a last chunk with it and no choices (``final``, OpenAI's
+    ``include_usage``), and in every chunk the usage so far (``continuous``, vLLM's
+    ``continuous_usage_stats``, only beside ``include_usage`` as vLLM has it)."""
+
+    final: bool = False
+    continuous: bool = False
+
+    def so_far(self, outputs: list[RequestOutput], num_completion: int) -> UsageInfo | None:
+        """A chunk's usage: ``usage_info`` when ``continuous``, else None."""
+        return usage_info(outputs, num_completion) if self.continuous and outputs else None
+
+
+def stream_usage(request: SamplingRequest) -> StreamUsage:
+    """The request's ``stream_options`` usage settings (null is false).
 
     Raises:
         APIError: (400) ``stream_options`` in a request that does not stream.
     """
-    if request.stream_options is not None and not request.stream:
+    options = request.stream_options
+    if options is not None and not request.stream:
         raise bad_request(
             "stream_options can only be set when stream is true.", param="stream_options"
         )
-    return bool(request.stream_options and request.stream_options.include_usage)
+    final = bool(options and options.include_usage)
+    return StreamUsage(final, final and bool(options.continuous_usage_stats))
 
 
 def per_token(delta: CompletionOutput) -> list[CompletionOutput]:
@@ -505,12 +527,13 @@ def _encodes(text: str) -> bool:
 
 
 def check_undeclared_fields(request: BaseModel) -> None:
-    """Refuse a field that OpenAI or vLLM defines and this server does not implement
-    (``protocol.UNSUPPORTED_FIELDS`` at the top level, ``UNSUPPORTED_MESSAGE_FIELDS`` in a chat
-    message); accept a field neither defines, logging its name once, as vLLM does. Undeclared
-    fields are looked for at the top level, in chat messages, in content parts and their
-    ``image_url`` / ``video_url``. A null value asks for nothing and passes (an SDK's dump of
-    an earlier reply), except an unsupported top-level field.
+    """Refuse a field that OpenAI or vLLM defines and this server does not implement (an
+    object's ``unsupported_fields``: ``protocol.UNSUPPORTED_FIELDS`` at the top level, e.g.
+    ``audio`` in a chat message, ``continuous_usage_stats`` in ``stream_options``); accept a
+    field neither defines, logging its name once, as vLLM does. Undeclared fields are looked
+    for in every object of the request (messages, content parts and their ``image_url``,
+    tools, ``response_format``, ...). A null value asks for nothing and passes (an SDK's dump
+    of an earlier reply), except an unsupported top-level field.
 
     Raises:
         APIError: (400) naming the unsupported field (``messages[0].audio``).
@@ -522,22 +545,25 @@ def check_undeclared_fields(request: BaseModel) -> None:
             _log_ignored_once(re.sub(r"\[\d+\]", "[]", param))
 
 
-def _undeclared_fields(request: BaseModel) -> Iterator[tuple[str, Any, bool]]:
-    """``(param, value, unsupported)`` of each undeclared field of ``request``."""
-    for name, value in sorted((request.model_extra or {}).items()):
-        yield name, value, name in UNSUPPORTED_FIELDS
-    for index, message in enumerate(getattr(request, "messages", None) or ()):
-        for name, value in sorted((message.model_extra or {}).items()):
-            unsupported = value is not None and name in UNSUPPORTED_MESSAGE_FIELDS
-            yield f"messages[{index}].{name}", value, unsupported
-        content = message.content if isinstance(message.content, list) else ()
-        for j, part in enumerate(content):
-            objects = {"": part} | {
-                f"{k}.": v for k, v in vars(part).items() if isinstance(v, BaseModel)
-            }
-            for prefix, obj in objects.items():
-                for key, value in (obj.model_extra or {}).items():
-                    yield f"messages[{index}].content[{j}].{prefix}{key}", value, False
+def _undeclared_fields(value: Any, prefix: str = "") -> Iterator[tuple[str, Any, bool]]:
+    """``(param, value, unsupported)`` of each undeclared field of ``value`` (a request
+    model, or a list or dict it holds) and of the objects within, depth first."""
+    if isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            yield from _undeclared_fields(item, f"{prefix}[{index}]")
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _undeclared_fields(item, f"{prefix}.{key}" if prefix else str(key))
+        return
+    if not isinstance(value, BaseModel):
+        return
+    unsupported_fields = getattr(value, "unsupported_fields", frozenset())
+    for name, extra in sorted((value.model_extra or {}).items()):
+        unsupported = name in unsupported_fields and (extra is not None or not prefix)
+        yield f"{prefix}.{name}" if prefix else name, extra, unsupported
+    for name in type(value).model_fields:
+        yield from _undeclared_fields(getattr(value, name), f"{prefix}.{name}" if prefix else name)
 
 
 _logged_fields: set[str] = set()

@@ -85,7 +85,7 @@ class ServingCompletion(serving_common.ServingBase):
         self, request: CompletionRequest, arrival_time: float
     ) -> CompletionResponse | AsyncIterator[str]:
         model = self.model.name_for(request.model)
-        include_usage = serving_common.stream_usage(request)
+        usage = serving_common.stream_usage(request)
         if request.echo and request.logprobs is not None and request.stream:
             raise bad_request("echo with logprobs cannot be streamed.", param="echo")
         if request.suffix:
@@ -96,7 +96,9 @@ class ServingCompletion(serving_common.ServingBase):
             params = dataclasses.replace(params, prompt_logprobs=num)
         processed = []
         with user_errors():
-            for prompt in serving_common.prompt_dicts(request.prompt, "prompt"):
+            for prompt in serving_common.prompt_dicts(
+                request.prompt, "prompt", self.llm.config.model.vocab_size
+            ):
                 if request.cache_salt is not None:
                     prompt["cache_salt"] = request.cache_salt
                 processed.append(await self.llm.process(prompt, request.add_special_tokens))
@@ -119,7 +121,7 @@ class ServingCompletion(serving_common.ServingBase):
         if request.echo:
             reply.echo_texts = [await self._prompt_text(p) for p in processed]
         if request.stream:
-            return _stream(streams, reply, include_usage)
+            return _stream(streams, reply, usage)
         with user_errors():
             outputs = await serving_common.gather_or_cancel(map(serving_common.collect, streams))
             return _response(outputs, reply)
@@ -142,10 +144,11 @@ def _response(outputs: list[RequestOutput], reply: _Reply) -> CompletionResponse
 
 
 async def _stream(
-    streams: list[AsyncIterator[RequestOutput]], reply: _Reply, include_usage: bool
+    streams: list[AsyncIterator[RequestOutput]], reply: _Reply, usage: serving_common.StreamUsage
 ) -> AsyncIterator[str]:
     """One chunk per choice and token (text empty for a token without text of its own), in
-    the order the prompts' outputs arrive; the last token's chunk has the finish reason."""
+    the order the prompts' outputs arrive; the last token's chunk has the finish reason.
+    ``usage``: a last chunk of the usage, and the usage so far (of the prompts begun) in each."""
     last: dict[int, RequestOutput] = {}
     started: set[tuple[int, int]] = set()  # (prompt, completion) pairs with a chunk sent
     num_completion = 0
@@ -153,15 +156,16 @@ async def _stream(
         async for prompt_index, output in merged:
             last[prompt_index] = output
             for delta in output.outputs:
-                num_completion += len(delta.token_ids)
                 for piece in serving_common.per_token(delta):
+                    num_completion += len(piece.token_ids)
                     first = (prompt_index, piece.index) not in started
                     started.add((prompt_index, piece.index))
                     choice = reply.choice(prompt_index, piece, output if first else None)
-                    yield reply.event(CompletionResponse, [choice])
-    if include_usage:
-        usage = serving_common.usage_info(list(last.values()), num_completion)
-        yield reply.event(CompletionResponse, [], usage)
+                    so_far = usage.so_far(list(last.values()), num_completion)
+                    yield reply.event(CompletionResponse, [choice], so_far)
+    if usage.final:
+        so_far = serving_common.usage_info(list(last.values()), num_completion)
+        yield reply.event(CompletionResponse, [], so_far)
 
 
 async def _merge(

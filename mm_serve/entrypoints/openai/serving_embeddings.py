@@ -96,7 +96,7 @@ class ServingEmbedding:
             raise bad_request("Give exactly one of input and messages.", param="input")
         if request.messages is not None:
             return [await self._chat_prompt(request)]
-        prompts = prompt_dicts(request.input, "input")
+        prompts = prompt_dicts(request.input, "input", self.llm.config.model.vocab_size)
         if any(not next(iter(p.values())) for p in prompts):
             raise bad_request("input must not contain an empty text or list.", param="input")
         add_special_tokens = request.add_special_tokens is not False
