@@ -223,12 +223,6 @@ CASES = [
     ),
     Bad("unsupported_vllm_field", chat(thinking_token_budget=8), "thinking_token_budget"),
     Bad(
-        "stop_beside_a_json_response_format",
-        chat(stop=["}"], response_format={"type": "json_object"}),
-        "stop",
-        param="stop",
-    ),
-    Bad(
         "response_format_without_schema",
         chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
         "response_format",

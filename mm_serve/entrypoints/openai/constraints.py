@@ -28,8 +28,6 @@ def output_constraints(
     if request.logit_bias:  # its ids' range: frontend.processor.check_sampling_params
         kwargs["logit_bias"] = _logit_bias(request.logit_bias)
     params, field = _structured_outputs(request)
-    if field == "response_format":
-        _check_no_stop(request)
     if tool_constraint is not None:
         if params is not None:
             message = f"{field} cannot be used with tool_choice 'required' or a named function."
@@ -57,19 +55,6 @@ def _logit_bias(logit_bias: dict[str, float]) -> dict[int, float]:
         message = f"logit_bias keys must be token ids (integers); got {', '.join(map(repr, bad))}."
         raise bad_request(message, param="logit_bias")
     return ids
-
-
-def _check_no_stop(request: SamplingRequest) -> None:
-    """Raises APIError (400) naming ``stop`` or ``stop_token_ids`` when the request sets one
-    beside a JSON ``response_format``: a stop could cut the JSON short and end it unparsable;
-    the output ends by itself once the JSON is complete."""
-    for name in ("stop", "stop_token_ids"):
-        if getattr(request, name):
-            message = (
-                f"{name} cannot be used with a JSON response_format: it could end the JSON "
-                "unfinished (the output ends once the JSON is complete)."
-            )
-            raise bad_request(message, param=name)
 
 
 def _structured_outputs(request: SamplingRequest) -> tuple[StructuredOutputsParams | None, str]:
