@@ -10,7 +10,13 @@ Engine metrics are read from ``AsyncLLM.get_replica_stats()`` at each scrape: ru
 waiting requests, KV- and encoder-cache usage (fractions 0..1), tokens scheduled per step (a
 histogram), preemptions, encoder tokens, and the prefix- (tokens), encoder- and processor-cache
 (images) query/hit counters. With data parallelism each engine metric has one sample per
-replica, labelled ``engine="RANK"``; the processor cache is the front end's, unlabelled."""
+replica, labelled ``engine="RANK"``; the processor cache is the front end's, unlabelled.
+
+With several API-server processes (``--api-server-count``) the front-end metrics are
+prometheus-client's multiprocess ones: each process writes its own files in the shared
+``PROMETHEUS_MULTIPROC_DIR`` (set before prometheus-client is imported) and ``render`` sums
+them, so that every process shows the whole server's counts; the engine's come from the one
+engine core. The processor-cache counters stay the rendering process's own."""
 
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -114,9 +121,13 @@ def _iteration_tokens(stats: EngineStats) -> tuple[list[tuple[str, float]], floa
 
 
 class ServerMetrics:
-    """The server's metrics; ``render(stats)`` gives the Prometheus text exposition."""
+    """The server's metrics; ``render(stats)`` gives the Prometheus text exposition.
 
-    def __init__(self) -> None:
+    ``multiprocess_dir``: the ``PROMETHEUS_MULTIPROC_DIR`` that several API-server processes
+    share (then ``render`` shows all of theirs), None for one process.
+    """
+
+    def __init__(self, multiprocess_dir: str | None = None) -> None:
         self.registry = registry = CollectorRegistry()
         counter = functools.partial(Counter, registry=registry)
         self.http_requests = counter(
@@ -141,7 +152,11 @@ class ServerMetrics:
         )
         self._define_request_histograms()
         self._engine = _EngineStatsCollector()
-        registry.register(self._engine)
+        self.exposition = registry
+        if multiprocess_dir is not None:
+            self.exposition = CollectorRegistry()
+            MultiProcessCollector(self.exposition, path=multiprocess_dir)
+        self.exposition.register(self._engine)
 
     def _histogram(self, name: str, help_text: str, buckets: tuple[float, ...]) -> Histogram:
         return Histogram(PREFIX + name, help_text, buckets=buckets, registry=self.registry)
@@ -224,4 +239,4 @@ class ServerMetrics:
             engine_stats = [engine_stats]
         if engine_stats is not None:
             self._engine.stats = list(engine_stats)
-        return generate_latest(self.registry)
+        return generate_latest(self.exposition)
