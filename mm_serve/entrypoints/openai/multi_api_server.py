@@ -31,8 +31,8 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from multiprocessing.synchronize import Event
 from typing import TYPE_CHECKING, Any
 
 from mm_serve.config import EngineArgs
@@ -61,9 +61,10 @@ class ApiServerRole:
     main process hands it over at spawn).
 
     ``listener``: the shared listening socket; ``engine``: this process's view of the engine
-    core; ``metrics_dir``: the shared multiprocess metrics folder; ``engine_warm``: set by
-    API server 0 once the engine core is warmed up and reset; ``parent_pid``: the main
-    process.
+    core; ``metrics_dir``: the shared multiprocess metrics folder; ``engine_warmed``: a pipe
+    that API server 0 (holding the write end) closes once the engine core is warmed up and
+    reset, and the others (each holding a read end) then see at its end; ``parent_pid``: the
+    main process.
     """
 
     index: int
@@ -71,7 +72,7 @@ class ApiServerRole:
     listener: socket.socket
     engine: SharedEngineProcess
     metrics_dir: str
-    engine_warm: Event
+    engine_warmed: Connection
     parent_pid: int
 
     async def warm_up(self, llm: AsyncLLM) -> None:
@@ -81,10 +82,11 @@ class ApiServerRole:
         runs while the engine core resets."""
         if self.index == 0:
             await llm.warm_up()
-            self.engine_warm.set()
+            self.engine_warmed.close()
             return
         await llm.warm_up(through_engine=False)
-        while not llm.is_dead and not await asyncio.to_thread(self.engine_warm.wait, WARM_WAIT_S):
+        warmed = self.engine_warmed.poll  # True at the pipe's end
+        while not llm.is_dead and not await asyncio.to_thread(warmed, WARM_WAIT_S):
             pass
 
     def add_served_by_header(self, app: FastAPI) -> None:
@@ -158,10 +160,8 @@ def run_multi_api_server(
     servers: list[BaseProcess] = []
     metrics_dir = tempfile.mkdtemp(prefix="mm_serve-metrics-")
     os.environ[MULTIPROC_DIR_ENV] = metrics_dir  # the children import prometheus-client
-    # Lives as long as the API servers: its semaphore goes when this object is collected.
-    engine_warm = no_main_context("spawn").Event()
     try:
-        servers = start_api_servers(engine_args, config, engine_process, metrics_dir, engine_warm)
+        servers = start_api_servers(engine_args, config, engine_process, metrics_dir)
         return supervise(servers, engine_process.proc, config.shutdown_timeout)
     finally:  # the API servers drained already, or the server is failing: stop all at once
         stop_processes([*servers, engine_process.proc], config.shutdown_timeout + STOP_GRACE_S)
@@ -174,16 +174,17 @@ def start_api_servers(
     config: ServerConfig,
     engine: EngineProcess,
     metrics_dir: str,
-    engine_warm: Event,
 ) -> list[BaseProcess]:
     """Start one API-server process per client of ``engine``, on one listening socket."""
     listener = bind_listener(config.host, config.port)
     context = no_main_context("spawn")
+    warmed_reader, warmed_writer = context.Pipe(duplex=False)
     servers = []
     try:
         for view in client_views(engine):
+            warmed = warmed_writer if view.index == 0 else warmed_reader
             count, pid = engine.num_clients, os.getpid()
-            role = ApiServerRole(view.index, count, listener, view, metrics_dir, engine_warm, pid)
+            role = ApiServerRole(view.index, count, listener, view, metrics_dir, warmed, pid)
             server = context.Process(
                 target=run_api_server_process,
                 args=(role, engine_args, config),
@@ -195,8 +196,8 @@ def start_api_servers(
         stop_processes(servers, STOP_GRACE_S)
         raise
     finally:  # the API servers hold their own copies
-        listener.close()
-        engine.config_writer.close()
+        for end in (listener, engine.config_writer, warmed_reader, warmed_writer):
+            end.close()
     logger.info("Started %d API servers (pids %s)", len(servers), [s.pid for s in servers])
     return servers
 
