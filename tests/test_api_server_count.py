@@ -3,7 +3,8 @@
 A real server on the tiny Qwen2-VL (conftest's ``vlm_path``, sized as ``vlm_llm``, the offline
 reference): concurrent chat requests land on both processes (the ``x-mm-serve-pid`` header)
 and each answer is the offline greedy one; ``/metrics`` on either process counts all of them;
-a killed API server takes the whole server down, leaving no process behind.
+a killed API server, engine core or main process takes the whole server down, leaving no
+process behind.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psutil
 import pytest
 
 from mm_serve import SamplingParams
@@ -107,13 +109,26 @@ def test_health_models_and_page_on_both_processes(server):
     assert VLM_SERVED_NAME in models
 
 
-def test_killed_api_server_takes_the_server_down(vlm_path):
+def server_pids(remote: RemoteServer) -> dict[str, int]:
+    """The main process, one API server and the engine core of ``remote``."""
+    api_servers = set(pids_seen(remote.url, "/health"))
+    assert len(api_servers) == 2
+    children = psutil.Process(remote.proc.pid).children()
+    (engine_core,) = [
+        p.pid
+        for p in children
+        if p.pid not in api_servers and "resource_tracker" not in " ".join(p.cmdline())
+    ]
+    return {"main": remote.proc.pid, "api-server": min(api_servers), "engine-core": engine_core}
+
+
+@pytest.mark.parametrize("victim", ["api-server", "engine-core", "main"])
+def test_a_killed_process_takes_the_whole_server_down(vlm_path, victim):
     remote = RemoteServer(vlm_path, ARGS)
     try:
-        victim = int(httpx.get(f"{remote.url}/health").headers[SERVED_BY_HEADER])
-        os.kill(victim, signal.SIGKILL)
+        os.kill(server_pids(remote)[victim], signal.SIGKILL)
         start = time.monotonic()
-        assert remote.proc.wait(timeout=20) == 1
+        assert remote.proc.wait(timeout=20) == (-signal.SIGKILL if victim == "main" else 1)
         assert time.monotonic() - start < 15
         assert_group_gone(remote.proc.pid, timeout_s=10)
     finally:
