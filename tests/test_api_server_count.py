@@ -19,7 +19,10 @@ import psutil
 import pytest
 
 from mm_serve import SamplingParams
-from mm_serve.entrypoints.openai.multi_api_server import SERVED_BY_HEADER
+from mm_serve.config import EngineArgs
+from mm_serve.entrypoints.cli import build_parser, server_config_from
+from mm_serve.entrypoints.launch import _api_server_count
+from mm_serve.entrypoints.openai.multi_api_server import SERVED_BY_HEADER, check_supported
 from tests.fixtures.server import (
     VLM_MAX_MODEL_LEN,
     VLM_NUM_KV_BLOCKS,
@@ -68,6 +71,26 @@ def pids_seen(url: str, path: str, tries: int = 40) -> dict[int, httpx.Response]
         if len(answers) == 2:
             break
     return answers
+
+
+def test_flag_and_launcher_agree():
+    for argv, count in [([], 1), (["--api-server-count", "3"], 3), (["--api-server-count=2"], 2)]:
+        args = build_parser(["serve", *argv]).parse_args(["serve", *argv])
+        assert server_config_from(args).api_server_count == count
+        assert _api_server_count(["serve", *argv]) == count
+    assert _api_server_count(["serve", "--api-server-count", "many"]) == 1  # argparse refuses it
+
+
+def test_unsupported_combinations_are_refused():
+    with pytest.raises(ValueError, match="at least 1"):
+        check_supported(EngineArgs(model="m"), 0)
+    for engine_args in (
+        EngineArgs(model="m", data_parallel_size=2),
+        EngineArgs(model="m", data_parallel_backend="ray"),
+    ):
+        with pytest.raises(ValueError, match="one local engine core"):
+            check_supported(engine_args, 2)
+        check_supported(engine_args, 1)
 
 
 @pytest.fixture(scope="module")

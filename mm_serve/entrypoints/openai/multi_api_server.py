@@ -57,8 +57,8 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 @dataclass
 class ApiServerRole:
-    """API-server process ``index``'s part in a server of ``count`` of them (picklable: the
-    main process hands it over at spawn).
+    """API-server process ``index``'s part in a server of several (picklable: the main
+    process hands it over at spawn).
 
     ``listener``: the shared listening socket; ``engine``: this process's view of the engine
     core; ``metrics_dir``: the shared multiprocess metrics folder; ``engine_warmed``: a pipe
@@ -68,7 +68,6 @@ class ApiServerRole:
     """
 
     index: int
-    count: int
     listener: socket.socket
     engine: SharedEngineProcess
     metrics_dir: str
@@ -132,11 +131,16 @@ def bind_listener(host: str, port: int) -> socket.socket:
 
 def check_supported(engine_args: EngineArgs, count: int) -> None:
     """Raises ValueError for a count below 1, or several API servers with data parallelism
-    (each API server would need every replica's sockets)."""
+    or Ray engine cores (each API server would need every replica's sockets)."""
     if count < 1:
         raise ValueError(f"--api-server-count must be at least 1, not {count}.")
-    if count > 1 and engine_args.data_parallel_size > 1:
-        raise ValueError("--api-server-count above 1 needs --data-parallel-size 1.")
+    if count > 1 and (
+        engine_args.data_parallel_size > 1 or engine_args.data_parallel_backend != "mp"
+    ):
+        raise ValueError(
+            "--api-server-count above 1 needs one local engine core (--data-parallel-size 1, "
+            "--data-parallel-backend mp)."
+        )
 
 
 def run_multi_api_server(
@@ -183,8 +187,7 @@ def start_api_servers(
     try:
         for view in client_views(engine):
             warmed = warmed_writer if view.index == 0 else warmed_reader
-            count, pid = engine.num_clients, os.getpid()
-            role = ApiServerRole(view.index, count, listener, view, metrics_dir, warmed, pid)
+            role = ApiServerRole(view.index, listener, view, metrics_dir, warmed, os.getpid())
             server = context.Process(
                 target=run_api_server_process,
                 args=(role, engine_args, config),
