@@ -43,6 +43,7 @@ ARGS = [
 ]  # fmt: skip
 MAX_TOKENS = 8
 NUM_REQUESTS = 24
+QUERIES = "mm_serve_processor_cache_queries_total"
 
 
 def conversation(i: int) -> list[dict]:
@@ -116,11 +117,15 @@ def test_metrics_count_the_whole_server(server):
     (total,) = {metric(r.text, "mm_serve_request_success_total") for r in before.values()}
     with ThreadPoolExecutor(4) as pool:
         assert all(r.status_code == 200 for r in pool.map(lambda i: chat(server.url, i), range(8)))
+    pids_seen(server.url, "/metrics")  # each process publishes its processor-cache counters
     after = pids_seen(server.url, "/metrics")
     assert len(after) == 2
     for response in after.values():
         assert metric(response.text, "mm_serve_request_success_total") == total + 8
         assert metric(response.text, "mm_serve_num_requests_running") == 0  # the engine's
+    # Each process has its own processor cache; both show the sum (3 of the 8 had an image).
+    (queries,) = {metric(r.text, QUERIES) for r in after.values()}
+    assert queries >= max(metric(r.text, QUERIES) for r in before.values()) + 3
 
 
 def test_health_models_and_page_on_both_processes(server):

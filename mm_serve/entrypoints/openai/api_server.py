@@ -64,7 +64,7 @@ from mm_serve.entrypoints.openai.serving_tokenization import ServingTokenization
 from mm_serve.frontend.async_llm import AsyncLLM
 from mm_serve.frontend.engine_process import EngineProcess
 from mm_serve.frontend.exceptions import EngineDeadError
-from mm_serve.messages.stats import RequestStats
+from mm_serve.messages.stats import EngineStats, RequestStats
 from mm_serve.utils.profiler import DIR_ENV as PROFILER_DIR_ENV
 
 if TYPE_CHECKING:
@@ -307,6 +307,8 @@ async def run_server(
         on_request_finished=on_request_finished,
         on_inter_token_latency=metrics.observe_inter_token_latency,
     )
+    if role:  # this API server's processor cache, for the whole server's counts
+        metrics.front_end_stats = lambda: llm.add_front_end_stats(EngineStats())
     media = MediaResolver(config.media)
     try:
         # Before /health answers: the first request is as fast as the next.
