@@ -7,7 +7,7 @@ the model runner or the models. It needs neither torch nor the config: ``mm-serv
 starts it before anything else, so that it imports the engine (seconds) while the API server
 imports the web stack and resolves the config. ``ClientResources`` is what a client must
 release. With several API-server processes (``--api-server-count``) the process serves one
-client per API server, each on its own pair of sockets (``for_client``).
+client per API server, each on its own pair of sockets (``shared_engine.client_views``).
 """
 
 from __future__ import annotations
