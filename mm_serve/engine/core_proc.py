@@ -2,15 +2,17 @@
 
 Three threads:
 
-- input thread: receives multipart messages, decodes them (``messages.InputCodec``; image tensors
-  stay in their ZeroMQ frames) and puts them on ``input_queue``; it also watches the parent
-  and ends the process when the parent is gone, so no orphan is left.
+- input thread: receives multipart messages from every client (API-server process),
+  decodes them (``messages.InputCodec``; image tensors stay in their ZeroMQ frames) and puts
+  them on ``input_queue`` with the client's index; it also watches the parent and ends the
+  process when the parent is gone, so no orphan is left.
 - main thread (``run_busy_loop``): drains ``input_queue`` (add / abort / utility), runs
   ``EngineCore.step()`` while requests remain, and waits on the queue when idle
   (waking every ``IDLE_WAKEUP_S`` so that a signal is handled).
-- output thread: encodes ``EngineCoreOutputs`` and sends them, overlapping the next step.
+- output thread: encodes ``EngineCoreOutputs`` and sends them to their client (the one that
+  sent the request or call, ``OutputRouter``), overlapping the next step.
 
-The front end binds both ipc sockets and owns their files; this process connects.
+Each front-end client binds its two ipc sockets and owns their files; this process connects.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -34,6 +37,7 @@ import zmq
 from mm_serve.config import EngineConfig
 from mm_serve.distributed.mp_context import PARENT_CHECK_INTERVAL_MS
 from mm_serve.engine.core import EngineCore
+from mm_serve.engine.output_router import OutputRouter
 from mm_serve.messages.request import Request, check_image_tokens
 from mm_serve.messages.wire import (
     AbortRequests,
@@ -61,7 +65,10 @@ IDLE_WAKEUP_S = 0.1
 
 
 def run_engine_core(
-    config_reader: Connection, input_address: str, output_address: str, parent_pid: int
+    config_reader: Connection,
+    input_address: str | Sequence[str],
+    output_address: str | Sequence[str],
+    parent_pid: int,
 ) -> None:
     """Entry point of the engine core process (started with the "spawn" method).
 
@@ -137,25 +144,37 @@ class EngineCoreProc:
 
     Args:
         input_address / output_address: the front end's ``ipc://`` endpoints (``tcp://`` for
-            a Ray actor).
+            a Ray actor), or one of each per client (API-server process), in client order.
         parent_pid: the front end's pid; when ``os.getppid()`` changes, it is gone. None in a
             Ray actor, which Ray ends when the front end that owns it is gone.
     """
 
-    def __init__(self, input_address: str, output_address: str, parent_pid: int | None) -> None:
+    def __init__(
+        self,
+        input_address: str | Sequence[str],
+        output_address: str | Sequence[str],
+        parent_pid: int | None,
+    ) -> None:
         self.parent_pid = parent_pid
-        self.ipc_paths = [a.removeprefix("ipc://") for a in (input_address, output_address)]
+        inputs, outputs = _as_list(input_address), _as_list(output_address)
+        if len(inputs) != len(outputs):
+            raise ValueError("Each client needs one input and one output address.")
+        self.ipc_paths = [a.removeprefix("ipc://") for a in (*inputs, *outputs)]
         self.ctx = zmq.Context()
-        self.input_socket = self.ctx.socket(zmq.PULL)
-        self.input_socket.setsockopt(zmq.RCVHWM, 0)
-        self.input_socket.connect(input_address)
-        self.output_socket = self.ctx.socket(zmq.PUSH)
-        self.output_socket.setsockopt(zmq.SNDHWM, 0)  # never block the loop on a slow reader
-        self.output_socket.connect(output_address)
+        self.input_sockets = [self._connect(zmq.PULL, address) for address in inputs]
+        self.output_sockets = [self._connect(zmq.PUSH, address) for address in outputs]
+        self.router = OutputRouter(len(outputs))
         self.input_queue: queue.Queue[Any] = queue.Queue()
         self.output_queue: queue.Queue[Any] = queue.Queue()
         self.stopping = threading.Event()  # tells the input thread to return
         self.engine_core: EngineCore | None = None
+
+    def _connect(self, socket_type: int, address: str) -> zmq.Socket:
+        socket = self.ctx.socket(socket_type)
+        # Never block the loop on a slow reader, nor drop an input.
+        socket.setsockopt(zmq.SNDHWM if socket_type == zmq.PUSH else zmq.RCVHWM, 0)
+        socket.connect(address)
+        return socket
 
     def serve(self, config: EngineConfig) -> int:
         """Start up (answering ``EngineReady`` or ``EngineFailed``), then run the busy loop
@@ -177,7 +196,8 @@ class EngineCoreProc:
                 "The engine core %s", "failed to start" if during_startup else "failed"
             )
             message = f"{type(e).__name__}: {e}"
-            self.output_queue.put(EngineFailed(message, traceback.format_exc(), during_startup))
+            failed = EngineFailed(message, traceback.format_exc(), during_startup)
+            self.output_queue.put((None, failed))
             exit_code = 1
         finally:  # also on SystemExit (SIGTERM)
             stopping = time.monotonic()
@@ -185,7 +205,8 @@ class EngineCoreProc:
             self.output_queue.put(_SHUTDOWN)
             for thread in threads:
                 thread.join(timeout=5)
-            self.output_socket.close(linger=2000)  # let the last outputs reach the front end
+            for socket in self.output_sockets:
+                socket.close(linger=2000)  # let the last outputs reach the front end
             self.ctx.term()
             logger.info(
                 "The engine core stopped its threads and sockets in %.2f s",
@@ -212,7 +233,7 @@ class EngineCoreProc:
             block_size=config.cache.block_size,
         )
         logger.info("The engine core started in %.1f s", time.perf_counter() - start)
-        self.output_queue.put(ready)
+        self.output_queue.put((None, ready))  # to every client
 
     def run_busy_loop(self) -> None:
         """Drain the inputs, step while there is work, wait on the input queue when idle.
@@ -228,7 +249,8 @@ class EngineCoreProc:
                 outputs = engine_core.step()
                 if outputs:
                     message = EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())
-                    self.output_queue.put(message)
+                    for part in self.router.split(message):
+                        self.output_queue.put(part)
 
     def _process_input_queue(self, block: bool) -> bool:
         """Handle every queued input (waiting up to ``IDLE_WAKEUP_S`` for one if ``block``);
@@ -238,22 +260,29 @@ class EngineCoreProc:
             while True:
                 if item is _SHUTDOWN:
                     return False
-                self._handle_input(item)
+                self._handle_input(*item)
                 item = self.input_queue.get_nowait()
         except queue.Empty:
             return True
 
-    def _handle_input(self, item: Any) -> None:
+    def _handle_input(self, client: int, item: Any) -> None:
+        """Handle one decoded input of ``client``; answers and errors go back to it."""
         if isinstance(item, list):  # an add-request's engine requests, or their errors
             adds = [r for r in item if isinstance(r, Request)]
             errors = [e for e in item if isinstance(e, RequestError)]
-            errors += [e for r in adds if (e := self._add_request(r)) is not None]
+            for request in adds:
+                error = self._add_request(request)
+                if error is None:
+                    self.router.add(request.request_id, client)
+                else:
+                    errors.append(error)
             if errors:
-                self.output_queue.put(EngineCoreOutputs(errors=errors))
+                self.output_queue.put((client, EngineCoreOutputs(errors=errors)))
         elif isinstance(item, AbortRequests):
             self.engine_core.abort_requests(item.request_ids)
+            self.router.remove(item.request_ids)
         elif isinstance(item, UtilityRequest):
-            self.output_queue.put(self._call_utility(item))
+            self.output_queue.put((client, self._call_utility(item)))
         elif isinstance(item, BaseException):
             raise RuntimeError("The engine core's input thread failed.") from item
 
@@ -327,26 +356,36 @@ class EngineCoreProc:
 
     def _input_loop(self) -> None:
         codec = InputCodec()
+        poller = zmq.Poller()
+        for socket in self.input_sockets:
+            poller.register(socket, zmq.POLLIN)
+        client_of = {socket: client for client, socket in enumerate(self.input_sockets)}
         try:
             while not self.stopping.is_set():
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     self._exit_orphaned()
-                if not self.input_socket.poll(PARENT_CHECK_INTERVAL_MS, zmq.POLLIN):
-                    continue
-                frames = self.input_socket.recv_multipart(copy=False)
-                try:
-                    item = codec.decode(frames)
-                except RequestDecodeError as e:
-                    if not e.request_ids:
-                        logger.error("Dropped a message that could not be decoded: %s", e)
-                        continue
-                    item = [RequestError(request_id, str(e)) for request_id in e.request_ids]
-                self.input_queue.put(item)
+                for socket, _ in poller.poll(PARENT_CHECK_INTERVAL_MS):
+                    item = self._decode(codec, socket.recv_multipart(copy=False))
+                    if item is not None:
+                        self.input_queue.put((client_of[socket], item))
         except Exception as e:
             logger.exception("The engine core's input thread failed")
-            self.input_queue.put(e)
+            self.input_queue.put((0, e))
         finally:
-            self.input_socket.close(linger=0)  # by its owner thread: sockets are not thread-safe
+            for socket in self.input_sockets:  # by their owner thread: not thread-safe
+                socket.close(linger=0)
+
+    @staticmethod
+    def _decode(codec: InputCodec, frames: list[Any]) -> Any:
+        """One message's input; the errors of its requests if it cannot be decoded, or None
+        (logged) when it names no request."""
+        try:
+            return codec.decode(frames)
+        except RequestDecodeError as e:
+            if not e.request_ids:
+                logger.error("Dropped a message that could not be decoded: %s", e)
+                return None
+            return [RequestError(request_id, str(e)) for request_id in e.request_ids]
 
     def _exit_orphaned(self) -> None:
         """The front end died without shutting us down: nobody reads our outputs; exit now."""
@@ -360,7 +399,15 @@ class EngineCoreProc:
     def _output_loop(self) -> None:
         codec = OutputCodec()
         while True:
-            message = self.output_queue.get()
-            if message is _SHUTDOWN:
+            item = self.output_queue.get()
+            if item is _SHUTDOWN:
                 return
-            self.output_socket.send(codec.encode(message), copy=False)
+            client, message = item  # client None: every client
+            body = codec.encode(message)
+            sockets = self.output_sockets if client is None else [self.output_sockets[client]]
+            for socket in sockets:
+                socket.send(body, copy=False)
+
+
+def _as_list(address: str | Sequence[str]) -> list[str]:
+    return [address] if isinstance(address, str) else list(address)

@@ -127,6 +127,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         type=_lora_module,
     )
     add(
+        "--api-server-count",
+        "API-server processes (HTTP, tokenizing, image preprocessing) sharing the port and the "
+        "one engine core.",
+        server.api_server_count,
+        type=int,
+    )
+    add(
         "--otlp-traces-endpoint",
         "OTLP/HTTP collector (http://host:4318/v1/traces) that gets a span per request; "
         "needs pip install 'mm_serve[otel]'.",
@@ -215,6 +222,7 @@ def server_config_from(args: argparse.Namespace):
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         shutdown_timeout=args.shutdown_timeout,
         lora_modules=tuple(args.lora_modules),
+        api_server_count=args.api_server_count,
     )
 
 
@@ -228,13 +236,17 @@ def serve(args: argparse.Namespace, engine_process: EngineProcess | None = None)
     """``mm-serve serve``: returns the exit code (1: bad options, failed start, engine died).
     ``engine_process``: the engine core process, started before the flags were parsed."""
     from mm_serve.entrypoints.openai.api_server import run_server
+    from mm_serve.entrypoints.openai.multi_api_server import run_multi_api_server
     from mm_serve.frontend.exceptions import EngineStartupError
 
     logger.info("mm-serve serve %s (pid %d)", args.model, os.getpid())
     try:
         server_config = server_config_from(args)
-        return asyncio.run(run_server(engine_args_from(args), server_config, engine_process))
-    except (ValueError, EngineStartupError) as e:
+        engine_args = engine_args_from(args)
+        if server_config.api_server_count != 1:
+            return run_multi_api_server(engine_args, server_config, engine_process)
+        return asyncio.run(run_server(engine_args, server_config, engine_process))
+    except (ValueError, OSError, EngineStartupError) as e:
         logger.error("Cannot serve %s: %s", args.model, e)
         return 1
 
@@ -395,6 +407,17 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def configure_logging(level_name: str) -> None:
+    """Log at ``level_name`` (one of ``LOG_LEVELS``) from mm_serve's loggers; other
+    libraries' stay at WARNING or above: --log-level debug is about ours."""
+    level = logging.getLevelName(level_name.upper())
+    logging.basicConfig(
+        level=max(level, logging.WARNING),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("mm_serve").setLevel(level)
+
+
 def main(argv: list[str] | None = None, engine_process: EngineProcess | None = None) -> int:
     """Entry point of ``mm-serve``; returns the exit code. ``engine_process``: ``serve``'s
     engine core process, started first by the console script (``launch.main``)."""
@@ -404,14 +427,7 @@ def main(argv: list[str] | None = None, engine_process: EngineProcess | None = N
         parser.error(
             f"{args.question!r} is a file: ask a question too (mm-serve chat IMAGE QUESTION)."
         )
-    level = getattr(args, "log_level", "info" if args.command == "bench" else "warning")
-    level = logging.getLevelName(level.upper())
-    # Other libraries' loggers stay at WARNING (or above): --log-level debug is about ours.
-    logging.basicConfig(
-        level=max(level, logging.WARNING),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("mm_serve").setLevel(level)
+    configure_logging(getattr(args, "log_level", "info" if args.command == "bench" else "warning"))
     if args.command == "serve":
         return serve(args, engine_process)
     return args.func(args)

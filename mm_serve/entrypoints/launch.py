@@ -20,10 +20,10 @@ def main() -> int:
     engine_process = None
     if argv[:1] == ["serve"] and not {"-h", "--help"} & set(argv):
         cache_bytecode(argv)
-        if not _ray_replicas(argv):
+        if _flag_value(argv, "--data-parallel-backend") != "ray":
             from mm_serve.frontend.engine_process import start_engine_core
 
-            engine_process = start_engine_core()
+            engine_process = start_engine_core(_api_server_count(argv))
     try:
         from mm_serve.entrypoints.cli import main as cli_main
 
@@ -36,12 +36,23 @@ def main() -> int:
             engine_process.stop()
 
 
-def _ray_replicas(argv: list[str]) -> bool:
-    """Whether ``argv`` asks for Ray actors as the engine cores (no local one to start)."""
-    flag = "--data-parallel-backend"
-    return f"{flag}=ray" in argv or any(
-        a == flag and b == "ray" for a, b in zip(argv, argv[1:], strict=False)
-    )
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    """The value ``argv`` gives ``flag`` (``--flag value`` or ``--flag=value``; the last
+    one), else None."""
+    value = None
+    for arg, following in zip(argv, [*argv[1:], None], strict=True):
+        if arg == flag:
+            value = following
+        elif arg.startswith(f"{flag}="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def _api_server_count(argv: list[str]) -> int:
+    """The engine core's clients: ``--api-server-count`` (1 when absent or not a count; the
+    server then starts the engine core again for the right count)."""
+    value = _flag_value(argv, "--api-server-count") or "1"
+    return int(value) if value.isdigit() and int(value) > 0 else 1
 
 
 def cache_bytecode(argv: list[str]) -> None:

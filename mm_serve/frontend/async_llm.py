@@ -96,11 +96,12 @@ class AsyncLLM(FrontEnd):
         """Build an ``AsyncLLM`` in a worker thread, keeping the running loop free."""
         return await asyncio.to_thread(cls, engine_args, **kwargs)
 
-    async def warm_up(self) -> None:
+    async def warm_up(self, through_engine: bool = True) -> None:
         """Run the warm-up requests (``mm_serve.frontend.warm_up``: a batch filling the largest
         step on CUDA, one request elsewhere; the same on each data-parallel replica) once the
         preprocessing workers are warm, then reset the engine core; the metrics' callbacks
-        never hear of them.
+        never hear of them. ``through_engine`` False: only process one prompt (tokenizer and
+        preprocessing pool), for an API server whose engine core another one warms up.
 
         Raises:
             BrokenProcessPool: a preprocessing worker failed to start.
@@ -124,6 +125,8 @@ class AsyncLLM(FrontEnd):
                 pass
 
         first = await one_prompt()
+        if not through_engine:
+            return
         num_prompts = warm_up_batch_size(self.config, len(first.token_ids))
         replicas = self.config.parallel.data_parallel_size
         logger.info("Warming up: %d request(s) through the whole path", num_prompts * replicas)

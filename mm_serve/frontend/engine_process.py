@@ -6,7 +6,8 @@ imports the engine core in the child only, so that the front end never loads the
 the model runner or the models. It needs neither torch nor the config: ``mm-serve serve``
 starts it before anything else, so that it imports the engine (seconds) while the API server
 imports the web stack and resolves the config. ``ClientResources`` is what a client must
-release.
+release. With several API-server processes (``--api-server-count``) the process serves one
+client per API server, each on its own pair of sockets (``shared_engine.client_views``).
 """
 
 from __future__ import annotations
@@ -52,16 +53,26 @@ def _run_engine_core(*args: Any) -> None:
 class EngineProcess:
     """A started engine core process, waiting for its config.
 
-    ``ipc_paths``: the (input, output) socket files in the fresh folder ``ipc_dir``, which the
-    client binds and the process connects to (ZeroMQ retries until they are bound).
-    ``config_writer``: the pipe end on which the client sends ``(log_setup(), EngineConfig)``,
-    pickled; closing it unsent makes the process exit with code 0.
+    ``client_ipc_paths``: per client, the (input, output) socket files in the fresh folder
+    ``ipc_dir``, which the client binds and the process connects to (ZeroMQ retries until
+    they are bound); ``ipc_paths`` are client 0's. ``config_writer``: the pipe end on which
+    the client sends ``(log_setup(), EngineConfig)``, pickled; closing it unsent makes the
+    process exit with code 0.
     """
 
     proc: BaseProcess
     ipc_dir: str
-    ipc_paths: tuple[str, str]
+    client_ipc_paths: list[tuple[str, str]]
     config_writer: Connection
+
+    @property
+    def ipc_paths(self) -> tuple[str, str]:
+        """Client 0's (input, output) socket files."""
+        return self.client_ipc_paths[0]
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.client_ipc_paths)
 
     @property
     def bind_addresses(self) -> tuple[str, str]:
@@ -88,21 +99,26 @@ class EngineProcess:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
-def start_engine_core() -> EngineProcess:
-    """Start the engine core process; the engine core does not resolve the config again."""
+def start_engine_core(num_clients: int = 1) -> EngineProcess:
+    """Start the engine core process, serving ``num_clients`` clients (API-server processes);
+    the engine core does not resolve the config again."""
     ipc_dir = tempfile.mkdtemp(prefix="mm_serve-")
     tag = uuid.uuid4().hex[:12]
-    ipc_paths = (f"{ipc_dir}/input-{tag}.sock", f"{ipc_dir}/output-{tag}.sock")
+    paths = [
+        (f"{ipc_dir}/input-{tag}-{i}.sock", f"{ipc_dir}/output-{tag}-{i}.sock")
+        for i in range(num_clients)
+    ]
     context = no_main_context("spawn")
     reader, writer = context.Pipe(duplex=False)
+    inputs, outputs = ([f"ipc://{pair[k]}" for pair in paths] for k in (0, 1))
     process = context.Process(
         target=_run_engine_core,
-        args=(reader, *(f"ipc://{path}" for path in ipc_paths), os.getpid()),
+        args=(reader, inputs, outputs, os.getpid()),
         name="mm_serve-engine-core",
     )
     process.start()
     reader.close()  # the child's end
-    return EngineProcess(process, ipc_dir, ipc_paths, writer)
+    return EngineProcess(process, ipc_dir, paths, writer)
 
 
 @dataclass

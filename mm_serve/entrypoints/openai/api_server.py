@@ -25,6 +25,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -71,8 +72,11 @@ from mm_serve.entrypoints.openai.serving_tokenization import ServingTokenization
 from mm_serve.frontend.async_llm import AsyncLLM
 from mm_serve.frontend.engine_process import EngineProcess
 from mm_serve.frontend.exceptions import EngineDeadError
-from mm_serve.messages.stats import RequestStats
+from mm_serve.messages.stats import EngineStats, RequestStats
 from mm_serve.utils.profiler import DIR_ENV as PROFILER_DIR_ENV
+
+if TYPE_CHECKING:
+    from mm_serve.entrypoints.openai.multi_api_server import ApiServerRole
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +100,8 @@ class ServerConfig:
     (debug, info, warning, error); ``otlp_traces_endpoint``: an OTLP/HTTP collector that gets
     a span per request (``tracing``), None: no tracing; ``shutdown_timeout``: seconds the
     requests in flight at SIGTERM get to finish (new connections are refused), then the rest
-    are cut and the engine stops.
+    are cut and the engine stops; ``api_server_count``: API-server processes sharing the
+    port and the one engine core (``multi_api_server``).
     """
 
     host: str = "127.0.0.1"
@@ -112,6 +117,7 @@ class ServerConfig:
     otlp_traces_endpoint: str | None = None
     shutdown_timeout: float = 5.0
     lora_modules: tuple[LoRAModulePath, ...] = ()
+    api_server_count: int = 1
 
 
 def served_model(llm: AsyncLLM, config: ServerConfig) -> ModelInfo:
@@ -290,17 +296,22 @@ class _WebMount(Mount):
 
 
 async def run_server(
-    engine_args: EngineArgs, config: ServerConfig, engine_process: EngineProcess | None = None
+    engine_args: EngineArgs,
+    config: ServerConfig,
+    engine_process: EngineProcess | None = None,
+    role: ApiServerRole | None = None,
 ) -> int:
     """Start the engine and serve until stopped; returns the process exit code: 0 after
     SIGTERM / SIGINT, 1 when the engine core died. ``engine_process``: the engine core
-    process if already started (``start_engine_core``).
+    process if already started (``start_engine_core``). ``role``: this process's part in a
+    server of several API-server processes (``multi_api_server``: the shared socket and
+    engine core, multiprocess metrics); None: the only one.
 
     Raises:
         ValueError: an unusable checkpoint or option.
         EngineStartupError: the engine core failed to start.
     """
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(role.metrics_dir if role else None)
     on_request_finished, tracer = metrics.observe_request, None
     if config.otlp_traces_endpoint:
         from mm_serve.entrypoints.openai.tracing import RequestTracer
@@ -313,14 +324,19 @@ async def run_server(
 
     llm = await AsyncLLM.create(
         engine_args,
-        engine_process=engine_process,
+        engine_process=role.engine if role else engine_process,
         on_request_finished=on_request_finished,
         on_inter_token_latency=metrics.observe_inter_token_latency,
     )
+    if role:  # this API server's processor cache, for the whole server's counts
+        metrics.front_end_stats = lambda: llm.add_front_end_stats(EngineStats())
     media = MediaResolver(config.media)
     try:
-        await llm.warm_up()  # before /health answers: the first request is as fast as the next
+        # Before /health answers: the first request is as fast as the next.
+        await (role.warm_up(llm) if role else llm.warm_up())
         app = build_app(llm, config, metrics, media)
+        if role:
+            role.add_served_by_header(app)
         uvicorn_config = uvicorn.Config(
             app,
             host=config.host,
@@ -337,7 +353,7 @@ async def run_server(
             signal.signal(sig, lambda signum, frame: stop_signals.append(signum))
         watchdog = asyncio.ensure_future(_watch(server, llm, config))
         try:
-            await server.serve()
+            await server.serve(sockets=[role.listener] if role else None)
         finally:
             watchdog.cancel()
         engine_died = llm.is_dead

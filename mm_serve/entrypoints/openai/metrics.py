@@ -10,21 +10,29 @@ Engine metrics are read from ``AsyncLLM.get_replica_stats()`` at each scrape: ru
 waiting requests, KV- and encoder-cache usage (fractions 0..1), tokens scheduled per step (a
 histogram), preemptions, encoder tokens, and the prefix- (tokens), encoder- and processor-cache
 (images) query/hit counters. With data parallelism each engine metric has one sample per
-replica, labelled ``engine="RANK"``; the processor cache is the front end's, unlabelled."""
+replica, labelled ``engine="RANK"``; the processor cache is the front end's, unlabelled.
+
+With several API-server processes (``--api-server-count``) the front-end metrics are
+prometheus-client's multiprocess ones: each process writes its own files in the shared
+``PROMETHEUS_MULTIPROC_DIR`` (set before prometheus-client is imported) and ``render`` sums
+them, so that every process shows the whole server's counts; the engine's come from the one
+engine core. Each process has its own processor cache: its counters are published as gauges
+(same sample names) as each of its requests finishes and at each of its scrapes, and summed."""
 
 from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -71,8 +79,9 @@ class _EngineStatsCollector(Collector):
     """Yields the last snapshot of each replica's ``EngineStats`` given to ``render`` (nothing
     before one): unlabelled for one engine core, labelled by replica for several."""
 
-    def __init__(self) -> None:
+    def __init__(self, front_end: bool) -> None:
         self.stats: list[EngineStats] = []
+        self.front_end = front_end  # whether to yield the processor-cache counters
 
     def collect(self) -> Iterator[Metric]:
         replicas = self.stats
@@ -85,7 +94,7 @@ class _EngineStatsCollector(Collector):
         for field, help_text in _ENGINE_COUNTERS.items():
             family = CounterMetricFamily(PREFIX + field, help_text, labels=labels)
             yield _per_replica(family, replicas, field)
-        for field, help_text in _FRONT_END_COUNTERS.items():
+        for field, help_text in _FRONT_END_COUNTERS.items() if self.front_end else ():
             yield CounterMetricFamily(PREFIX + field, help_text, value=getattr(replicas[0], field))
         family = HistogramMetricFamily(
             PREFIX + "iteration_tokens_total",
@@ -114,9 +123,15 @@ def _iteration_tokens(stats: EngineStats) -> tuple[list[tuple[str, float]], floa
 
 
 class ServerMetrics:
-    """The server's metrics; ``render(stats)`` gives the Prometheus text exposition."""
+    """The server's metrics; ``render(stats)`` gives the Prometheus text exposition.
 
-    def __init__(self) -> None:
+    ``multiprocess_dir``: the ``PROMETHEUS_MULTIPROC_DIR`` that several API-server processes
+    share (then ``render`` shows all of theirs), None for one process. There, set
+    ``front_end_stats`` to a function giving this process's processor-cache counters (an
+    ``EngineStats``).
+    """
+
+    def __init__(self, multiprocess_dir: str | None = None) -> None:
         self.registry = registry = CollectorRegistry()
         counter = functools.partial(Counter, registry=registry)
         self.http_requests = counter(
@@ -140,8 +155,20 @@ class ServerMetrics:
             TPOT_BUCKETS,
         )
         self._define_request_histograms()
-        self._engine = _EngineStatsCollector()
-        registry.register(self._engine)
+        self._engine = _EngineStatsCollector(front_end=multiprocess_dir is None)
+        self.exposition = registry
+        self._front_end: dict[str, Gauge] = {}
+        self.front_end_stats: Callable[[], EngineStats] | None = None
+        if multiprocess_dir is not None:
+            self.exposition = CollectorRegistry()
+            MultiProcessCollector(self.exposition, path=multiprocess_dir)
+            self._front_end = {
+                field: Gauge(
+                    PREFIX + field + "_total", text, registry=registry, multiprocess_mode="sum"
+                )
+                for field, text in _FRONT_END_COUNTERS.items()
+            }
+        self.exposition.register(self._engine)
 
     def _histogram(self, name: str, help_text: str, buckets: tuple[float, ...]) -> Histogram:
         return Histogram(PREFIX + name, help_text, buckets=buckets, registry=self.registry)
@@ -200,12 +227,19 @@ class ServerMetrics:
         if stats.index == 0:  # the n completions of a request share its prompt
             self.prompt_tokens.inc(stats.num_prompt_tokens)
         self.generation_tokens.inc(stats.num_output_tokens)
+        if self.front_end_stats is not None:
+            self._publish_front_end(self.front_end_stats())
         if stats.finish_reason in ("abort", "error"):
             return  # their latencies say nothing about the engine
         for field, histogram in self._request_histograms.items():
             value = getattr(stats, field)
             if value is not None:
                 histogram.observe(value)
+
+    def _publish_front_end(self, stats: EngineStats) -> None:
+        """This process's processor-cache counters, for every process's ``render``."""
+        for field, gauge in self._front_end.items():
+            gauge.set(getattr(stats, field))
 
     def observe_inter_token_latency(self, latency: float) -> None:
         """Record one inter-token latency in seconds (``AsyncLLM``'s
@@ -224,4 +258,5 @@ class ServerMetrics:
             engine_stats = [engine_stats]
         if engine_stats is not None:
             self._engine.stats = list(engine_stats)
-        return generate_latest(self.registry)
+            self._publish_front_end(self._engine.stats[0])
+        return generate_latest(self.exposition)
