@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mm_serve.entrypoints.cli_flags import add_engine_args, add_flag, engine_args_from
+from mm_serve.utils.logs import configure_logging
 
 if TYPE_CHECKING:  # zmq: not for the offline benchmarks
     from mm_serve.frontend.engine_process import EngineProcess
@@ -405,17 +406,6 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add_chat_parser(commands)
     add_bench_parser(commands, argv)
     return parser
-
-
-def configure_logging(level_name: str) -> None:
-    """Log at ``level_name`` (one of ``LOG_LEVELS``) from mm_serve's loggers; other
-    libraries' stay at WARNING or above: --log-level debug is about ours."""
-    level = logging.getLevelName(level_name.upper())
-    logging.basicConfig(
-        level=max(level, logging.WARNING),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("mm_serve").setLevel(level)
 
 
 def main(argv: list[str] | None = None, engine_process: EngineProcess | None = None) -> int:

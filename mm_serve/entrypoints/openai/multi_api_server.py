@@ -248,10 +248,10 @@ def stop_processes(processes: list[BaseProcess], timeout_s: float) -> None:
 def run_api_server_process(role: ApiServerRole, engine_args: EngineArgs, config: Any) -> None:
     """Target of an API-server process: ``run_server`` on the shared socket; exits with its
     code (1 when the engine could not start)."""
-    from mm_serve.entrypoints.cli import configure_logging
     from mm_serve.entrypoints.openai.api_server import run_server
     from mm_serve.frontend.exceptions import EngineStartupError
     from mm_serve.utils import quiet_exit
+    from mm_serve.utils.logs import configure_logging
 
     quiet_exit.install()
     _exit_with_parent(role.parent_pid)
