@@ -272,6 +272,15 @@ def test_lora_modules_need_enable_lora():
         server_config_from(build_parser(argv).parse_args(argv))
 
 
+def test_runtime_loading_needs_one_api_server(monkeypatch):
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
+    argv = ["serve", "m", "--enable-lora", "--api-server-count", "2"]
+    with pytest.raises(ValueError, match="needs one API server"):
+        server_config_from(build_parser(argv).parse_args(argv))
+    argv[-1] = "1"
+    assert server_config_from(build_parser(argv).parse_args(argv)).api_server_count == 1
+
+
 def test_embeddings_refuse_an_adapter():
     """A pooling server with adapters embeds with the base model only: an adapter's name is a
     400 before anything runs (no engine needed to see it)."""

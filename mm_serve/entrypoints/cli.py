@@ -203,12 +203,20 @@ def server_config_from(args: argparse.Namespace):
     """The ``ServerConfig`` of parsed ``serve`` flags.
 
     Raises:
-        ValueError: ``--lora-modules`` without ``--enable-lora``.
+        ValueError: ``--lora-modules`` without ``--enable-lora``; runtime adapter loading
+            (``MM_SERVE_ALLOW_RUNTIME_LORA_UPDATING``) with several API servers, each of which
+            would hold its own list.
     """
     from mm_serve.entrypoints.openai.api_server import ServerConfig
+    from mm_serve.entrypoints.openai.serving_models import runtime_lora_updating
 
     if args.lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora.")
+    if args.enable_lora and args.api_server_count > 1 and runtime_lora_updating():
+        raise ValueError(
+            "Runtime LoRA loading (MM_SERVE_ALLOW_RUNTIME_LORA_UPDATING) needs one API server: "
+            "each of --api-server-count's processes would hold its own adapters."
+        )
 
     return ServerConfig(
         host=args.host,
