@@ -296,3 +296,28 @@ def test_embeddings_refuse_an_adapter():
     with pytest.raises(APIError, match="not served for embeddings") as error:
         asyncio.run(embedding.create(EmbeddingRequest(model="qv", input="a"), 0.0))
     assert error.value.status == 400
+
+
+def test_run_batch_serves_lora_modules(checkpoint, offline, tmp_path):
+    """``mm-serve run-batch --enable-lora --lora-modules``: a line naming an adapter gets that
+    adapter's greedy tokens (the offline engine's), a line naming the base model the base's."""
+    path, adapters = checkpoint
+    lines = [
+        {"custom_id": f"{model}-{i}", "method": "POST", "url": "/v1/completions",
+         "body": {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                  "return_token_ids": True}}
+        for model in (MODEL, "qv") for i, prompt in enumerate(PROMPTS)
+    ]  # fmt: skip
+    source, results = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    command = [sys.executable, "-m", "mm_serve.entrypoints.cli", "run-batch", path, *ENGINE]
+    command += ["--served-model-name", MODEL, "--lora-modules", f"qv={adapters['qv-r8']}"]
+    command += ["-i", str(source), "-o", str(results)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    outputs = [json.loads(line) for line in results.read_text().splitlines()]
+    got = {o["custom_id"]: o["response"]["body"]["choices"][0]["token_ids"] for o in outputs}
+    expected = {model: offline_tokens(offline, model) for model in (MODEL, "qv")}
+    assert expected["qv"] != expected[MODEL]  # the adapter changes the tokens
+    for model, tokens in expected.items():
+        assert [got[f"{model}-{i}"] for i in range(len(PROMPTS))] == tokens, model

@@ -50,6 +50,19 @@ def _mm_limits(text: str) -> dict[str, int]:
     return limits
 
 
+def _add_lora_modules_flag(add) -> None:
+    """``--lora-modules``, for ``serve`` and ``run-batch``."""
+    add(
+        "--lora-modules",
+        "LoRA adapters served beside the model (needs --enable-lora), each as name=path or "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; a request names one in model.',
+        [],
+        shown="none",
+        nargs="+",
+        type=_lora_module,
+    )
+
+
 def _lora_module(text: str):
     """``--lora-modules``' ``name=path`` or JSON (``LoRAModulePath.parse``)."""
     from mm_serve.entrypoints.openai.serving_models import LoRAModulePath
@@ -118,15 +131,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         server.shutdown_timeout,
         type=float,
     )
-    add(
-        "--lora-modules",
-        "LoRA adapters served beside the model (needs --enable-lora), each as name=path or "
-        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; a request names one in model.',
-        [],
-        shown="none",
-        nargs="+",
-        type=_lora_module,
-    )
+    _add_lora_modules_flag(add)
     add(
         "--api-server-count",
         "API-server processes (HTTP, tokenizing, image preprocessing) sharing the port and the "
@@ -357,6 +362,7 @@ def add_run_batch_parser(commands, argv: list[str]) -> None:
     add("--max-n", "Most completions (n) or beams one request may ask for.", server.max_n,
         type=int)  # fmt: skip
     add("--log-level", "Level of mm_serve's loggers.", "warning", choices=LOG_LEVELS)
+    _add_lora_modules_flag(add)
     _add_media_args(parser)
     add_engine_args(parser)
 
@@ -373,8 +379,11 @@ def run_batch(args: argparse.Namespace) -> int:
         media=media_config_from(args),
         max_concurrent_requests=args.max_concurrent_requests,
         max_n=args.max_n,
+        lora_modules=tuple(args.lora_modules),
     )
     try:
+        if args.lora_modules and not args.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora.")
         coroutine = answer_file(engine_args_from(args), config, args.input_file, args.output_file)
         failed = asyncio.run(coroutine)
     except (ValueError, OSError, EngineStartupError) as e:
