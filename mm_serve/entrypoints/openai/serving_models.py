@@ -6,8 +6,8 @@ names, and LoRA adapters by name: those of ``--lora-modules``, checked at start-
 Each adapter gets the next ``lora_int_id`` (1, 2, ...), never reused: the engine's adapter
 cache, its GPU slots and the prefix cache key on the id, so what an unloaded adapter left there
 is never taken for a later one's (it ages out of the engine's LRU). An unloaded adapter's
-requests in flight run to their end. With several API-server processes, a runtime load or
-unload reaches the process that answered it only.
+requests in flight run to their end. Runtime loading needs a single API-server process
+(``cli.server_config_from`` refuses it with several: each would hold its own list).
 """
 
 from __future__ import annotations

@@ -15,11 +15,14 @@ the layer's weight (``layers.linear``):
 - FP8: ``weight`` float8_e4m3fn ``[N, K]``, ``weight_scale`` float32 ``[N, 1]`` or, for
   blocks, ``[N, K / 128]`` (each block's scale on each of its rows);
 - INT4: ``weight`` int8 ``[N, K]`` (-8..7), ``weight_scale`` ``[N, K / group]``, asymmetric
-  also ``weight_zero_point`` int8 ``[N, K / group]``.
+  also ``weight_zero_point`` int8 ``[N, K / group]``; on CUDA, once loaded
+  (``process_quantized_weights``), uint8 ``[N, K / 2]`` packed two to a byte (``pack_int4``).
+  FP8 blocks on CUDA also keep ``weight_scale_blocks`` ``[N / 128, K / 128]`` (each block's
+  scale once) for cuBLASLt.
 
-Kernels: ``kernels.quant_linear``. Source of the packed format: compressed-tensors
-(``compressors/pack_quantized``: values stored with a +8 offset, element ``i`` of a row at bit
-``4 i`` of the packed row).
+Kernels: ``kernels.dispatch_quant`` (references: ``kernels.quant_linear``). Source of the
+checkpoints' packed format: compressed-tensors (``compressors/pack_quantized``: values stored
+with a +8 offset, element ``i`` of a row at bit ``4 i`` of the packed row).
 """
 
 from __future__ import annotations
