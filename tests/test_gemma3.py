@@ -110,6 +110,10 @@ def test_greedy_matches_hf(path, reference, engine_args):
     with checks.running_llm(path, **engine_args) as llm:
         chunks = record_chunks(llm)
         checks.assert_matches_hf(llm, reference, cases())
+        if "num_kv_blocks" in engine_args:
+            # Again, the images now in the processor cache: every prompt is added before the
+            # first step, so they contend for the blocks however slowly the pool ran before.
+            checks.assert_matches_hf(llm, reference, cases())
         preemptions = llm.engine_core.scheduler.num_preemptions
     assert (preemptions > 0) == ("num_kv_blocks" in engine_args)
     cut_before_image = 0
