@@ -220,11 +220,10 @@ class ModelRunner:
     def _pooling_output(self, hidden_states: torch.Tensor, inputs: StepInputs) -> PendingOutput:
         """The embeddings of the requests whose prompts end this step (``worker.pooler``), on
         their way to the host; the pooling runner samples nothing."""
-        batch = self.input_batch
-        states = batch.states[: batch.num_reqs]
+        states = self._batch_states()
         step = PoolingStep(states, inputs.attn_metadata.query_start_loc_cpu, inputs.sample_rows)
         self.last_sampled = None
-        req_ids = list(batch.req_ids[: batch.num_reqs])
+        req_ids = [state.req_id for state in states]
         return PendingOutput(req_ids, pooled=pool(hidden_states, step))
 
     def _batch_states(self) -> list[CachedRequestState]:
